@@ -1,0 +1,48 @@
+"""Shared pytest fixtures for every package's tests and for tests-course.
+
+``TLM_TEST_DEVICE`` (default ``cpu``) picks the device the ``device`` fixture returns; the
+nox ``tests`` session sets it to ``cuda`` for the CUDA leg of the matrix.
+"""
+
+import os
+
+import pytest
+import torch
+
+
+def _device_name() -> str:
+    return os.environ.get("TLM_TEST_DEVICE", "cpu")
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"tlm: TLM_TEST_DEVICE={_device_name()}, torch {torch.__version__}"
+
+
+@pytest.fixture
+def device() -> torch.device:
+    name = _device_name()
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip(f"TLM_TEST_DEVICE={name} but torch.cuda.is_available() is False")
+    return torch.device(name)
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    # Every test starts from the same RNG state, whatever ran before it.
+    torch.manual_seed(0)
+
+
+def _rope_by_complex_multiplication(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Independent RoPE reference in float64: pair (x[2k], x[2k+1]) is the complex number
+    x[2k] + i·x[2k+1], and rotating it by θ_{i,k} = i·Θ^(-2k/d) is multiplying by e^{iθ}."""
+    d = x.shape[-1]
+    k = torch.arange(d // 2, dtype=torch.float64, device=x.device)
+    angles = positions.to(torch.float64).unsqueeze(-1) * theta ** (-2.0 * k / d)
+    z = torch.view_as_complex(x.to(torch.float64).reshape(*x.shape[:-1], d // 2, 2).contiguous())
+    return torch.view_as_real(z * torch.polar(torch.ones_like(angles), angles)).reshape(x.shape)
+
+
+@pytest.fixture
+def rope_reference():
+    """The complex-multiplication RoPE reference: ``rope_reference(x, positions, theta)``."""
+    return _rope_by_complex_multiplication

@@ -1,0 +1,151 @@
+"""nox sessions for the tlm workspace.
+
+Every package under packages/ is discovered from its pyproject.toml. Sessions:
+
+    nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device
+    nox -s standalone   each package installed alone from its wheel into a clean venv, then used
+    nox -s lint         ruff check + ruff format --check
+    nox -s build        wheel + sdist of every package into dist/
+
+Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix
+with ``-k``: ``nox -s tests -k "tlm-rope and cpu"``.
+
+torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
+machines keep on disk) and, for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``).
+Both are pip arguments, so ``TLM_TORCH="torch==2.5.1 --index-url https://..."`` works too.
+"""
+
+import os
+import pathlib
+import shlex
+import shutil
+import subprocess
+
+import nox
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+COURSE_DIR = ROOT / "tests-course"
+
+TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ.get("TLM_TORCH_CUDA", "torch")}
+TEST_REQUIREMENTS = ["pytest>=8", "numpy"]
+
+nox.options.default_venv_backend = "venv"
+# Test venvs hold only pinned torch, editable packages and test tools, so reusing them is safe;
+# `standalone` opts out because a clean venv is the point of it.
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["lint", "tests", "standalone"]
+
+
+def _discover() -> dict[str, dict]:
+    """Distribution name -> parsed pyproject.toml, for every packages/*/pyproject.toml."""
+    found = {}
+    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+        meta = tomllib.loads(pyproject.read_text())
+        found[meta["project"]["name"]] = {"dir": pyproject.parent, **meta}
+    return found
+
+
+PACKAGES = _discover()
+
+
+def _requirement_name(requirement: str) -> str:
+    for stop in "<>=!~;[ ":
+        requirement = requirement.split(stop, 1)[0]
+    return requirement.strip().lower()
+
+
+def _local_closure(name: str) -> list[str]:
+    """``name`` and the workspace packages it needs, dependencies first."""
+    ordered: list[str] = []
+
+    def visit(dist: str) -> None:
+        for requirement in PACKAGES[dist]["project"].get("dependencies", []):
+            dep = _requirement_name(requirement)
+            if dep in PACKAGES and dep not in ordered:
+                visit(dep)
+        if dist not in ordered:
+            ordered.append(dist)
+
+    visit(name)
+    return ordered
+
+
+def _install_torch(session: nox.Session, device: str) -> None:
+    session.install(*shlex.split(TORCH[device]))
+
+
+def _has_cuda() -> bool:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return False
+    return subprocess.run([smi, "-L"], capture_output=True, check=False).returncode == 0
+
+
+TEST_TARGETS = [*PACKAGES, *(["tests-course"] if (COURSE_DIR / "adapters.py").exists() else [])]
+
+
+@nox.session
+@nox.parametrize("device", ["cpu", "cuda"], ids=["cpu", "cuda"])
+@nox.parametrize("target", TEST_TARGETS, ids=TEST_TARGETS)
+def tests(session: nox.Session, target: str, device: str) -> None:
+    """Run one package's test suite, or the course adapter suite, on one device."""
+    if device == "cuda" and not _has_cuda():
+        session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
+    _install_torch(session, device)
+    if target == "tests-course":
+        dists, test_dir = list(_local_closure("tlm-model")), COURSE_DIR
+    else:
+        dists, test_dir = _local_closure(target), PACKAGES[target]["dir"] / "tests"
+    editable = [arg for dist in dists for arg in ("-e", str(PACKAGES[dist]["dir"]))]
+    session.install(*editable, *TEST_REQUIREMENTS)
+    session.run("pytest", str(test_dir), *session.posargs, env={"TLM_TEST_DEVICE": device})
+
+
+@nox.session(reuse_venv=False)
+@nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
+def standalone(session: nox.Session, package: str) -> None:
+    """Install one package alone from its wheel into a clean venv and run its README example."""
+    wheelhouse = pathlib.Path(session.create_tmp()) / "wheelhouse"
+    shutil.rmtree(wheelhouse, ignore_errors=True)
+    for dist in _local_closure(package):
+        # pip builds in an isolated environment, so the venv gains nothing but the wheel file.
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--wheel-dir",
+            str(wheelhouse),
+            str(PACKAGES[dist]["dir"]),
+            silent=True,
+        )
+    _install_torch(session, "cpu")
+    # --find-links serves our unreleased wheels; third-party deps (einops, jaxtyping) come from the index.
+    session.install("--find-links", str(wheelhouse), package)
+    session.run(
+        "python",
+        str(ROOT / "tools" / "check_standalone.py"),
+        package,
+        *[dist for dist in _local_closure(package) if dist != package],
+    )
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint rules and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build a wheel and an sdist of every package into dist/."""
+    session.install("build")
+    dist = ROOT / "dist"
+    for meta in PACKAGES.values():
+        session.run("python", "-m", "build", "--outdir", str(dist), str(meta["dir"]))
+    session.log(f"built {len(PACKAGES)} packages into {dist}")

@@ -1,0 +1,7 @@
+"""SwiGLU position-wise feed-forward network."""
+
+from tlm_ffn.swiglu import SwiGLU, default_d_ff, silu
+
+__version__ = "0.1.0"
+
+__all__ = ["SwiGLU", "__version__", "default_d_ff", "silu"]

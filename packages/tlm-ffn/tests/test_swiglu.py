@@ -1,0 +1,86 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from tlm_ffn import SwiGLU, default_d_ff, silu
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_silu_matches_torch(dtype, device):
+    x = torch.randn(4, 7, device=device, dtype=dtype) * 5
+    torch.testing.assert_close(silu(x), F.silu(x))
+
+
+def test_silu_extremes_are_finite():
+    x = torch.tensor([-1e4, -100.0, 0.0, 100.0, 1e4])
+    out = silu(x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_silu_half_precision(dtype):
+    x = torch.randn(64).to(dtype)
+    out = silu(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), F.silu(x.float()), rtol=1e-2, atol=1e-2)
+
+
+def test_silu_gradcheck():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(silu, (x,))
+
+
+def test_silu_rejects_integers():
+    with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
+        silu(torch.arange(3))
+
+
+@pytest.mark.parametrize("d_model", [1, 64, 100, 512, 768, 1600, 4096])
+def test_default_d_ff_is_smallest_multiple_of_64_at_least_eight_thirds(d_model):
+    d_ff = default_d_ff(d_model)
+    assert d_ff % 64 == 0
+    assert d_ff >= 8 * d_model / 3 > d_ff - 64
+    assert d_ff == 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+def test_default_d_ff_bad_input():
+    with pytest.raises(ValueError, match="d_model must be positive, got 0"):
+        default_d_ff(0)
+    with pytest.raises(TypeError, match="multiple_of must be an int, got float"):
+        default_d_ff(512, 64.0)
+
+
+def test_swiglu_matches_builtin_composition(device):
+    ffn = SwiGLU(32, 96, device=device)
+    x = torch.randn(2, 5, 32, device=device)
+    expected = F.linear(F.silu(F.linear(x, ffn.w1.weight)) * F.linear(x, ffn.w3.weight), ffn.w2.weight)
+    torch.testing.assert_close(ffn(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_swiglu_default_width_and_keys():
+    ffn = SwiGLU(512)
+    assert ffn.d_ff == 1408
+    shapes = {k: tuple(v.shape) for k, v in ffn.state_dict().items()}
+    assert shapes == {"w1.weight": (1408, 512), "w2.weight": (512, 1408), "w3.weight": (1408, 512)}
+
+
+def test_swiglu_gradcheck():
+    ffn = SwiGLU(4, 6, dtype=torch.float64)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in ffn.named_parameters()}
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def f(x, w1, w2, w3):
+        return functional_call(ffn, {"w1.weight": w1, "w2.weight": w2, "w3.weight": w3}, (x,))
+
+    assert torch.autograd.gradcheck(f, (x, params["w1.weight"], params["w2.weight"], params["w3.weight"]))
+
+
+def test_swiglu_bad_sizes():
+    with pytest.raises(ValueError, match="out_features must be positive, got 0"):
+        SwiGLU(8, 0)
+    with pytest.raises(ValueError, match=r"in_features=8, got shape \(2, 9\)"):
+        SwiGLU(8, 16)(torch.randn(2, 9))

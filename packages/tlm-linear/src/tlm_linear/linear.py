@@ -1,0 +1,54 @@
+"""A bias-free linear layer, y = x Wᵀ, that does not use nn.Linear or F.linear."""
+
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+
+def _check_dim(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class Linear(nn.Module):
+    """Applies ``y = x @ weight.T`` over the last dimension of ``x``.
+
+    ``weight`` is stored as (out_features, in_features), the same layout as ``nn.Linear``,
+    so checkpoints move between the two unchanged. There is no bias, as in LLaMA and PaLM.
+
+    Initialisation (CS336 §1.4.1): N(0, σ²) with σ² = 2 / (in_features + out_features),
+    truncated at ±3σ.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = _check_dim("in_features", in_features)
+        self.out_features = _check_dim("out_features", out_features)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = math.sqrt(2.0 / (self.in_features + self.out_features))
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+
+    def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x must have last dimension in_features={self.in_features}, got shape {tuple(x.shape)}")
+        # matmul folds every leading dimension into one GEMM against the (in, out) view of weight.
+        return torch.matmul(x, self.weight.t())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias=False"

@@ -1,0 +1,89 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from tlm_linear import Embedding
+
+
+@pytest.mark.parametrize("shape", [(), (6,), (2, 5), (2, 3, 4)])
+def test_matches_f_embedding(shape, device):
+    emb = Embedding(13, 8, device=device)
+    ids = torch.randint(0, 13, shape, device=device)
+    out = emb(ids)
+    assert out.shape == (*shape, 8)
+    torch.testing.assert_close(out, F.embedding(ids, emb.weight), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_integer_dtypes(dtype):
+    emb = Embedding(10, 4)
+    ids = torch.tensor([[0, 9, 3]], dtype=dtype)
+    torch.testing.assert_close(emb(ids), emb.weight[[0, 9, 3]].unsqueeze(0), rtol=0, atol=0)
+
+
+def test_does_not_call_f_embedding(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("F.embedding must not be used")
+
+    monkeypatch.setattr(torch.nn.functional, "embedding", forbidden)
+    emb = Embedding(5, 3)
+    assert emb(torch.tensor([4, 0])).shape == (2, 3)
+    assert not any(isinstance(m, torch.nn.Embedding) for m in emb.modules())
+
+
+def test_init_statistics():
+    emb = Embedding(4096, 256)
+    w = emb.weight.detach().double()
+    assert w.abs().max().item() <= 3.0
+    assert abs(w.mean().item()) < 0.01
+    # N(0, 1) truncated at ±3 has std sqrt(1 - 6 φ(3) / (Φ(3) - Φ(-3))).
+    expected_std = math.sqrt(1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)))
+    assert w.std().item() == pytest.approx(expected_std, rel=0.02)
+
+
+def test_layout_and_dtype(device):
+    emb = Embedding(7, 3, device=device, dtype=torch.float64)
+    assert emb.weight.shape == (7, 3)
+    assert emb.weight.dtype == torch.float64
+    assert set(emb.state_dict()) == {"weight"}
+
+
+def test_gradcheck_weight():
+    emb = Embedding(6, 3, dtype=torch.float64)
+    ids = torch.tensor([[1, 1, 5], [0, 2, 1]])
+    w = emb.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda w: functional_call(emb, {"weight": w}, (ids,)), (w,))
+
+
+def test_repeated_ids_accumulate_gradient():
+    emb = Embedding(4, 2)
+    emb(torch.tensor([1, 1, 1, 3])).sum().backward()
+    expected = torch.tensor([[0.0, 0.0], [3.0, 3.0], [0.0, 0.0], [1.0, 1.0]])
+    torch.testing.assert_close(emb.weight.grad, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_non_integer_ids(dtype):
+    with pytest.raises(TypeError, match=f"integer tensor, got dtype {dtype}"):
+        Embedding(5, 2)(torch.zeros(3, dtype=dtype))
+
+
+@pytest.mark.parametrize("bad, shown", [(5, r"\[0, 5\]"), (-1, r"\[-1, 2\]")])
+def test_ids_outside_vocabulary(bad, shown):
+    ids = torch.tensor([0, 2, bad])
+    with pytest.raises(ValueError, match=r"\[0, num_embeddings=5\), got values in " + shown):
+        Embedding(5, 2)(ids)
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor, got list"):
+        Embedding(5, 2)([1, 2])
+
+
+@pytest.mark.parametrize("args", [(0, 3), (3, 0)])
+def test_bad_sizes(args):
+    with pytest.raises(ValueError, match="must be positive, got 0"):
+        Embedding(*args)

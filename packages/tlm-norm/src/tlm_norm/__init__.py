@@ -1,0 +1,7 @@
+"""Root-mean-square layer normalisation."""
+
+from tlm_norm.rmsnorm import RMSNorm
+
+__version__ = "0.1.0"
+
+__all__ = ["RMSNorm", "__version__"]

@@ -1,0 +1,53 @@
+"""RMSNorm (Zhang & Sennrich 2019, eq. 4) as used in LLaMA: x / sqrt(mean(x²) + eps) · g."""
+
+import math
+
+import torch
+from jaxtyping import Float
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """Normalises the last dimension by its root mean square and scales by a learned gain.
+
+    The reduction runs in float32, or in float64 for float64 input, so that squaring
+    float16/bfloat16 activations neither overflows nor loses the small ones; the result is
+    cast back to the input dtype. The gain ``weight`` (d_model,) starts at ones.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        eps: float = 1e-5,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(d_model, bool) or not isinstance(d_model, int):
+            raise TypeError(f"d_model must be an int, got {type(d_model).__name__} ({d_model!r})")
+        if d_model <= 0:
+            raise ValueError(f"d_model must be positive, got {d_model}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__} ({eps!r})")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+        self.d_model = d_model
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        if x.ndim == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
+        in_dtype = x.dtype
+        compute_dtype = torch.promote_types(in_dtype, torch.float32)
+        x32 = x.to(compute_dtype)
+        inv_rms = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * inv_rms * self.weight.to(compute_dtype)).to(in_dtype)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, eps={self.eps}"

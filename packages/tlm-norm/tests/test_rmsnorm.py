@@ -1,0 +1,92 @@
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from tlm_norm import RMSNorm
+
+
+def random_norm(d: int, device=None, dtype=None) -> RMSNorm:
+    norm = RMSNorm(d, device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d, device=device, dtype=dtype) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5), (2, 3, 4)])
+def test_matches_f_rms_norm(lead, device):
+    norm = random_norm(16, device=device)
+    x = torch.randn(*lead, 16, device=device)
+    expected = F.rms_norm(x, (16,), norm.weight, eps=1e-5)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_float64_rederivation():
+    norm = random_norm(32, dtype=torch.float64)
+    x = torch.randn(4, 32, dtype=torch.float64) * 3
+    rms = torch.sqrt((x**2).sum(-1, keepdim=True) / 32 + 1e-5)
+    out = norm(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, x / rms * norm.weight, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_input_reduces_in_float32(dtype, device):
+    norm = RMSNorm(64, device=device)
+    # 300² overflows float16 (max 65504): a float16 reduction would return zeros or NaN.
+    x = (torch.randn(8, 64, device=device) * 300).to(dtype)
+    out = norm(x)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    expected = F.rms_norm(x.float(), (64,), norm.weight, eps=1e-5).to(dtype)
+    torch.testing.assert_close(out, expected)  # assert_close's per-dtype defaults: one rounding step
+
+
+def test_half_precision_parameters(device):
+    norm = RMSNorm(8, device=device, dtype=torch.bfloat16)
+    x = torch.randn(3, 8, device=device, dtype=torch.bfloat16)
+    assert norm(x).dtype == torch.bfloat16
+
+
+def test_init_and_state():
+    norm = RMSNorm(10, eps=1e-6)
+    torch.testing.assert_close(norm.weight, torch.ones(10), rtol=0, atol=0)
+    assert set(norm.state_dict()) == {"weight"}
+    assert norm.eps == 1e-6
+
+
+def test_gradcheck():
+    norm = random_norm(6, dtype=torch.float64)
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = norm.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x, w: functional_call(norm, {"weight": w}, (x,)), (x, w))
+
+
+def test_input_not_modified():
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    before = x.clone()
+    RMSNorm(8)(x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(d_model=0), ValueError, "d_model must be positive, got 0"),
+        (dict(d_model=8.0), TypeError, "d_model must be an int, got float"),
+        (dict(d_model=8, eps=-1e-5), ValueError, "eps must be a finite number >= 0, got -1e-05"),
+        (dict(d_model=8, eps=float("nan")), ValueError, "eps must be a finite number >= 0, got nan"),
+        (dict(d_model=8, eps="1e-5"), TypeError, "eps must be a float, got str"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        RMSNorm(**kwargs)
+
+
+def test_bad_inputs():
+    norm = RMSNorm(8)
+    with pytest.raises(ValueError, match=r"d_model=8, got shape \(2, 7\)"):
+        norm(torch.randn(2, 7))
+    with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
+        norm(torch.ones(2, 8, dtype=torch.long))
