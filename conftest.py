@@ -46,3 +46,34 @@ def _rope_by_complex_multiplication(x: torch.Tensor, positions: torch.Tensor, th
 def rope_reference():
     """The complex-multiplication RoPE reference: ``rope_reference(x, positions, theta)``."""
     return _rope_by_complex_multiplication
+
+
+_LARGEST_ERRORS: dict[str, tuple[float, float]] = {}
+
+
+@pytest.fixture
+def record_error():
+    """``record_error(label, actual, expected)`` keeps the largest absolute and relative error
+    seen per label; the terminal summary prints them, so reports quote measured numbers."""
+
+    def record(label: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        diff = (actual.detach().double() - expected.detach().double()).abs()
+        absolute = diff.max().item() if diff.numel() else 0.0
+        # Normwise: relative to the largest reference magnitude, so entries near 0 do not explode it.
+        peak = expected.detach().double().abs().max().item() if diff.numel() else 0.0
+        relative = absolute / peak if peak > 0 else 0.0
+        old_abs, old_rel = _LARGEST_ERRORS.get(label, (0.0, 0.0))
+        _LARGEST_ERRORS[label] = (max(old_abs, absolute), max(old_rel, relative))
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _LARGEST_ERRORS:
+        return
+    terminalreporter.section("largest error against each independent reference")
+    width = max(map(len, _LARGEST_ERRORS))
+    for label, (absolute, relative) in sorted(_LARGEST_ERRORS.items()):
+        terminalreporter.write_line(
+            f"{label:<{width}}  max |err| {absolute:.2e}   max |err| / max |ref| {relative:.2e}"
+        )

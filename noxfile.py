@@ -3,6 +3,8 @@
 Every package under packages/ is discovered from its pyproject.toml. Sessions:
 
     nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device
+    nox -s course       tests-course alone: the course adapter suite
+    nox -s report       the main job: describe the preset models
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check
     nox -s build        wheel + sdist of every package into dist/
@@ -83,7 +85,24 @@ def _has_cuda() -> bool:
     return subprocess.run([smi, "-L"], capture_output=True, check=False).returncode == 0
 
 
-TEST_TARGETS = [*PACKAGES, *(["tests-course"] if (COURSE_DIR / "adapters.py").exists() else [])]
+TEST_TARGETS = [*PACKAGES, "tests-course"]
+# HF transformers' Llama is the independent reference for the block and the LM in tests-course.
+COURSE_REQUIREMENTS = ["transformers>=5,<6"]
+
+
+def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu") -> None:
+    _install_torch(session, device)
+    session.install(*[arg for dist in dists for arg in ("-e", str(PACKAGES[dist]["dir"]))])
+
+
+def _run_suite(session: nox.Session, target: str, device: str) -> None:
+    if target == "tests-course":
+        dists, test_dir, extra = _local_closure("tlm-model"), COURSE_DIR, COURSE_REQUIREMENTS
+    else:
+        dists, test_dir, extra = _local_closure(target), PACKAGES[target]["dir"] / "tests", []
+    _install_workspace(session, dists, device)
+    session.install(*TEST_REQUIREMENTS, *extra)
+    session.run("pytest", str(test_dir), *session.posargs, env={"TLM_TEST_DEVICE": device})
 
 
 @nox.session
@@ -93,14 +112,22 @@ def tests(session: nox.Session, target: str, device: str) -> None:
     """Run one package's test suite, or the course adapter suite, on one device."""
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
-    _install_torch(session, device)
-    if target == "tests-course":
-        dists, test_dir = list(_local_closure("tlm-model")), COURSE_DIR
-    else:
-        dists, test_dir = _local_closure(target), PACKAGES[target]["dir"] / "tests"
-    editable = [arg for dist in dists for arg in ("-e", str(PACKAGES[dist]["dir"]))]
-    session.install(*editable, *TEST_REQUIREMENTS)
-    session.run("pytest", str(test_dir), *session.posargs, env={"TLM_TEST_DEVICE": device})
+    _run_suite(session, target, device)
+
+
+@nox.session(default=False)
+def course(session: nox.Session) -> None:
+    """The course adapter suite alone: tests-course/, with the course's own tests if dropped in."""
+    _run_suite(session, "tests-course", "cpu")
+
+
+@nox.session(default=False)
+def report(session: nox.Session) -> None:
+    """Describe every preset model: configuration and parameter count (built on the meta device)."""
+    _install_workspace(session, _local_closure("tlm-model"))
+    session.install("numpy")  # only so that torch does not warn about its absence
+    session.run("tlm", "info")
+    session.run("tlm", "info", "--preset", "gpt2-xl")
 
 
 @nox.session(reuse_venv=False)

@@ -94,6 +94,11 @@ def test_bad_input(shapes, mask, exc, match):
         scaled_dot_product_attention(Q, K, V, mask)
 
 
+def test_leading_dimensions_must_broadcast():
+    with pytest.raises(ValueError, match=r"leading .* dimensions of Q \(2, 3, 4\), K \(3, 5, 4\) .* do not broadcast"):
+        scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(3, 5, 4), torch.randn(3, 5, 2))
+
+
 def test_integer_input():
     with pytest.raises(TypeError, match="V must be a floating-point tensor, got dtype torch.int64"):
         scaled_dot_product_attention(torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.long))

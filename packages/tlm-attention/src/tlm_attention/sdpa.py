@@ -54,9 +54,18 @@ def scaled_dot_product_attention(
             f"K and V must have the same number of keys (dim -2), got K {tuple(K.shape)} and V {tuple(V.shape)}"
         )
 
+    try:
+        lead = torch.broadcast_shapes(Q.shape[:-2], K.shape[:-2], V.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"the leading (batch-like) dimensions of Q {tuple(Q.shape)}, K {tuple(K.shape)} and "
+            f"V {tuple(V.shape)} do not broadcast together"
+        ) from None
+    if mask is not None:
+        _check_mask(mask, torch.Size((*lead, Q.shape[-2], K.shape[-2])))
+
     scores = einsum(Q, K, "... queries d_k, ... keys d_k -> ... queries keys") / math.sqrt(Q.shape[-1])
     if mask is not None:
-        _check_mask(mask, scores.shape)
         scores = torch.where(mask, scores, float("-inf"))
     weights = softmax(scores, dim=-1)
     return einsum(weights, V, "... queries keys, ... keys d_v -> ... queries d_v")

@@ -64,12 +64,11 @@ class RotaryPositionalEmbedding(nn.Module):
         )
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
-        was_meta = self.cos.is_meta
         super()._apply(fn, recurse)
-        # Rebuild rather than trust what fn did: .to(bfloat16) would have rounded the angles,
-        # and to_empty() from the meta device leaves the tables uninitialised.
-        if self.cos.dtype != torch.float32 or (was_meta and not self.cos.is_meta):
-            self.cos, self.sin = self._tables(self.cos.device)
+        # The tables are a pure function of (theta, d_k, max_seq_len), so rebuild them on the
+        # new device rather than trust what fn did: .to(bfloat16) would have rounded the angles,
+        # and to_empty() leaves them uninitialised (also when a shared module is visited twice).
+        self.cos, self.sin = self._tables(self.cos.device)
         return self
 
     def forward(

@@ -1,0 +1,95 @@
+"""Model hyperparameters as data, with the named presets of CS336 assignment 1."""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything needed to build a :class:`~tlm_model.TransformerLM`.
+
+    Field names follow the course's ``run_transformer_lm`` adapter. ``norm_eps`` is the RMSNorm
+    epsilon (CS336 §1.5.1 uses 1e-5).
+    """
+
+    vocab_size: int
+    context_length: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    d_ff: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for field in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"ModelConfig.{field} must be an int, got {type(value).__name__} ({value!r})")
+            if value <= 0:
+                raise ValueError(f"ModelConfig.{field} must be positive, got {value}")
+        for field in ("rope_theta", "norm_eps"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"ModelConfig.{field} must be a float, got {type(value).__name__} ({value!r})")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
+            raise ValueError(f"ModelConfig.norm_eps must be a finite number >= 0, got {self.norm_eps}")
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(
+                f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
+                f"num_heads={self.num_heads}"
+            )
+        if self.d_head % 2 != 0:
+            raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+    @classmethod
+    def from_preset(cls, name: str) -> "ModelConfig":
+        """One of :data:`PRESETS` by name, e.g. ``ModelConfig.from_preset("gpt2-xl")``."""
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; expected a subset of {sorted(names)}")
+        return cls(**data)
+
+
+def _gpt2(d_model: int, num_layers: int, num_heads: int, d_ff: int | None = None) -> ModelConfig:
+    # The sizes of CS336's accounting problem: GPT-2 widths and depths with this architecture
+    # (SwiGLU, RoPE, RMSNorm); d_ff = 4·d_model except where the problem states it.
+    return ModelConfig(
+        vocab_size=50_257,
+        context_length=1_024,
+        d_model=d_model,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        d_ff=4 * d_model if d_ff is None else d_ff,
+    )
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # The TinyStories model the course trains in assignment 1.
+    "course-tinystories": ModelConfig(
+        vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344
+    ),
+    "gpt2-small": _gpt2(768, 12, 12),
+    "gpt2-medium": _gpt2(1024, 24, 16),
+    "gpt2-large": _gpt2(1280, 36, 20),
+    "gpt2-xl": _gpt2(1600, 48, 25, d_ff=6400),
+}

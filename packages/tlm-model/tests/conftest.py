@@ -1,0 +1,61 @@
+"""Fixtures for tlm-model's tests: float64 re-derivations of the block and the LM.
+
+Nothing here imports tlm: projections are F.linear, norms F.rms_norm, attention
+F.scaled_dot_product_attention, and RoPE the complex-multiplication reference of the root
+conftest.py.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def reference_block(sd, x, heads, theta, rope_reference, positions=None, eps=1e-5):
+    """The pre-norm block re-derived in float64 from torch built-ins and the complex-number RoPE."""
+    sd = {k: v.double() for k, v in sd.items()}
+    x = x.double()
+    seq = x.shape[-2]
+    positions = torch.arange(seq) if positions is None else positions
+
+    def split(t):
+        return t.unflatten(-1, (heads, -1)).transpose(-2, -3)
+
+    h = F.rms_norm(x, (x.shape[-1],), sd["ln1.weight"], eps)
+    q, k, v = (split(F.linear(h, sd[f"attn.{n}_proj.weight"])) for n in "qkv")
+    q, k = rope_reference(q, positions, theta), rope_reference(k, positions, theta)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(-2, -3).flatten(-2)
+    y = x + F.linear(attn, sd["attn.output_proj.weight"])
+    h = F.rms_norm(y, (y.shape[-1],), sd["ln2.weight"], eps)
+    gated = F.silu(F.linear(h, sd["ffn.w1.weight"])) * F.linear(h, sd["ffn.w3.weight"])
+    return y + F.linear(gated, sd["ffn.w2.weight"])
+
+
+def reference_lm(sd, ids, cfg, rope_reference, positions=None):
+    """TransformerLM's logits from its state dict ``sd`` and config ``cfg``, in float64."""
+    x = sd["token_embeddings.weight"].double()[ids]
+    for i in range(cfg.num_layers):
+        prefix = f"layers.{i}."
+        block_sd = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+        x = reference_block(block_sd, x, cfg.num_heads, cfg.rope_theta, rope_reference, positions, cfg.norm_eps)
+    x = F.rms_norm(x, (cfg.d_model,), sd["ln_final.weight"].double(), cfg.norm_eps)
+    return F.linear(x, sd["lm_head.weight"].double())
+
+
+@pytest.fixture
+def block_reference(rope_reference):
+    """``block_reference(state_dict, x, heads, theta, positions=None, eps=1e-5)`` in float64."""
+
+    def run(sd, x, heads, theta, positions=None, eps=1e-5):
+        return reference_block(sd, x, heads, theta, rope_reference, positions, eps)
+
+    return run
+
+
+@pytest.fixture
+def lm_reference(rope_reference):
+    """``lm_reference(state_dict, ids, config, positions=None)``: logits in float64."""
+
+    def run(sd, ids, cfg, positions=None):
+        return reference_lm(sd, ids, cfg, rope_reference, positions)
+
+    return run

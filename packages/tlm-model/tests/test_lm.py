@@ -1,0 +1,181 @@
+import json
+
+import pytest
+import torch
+from torch.func import functional_call
+
+from tlm_model import ModelConfig, TransformerLM
+from tlm_model.cli import main
+
+SMALL = ModelConfig(vocab_size=97, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=80, rope_theta=1000.0)
+
+
+def closed_form_parameters(cfg: ModelConfig) -> int:
+    per_layer = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    return 2 * cfg.vocab_size * cfg.d_model + cfg.num_layers * per_layer + cfg.d_model
+
+
+def randomized(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.copy_(torch.rand_like(p) + 0.5)
+    return model
+
+
+def test_state_dict_keys():
+    cfg = ModelConfig(vocab_size=11, context_length=8, d_model=8, num_layers=2, num_heads=2, d_ff=16)
+    block = [
+        "attn.q_proj.weight",
+        "attn.k_proj.weight",
+        "attn.v_proj.weight",
+        "attn.output_proj.weight",
+        "ln1.weight",
+        "ffn.w1.weight",
+        "ffn.w2.weight",
+        "ffn.w3.weight",
+        "ln2.weight",
+    ]
+    expected = {"token_embeddings.weight", "ln_final.weight", "lm_head.weight"}
+    expected |= {f"layers.{i}.{k}" for i in range(2) for k in block}
+    assert set(TransformerLM.from_config(cfg).state_dict()) == expected
+
+
+def test_matches_float64_rederivation(device, lm_reference):
+    model = randomized(TransformerLM.from_config(SMALL, device=device))
+    ids = torch.randint(0, SMALL.vocab_size, (3, SMALL.context_length), device=device)
+    logits = model(ids)
+    assert logits.shape == (3, SMALL.context_length, SMALL.vocab_size)
+    expected = lm_reference(model.state_dict(), ids, SMALL)
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_explicit_positions(lm_reference):
+    model = randomized(TransformerLM.from_config(SMALL))
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6))
+    positions = torch.arange(10, 16)
+    expected = lm_reference(model.state_dict(), ids, SMALL, positions)
+    torch.testing.assert_close(model(ids, positions).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_and_batch_rows_independent():
+    model = TransformerLM.from_config(SMALL)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 16))
+    changed = ids.clone()
+    changed[0, 9:] = (changed[0, 9:] + 1) % SMALL.vocab_size
+    a, b = model(ids), model(changed)
+    torch.testing.assert_close(a[0, :9], b[0, :9], rtol=0, atol=0)
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    assert not torch.allclose(a[0, 9:], b[0, 9:])
+
+
+def test_loads_checkpoint_saved_from_compiled_model():
+    source = TransformerLM.from_config(SMALL)
+    compiled_sd = torch.compile(source).state_dict()  # wrapping alone prefixes the keys
+    assert all(k.startswith("_orig_mod.") for k in compiled_sd)
+    target = TransformerLM.from_config(SMALL)
+    target.load_state_dict(compiled_sd)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 8))
+    torch.testing.assert_close(target(ids), source(ids), rtol=0, atol=0)
+    assert all(k.startswith("_orig_mod.") for k in compiled_sd), "the caller's dict must not change"
+
+
+def test_missing_key_is_an_error():
+    sd = TransformerLM.from_config(SMALL).state_dict()
+    del sd["layers.1.ln2.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers.1.ln2.weight\""):
+        TransformerLM.from_config(SMALL).load_state_dict(sd)
+
+
+@pytest.mark.parametrize("name", ["course-tinystories", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"])
+def test_presets_build_on_meta_with_closed_form_parameter_count(name):
+    model = TransformerLM.from_preset(name, device="meta")
+    assert all(p.is_meta for p in model.parameters())
+    assert all(b.is_meta for b in model.buffers())
+    assert model.num_parameters() == closed_form_parameters(model.config)
+
+
+def test_gpt2_xl_parameter_count():
+    # 2·50257·1600 (embedding + head) + 48·(4·1600² + 3·1600·6400 + 2·1600) + 1600
+    assert TransformerLM.from_preset("gpt2-xl", device="meta").num_parameters() == 2_127_057_600
+
+
+def test_meta_to_empty_then_reset_gives_a_working_model():
+    model = TransformerLM.from_config(SMALL, device="meta")
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    fresh = TransformerLM.from_config(SMALL)
+    # The shared RoPE table is rebuilt, however many layers hold it.
+    for layer in model.layers:
+        torch.testing.assert_close(layer.attn.rope.cos, fresh.rope.cos, rtol=0, atol=0)
+    torch.testing.assert_close(model.ln_final.weight, torch.ones(SMALL.d_model), rtol=0, atol=0)
+    assert torch.isfinite(model(torch.randint(0, SMALL.vocab_size, (1, 5)))).all()
+
+
+def test_one_rope_table_shared_by_all_layers():
+    model = TransformerLM.from_config(SMALL)
+    assert all(layer.attn.rope is model.rope for layer in model.layers)
+    assert model.rope.max_seq_len == SMALL.context_length
+
+
+def test_bfloat16_model_keeps_float32_rope_and_runs():
+    model = TransformerLM.from_config(SMALL).to(torch.bfloat16)
+    assert model.rope.cos.dtype == torch.float32
+    logits = model(torch.randint(0, SMALL.vocab_size, (2, 10)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_gradcheck_two_layer_lm():
+    cfg = ModelConfig(vocab_size=7, context_length=4, d_model=8, num_layers=2, num_heads=2, d_ff=8)
+    model = randomized(TransformerLM.from_config(cfg, dtype=torch.float64))
+    ids = torch.tensor([[1, 6, 0, 3]])
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+    names = list(params)
+
+    def logits(*tensors):
+        return functional_call(model, dict(zip(names, tensors, strict=True)), (ids,))
+
+    assert torch.autograd.gradcheck(logits, tuple(params.values()), fast_mode=True)
+
+
+@pytest.mark.parametrize(
+    "ids, exc, match",
+    [
+        (torch.zeros(1, 25, dtype=torch.long), ValueError, "has 25 tokens but the model's context_length is 24"),
+        (torch.zeros(2, 0, dtype=torch.long), ValueError, "at least one token"),
+        (torch.tensor(3), ValueError, "0-d tensor"),
+        (torch.zeros(1, 4), TypeError, "integer tensor, got dtype torch.float32"),
+        (torch.tensor([[1, 97]]), ValueError, r"\[0, num_embeddings=97\), got values in \[1, 97\]"),
+        ([[1, 2]], TypeError, "in_indices must be a torch.Tensor"),
+    ],
+)
+def test_bad_input(ids, exc, match):
+    with pytest.raises(exc, match=match):
+        TransformerLM.from_config(SMALL)(ids)
+
+
+def test_from_config_type_check():
+    with pytest.raises(TypeError, match="config must be a ModelConfig, got dict"):
+        TransformerLM.from_config(SMALL.to_dict())
+
+
+def test_cli_info_json(capsys):
+    assert main(["info", "--preset", "gpt2-xl", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == closed_form_parameters(ModelConfig.from_preset("gpt2-xl"))
+    assert (report["d_model"], report["num_layers"], report["d_head"]) == (1600, 48, 64)
+
+
+def test_cli_info_table_and_listing(capsys):
+    assert main(["info", "--preset", "course-tinystories"]) == 0
+    table = capsys.readouterr().out
+    assert f"{closed_form_parameters(ModelConfig.from_preset('course-tinystories')):,}" in table
+    assert main(["info"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("course-tinystories", "gpt2-small", "gpt2-xl"))
+
+
+def test_cli_rejects_unknown_preset(capsys):
+    with pytest.raises(SystemExit):
+        main(["info", "--preset", "gpt3"])
+    assert "invalid choice: 'gpt3'" in capsys.readouterr().err
