@@ -4,7 +4,8 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
 
     nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device
     nox -s course       tests-course alone: the course adapter suite
-    nox -s report       the main job: describe the preset models
+    nox -s report       the main job: GPT-2 XL accounting, the size comparison and its plot
+    nox -s docs         regenerate docs/accounting.md and its plot
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check
     nox -s build        wheel + sdist of every package into dist/
@@ -90,18 +91,23 @@ TEST_TARGETS = [*PACKAGES, "tests-course"]
 COURSE_REQUIREMENTS = ["transformers>=5,<6"]
 
 
-def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu") -> None:
+def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu", extras: str = "") -> None:
+    """torch, then ``dists`` editable; ``extras`` (e.g. "[test]") applies to the last, the target."""
     _install_torch(session, device)
-    session.install(*[arg for dist in dists for arg in ("-e", str(PACKAGES[dist]["dir"]))])
+    paths = [str(PACKAGES[dist]["dir"]) for dist in dists]
+    paths[-1] += extras
+    session.install(*[arg for path in paths for arg in ("-e", path)])
 
 
 def _run_suite(session: nox.Session, target: str, device: str) -> None:
     if target == "tests-course":
-        dists, test_dir, extra = _local_closure("tlm-model"), COURSE_DIR, COURSE_REQUIREMENTS
+        _install_workspace(session, _local_closure("tlm-model"), device)
+        session.install(*TEST_REQUIREMENTS, *COURSE_REQUIREMENTS)
+        test_dir = COURSE_DIR
     else:
-        dists, test_dir, extra = _local_closure(target), PACKAGES[target]["dir"] / "tests", []
-    _install_workspace(session, dists, device)
-    session.install(*TEST_REQUIREMENTS, *extra)
+        # Each package declares its own test dependencies in its `test` extra.
+        _install_workspace(session, _local_closure(target), device, extras="[test]")
+        test_dir = PACKAGES[target]["dir"] / "tests"
     session.run("pytest", str(test_dir), *session.posargs, env={"TLM_TEST_DEVICE": device})
 
 
@@ -123,11 +129,24 @@ def course(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def report(session: nox.Session) -> None:
-    """Describe every preset model: configuration and parameter count (built on the meta device)."""
-    _install_workspace(session, _local_closure("tlm-model"))
+    """The main job: GPT-2 XL's parameter/memory/FLOP accounting and the size comparison, with a plot."""
+    _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
     session.install("numpy")  # only so that torch does not warn about its absence
+    out = ROOT / "build" / "report"
+    out.mkdir(parents=True, exist_ok=True)
     session.run("tlm", "info")
-    session.run("tlm", "info", "--preset", "gpt2-xl")
+    session.run("tlm", "accounting", "--preset", "gpt2-xl")
+    session.run("tlm", "accounting", "--compare", "gpt2-xl", "--context-length", "16384")
+    sizes = ["gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+    session.run("tlm", "accounting", "--compare", *sizes, "--plot", str(out / "accounting_shares.png"))
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """Regenerate docs/accounting.md and docs/accounting_shares.png from the accounting tool."""
+    _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
+    session.install("numpy")
+    session.run("python", str(ROOT / "tools" / "make_accounting_doc.py"), "--plot")
 
 
 @nox.session(reuse_venv=False)

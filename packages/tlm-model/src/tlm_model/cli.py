@@ -1,12 +1,23 @@
-"""The ``tlm`` command line. ``tlm info --preset NAME`` describes a preset model."""
+"""The ``tlm`` command line.
+
+``tlm info [--preset NAME]`` describes preset models; ``tlm accounting`` prints the parameter,
+memory and FLOP accounting of one preset or compares several.
+"""
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
+from tlm_model.accounting import COMPONENTS, Accounting, account
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.lm import TransformerLM
+
+
+def _count(cfg: ModelConfig) -> int:
+    # The meta device gives real module shapes without allocating a byte.
+    return TransformerLM.from_config(cfg, device="meta").num_parameters()
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -29,18 +40,138 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(cfg: ModelConfig) -> int:
-    # The meta device gives real module shapes without allocating a byte.
-    return TransformerLM.from_config(cfg, device="meta").num_parameters()
+def human(n: float, unit: str = "") -> str:
+    """1.234e12 -> '1.234 T' + unit (decimal prefixes)."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.3f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def format_report(name: str, report: Accounting) -> str:
+    cfg = report.config
+    lines = [
+        f"{name}: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, d_ff {cfg.d_ff}, "
+        f"vocab {cfg.vocab_size}; batch {report.batch_size} × seq {report.seq_len}",
+        "",
+        "Parameters",
+    ]
+    for component, count in report.params.items():
+        lines.append(f"  {component:<20} {count:>15,}  {100 * count / report.params_total:6.2f}%")
+    lines.append(f"  {'total':<20} {report.params_total:>15,}")
+    lines += [
+        "",
+        "Memory (parameters only; activations excluded)",
+        "  "
+        + ", ".join(f"{dtype} {human(report.param_bytes(dtype), 'B')}" for dtype in ("float32", "bfloat16", "float16")),
+        "  float32 training state (params + grads + AdamW m, v = 16 B/param): "
+        + human(report.training_state_bytes, "B"),
+        "",
+        "Forward matmul FLOPs (2·m·n·p each)     full QKᵀ (seed)    share     causal (i ≥ j)    share",
+    ]
+    full, causal = report.component_flops, report.component_flops_causal
+    shares, causal_shares = report.shares(), report.shares(causal=True)
+    for component, label in COMPONENTS.items():
+        lines.append(
+            f"  {label:<36} {human(full[component], 'FLOP'):>16} {100 * shares[component]:7.2f}%  "
+            f"{human(causal[component], 'FLOP'):>16} {100 * causal_shares[component]:7.2f}%"
+        )
+    lines.append(
+        f"  {'total':<36} {human(report.forward_flops, 'FLOP'):>16}           "
+        f"{human(report.forward_flops_causal, 'FLOP'):>16}"
+    )
+    lines += ["", "Every matrix multiply of one forward pass"]
+    for mm in report.matmuls:
+        lines.append(f"  {mm.name:<13} {mm.shapes:<28} × {mm.count:<6} {mm.flops:>22,} FLOP")
+    lines += ["", "Elementwise work (estimate; not in the matmul totals)"]
+    for part, flops in report.elementwise_flops.items():
+        lines.append(f"  {part:<12} {human(flops, 'FLOP'):>16}")
+    lines.append(
+        f"  {'total':<12} {human(report.elementwise_flops_total, 'FLOP'):>16}  "
+        f"({100 * report.elementwise_flops_total / report.forward_flops:.2f}% of the matmul FLOPs)"
+    )
+    lines += [
+        "",
+        f"Training: backward ≈ 2 × forward = {human(2 * report.forward_flops, 'FLOP')}; "
+        f"one step ≈ {human(report.training_flops, 'FLOP')} = {human(report.training_flops / report.tokens, 'FLOP')} "
+        f"per token",
+    ]
+    return "\n".join(lines)
+
+
+def format_comparison(reports: Sequence[tuple[str, Accounting]]) -> str:
+    width = max(14, *(len(name) + 2 for name, _ in reports))
+    header = f"{'share of forward FLOPs':<36}" + "".join(f"{name:>{width}}" for name, _ in reports)
+    lines = [header]
+    for component, label in COMPONENTS.items():
+        lines.append(f"{label:<36}" + "".join(f"{100 * r.shares()[component]:>{width - 1}.2f}%" for _, r in reports))
+    lines.append(
+        f"{'forward FLOPs (full QKᵀ)':<36}" + "".join(f"{human(r.forward_flops, 'F'):>{width}}" for _, r in reports)
+    )
+    lines.append(
+        f"{'forward FLOPs (causal)':<36}"
+        + "".join(f"{human(r.forward_flops_causal, 'F'):>{width}}" for _, r in reports)
+    )
+    lines.append(f"{'parameters':<36}" + "".join(f"{r.params_total / 1e6:>{width - 2},.1f} M" for _, r in reports))
+    seqs = sorted({r.seq_len for _, r in reports})
+    lines.append(f"(batch {reports[0][1].batch_size} × seq {', '.join(map(str, seqs))})")
+    return "\n".join(lines)
+
+
+def _accounting(args: argparse.Namespace) -> int:
+    names = args.compare or [args.preset]
+    reports = []
+    for name in names:
+        cfg = ModelConfig.from_preset(name)
+        if args.context_length is not None:
+            cfg = dataclasses.replace(cfg, context_length=args.context_length)
+        reports.append((name, account(cfg, batch_size=args.batch_size, seq_len=cfg.context_length)))
+    if args.json:
+        payload = {name: report.to_dict() for name, report in reports}
+        print(json.dumps(payload if args.compare else payload[names[0]], indent=2))
+    elif args.compare:
+        print(format_comparison(reports))
+    else:
+        print(format_report(*reports[0]))
+    if args.plot:
+        from tlm_model.plot import plot_shares
+
+        plot_shares(reports, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tlm", description="tlm: a from-scratch Transformer language model.")
     commands = parser.add_subparsers(dest="command", required=True)
+
     info = commands.add_parser("info", help="show a preset's configuration and parameter count")
     info.add_argument("--preset", choices=sorted(PRESETS), help="a preset name; omit to list them all")
     info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     info.set_defaults(handler=_info)
+
+    acc = commands.add_parser(
+        "accounting",
+        help="parameters, memory and FLOPs of a preset, or component shares across presets",
+        description="Analytic accounting: exact parameter and matmul FLOP counts, elementwise work as an estimate.",
+    )
+    which = acc.add_mutually_exclusive_group(required=True)
+    which.add_argument("--preset", choices=sorted(PRESETS), help="report one preset in full")
+    which.add_argument("--compare", nargs="+", choices=sorted(PRESETS), metavar="PRESET",
+                       help="compare the FLOP shares of several presets side by side")  # fmt: skip
+    acc.add_argument("--context-length", type=_positive_int, metavar="N",
+                     help="sequence length to account for (default: the preset's context length)")  # fmt: skip
+    acc.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="default 1")
+    acc.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    acc.add_argument("--plot", metavar="FILE.png", help="also draw the FLOP shares as stacked bars (needs matplotlib)")
+    acc.set_defaults(handler=_accounting)
     return parser
 
 

@@ -1,0 +1,163 @@
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from tlm_model import PRESETS, ModelConfig, TransformerLM
+from tlm_model.accounting import COMPONENTS, account, count_parameters
+from tlm_model.cli import main
+
+
+def closed_form_forward_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
+    """The seed's count, written out: per layer 4 d×d projections, QKᵀ and AV over seq², three
+    d×d_ff FFN matrices; then the LM head."""
+    d, t = cfg.d_model, seq
+    per_layer = 4 * 2 * t * d * d + 2 * 2 * t * t * d + 3 * 2 * t * d * cfg.d_ff
+    return batch * (cfg.num_layers * per_layer + 2 * t * d * cfg.vocab_size)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_parameters_equal_numel_of_the_built_model(name):
+    cfg = PRESETS[name]
+    model = TransformerLM.from_config(cfg, device="meta")
+    report = account(cfg)
+    assert report.params_total == sum(p.numel() for p in model.parameters())
+    by_name = {k: v.numel() for k, v in model.named_parameters()}
+    for component, suffix in [
+        ("attn_q_proj", "attn.q_proj.weight"),
+        ("ffn_w2", "ffn.w2.weight"),
+        ("ln1", "ln1.weight"),
+    ]:
+        assert report.params[component] == sum(v for k, v in by_name.items() if k.endswith(suffix))
+    assert report.params["token_embeddings"] == by_name["token_embeddings.weight"]
+    assert report.params["lm_head"] == by_name["lm_head.weight"]
+    assert report.params["ln_final"] == by_name["ln_final.weight"]
+
+
+@pytest.mark.parametrize(
+    "cfg, batch, seq",
+    [
+        (ModelConfig(vocab_size=97, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=80), 2, 24),
+        (ModelConfig(vocab_size=50, context_length=40, d_model=48, num_layers=2, num_heads=6, d_ff=128), 1, 17),
+        (ModelConfig(vocab_size=10, context_length=8, d_model=16, num_layers=1, num_heads=1, d_ff=16), 3, 2),
+    ],
+)
+def test_forward_flops_equal_flop_counter_mode(cfg, batch, seq):
+    model = TransformerLM.from_config(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids)
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    report = account(cfg, batch_size=batch, seq_len=seq)
+    # Linear layers reach aten.mm; the per-head QKᵀ and attention·V einsums reach aten.bmm.
+    # FlopCounterMode sees nothing else: indexing, softmax and norms are not matmuls.
+    assert set(counts) == {"aten.mm", "aten.bmm"}
+    flops = report.component_flops
+    assert counts["aten.bmm"] == flops["attn_scores"] + flops["attn_values"]
+    assert counts["aten.mm"] == report.forward_flops - counts["aten.bmm"]
+    assert counter.get_total_flops() == report.forward_flops == closed_form_forward_flops(cfg, batch, seq)
+
+
+def test_gpt2_xl_totals():
+    cfg = PRESETS["gpt2-xl"]
+    report = account(cfg)
+    assert report.params_total == 2_127_057_600
+    assert report.param_bytes("float32") == 4 * 2_127_057_600
+    assert report.param_bytes("bfloat16") == report.param_bytes("float16") == 2 * 2_127_057_600
+    assert report.training_state_bytes == 16 * 2_127_057_600
+    assert report.forward_flops == closed_form_forward_flops(cfg, 1, 1024)
+    long = account(cfg, seq_len=16_384)
+    assert long.forward_flops == closed_form_forward_flops(cfg, 1, 16_384)
+
+
+@pytest.mark.parametrize("seq", [1, 2, 7, 1024])
+def test_causal_count_keeps_the_lower_triangle(seq):
+    cfg = PRESETS["gpt2-small"]
+    report = account(cfg, seq_len=seq)
+    full, causal = report.component_flops, report.component_flops_causal
+    for part in ("attn_scores", "attn_values"):
+        assert causal[part] * seq == full[part] * (seq + 1) // 2
+    others = [c for c in COMPONENTS if c not in ("attn_scores", "attn_values")]
+    assert all(causal[c] == full[c] for c in others)
+    assert report.forward_flops_causal <= report.forward_flops
+
+
+def test_shares_sum_to_one_and_move_with_size():
+    reports = [account(PRESETS[n]) for n in ("gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl")]
+    for report in reports:
+        assert sum(report.shares().values()) == pytest.approx(1.0)
+        assert sum(report.shares(causal=True).values()) == pytest.approx(1.0)
+    ffn = [r.shares()["ffn"] for r in reports]
+    head = [r.shares()["lm_head"] for r in reports]
+    assert ffn == sorted(ffn) and head == sorted(head, reverse=True)
+
+
+def test_elementwise_is_reported_apart():
+    report = account(PRESETS["course-tinystories"])
+    assert report.forward_flops == sum(mm.flops for mm in report.matmuls)
+    assert 0 < report.elementwise_flops_total < report.forward_flops
+    assert set(report.elementwise_flops) == {"softmax", "rmsnorm", "silu_gate", "rope", "residual"}
+
+
+def test_training_flops():
+    report = account(PRESETS["gpt2-small"], batch_size=4, seq_len=256)
+    assert report.training_flops == 3 * report.forward_flops
+    assert report.to_dict()["training_flops_per_token"] == 3 * report.forward_flops // (4 * 256)
+
+
+def test_count_parameters_matches_account():
+    cfg = PRESETS["gpt2-medium"]
+    assert count_parameters(cfg) == account(cfg).params
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="config must be a ModelConfig, got dict"):
+        account({"d_model": 1})
+    with pytest.raises(ValueError, match="batch_size must be positive, got 0"):
+        account(PRESETS["gpt2-small"], batch_size=0)
+    with pytest.raises(TypeError, match="seq_len must be an int, got float"):
+        account(PRESETS["gpt2-small"], seq_len=10.0)
+
+
+def test_cli_json(capsys):
+    assert main(["accounting", "--preset", "gpt2-xl", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["params_total"] == 2_127_057_600
+    assert data["param_bytes_fp32"] == 4 * 2_127_057_600
+    assert data["forward_flops_total"] == closed_form_forward_flops(PRESETS["gpt2-xl"], 1, 1024)
+    assert data["forward_flops_causal"] < data["forward_flops_total"]
+    assert set(data["components"]) == set(COMPONENTS)
+    assert sum(c["share"] for c in data["components"].values()) == pytest.approx(1.0)
+
+
+def test_cli_context_length_and_batch(capsys):
+    assert main(["accounting", "--preset", "gpt2-xl", "--context-length", "16384", "--batch-size", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["seq_len"], data["batch_size"], data["config"]["context_length"]) == (16_384, 2, 16_384)
+    assert data["forward_flops_total"] == closed_form_forward_flops(PRESETS["gpt2-xl"], 2, 16_384)
+
+
+def test_cli_tables(capsys):
+    assert main(["accounting", "--preset", "gpt2-small"]) == 0
+    table = capsys.readouterr().out
+    assert "190,460,160" in table and "feed-forward" in table and "estimate" in table
+    assert main(["accounting", "--compare", "gpt2-small", "gpt2-xl"]) == 0
+    comparison = capsys.readouterr().out
+    assert "gpt2-small" in comparison.splitlines()[0] and "gpt2-xl" in comparison.splitlines()[0]
+
+
+def test_cli_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (tlm-model[plot])")
+    out = tmp_path / "shares.png"
+    assert main(["accounting", "--compare", "gpt2-small", "gpt2-medium", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["accounting", "--preset", "gpt2-xl", "--context-length", "0"])
+    assert "must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["accounting"])
+    assert "one of the arguments --preset --compare is required" in capsys.readouterr().err
