@@ -6,6 +6,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s course       tests-course alone: the course adapter suite
     nox -s report       the main job: GPT-2 XL accounting, the size comparison and its plot
     nox -s docs         regenerate docs/accounting.md and its plot
+    nox -s bench        tlm vs HF transformers' Llama; writes docs/benchmarks.md (not part of tests)
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check
     nox -s build        wheel + sdist of every package into dist/
@@ -87,7 +88,8 @@ def _has_cuda() -> bool:
 
 
 TEST_TARGETS = [*PACKAGES, "tests-course"]
-# HF transformers' Llama is the independent reference for the block and the LM in tests-course.
+# HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
+# the baseline of the benchmarks.
 COURSE_REQUIREMENTS = ["transformers>=5,<6"]
 
 
@@ -147,6 +149,14 @@ def docs(session: nox.Session) -> None:
     _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
     session.install("numpy")
     session.run("python", str(ROOT / "tools" / "make_accounting_doc.py"), "--plot")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """tlm vs HF transformers' Llama, same weights, one run; writes docs/benchmarks.md (minutes)."""
+    _install_workspace(session, _local_closure("tlm-model"))
+    session.install("numpy", *COURSE_REQUIREMENTS)
+    session.run("python", str(ROOT / "bench" / "run.py"), *session.posargs)
 
 
 @nox.session(reuse_venv=False)

@@ -2,9 +2,11 @@
 
 Each ``run_*`` builds the matching tlm module from scratch, loads the given weights with
 ``load_state_dict`` and runs it, so the course's tests exercise tlm's own code paths, never a
-torch built-in. The functions for parts of the assignment that tlm does not cover (data
-loading, the loss and optimiser, checkpointing, the tokenizer) raise ``NotImplementedError``
-so the course's other test modules still import.
+torch built-in: attention uses the ``"reference"`` backend and projections are not fused.
+
+The functions for parts of the assignment that tlm does not cover (data loading, the loss and
+optimiser, checkpointing, the tokenizer) raise ``NotImplementedError`` so the course's other
+test modules still import.
 """
 
 import os
@@ -85,7 +87,7 @@ def run_multihead_self_attention(
     o_proj_weight: Float[Tensor, " d_model d_v"],
     in_features: Float[Tensor, " ... sequence_length d_in"],
 ) -> Float[Tensor, " ... sequence_length d_out"]:
-    attn = CausalMultiHeadSelfAttention(d_model, num_heads, **_placed(q_proj_weight))
+    attn = CausalMultiHeadSelfAttention(d_model, num_heads, backend="reference", **_placed(q_proj_weight))
     attn.load_state_dict(_attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight))
     return attn(in_features)
 
@@ -103,7 +105,7 @@ def run_multihead_self_attention_with_rope(
     token_positions: Int[Tensor, " ... sequence_length"] | None = None,
 ) -> Float[Tensor, " ... sequence_length d_out"]:
     rope = RotaryPositionalEmbedding(theta, d_model // num_heads, max_seq_len, device=q_proj_weight.device)
-    attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope=rope, **_placed(q_proj_weight))
+    attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope=rope, backend="reference", **_placed(q_proj_weight))
     attn.load_state_dict(_attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight))
     return attn(in_features, token_positions)
 
@@ -128,7 +130,9 @@ def run_transformer_block(
     weights: dict[str, Tensor],
     in_features: Float[Tensor, " batch sequence_length d_model"],
 ) -> Float[Tensor, " batch sequence_length d_model"]:
-    block = TransformerBlock(d_model, num_heads, d_ff, max_seq_len, theta, **_placed(weights["ln1.weight"]))
+    block = TransformerBlock(
+        d_model, num_heads, d_ff, max_seq_len, theta, attention_backend="reference", **_placed(weights["ln1.weight"])
+    )
     block.load_state_dict(weights)
     return block(in_features)
 
@@ -145,7 +149,18 @@ def run_transformer_lm(
     in_indices: Int[Tensor, " batch_size sequence_length"],
 ) -> Float[Tensor, " batch_size sequence_length vocab_size"]:
     placed = _placed(weights["ln_final.weight"] if "ln_final.weight" in weights else next(iter(weights.values())))
-    model = TransformerLM(vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta, **placed)
+    model = TransformerLM(
+        vocab_size,
+        context_length,
+        d_model,
+        num_layers,
+        num_heads,
+        d_ff,
+        rope_theta,
+        attention_backend="reference",
+        fused=False,
+        **placed,
+    )
     model.load_state_dict(weights)
     return model(in_indices)
 

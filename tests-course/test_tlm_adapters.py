@@ -12,6 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tlm_model import ModelConfig
+from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
+
 from . import adapters
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -212,46 +215,13 @@ def test_run_multihead_self_attention_with_rope(in_embeddings, positions_shape, 
 # --- Block and LM against HF transformers' Llama ------------------------------------------------
 
 
-def interleaved_to_rotate_half(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Reorder q/k projection rows so that rotate-half RoPE pairs (j, j + d/2) of each head are
-    our interleaved pairs (2j, 2j + 1); q·k is unchanged because q and k move together."""
-    d_head = w.shape[0] // heads
-    order = torch.cat([torch.arange(0, d_head, 2), torch.arange(1, d_head, 2)])
-    return w.unflatten(0, (heads, d_head))[:, order].flatten(0, 1)
-
-
 def hf_llama(sd, vocab, context, d, layers, heads, d_ff, theta):
+    """HF's LlamaForCausalLM holding ``sd``. The conversion only reorders q/k rows and renames keys,
+    so a mistake in it shows up as a mismatch, never as a false agreement."""
     transformers = pytest.importorskip("transformers", reason="HF transformers is the block/LM reference")
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=d,
-        intermediate_size=d_ff,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        max_position_embeddings=context,
-        rms_norm_eps=1e-5,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    hf = {"model.embed_tokens.weight": sd["token_embeddings.weight"], "model.norm.weight": sd["ln_final.weight"]}
-    hf["lm_head.weight"] = sd["lm_head.weight"]
-    for i in range(layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        hf[theirs + "self_attn.q_proj.weight"] = interleaved_to_rotate_half(sd[ours + "attn.q_proj.weight"], heads)
-        hf[theirs + "self_attn.k_proj.weight"] = interleaved_to_rotate_half(sd[ours + "attn.k_proj.weight"], heads)
-        hf[theirs + "self_attn.v_proj.weight"] = sd[ours + "attn.v_proj.weight"]
-        hf[theirs + "self_attn.o_proj.weight"] = sd[ours + "attn.output_proj.weight"]
-        hf[theirs + "mlp.gate_proj.weight"] = sd[ours + "ffn.w1.weight"]
-        hf[theirs + "mlp.up_proj.weight"] = sd[ours + "ffn.w3.weight"]
-        hf[theirs + "mlp.down_proj.weight"] = sd[ours + "ffn.w2.weight"]
-        hf[theirs + "input_layernorm.weight"] = sd[ours + "ln1.weight"]
-        hf[theirs + "post_attention_layernorm.weight"] = sd[ours + "ln2.weight"]
-    model.load_state_dict(hf, strict=True)
+    cfg = ModelConfig(vocab, context, d, layers, heads, d_ff, theta)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_llama_config_kwargs(cfg))).eval()
+    model.load_state_dict(to_hf_llama_state_dict(sd, cfg), strict=True)
     return model
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tlm_attention import CausalMultiHeadSelfAttention
+from tlm_attention import BACKENDS, CausalMultiHeadSelfAttention, KVCache
 from tlm_rope import RotaryPositionalEmbedding
 
 
@@ -19,24 +19,29 @@ def reference_mha(attn, x, heads, rotate=None):
     return F.linear(out.transpose(-2, -3).flatten(-2), attn.output_proj.weight)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lead", [(), (2,), (2, 3)])
-def test_matches_builtin_reference_without_rope(lead, device):
-    attn = CausalMultiHeadSelfAttention(32, 4, device=device)
+def test_matches_builtin_reference_without_rope(lead, backend, device):
+    attn = CausalMultiHeadSelfAttention(32, 4, device=device, backend=backend)
     x = torch.randn(*lead, 7, 32, device=device)
     torch.testing.assert_close(attn(x), reference_mha(attn, x, 4), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("offset", [0, 9])
-def test_matches_builtin_reference_with_rope(offset, device, rope_reference):
+def test_matches_builtin_reference_with_rope(offset, fused, backend, device, rope_reference):
     rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=32, device=device)
-    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, backend=backend, fused_qkv=fused)
     x = torch.randn(2, 7, 32, device=device)
     positions = torch.arange(offset, offset + 7, device=device)
 
     def rotate(t):
         return rope_reference(t, positions, 10_000.0).to(t.dtype)
 
-    expected = reference_mha(attn, x, 4, rotate)
+    plain = CausalMultiHeadSelfAttention(32, 4, device=device)
+    plain.load_state_dict(attn.state_dict())  # the course layout, whatever attn stores internally
+    expected = reference_mha(plain, x, 4, rotate)
     got = attn(x, positions) if offset else attn(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -93,3 +98,40 @@ def test_bad_arguments():
         attn(torch.randn(3, 16), torch.arange(3))
     with pytest.raises(ValueError, match=r"d_model=16\), got \(3, 12\)"):
         attn(torch.randn(3, 12))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True])
+def test_kv_cache_decoding_matches_full_attention(backend, fused, device):
+    rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=32, device=device)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, backend=backend, fused_qkv=fused)
+    x = torch.randn(2, 12, 32, device=device)
+    full = attn(x)
+    cache = KVCache(2, 4, capacity=12, d_head=8, device=device)
+    steps = [attn(x[:, :5], kv_cache=cache)]  # a prefix, then one token at a time
+    steps += [attn(x[:, t : t + 1], kv_cache=cache) for t in range(5, 9)]
+    steps.append(attn(x[:, 9:], kv_cache=cache))  # a chunk of three after the cache
+    assert cache.length == 12
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_state_dict_keeps_course_keys_and_loads_both_ways():
+    fused = CausalMultiHeadSelfAttention(16, 2, fused_qkv=True)
+    keys = {f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "output_proj")}
+    assert set(fused.state_dict()) == keys
+    plain = CausalMultiHeadSelfAttention(16, 2)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(plain(x), fused(x), rtol=1e-5, atol=1e-6)
+
+
+def test_backend_is_validated_and_switchable():
+    attn = CausalMultiHeadSelfAttention(16, 2)
+    assert attn.backend == "auto"
+    attn.backend = "blockwise"
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \('auto', 'reference', 'blockwise', 'torch'\), got 'flash'"
+    ):
+        attn.backend = "flash"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        CausalMultiHeadSelfAttention(16, 2, backend="fast")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from tlm_ffn import SwiGLU, default_d_ff, silu
+from tlm_ffn import SwiGLU, default_d_ff, silu, silu_mul
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -80,7 +80,37 @@ def test_swiglu_gradcheck():
 
 
 def test_swiglu_bad_sizes():
-    with pytest.raises(ValueError, match="out_features must be positive, got 0"):
+    with pytest.raises(ValueError, match="d_ff must be positive, got 0"):
         SwiGLU(8, 0)
     with pytest.raises(ValueError, match=r"in_features=8, got shape \(2, 9\)"):
         SwiGLU(8, 16)(torch.randn(2, 9))
+
+
+def test_fused_matches_unfused_and_keeps_the_course_keys(device):
+    plain = SwiGLU(32, 96, device=device)
+    fused = SwiGLU(32, 96, device=device, fused=True)
+    fused.load_state_dict(plain.state_dict())
+    assert set(fused.state_dict()) == {"w1.weight", "w2.weight", "w3.weight"}
+    x = torch.randn(3, 5, 32, device=device)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)
+    back = SwiGLU(32, 96, device=device)
+    back.load_state_dict(fused.state_dict())
+    torch.testing.assert_close(back.w1.weight, plain.w1.weight, rtol=0, atol=0)
+
+
+def test_fused_init_matches_separate_matrices():
+    fused = SwiGLU(1024, 2048, fused=True)
+    sigma = math.sqrt(2 / (1024 + 2048))
+    for half in fused.w13.weight.detach().double().chunk(2):
+        assert half.abs().max().item() <= 3 * sigma
+        assert half.std().item() == pytest.approx(0.98658 * sigma, rel=0.02)
+
+
+def test_silu_mul_matches_the_two_ops_and_gradchecks():
+    gate = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    up = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
+    assert torch.autograd.gradcheck(silu_mul, (gate, up))
+    with torch.no_grad():
+        torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
+    assert gate.grad is None  # and the inputs are untouched

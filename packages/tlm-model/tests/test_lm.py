@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.cli import main
 
@@ -41,8 +42,10 @@ def test_state_dict_keys():
     assert set(TransformerLM.from_config(cfg).state_dict()) == expected
 
 
-def test_matches_float64_rederivation(device, lm_reference):
-    model = randomized(TransformerLM.from_config(SMALL, device=device))
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_float64_rederivation(backend, fused, device, lm_reference):
+    model = randomized(TransformerLM.from_config(SMALL, device=device, attention_backend=backend, fused=fused))
     ids = torch.randint(0, SMALL.vocab_size, (3, SMALL.context_length), device=device)
     logits = model(ids)
     assert logits.shape == (3, SMALL.context_length, SMALL.vocab_size)
@@ -58,8 +61,9 @@ def test_explicit_positions(lm_reference):
     torch.testing.assert_close(model(ids, positions).double(), expected, rtol=1e-4, atol=1e-5)
 
 
-def test_causal_and_batch_rows_independent():
-    model = TransformerLM.from_config(SMALL)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_and_batch_rows_independent(backend):
+    model = TransformerLM.from_config(SMALL, attention_backend=backend)
     ids = torch.randint(0, SMALL.vocab_size, (2, 16))
     changed = ids.clone()
     changed[0, 9:] = (changed[0, 9:] + 1) % SMALL.vocab_size
@@ -130,7 +134,7 @@ def test_gradcheck_two_layer_lm():
     model = randomized(TransformerLM.from_config(cfg, dtype=torch.float64))
     ids = torch.tensor([[1, 6, 0, 3]])
     params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
-    names = list(params)
+    names = list(params)  # the fused parameters (qkv_proj, w13) are checked as they are stored
 
     def logits(*tensors):
         return functional_call(model, dict(zip(names, tensors, strict=True)), (ids,))
@@ -179,3 +183,21 @@ def test_cli_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--preset", "gpt3"])
     assert "invalid choice: 'gpt3'" in capsys.readouterr().err
+
+
+def test_attention_backend_switch_and_validation():
+    model = TransformerLM.from_config(SMALL)
+    assert model.attention_backend == "auto"
+    model.attention_backend = "reference"
+    assert all(layer.attn.backend == "reference" for layer in model.layers)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        TransformerLM.from_config(SMALL, attention_backend="flash")
+
+
+def test_fused_and_plain_models_share_checkpoints():
+    fused = randomized(TransformerLM.from_config(SMALL, fused=True))
+    plain = TransformerLM.from_config(SMALL, fused=False)
+    plain.load_state_dict(fused.state_dict())
+    assert set(plain.state_dict()) == set(fused.state_dict())
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9))
+    torch.testing.assert_close(plain(ids), fused(ids), rtol=1e-5, atol=1e-5)

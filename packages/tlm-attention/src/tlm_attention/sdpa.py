@@ -38,7 +38,7 @@ def scaled_dot_product_attention(
 
     Leading dimensions of Q, K, V and mask broadcast against each other. A query whose mask
     row is all False gets an output of zeros and zero gradients (``torch``'s fused SDPA
-    returns NaN there), so padding and empty prefixes never poison a batch.
+    returns NaN there). With no keys at all every query gets zeros, for the same reason.
     """
     for name, t in (("Q", Q), ("K", K), ("V", V)):
         if not isinstance(t, Tensor):

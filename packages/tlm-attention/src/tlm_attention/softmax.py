@@ -24,6 +24,8 @@ def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
     if not -rank <= dim < rank:
         raise ValueError(f"dim must be in [{-rank}, {rank - 1}] for a tensor of rank {x.ndim}, got {dim}")
 
+    if x.numel() == 0:  # an empty slice has nothing to normalise (torch.softmax agrees)
+        return x.clone()
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     peak = x32.amax(dim=dim, keepdim=True)
     # An all -inf slice has peak -inf and (-inf) - (-inf) = NaN; shifting it by 0 instead

@@ -1,7 +1,7 @@
 """SwiGLU position-wise feed-forward network."""
 
-from tlm_ffn.swiglu import SwiGLU, default_d_ff, silu
+from tlm_ffn.swiglu import SwiGLU, default_d_ff, silu, silu_mul
 
 __version__ = "0.1.0"
 
-__all__ = ["SwiGLU", "__version__", "default_d_ff", "silu"]
+__all__ = ["SwiGLU", "__version__", "default_d_ff", "silu", "silu_mul"]

@@ -22,7 +22,7 @@ class Linear(nn.Module):
     so checkpoints move between the two unchanged. There is no bias, as in LLaMA and PaLM.
 
     Initialisation (CS336 §1.4.1): N(0, σ²) with σ² = 2 / (in_features + out_features),
-    truncated at ±3σ.
+    truncated at ±3σ; ``init_std`` overrides σ.
     """
 
     def __init__(
@@ -31,15 +31,23 @@ class Linear(nn.Module):
         out_features: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        init_std: float | None = None,
     ) -> None:
         super().__init__()
         self.in_features = _check_dim("in_features", in_features)
         self.out_features = _check_dim("out_features", out_features)
+        if init_std is not None and not (
+            isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0
+        ):
+            raise ValueError(f"init_std must be a finite number > 0 or None, got {init_std!r}")
+        # A layer that stacks several projections (fused q/k/v) passes the std of one of them.
+        self.init_std = math.sqrt(2.0 / (in_features + out_features)) if init_std is None else float(init_std)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        std = math.sqrt(2.0 / (self.in_features + self.out_features))
+        std = self.init_std
         nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:

@@ -2,8 +2,18 @@
 
 from tlm_model.block import TransformerBlock
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_model.generate import generate
 from tlm_model.lm import TransformerLM
+from tlm_model.loss import chunked_cross_entropy
 
 __version__ = "0.1.0"
 
-__all__ = ["PRESETS", "ModelConfig", "TransformerBlock", "TransformerLM", "__version__"]
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "TransformerBlock",
+    "TransformerLM",
+    "__version__",
+    "chunked_cross_entropy",
+    "generate",
+]

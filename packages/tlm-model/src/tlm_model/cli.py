@@ -1,17 +1,23 @@
 """The ``tlm`` command line.
 
 ``tlm info [--preset NAME]`` describes preset models; ``tlm accounting`` prints the parameter,
-memory and FLOP accounting of one preset or compares several.
+memory and FLOP accounting of one preset or compares several; ``tlm generate`` continues a
+sequence of token ids with a model (random weights, or a checkpoint).
 """
 
 import argparse
 import dataclasses
 import json
+import pathlib
 import sys
+import time
 from collections.abc import Sequence
+
+import torch
 
 from tlm_model.accounting import COMPONENTS, Accounting, account
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_model.generate import generate
 from tlm_model.lm import TransformerLM
 
 
@@ -141,6 +147,72 @@ def _accounting(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """A one-line progress bar on stderr: ``[#####.....] 120/240 tokens, 85.3 tok/s``."""
+
+    def __init__(self, total: int, width: int = 30) -> None:
+        self.total, self.width, self.start = total, width, time.perf_counter()
+
+    def __call__(self, done: int) -> None:
+        filled = self.width * done // max(self.total, 1)
+        rate = done / max(time.perf_counter() - self.start, 1e-9)
+        bar = "#" * filled + "." * (self.width - filled)
+        end = "\n" if done >= self.total else ""
+        print(f"\r[{bar}] {done}/{self.total} tokens, {rate:.1f} tok/s", end=end, file=sys.stderr, flush=True)
+
+
+def _load_model(args: argparse.Namespace) -> TransformerLM:
+    if args.checkpoint is None:
+        if args.preset is None:
+            raise SystemExit("tlm generate: give --preset (random weights) or --checkpoint")
+        torch.manual_seed(args.seed)
+        return TransformerLM.from_preset(args.preset)
+    path = pathlib.Path(args.checkpoint)
+    if path.is_dir():  # written by tlm_model.save_checkpoint: weights + config.json
+        from tlm_model.checkpoint import load_checkpoint
+
+        config = ModelConfig.from_preset(args.preset) if args.preset else None
+        return load_checkpoint(path, config=config)
+    if args.preset is None:
+        raise SystemExit("tlm generate: a state-dict file carries no config; give --preset too")
+    if not path.exists():
+        raise SystemExit(f"tlm generate: checkpoint {path} does not exist")
+    model = TransformerLM.from_preset(args.preset, device="meta")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    model.load_state_dict(state, assign=True)
+    model.rope.to_empty(device="cpu")  # the RoPE table is not in the state dict; rebuild it
+    return model
+
+
+def _generate(args: argparse.Namespace) -> int:
+    try:
+        prompt = [int(tok) for tok in args.prompt_ids.replace(",", " ").split()]
+    except ValueError:
+        raise SystemExit(
+            f"tlm generate: --prompt-ids must be integers separated by spaces, got {args.prompt_ids!r}"
+        ) from None
+    model = _load_model(args).eval()
+    generator = torch.Generator().manual_seed(args.seed)
+    out = generate(
+        model,
+        torch.tensor(prompt),
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        eos_token_id=args.eos_id,
+        generator=generator,
+        on_token=None if args.quiet else _Progress(args.max_new_tokens),
+    )
+    print(" ".join(map(str, out[len(prompt) :].tolist())))
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -172,6 +244,25 @@ def build_parser() -> argparse.ArgumentParser:
     acc.add_argument("--json", action="store_true", help="print JSON instead of tables")
     acc.add_argument("--plot", metavar="FILE.png", help="also draw the FLOP shares as stacked bars (needs matplotlib)")
     acc.set_defaults(handler=_accounting)
+
+    gen = commands.add_parser(
+        "generate",
+        help="continue a sequence of token ids (KV-cached decoding)",
+        description="Prints the new token ids on stdout; a progress bar goes to stderr.",
+    )
+    gen.add_argument("--preset", choices=sorted(PRESETS), help="model shape (random weights without --checkpoint)")
+    gen.add_argument(
+        "--checkpoint", metavar="PATH", help="a save_checkpoint directory, or a .safetensors / torch.save state dict"
+    )
+    gen.add_argument("--prompt-ids", required=True, metavar='"ID ID ..."', help="the prompt's token ids")
+    gen.add_argument("--max-new-tokens", type=_positive_int, required=True, metavar="N")
+    gen.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily (default 1.0)")
+    gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
+    gen.add_argument("--top-p", type=float, default=None, metavar="P")
+    gen.add_argument("--eos-id", type=int, default=None, metavar="ID", help="stop once this id is generated")
+    gen.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    gen.set_defaults(handler=_generate)
     return parser
 
 

@@ -6,9 +6,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
+from tlm_attention import BACKENDS, KVCache
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock
 from tlm_model.config import ModelConfig
+from tlm_model.loss import chunked_cross_entropy
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -36,6 +38,13 @@ class TransformerLM(nn.Module):
 
     Build on ``device="meta"`` to get shapes and parameter counts without allocating; then
     ``to_empty(device=...)`` and ``reset_parameters()`` to materialise it.
+
+    Speed options, none of which changes the result beyond float rounding or the state-dict
+    layout: ``attention_backend`` (``"auto"``: torch's fused SDPA; ``"reference"``: tlm's own
+    softmax(QKᵀ/√d)V; ``"blockwise"``: O(seq)-memory online softmax in PyTorch) and ``fused``
+    (one matmul for q/k/v and one for w1/w3). ``loss`` computes the training loss without
+    materialising the full logits; ``new_kv_cache`` and ``forward(..., kv_cache=...)`` decode
+    incrementally (see :func:`tlm_model.generate`).
     """
 
     def __init__(
@@ -49,10 +58,14 @@ class TransformerLM(nn.Module):
         rope_theta: float = 10_000.0,
         *,
         norm_eps: float = 1e-5,
+        attention_backend: str = "auto",
+        fused: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
         self.config = ModelConfig(
             vocab_size=vocab_size,
             context_length=context_length,
@@ -75,6 +88,8 @@ class TransformerLM(nn.Module):
                 rope_theta,
                 norm_eps=norm_eps,
                 rope=self.rope,
+                attention_backend=attention_backend,
+                fused=fused,
                 device=device,
                 dtype=dtype,
             )
@@ -85,22 +100,39 @@ class TransformerLM(nn.Module):
         self.register_load_state_dict_pre_hook(_strip_compiled_prefix)
 
     @classmethod
-    def from_config(
-        cls,
-        config: ModelConfig,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> "TransformerLM":
+    def from_config(cls, config: ModelConfig, **kwargs: Any) -> "TransformerLM":
+        """Build from a :class:`ModelConfig`; ``kwargs`` are the keyword-only options above."""
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        return cls(**config.to_dict(), device=device, dtype=dtype)
+        return cls(**config.to_dict(), **kwargs)
 
     @classmethod
-    def from_preset(
-        cls, name: str, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-    ) -> "TransformerLM":
-        return cls.from_config(ModelConfig.from_preset(name), device=device, dtype=dtype)
+    def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
+        return cls.from_config(ModelConfig.from_preset(name), **kwargs)
+
+    @property
+    def attention_backend(self) -> str:
+        return self.layers[0].attn.backend
+
+    @attention_backend.setter
+    def attention_backend(self, name: str) -> None:
+        for layer in self.layers:
+            layer.attn.backend = name
+
+    def new_kv_cache(
+        self, batch_size: int, capacity: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> list[KVCache]:
+        """One empty :class:`~tlm_attention.KVCache` per layer, on the model's device."""
+        cfg = self.config
+        capacity = cfg.context_length if capacity is None else capacity
+        if not 0 < capacity <= cfg.context_length:
+            raise ValueError(f"capacity must be in [1, context_length={cfg.context_length}], got {capacity}")
+        weight = self.lm_head.weight
+        dtype = weight.dtype if dtype is None else dtype
+        return [
+            KVCache(batch_size, cfg.num_heads, capacity, cfg.d_head, device=weight.device, dtype=dtype)
+            for _ in range(cfg.num_layers)
+        ]
 
     def reset_parameters(self) -> None:
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
@@ -111,11 +143,13 @@ class TransformerLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def forward(
+    def hidden_states(
         self,
         in_indices: Int[Tensor, "... seq"],
         token_positions: Int[Tensor, "... seq"] | None = None,
-    ) -> Float[Tensor, "... seq vocab"]:
+        kv_cache: list[KVCache] | None = None,
+    ) -> Float[Tensor, "... seq d_model"]:
+        """The final-normed activations that the LM head turns into logits."""
         if not isinstance(in_indices, Tensor):
             raise TypeError(f"in_indices must be a torch.Tensor of token ids, got {type(in_indices).__name__}")
         if in_indices.ndim == 0:
@@ -123,11 +157,50 @@ class TransformerLM(nn.Module):
         seq = in_indices.shape[-1]
         if seq == 0:
             raise ValueError(f"in_indices must hold at least one token, got shape {tuple(in_indices.shape)}")
-        if seq > self.config.context_length:
+        start = 0
+        if kv_cache is not None:
+            if len(kv_cache) != self.config.num_layers:
+                raise ValueError(
+                    f"kv_cache must hold one KVCache per layer ({self.config.num_layers}), got {len(kv_cache)}"
+                )
+            start = kv_cache[0].length
+        if start + seq > self.config.context_length:
             raise ValueError(
-                f"in_indices has {seq} tokens but the model's context_length is {self.config.context_length}"
+                f"in_indices has {seq} tokens"
+                + (f" after {start} cached" if start else "")
+                + f" but the model's context_length is {self.config.context_length}"
             )
         x = self.token_embeddings(in_indices)
-        for layer in self.layers:
-            x = layer(x, token_positions)
-        return self.lm_head(self.ln_final(x))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, token_positions, None if kv_cache is None else kv_cache[i])
+        return self.ln_final(x)
+
+    def forward(
+        self,
+        in_indices: Int[Tensor, "... seq"],
+        token_positions: Int[Tensor, "... seq"] | None = None,
+        kv_cache: list[KVCache] | None = None,
+    ) -> Float[Tensor, "... seq vocab"]:
+        """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
+        the cached sequence, at positions ``cache length`` onwards."""
+        return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
+
+    def loss(
+        self,
+        in_indices: Int[Tensor, "... seq"],
+        targets: Int[Tensor, "... seq"],
+        *,
+        chunk_size: int = 256,
+    ) -> Float[Tensor, ""]:
+        """Mean next-token cross-entropy, equal to ``F.cross_entropy(forward(ids), targets)``.
+
+        The LM head and the loss run ``chunk_size`` tokens at a time, so neither the full
+        (tokens × vocab) float32 logits nor their gradient is ever held in memory.
+        """
+        if not isinstance(targets, Tensor) or targets.shape != in_indices.shape:
+            raise ValueError(
+                f"targets must be a tensor shaped like in_indices {tuple(in_indices.shape)}, "
+                f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}"
+            )
+        hidden = self.hidden_states(in_indices)
+        return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)

@@ -1,0 +1,83 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tlm_attention import blockwise_attention
+
+
+def bottom_right_causal(num_q: int, num_k: int) -> torch.Tensor:
+    return torch.ones(num_q, num_k, dtype=torch.bool).tril(num_k - num_q)
+
+
+@pytest.mark.parametrize(
+    "num_q, num_k, block",
+    [(37, 37, 8), (64, 64, 16), (5, 13, 4), (1, 9, 4), (9, 9, 256), (3, 3, 1)],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_and_gradients_match_torch_sdpa_in_float64(num_q, num_k, block, causal):
+    q = torch.randn(2, 3, num_q, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, num_k, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, num_k, 5, dtype=torch.float64, requires_grad=True)
+    mask = bottom_right_causal(num_q, num_k) if causal else None
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = blockwise_attention(q, k, v, causal=causal, block_size=block)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for got, want in zip(
+        torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad), strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_matches_torch(device):
+    q, k, v = (torch.randn(2, 4, 300, 32, device=device) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(blockwise_attention(q, k, v, block_size=64), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_is_computed_in_float32(dtype):
+    q, k, v = (torch.randn(1, 2, 40, 16).to(dtype) for _ in range(3))
+    out = blockwise_attention(q, k, v, block_size=16)
+    assert out.dtype == dtype
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(dtype)
+    torch.testing.assert_close(out, expected)  # assert_close's per-dtype tolerance: one rounding step
+
+
+def test_gradcheck():
+    q, k, v = (torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(lambda q, k, v: blockwise_attention(q, k, v, block_size=3), (q, k, v))
+
+
+def test_queries_with_no_visible_key_give_zeros():
+    # More queries than keys: under bottom-right alignment the first two queries see nothing.
+    q = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    out = blockwise_attention(q, k, v, block_size=2)
+    torch.testing.assert_close(out[:2], torch.zeros(2, 2, dtype=torch.float64), rtol=0, atol=0)
+    torch.testing.assert_close(out[2:], F.scaled_dot_product_attention(q[2:], k, v, is_causal=True))
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()
+
+
+def test_inputs_not_modified():
+    q, k, v = (torch.randn(2, 9, 4) for _ in range(3))
+    copies = [t.clone() for t in (q, k, v)]
+    blockwise_attention(q, k, v, block_size=4)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), copies, strict=True))
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, exc, match",
+    [
+        (((2, 3, 4), (3, 3, 4), (3, 3, 4)), {}, ValueError, "must share their leading dimensions"),
+        (((3, 4), (3, 5), (3, 4)), {}, ValueError, "share their last dimension d_k"),
+        (((3, 4), (3, 4), (2, 4)), {}, ValueError, "same number of keys"),
+        (((3, 4), (3, 4), (3, 4)), {"block_size": 0}, ValueError, "block_size must be a positive int, got 0"),
+        (((4,), (3, 4), (3, 4)), {}, ValueError, r"Q must have shape \(..., seq, dim\)"),
+    ],
+)
+def test_bad_input(shapes, kwargs, exc, match):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(exc, match=match):
+        blockwise_attention(q, k, v, **kwargs)

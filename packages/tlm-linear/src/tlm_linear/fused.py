@@ -1,0 +1,36 @@
+"""Keep a fused weight's checkpoint layout split: one matmul at run time, separate keys on disk.
+
+Fusing projections that read the same input (q/k/v, or SwiGLU's w1/w3) into one ``Linear`` turns
+several GEMMs into one larger, better-shaped one. Checkpoints should not notice: the hooks installed
+here make ``state_dict()`` emit the separate ``{part}.weight`` keys and ``load_state_dict`` accept
+them (or the fused key), the way gpt-fast folds wq/wk/wv in a load hook.
+"""
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def register_split_layout(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
+    """Present ``module.<fused>.weight`` as the row blocks ``<part>.weight`` in state dicts.
+
+    ``parts`` maps each part name to its number of rows, in the order the rows are stacked in
+    the fused weight; the row counts must add up to the fused weight's ``out_features``.
+    """
+    names, sizes = list(parts), list(parts.values())
+    fused_key = f"{fused}.weight"
+
+    def split(mod: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        weight = state_dict.pop(prefix + fused_key)
+        for name, block in zip(names, torch.split(weight, sizes, dim=0), strict=True):
+            # Separate storage: savers such as safetensors refuse tensors that share memory.
+            state_dict[f"{prefix}{name}.weight"] = block.clone()
+
+    def join(mod: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        keys = [f"{prefix}{name}.weight" for name in names]
+        if prefix + fused_key not in state_dict and all(k in state_dict for k in keys):
+            state_dict[prefix + fused_key] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+    module.register_state_dict_post_hook(split)
+    module.register_load_state_dict_pre_hook(join)

@@ -1,0 +1,60 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tlm_linear import Linear, register_split_layout
+
+
+class Stacked(nn.Module):
+    """Two projections a (3 rows) and b (2 rows) stored as one fused (5, 4) weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.ab = Linear(4, 5)
+        register_split_layout(self, "ab", {"a": 3, "b": 2})
+
+
+def test_state_dict_shows_the_split_layout():
+    module = Stacked()
+    sd = module.state_dict()
+    assert set(sd) == {"a.weight", "b.weight"}
+    torch.testing.assert_close(torch.cat([sd["a.weight"], sd["b.weight"]]), module.ab.weight, rtol=0, atol=0)
+    # The blocks own their storage (savers such as safetensors reject shared tensors).
+    assert sd["a.weight"].untyped_storage().data_ptr() != module.ab.weight.untyped_storage().data_ptr()
+
+
+def test_split_and_fused_keys_both_load():
+    source, target = Stacked(), Stacked()
+    target.load_state_dict(source.state_dict())
+    torch.testing.assert_close(target.ab.weight, source.ab.weight, rtol=0, atol=0)
+    target2 = Stacked()
+    target2.load_state_dict({"ab.weight": source.ab.weight.detach().clone()})
+    torch.testing.assert_close(target2.ab.weight, source.ab.weight, rtol=0, atol=0)
+
+
+def test_split_layout_nested_under_a_prefix():
+    outer = nn.ModuleDict({"inner": Stacked()})
+    assert set(outer.state_dict()) == {"inner.a.weight", "inner.b.weight"}
+    other = nn.ModuleDict({"inner": Stacked()})
+    other.load_state_dict(outer.state_dict())
+    torch.testing.assert_close(other["inner"].ab.weight, outer["inner"].ab.weight, rtol=0, atol=0)
+
+
+def test_missing_part_is_reported_by_load_state_dict():
+    sd = Stacked().state_dict()
+    del sd["b.weight"]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        Stacked().load_state_dict(sd)
+
+
+def test_init_std_override():
+    layer = Linear(512, 1536, init_std=math.sqrt(1 / 512))
+    w = layer.weight.detach().double()
+    assert layer.init_std == pytest.approx(math.sqrt(1 / 512))
+    assert w.abs().max().item() <= 3 * layer.init_std
+    # std of N(0, σ²) truncated at ±3σ is 0.98658 σ.
+    assert w.std().item() == pytest.approx(0.98658 * layer.init_std, rel=0.02)
+    with pytest.raises(ValueError, match="init_std must be a finite number > 0 or None, got -1.0"):
+        Linear(4, 4, init_std=-1.0)

@@ -1,0 +1,80 @@
+"""LM head and cross-entropy fused over token chunks.
+
+For a vocabulary of 50k, float32 logits of 1,024 tokens take 206 MB, and autograd keeps them, the
+log-softmax and their gradient alive together. Here each chunk's logits live only while its loss
+and its gradients with respect to the hidden states and the head weight are computed (the
+gradient is taken during the forward pass, as Liger-Kernel's fused linear cross-entropy does), so
+peak memory grows with ``chunk_size × vocab`` instead of ``tokens × vocab``.
+"""
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):  # type: ignore[no-untyped-def]
+        n = hidden.shape[0]
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        compute = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 input
+        grad_weight = torch.zeros_like(weight, dtype=compute) if want_weight else None
+        total = torch.zeros((), dtype=compute, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            h = hidden[start : start + chunk_size]
+            t = targets[start : start + chunk_size]
+            logits = torch.matmul(h, weight.t()).to(compute)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
+            if want_hidden or want_weight:
+                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n, built in place.
+                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
+                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                grad_logits.div_(n)
+                if want_hidden:
+                    grad_hidden[start : start + chunk_size] = torch.matmul(grad_logits.to(weight.dtype), weight)
+                if want_weight:
+                    grad_weight += torch.matmul(grad_logits.t(), h.to(compute))
+        ctx.save_for_backward(
+            grad_hidden if want_hidden else None, grad_weight.to(weight.dtype) if want_weight else None
+        )
+        return (total / n).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[no-untyped-def]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype),
+            None if grad_weight is None else grad_weight * grad_loss.to(grad_weight.dtype),
+            None,
+            None,
+        )
+
+
+def chunked_cross_entropy(
+    hidden: Float[Tensor, "tokens d_model"],
+    weight: Float[Tensor, "vocab d_model"],
+    targets: Int[Tensor, " tokens"],
+    chunk_size: int = 1024,
+) -> Float[Tensor, ""]:
+    """``F.cross_entropy(hidden @ weight.T, targets)`` (mean over tokens), a chunk of tokens at a time."""
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be (tokens, d_model) and weight (vocab, d_model), got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    if targets.is_floating_point() or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor, got dtype {targets.dtype}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if (
+        not torch.compiler.is_compiling()
+        and targets.numel()
+        and (targets.min() < 0 or targets.max() >= weight.shape[0])
+    ):
+        low, high = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must lie in [0, vocab={weight.shape[0]}), got values in [{low}, {high}]")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets.long(), chunk_size)

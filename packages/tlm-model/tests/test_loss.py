@@ -1,0 +1,62 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tlm_model import ModelConfig, TransformerLM, chunked_cross_entropy
+
+SMALL = ModelConfig(vocab_size=211, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 48, 4096])
+def test_chunked_cross_entropy_matches_f_cross_entropy(chunk_size):
+    hidden = torch.randn(48, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(30, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 30, (48,))
+    got = chunked_cross_entropy(hidden, weight, targets, chunk_size)
+    expected = F.cross_entropy(hidden @ weight.T, targets)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(3.0 * got, (hidden, weight))
+    expected_grads = torch.autograd.grad(3.0 * expected, (hidden, weight))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12)
+
+
+def test_gradcheck():
+    hidden = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    targets = torch.tensor([0, 3, 1, 1, 2])
+    assert torch.autograd.gradcheck(lambda h, w: chunked_cross_entropy(h, w, targets, 2), (hidden, weight))
+
+
+def test_model_loss_matches_full_logits(device):
+    model = TransformerLM.from_config(SMALL, device=device)
+    ids = torch.randint(0, SMALL.vocab_size, (3, 16), device=device)
+    targets = torch.randint(0, SMALL.vocab_size, (3, 16), device=device)
+    loss = model.loss(ids, targets, chunk_size=10)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    reference = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+    expected = torch.autograd.grad(reference, list(model.parameters()))
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+def test_no_gradient_needed():
+    model = TransformerLM.from_config(SMALL)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 8))
+    with torch.no_grad():
+        loss = model.loss(ids, ids)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+
+
+def test_bad_input():
+    model = TransformerLM.from_config(SMALL)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 8))
+    with pytest.raises(ValueError, match=r"targets must be a tensor shaped like in_indices \(2, 8\), got \(2, 7\)"):
+        model.loss(ids, ids[:, :7])
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, vocab=211\), got values in \[0, 211\]"):
+        model.loss(ids, torch.full_like(ids, 211).index_fill_(1, torch.tensor([0]), 0))
+    with pytest.raises(TypeError, match="targets must be an integer tensor"):
+        chunked_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3))
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
+        model.loss(ids, ids, chunk_size=0)
