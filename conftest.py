@@ -77,3 +77,20 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"{label:<{width}}  max |err| {absolute:.2e}   max |err| / max |ref| {relative:.2e}"
         )
+
+
+# Hypothesis profiles for the property-based tests (test_*_properties.py). Only packages whose
+# `test` extra lists hypothesis have it installed, so the others' suites must not need it here.
+try:
+    from hypothesis import settings
+except ImportError:  # pragma: no cover - e.g. the tlm-linear or tests-course venv
+    pass
+else:
+    # "ci", the default: a bounded, reproducible run (derandomize draws the same examples every
+    # time, and needs no example database); each property takes well under 2 s on a 2-core CPU.
+    settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True, print_blob=True)
+    # "thorough": `pytest --hypothesis-profile=thorough` (the option comes from hypothesis' pytest
+    # plugin, which loads the profile after this file has loaded "ci"). Random examples each run;
+    # a failure prints a @reproduce_failure blob. No database, so no .hypothesis/ appears.
+    settings.register_profile("thorough", max_examples=500, deadline=None, database=None, print_blob=True)
+    settings.load_profile("ci")

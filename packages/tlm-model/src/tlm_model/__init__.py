@@ -1,6 +1,7 @@
 """The composition layer of tlm: pre-norm Transformer block, Transformer LM and presets."""
 
 from tlm_model.block import TransformerBlock
+from tlm_model.checkpoint import load_checkpoint, save_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.generate import generate
 from tlm_model.lm import TransformerLM
@@ -16,4 +17,6 @@ __all__ = [
     "__version__",
     "chunked_cross_entropy",
     "generate",
+    "load_checkpoint",
+    "save_checkpoint",
 ]

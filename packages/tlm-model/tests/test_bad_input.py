@@ -1,0 +1,460 @@
+"""Bad input, end to end: what a user gets from every public module and function.
+
+Each row of the table in docs/reliability.md ("Bad input") is one case here, under the same id;
+``test_every_documented_row_is_a_test`` keeps the two in step. The model package depends on every
+other tlm package, so this one file can exercise them all.
+"""
+
+import pathlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tlm_attention import CausalMultiHeadSelfAttention, scaled_dot_product_attention, softmax
+from tlm_ffn import SwiGLU, silu
+from tlm_linear import Embedding, Linear
+from tlm_model import ModelConfig, TransformerBlock, TransformerLM
+from tlm_norm import RMSNorm
+from tlm_rope import RotaryPositionalEmbedding
+
+CFG = ModelConfig(vocab_size=11, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "reliability.md"
+
+
+def lm(**options) -> TransformerLM:
+    return TransformerLM.from_config(CFG, **options)
+
+
+def ids(*shape: int) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, shape)
+
+
+def rope(d_k: int = 8, max_seq_len: int = 8) -> RotaryPositionalEmbedding:
+    return RotaryPositionalEmbedding(10_000.0, d_k, max_seq_len)
+
+
+def mha(**options) -> CausalMultiHeadSelfAttention:
+    return CausalMultiHeadSelfAttention(16, 2, rope=rope(), **options)
+
+
+def block() -> TransformerBlock:
+    return TransformerBlock(16, 2, 24, 8, 10_000.0)
+
+
+def qkv(queries: int = 3, keys: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.randn(2, queries, 4), torch.randn(2, keys, 4), torch.randn(2, keys, 6)
+
+
+def sdpa_with_mask(mask: object) -> torch.Tensor:
+    return scaled_dot_product_attention(*qkv(), mask)
+
+
+def load_into_lm(edit: Callable[[dict], None]) -> None:
+    state = lm().state_dict()
+    edit(state)
+    lm().load_state_dict(state)
+
+
+def _replace(state: dict, key: str, value: torch.Tensor) -> None:
+    state[key] = value
+
+
+# --------------------------------------------------------------------------- rows that raise
+
+
+@dataclass(frozen=True)
+class Raises:
+    id: str
+    call: Callable[[], object]
+    exception: type[Exception]
+    message: str  # a literal substring of the message (escaped before matching)
+
+
+RAISES = [
+    # wrong dtype
+    Raises("lm-float-ids", lambda: lm()(torch.zeros(1, 4)), TypeError,
+           "token_ids must be an integer tensor, got dtype torch.float32"),
+    Raises("lm-bool-ids", lambda: lm()(torch.zeros(1, 4, dtype=torch.bool)), TypeError,
+           "token_ids must be an integer tensor, got dtype torch.bool"),
+    Raises("lm-ids-not-a-tensor", lambda: lm()([[1, 2]]), TypeError,
+           "in_indices must be a torch.Tensor of token ids, got list"),
+    Raises("embedding-float-ids", lambda: Embedding(11, 4)(torch.tensor([1.0])), TypeError,
+           "token_ids must be an integer tensor, got dtype torch.float32"),
+    Raises("lm-float-positions", lambda: lm()(ids(1, 3), torch.arange(3.0)), TypeError,
+           "token_positions must be an integer tensor, got dtype torch.float32"),
+    Raises("linear-int-activations", lambda: Linear(4, 3)(torch.ones(2, 4, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("rmsnorm-int-activations", lambda: RMSNorm(4)(torch.ones(2, 4, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("silu-int-activations", lambda: silu(torch.ones(3, dtype=torch.int32)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int32"),
+    Raises("swiglu-int-activations", lambda: SwiGLU(4, 8)(torch.ones(2, 4, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("rope-int-activations", lambda: rope()(torch.ones(3, 8, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("softmax-int-activations", lambda: softmax(torch.arange(3), 0), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("sdpa-int-activations",
+           lambda: scaled_dot_product_attention(torch.ones(3, 4, dtype=torch.long), *qkv()[1:]), TypeError,
+           "Q must be a floating-point tensor, got dtype torch.int64"),
+    Raises("mha-int-activations", lambda: mha()(torch.ones(2, 3, 16, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    Raises("block-int-activations", lambda: block()(torch.ones(2, 3, 16, dtype=torch.long)), TypeError,
+           "x must be a floating-point tensor, got dtype torch.int64"),
+    # wrong rank or shape
+    Raises("lm-0d-ids", lambda: lm()(torch.tensor(3)), ValueError,
+           "in_indices must have shape (..., seq), got a 0-d tensor"),
+    Raises("linear-0d", lambda: Linear(4, 3)(torch.tensor(1.0)), ValueError,
+           "x must have last dimension in_features=4, got shape ()"),
+    Raises("linear-wrong-last-dim", lambda: Linear(4, 3)(torch.randn(2, 5)), ValueError,
+           "x must have last dimension in_features=4, got shape (2, 5)"),
+    Raises("rmsnorm-wrong-last-dim", lambda: RMSNorm(4)(torch.randn(2, 5)), ValueError,
+           "x must have last dimension d_model=4, got shape (2, 5)"),
+    Raises("rope-1d", lambda: rope()(torch.randn(8)), ValueError,
+           "x must have shape (..., seq, d_k=8), got (8,)"),
+    Raises("mha-1d", lambda: mha()(torch.randn(16)), ValueError,
+           "x must have shape (..., seq, d_model=16), got (16,)"),
+    Raises("sdpa-1d", lambda: scaled_dot_product_attention(torch.randn(4), *qkv()[1:]), ValueError,
+           "Q must have shape (..., seq, dim), got (4,)"),
+    Raises("sdpa-d_k-mismatch",
+           lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(2, 5, 3), torch.randn(2, 5, 6)),
+           ValueError, "Q and K must share their last dimension d_k, got Q (2, 3, 4) and K (2, 5, 3)"),
+    Raises("sdpa-keys-mismatch",
+           lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 4, 6)),
+           ValueError, "K and V must have the same number of keys (dim -2), got K (2, 5, 4) and V (2, 4, 6)"),
+    Raises("sdpa-batch-mismatch",
+           lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(3, 5, 4), torch.randn(3, 5, 6)),
+           ValueError, "the leading (batch-like) dimensions of Q (2, 3, 4), K (3, 5, 4) and V (3, 5, 6) do not "
+           "broadcast together"),
+    Raises("softmax-dim-out-of-range", lambda: softmax(torch.randn(2, 3), 2), ValueError,
+           "dim must be in [-2, 1] for a tensor of rank 2, got 2"),
+    Raises("rope-positions-wrong-shape", lambda: rope()(torch.randn(2, 3, 8), torch.arange(4)), ValueError,
+           "token_positions of shape (4,) must broadcast to x.shape[:-1] = (2, 3) (that is, (..., seq))"),
+    # Checked by the attention module before it adds a heads axis, so the shapes are the caller's.
+    Raises("lm-positions-wrong-shape", lambda: lm()(ids(2, 3), torch.arange(4)), ValueError,
+           "token_positions of shape (4,) must broadcast to the input's (..., seq) = (2, 3)"),
+    # ids outside the vocabulary
+    Raises("lm-ids-too-large", lambda: lm()(torch.tensor([[0, 11]])), ValueError,
+           "token_ids must lie in [0, num_embeddings=11), got values in [0, 11]"),
+    Raises("lm-negative-ids", lambda: lm()(torch.tensor([[-1, 3]])), ValueError,
+           "token_ids must lie in [0, num_embeddings=11), got values in [-1, 3]"),
+    # too long
+    Raises("lm-too-long", lambda: lm()(ids(1, 9)), ValueError,
+           "in_indices has 9 tokens but the model's context_length is 8"),
+    Raises("rope-too-long", lambda: rope()(torch.randn(9, 8)), ValueError,
+           "x has seq=9 positions but the tables hold max_seq_len=8; pass token_positions or build the module "
+           "with a larger max_seq_len"),
+    Raises("mha-too-long", lambda: mha()(torch.randn(1, 9, 16)), ValueError,
+           "x has seq=9 positions but the tables hold max_seq_len=8"),
+    # masks
+    Raises("sdpa-mask-not-broadcastable", lambda: sdpa_with_mask(torch.ones(3, 4, dtype=torch.bool)), ValueError,
+           "mask of shape (3, 4) does not broadcast to (..., queries, keys) = (2, 3, 5)"),
+    Raises("sdpa-mask-1d", lambda: sdpa_with_mask(torch.ones(5, dtype=torch.bool)), ValueError,
+           "mask must have shape (..., queries, keys), got (5,)"),
+    Raises("sdpa-mask-float", lambda: sdpa_with_mask(torch.ones(3, 5)), TypeError,
+           "mask must have dtype torch.bool (True = may attend), got torch.float32; an additive float mask is not "
+           "supported"),
+    Raises("sdpa-mask-int", lambda: sdpa_with_mask(torch.ones(3, 5, dtype=torch.long)), TypeError,
+           "mask must have dtype torch.bool (True = may attend), got torch.int64"),
+    Raises("sdpa-mask-not-a-tensor", lambda: sdpa_with_mask([[True] * 5] * 3), TypeError,
+           "mask must be a torch.Tensor of dtype torch.bool, got list"),
+    # empty sequence
+    Raises("lm-empty-sequence", lambda: lm()(torch.zeros(2, 0, dtype=torch.long)), ValueError,
+           "in_indices must hold at least one token, got shape (2, 0)"),
+    # state dicts (torch's load_state_dict, strict=True by default)
+    Raises("state-dict-missing-key", lambda: load_into_lm(lambda sd: sd.pop("lm_head.weight")), RuntimeError,
+           'Error(s) in loading state_dict for TransformerLM:\n\tMissing key(s) in state_dict: "lm_head.weight". '),
+    Raises("state-dict-unexpected-key", lambda: load_into_lm(lambda sd: _replace(sd, "extra.weight", torch.ones(1))),
+           RuntimeError,
+           'Error(s) in loading state_dict for TransformerLM:\n\tUnexpected key(s) in state_dict: "extra.weight". '),
+    Raises("state-dict-wrong-shape", lambda: load_into_lm(lambda sd: _replace(sd, "lm_head.weight", torch.ones(3, 3))),
+           RuntimeError, "Error(s) in loading state_dict for TransformerLM:\n\tsize mismatch for lm_head.weight: "
+           "copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is "
+           "torch.Size([11, 16])."),
+    # hyperparameters
+    Raises("rope-odd-d_k", lambda: RotaryPositionalEmbedding(10_000.0, 7, 8), ValueError,
+           "d_k must be even (RoPE rotates pairs of dimensions), got 7"),
+    Raises("config-odd-head-dim",
+           lambda: ModelConfig(vocab_size=11, context_length=8, d_model=15, num_layers=1, num_heads=5, d_ff=8),
+           ValueError, "ModelConfig: d_model / num_heads must be even for RoPE, got 3"),
+    Raises("mha-heads-not-dividing", lambda: CausalMultiHeadSelfAttention(10, 3), ValueError,
+           "d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
+    Raises("block-heads-not-dividing", lambda: TransformerBlock(10, 3, 8, 8, 10_000.0), ValueError,
+           "d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
+    Raises("lm-heads-not-dividing", lambda: TransformerLM(11, 8, 10, 1, 3, 8), ValueError,
+           "ModelConfig.d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
+    Raises("config-unknown-field", lambda: ModelConfig.from_dict({**CFG.to_dict(), "dropout": 0.1}), ValueError,
+           "unknown ModelConfig fields ['dropout']; expected a subset of"),
+    # positions
+    Raises("rope-position-too-large", lambda: rope()(torch.randn(3, 8), torch.tensor([0, 1, 8])), ValueError,
+           "token_positions must lie in [0, max_seq_len=8), got values in [0, 8]"),
+    Raises("rope-negative-position", lambda: rope()(torch.randn(3, 8), torch.tensor([-1, 0, 1])), ValueError,
+           "token_positions must lie in [0, max_seq_len=8), got values in [-1, 1]"),
+    Raises("lm-position-too-large", lambda: lm()(ids(1, 3), torch.arange(6, 9)), ValueError,
+           "token_positions must lie in [0, max_seq_len=8), got values in [6, 8]"),
+    Raises("lm-negative-position", lambda: lm()(ids(1, 3), torch.arange(-1, 2)), ValueError,
+           "token_positions must lie in [0, max_seq_len=8), got values in [-1, 1]"),
+    Raises("mha-positions-without-rope",
+           lambda: CausalMultiHeadSelfAttention(16, 2)(torch.randn(3, 16), torch.arange(3)), ValueError,
+           "token_positions was given but this attention module has no rope to use it"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("row", RAISES, ids=[row.id for row in RAISES])
+def test_raises(row):
+    with pytest.raises(row.exception, match=re.escape(row.message)):
+        row.call()
+
+
+# ----------------------------------------------------------- rows whose documented behaviour is not an error
+
+
+def _lm_batch_dims():
+    out = lm()(ids(2, 3, 4))
+    assert out.shape == (2, 3, 4, CFG.vocab_size)
+
+
+def _lm_empty_batch():
+    assert lm()(torch.zeros(0, 4, dtype=torch.long)).shape == (0, 4, CFG.vocab_size)
+
+
+def _lm_uint8_ids():
+    tokens = ids(2, 4)
+    torch.testing.assert_close(lm_fixed()(tokens.to(torch.uint8)), lm_fixed()(tokens), rtol=0, atol=0)
+
+
+def lm_fixed() -> TransformerLM:
+    torch.manual_seed(1)
+    return lm()
+
+
+def _empty_passes_through(module_call, shape):
+    def check():
+        assert module_call(torch.randn(shape)).shape[: len(shape) - 1] == shape[:-1]
+
+    return check
+
+
+def _mha_empty_sequence(backend):
+    def check():
+        assert mha(backend=backend)(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+
+    return check
+
+
+BEHAVES = {
+    "lm-extra-batch-dims": _lm_batch_dims,
+    "lm-empty-batch": _lm_empty_batch,
+    "lm-uint8-ids": _lm_uint8_ids,
+    "rope-empty-sequence": _empty_passes_through(rope(), (2, 0, 8)),
+    "linear-empty": _empty_passes_through(Linear(4, 3), (0, 4)),
+    "rmsnorm-empty": _empty_passes_through(RMSNorm(4), (0, 4)),
+    "embedding-empty-ids": lambda: Embedding(11, 4)(torch.zeros(0, dtype=torch.long)).shape == (0, 4),
+    "softmax-empty-dim": lambda: softmax(torch.randn(2, 0), -1).shape == (2, 0),
+    "sdpa-no-keys": lambda: torch.equal(scaled_dot_product_attention(*qkv(keys=0)), torch.zeros(2, 3, 6)),
+    "mha-empty-sequence-reference": _mha_empty_sequence("reference"),
+    "mha-empty-sequence-torch": _mha_empty_sequence("torch"),
+    "mha-empty-sequence-blockwise": _mha_empty_sequence("blockwise"),
+}
+
+
+@pytest.mark.parametrize("row", list(BEHAVES))
+def test_documented_behaviour(row):
+    result = BEHAVES[row]()
+    assert result is None or result is True
+
+
+# --------------------------------------------------------------------------------------- NaN inputs
+# None of these raise: tlm never checks values for NaN (a data-dependent check on every call).
+NAN = float("nan")
+
+
+def with_nan(x: torch.Tensor, index: tuple) -> torch.Tensor:
+    x = x.clone()
+    x[index] = NAN
+    return x
+
+
+def nan_rows(y: torch.Tensor) -> list:
+    """Which positions (all axes but the last) hold any NaN."""
+    return torch.isnan(y).any(-1).tolist()
+
+
+def _nan_elementwise(module, x_shape, index, expected_rows):
+    def check():
+        x = torch.randn(x_shape)
+        assert nan_rows(module(with_nan(x, index))) == expected_rows
+
+    return check
+
+
+def _nan_rope():
+    out = rope()(with_nan(torch.randn(3, 8), (1, 5)))
+    # Only the pair (x[4], x[5]) of position 1 is NaN.
+    assert torch.isnan(out).nonzero().tolist() == [[1, 4], [1, 5]]
+
+
+def _nan_silu():
+    assert torch.isnan(silu(with_nan(torch.randn(3, 4), (1, 2)))).nonzero().tolist() == [[1, 2]]
+
+
+def _nan_softmax():
+    out = softmax(with_nan(torch.randn(3, 4), (1, 2)), dim=-1)
+    assert nan_rows(out) == [False, True, False] and torch.isnan(out[1]).all()
+
+
+CAUSAL = torch.ones(4, 4, dtype=torch.bool).tril()
+
+
+def _nan_sdpa(which: str, expected_rows: list):
+    def check():
+        q, k, v = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8)
+        q, k, v = (with_nan(t, (2, 0)) if name == which else t for name, t in zip("QKV", (q, k, v), strict=True))
+        assert nan_rows(scaled_dot_product_attention(q, k, v, CAUSAL)) == expected_rows
+
+    return check
+
+
+def _nan_mha(backend: str):
+    def check():
+        torch.manual_seed(0)
+        attn = mha(backend=backend)
+        x = torch.randn(2, 6, 16)
+        clean = attn(x)
+        out = attn(with_nan(x, (0, 3, 5)))  # batch row 0, position 3
+        assert torch.equal(out[1], clean[1]), "the other batch row is untouched"
+        assert nan_rows(out[0])[3:] == [True] * 3, "positions that attend to the NaN must be NaN"
+        # Also the positions before it: their weight on key 3 is exactly 0, but 0·NaN = NaN (the
+        # blockwise backend skips key blocks wholly in a query's future, but 6 tokens are one block).
+        assert nan_rows(out[0])[:3] == [True] * 3
+
+    return check
+
+
+def _nan_lm(backend: str):
+    def check():
+        torch.manual_seed(0)
+        model = lm(attention_backend=backend)
+        tokens = torch.tensor([[1, 2, 4, 3, 5], [1, 2, 4, 4, 5]])
+        clean = model(tokens)
+        with torch.no_grad():
+            model.token_embeddings.weight[3, 0] = NAN  # token 3 appears in row 0 only, at position 3
+        out = model(tokens)
+        assert torch.equal(out[1], clean[1]), "the other batch row is untouched"
+        assert nan_rows(out[0])[3:] == [True] * 2, "positions that attend to the NaN must be NaN"
+        assert nan_rows(out[0])[:3] == [True] * 3, "and, through 0·NaN in the first layer, those before it"
+
+    return check
+
+
+NANS = {
+    "nan-linear": _nan_elementwise(Linear(4, 3), (3, 4), (1, 2), [False, True, False]),
+    "nan-rmsnorm": _nan_elementwise(RMSNorm(4), (3, 4), (1, 2), [False, True, False]),
+    "nan-swiglu": _nan_elementwise(SwiGLU(4, 8), (3, 4), (1, 2), [False, True, False]),
+    "nan-rope": _nan_rope,
+    "nan-silu": _nan_silu,
+    "nan-softmax": _nan_softmax,
+    # NaN at index 2 of Q, K or V, under a causal 4×4 mask.
+    "nan-sdpa-query": _nan_sdpa("Q", [False, False, True, False]),
+    "nan-sdpa-key": _nan_sdpa("K", [False, False, True, True]),
+    "nan-sdpa-value": _nan_sdpa("V", [True, True, True, True]),
+    "nan-mha-auto": _nan_mha("auto"),
+    "nan-mha-reference": _nan_mha("reference"),
+    "nan-mha-torch": _nan_mha("torch"),
+    "nan-mha-blockwise": _nan_mha("blockwise"),
+    "nan-lm-embedding": _nan_lm("auto"),
+    "nan-lm-embedding-blockwise": _nan_lm("blockwise"),
+}
+
+
+@pytest.mark.parametrize("check", list(NANS.values()), ids=list(NANS))
+def test_nan_propagates_without_raising(check):
+    check()
+
+
+# ------------------------------------------------------------------------- documentation in step
+
+
+def documented_ids() -> list[str]:
+    text = DOC.read_text(encoding="utf-8")
+    section = text.split("## Bad input", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([a-z0-9_-]+)` \|", section, flags=re.MULTILINE)
+
+
+@pytest.mark.skipif(not DOC.exists(), reason="docs/reliability.md lives in the tlm monorepo, not in this copy")
+def test_every_documented_row_is_a_test():
+    tested = [row.id for row in RAISES] + list(BEHAVES) + list(NANS)
+    documented = documented_ids()
+    assert len(tested) == len(set(tested)), "duplicate ids"
+    assert sorted(documented) == sorted(tested)
+
+
+# ---------------------------------------------------------------------------- nothing changes in place
+
+
+def _snapshot(tensors):
+    return [(t, t.clone(), t._version) for t in tensors]
+
+
+def _assert_unchanged(snapshot):
+    for tensor, before, version in snapshot:
+        # equal_nan: NaN inputs must stay NaN; _version counts every in-place write, even one that
+        # happens to store the same values.
+        assert torch.equal(tensor.isnan(), before.isnan()) and torch.equal(tensor.nan_to_num(), before.nan_to_num()), (
+            "input values changed"
+        )
+        assert tensor._version == version, "input was written in place"
+
+
+def _inplace_cases():
+    x16 = torch.randn(2, 5, 16)
+    positions = torch.arange(5)
+    q, k, v = qkv()
+    mask = torch.rand(3, 5) < 0.7
+    tokens = ids(2, 5)
+    return {
+        "Linear": (Linear(16, 4), (x16,)),
+        "Embedding": (Embedding(11, 4), (tokens,)),
+        "RMSNorm": (RMSNorm(16), (with_nan(x16, (0, 0, 0)),)),
+        "SwiGLU": (SwiGLU(16, 24), (x16,)),
+        "silu": (silu, (x16,)),
+        "RotaryPositionalEmbedding": (rope(16), (x16, positions)),
+        "softmax": (lambda x: softmax(x, -1), (x16,)),
+        "scaled_dot_product_attention": (scaled_dot_product_attention, (q, k, v, mask)),
+        "CausalMultiHeadSelfAttention": (mha(), (x16, positions)),
+        "CausalMultiHeadSelfAttention-reference": (mha(backend="reference"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-blockwise": (mha(backend="blockwise"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-fused": (mha(fused_qkv=True), (x16, positions)),
+        "TransformerBlock": (block(), (x16, positions)),
+        "TransformerLM": (lm(), (tokens, positions)),
+        "TransformerLM-unfused": (lm(fused=False), (tokens, positions)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_inplace_cases()))
+def test_inputs_are_not_modified_in_place(name):
+    fn, args = _inplace_cases()[name]
+    snapshot = _snapshot(args)
+    fn(*args)
+    _assert_unchanged(snapshot)
+
+
+@pytest.mark.parametrize("name", list(_inplace_cases()))
+def test_inputs_that_require_grad_are_not_modified_by_backward(name):
+    fn, args = _inplace_cases()[name]
+    args = tuple(a.detach().requires_grad_(True) if a.is_floating_point() else a for a in args)
+    snapshot = _snapshot(args)
+    out = fn(*args)
+    out.float().sum().backward()
+    _assert_unchanged(snapshot)
+
+
+def test_load_state_dict_leaves_the_callers_dict_alone():
+    state = lm().state_dict()
+    keys, snapshot = list(state), _snapshot(state.values())
+    lm().load_state_dict(state)
+    assert list(state) == keys
+    _assert_unchanged(snapshot)
