@@ -94,3 +94,29 @@ else:
     # a failure prints a @reproduce_failure blob. No database, so no .hypothesis/ appears.
     settings.register_profile("thorough", max_examples=500, deadline=None, database=None, print_blob=True)
     settings.load_profile("ci")
+
+
+_ORDERED_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many representable values of the (shared) dtype lie between a and b: 0 equal, 1 adjacent."""
+    assert a.dtype == b.dtype
+    int_dtype, magnitude = _ORDERED_BITS[a.dtype]
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # Sign-magnitude bit patterns to integers in the order of the floats (+0 and -0 both 0).
+        i = t.contiguous().view(int_dtype).long()
+        return torch.where(i < 0, -(i & magnitude), i)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+@pytest.fixture
+def ulp_distance():
+    """``ulp_distance(a, b)``: elementwise distance in units in the last place of their dtype."""
+    return _ulp_distance

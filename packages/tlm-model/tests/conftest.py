@@ -59,3 +59,33 @@ def lm_reference(rope_reference):
         return reference_lm(sd, ids, cfg, rope_reference, positions)
 
     return run
+
+
+COURSE_BLOCK_KEYS = (
+    "attn.q_proj.weight",
+    "attn.k_proj.weight",
+    "attn.v_proj.weight",
+    "attn.output_proj.weight",
+    "ln1.weight",
+    "ffn.w1.weight",
+    "ffn.w2.weight",
+    "ffn.w3.weight",
+    "ln2.weight",
+)
+
+
+@pytest.fixture
+def course_block_keys():
+    """The state-dict keys of a block in the course's layout."""
+    return set(COURSE_BLOCK_KEYS)
+
+
+@pytest.fixture
+def course_lm_keys():
+    """``course_lm_keys(num_layers)``: the state-dict keys of a TransformerLM in the course's layout."""
+
+    def keys(num_layers):
+        top = {"token_embeddings.weight", "ln_final.weight", "lm_head.weight"}
+        return top | {f"layers.{i}.{key}" for i in range(num_layers) for key in COURSE_BLOCK_KEYS}
+
+    return keys

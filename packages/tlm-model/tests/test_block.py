@@ -4,18 +4,6 @@ import torch
 from tlm_model import TransformerBlock
 from tlm_rope import RotaryPositionalEmbedding
 
-BLOCK_KEYS = {
-    "attn.q_proj.weight",
-    "attn.k_proj.weight",
-    "attn.v_proj.weight",
-    "attn.output_proj.weight",
-    "ln1.weight",
-    "ffn.w1.weight",
-    "ffn.w2.weight",
-    "ffn.w3.weight",
-    "ln2.weight",
-}
-
 
 def randomized(block):
     with torch.no_grad():
@@ -25,9 +13,9 @@ def randomized(block):
     return block
 
 
-def test_state_dict_keys():
+def test_state_dict_keys(course_block_keys):
     block = TransformerBlock(16, 4, 48, 32, 10_000.0)
-    assert set(block.state_dict()) == BLOCK_KEYS
+    assert set(block.state_dict()) == course_block_keys
 
 
 @pytest.mark.parametrize("lead", [(), (3,)])

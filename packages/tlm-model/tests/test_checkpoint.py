@@ -8,20 +8,6 @@ from safetensors.torch import load_file, save_file
 from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
 
 CFG = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80, rope_theta=500.0)
-COURSE_BLOCK_KEYS = [
-    "attn.q_proj.weight",
-    "attn.k_proj.weight",
-    "attn.v_proj.weight",
-    "attn.output_proj.weight",
-    "ln1.weight",
-    "ffn.w1.weight",
-    "ffn.w2.weight",
-    "ffn.w3.weight",
-    "ln2.weight",
-]
-COURSE_KEYS = {"token_embeddings.weight", "ln_final.weight", "lm_head.weight"} | {
-    f"layers.{i}.{key}" for i in range(CFG.num_layers) for key in COURSE_BLOCK_KEYS
-}
 
 
 def trained_looking(model: TransformerLM) -> TransformerLM:
@@ -85,7 +71,7 @@ def test_dtype_and_device_on_load(tmp_path, device):
         assert torch.equal(loaded.state_dict()[key].cpu(), value.double()), key
 
 
-def test_files_are_what_they_claim(tmp_path):
+def test_files_are_what_they_claim(tmp_path, course_lm_keys):
     model = TransformerLM.from_config(CFG)
     returned = save_checkpoint(model, tmp_path / "new" / "dir")  # parents are created
     assert returned == tmp_path / "new" / "dir"
@@ -93,7 +79,7 @@ def test_files_are_what_they_claim(tmp_path):
     config = json.loads((returned / "config.json").read_text())
     assert config == {"format": 1, **CFG.to_dict()}
     with safe_open(str(returned / "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == COURSE_KEYS
+        assert set(f.keys()) == course_lm_keys(CFG.num_layers)
         for key in f.keys():
             assert f.get_slice(key).get_shape() == list(model.state_dict()[key].shape), key
     # Any safetensors reader gets the course's state dict, loadable without tlm's loader.
@@ -102,11 +88,11 @@ def test_files_are_what_they_claim(tmp_path):
     assert torch.equal(plain(tokens()), model(tokens()))
 
 
-def test_saves_from_a_compiled_model_under_plain_keys(tmp_path):
+def test_saves_from_a_compiled_model_under_plain_keys(tmp_path, course_lm_keys):
     model = trained_looking(TransformerLM.from_config(CFG))
     save_checkpoint(torch.compile(model), tmp_path)  # wrapping alone; nothing is compiled
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
-        assert set(f.keys()) == COURSE_KEYS
+        assert set(f.keys()) == course_lm_keys(CFG.num_layers)
 
 
 def test_tensors_sharing_storage_are_saved(tmp_path):

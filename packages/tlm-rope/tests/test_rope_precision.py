@@ -6,25 +6,6 @@ import torch
 
 from tlm_rope import RotaryPositionalEmbedding
 
-_BITS = {
-    torch.bfloat16: (torch.int16, 0x7FFF),
-    torch.float16: (torch.int16, 0x7FFF),
-    torch.float32: (torch.int32, 0x7FFFFFFF),
-}
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """How many representable values of the (shared) dtype lie between a and b: 0 equal, 1 adjacent."""
-    assert a.dtype == b.dtype
-    int_dtype, magnitude = _BITS[a.dtype]
-
-    def ordered(t):
-        # Sign-magnitude bit patterns to integers in the order of the floats (+0 and -0 both 0).
-        i = t.contiguous().view(int_dtype).long()
-        return torch.where(i < 0, -(i & magnitude), i)
-
-    return (ordered(a) - ordered(b)).abs()
-
 
 def float64_angles(max_seq_len, d_k, theta):
     # θ_{i,k} = i · Θ^(-2k/d), written out independently of the module, in float64.
@@ -33,7 +14,7 @@ def float64_angles(max_seq_len, d_k, theta):
 
 
 @pytest.mark.parametrize("cast", ["bfloat16", "half", "double", "to-float16"])
-def test_tables_are_float32_angles_for_every_position_after_any_cast(cast):
+def test_tables_are_float32_angles_for_every_position_after_any_cast(cast, ulp_distance):
     max_seq_len, d_k, theta = 8192, 64, 10_000.0
     rope = RotaryPositionalEmbedding(theta, d_k, max_seq_len)
     rope = {
@@ -59,7 +40,7 @@ def rotate_float64(x, position, theta):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_positions_300_and_301_rotate_as_float32_math_predicts(dtype):
+def test_positions_300_and_301_rotate_as_float32_math_predicts(dtype, ulp_distance):
     # bfloat16 has 8 significant bits: 301 is not representable and rounds to 300, so angles held
     # in bfloat16 could not tell these positions apart. float32 tables can, for any dtype of x.
     assert torch.tensor(301.0).to(torch.bfloat16).item() == 300.0

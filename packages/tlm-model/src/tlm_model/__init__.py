@@ -4,6 +4,7 @@ from tlm_model.block import TransformerBlock
 from tlm_model.checkpoint import load_checkpoint, save_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.generate import generate
+from tlm_model.inference import InferenceModel, compile_for_inference
 from tlm_model.lm import TransformerLM
 from tlm_model.loss import chunked_cross_entropy
 
@@ -11,11 +12,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "InferenceModel",
     "ModelConfig",
     "TransformerBlock",
     "TransformerLM",
     "__version__",
     "chunked_cross_entropy",
+    "compile_for_inference",
     "generate",
     "load_checkpoint",
     "save_checkpoint",

@@ -6,6 +6,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
 
@@ -24,7 +25,7 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
 
 @torch.no_grad()
 def generate(
-    model: TransformerLM,
+    model: TransformerLM | InferenceModel,
     prompt_ids: Int[Tensor, "... prompt"],
     max_new_tokens: int,
     *,
@@ -42,6 +43,7 @@ def generate(
     reaches ``top_p``. A row that emits ``eos_token_id`` stops (it is padded with that id while
     other rows go on); generation ends when every row has stopped. ``on_token(step)`` is called
     after each new token (the CLI draws its progress bar with it). Returns prompt + new tokens.
+    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] == 0:
         raise ValueError(
