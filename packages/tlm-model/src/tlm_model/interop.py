@@ -42,24 +42,29 @@ def _permute_rows(weight: Tensor, config: ModelConfig, to_rotate_half: bool) -> 
     return weight.unflatten(0, (config.num_heads, config.d_head))[:, order].flatten(0, 1).contiguous()
 
 
+def _convert(state_dict: dict[str, Tensor], config: ModelConfig, to_hf: bool) -> dict[str, Tensor]:
+    pairs = [(ours, hf) for ours, hf in _TOP.items()]
+    pairs += [
+        (f"layers.{i}.{ours}", f"model.layers.{i}.{hf}")
+        for i in range(config.num_layers)
+        for ours, hf in _BLOCK.items()
+    ]
+    out = {}
+    for ours, hf in pairs:
+        source, target = (ours, hf) if to_hf else (hf, ours)
+        weight = state_dict[source]
+        out[target] = _permute_rows(weight, config, to_hf) if ours.endswith(_ROTATED) else weight
+    return out
+
+
 def to_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """A tlm ``TransformerLM`` state dict as ``LlamaForCausalLM`` keys and row order."""
-    out = {hf: state_dict[ours] for ours, hf in _TOP.items()}
-    for i in range(config.num_layers):
-        for ours, hf in _BLOCK.items():
-            weight = state_dict[f"layers.{i}.{ours}"]
-            out[f"model.layers.{i}.{hf}"] = _permute_rows(weight, config, True) if ours in _ROTATED else weight
-    return out
+    return _convert(state_dict, config, to_hf=True)
 
 
 def from_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     """The inverse of :func:`to_hf_llama_state_dict`: load an HF Llama checkpoint into tlm."""
-    out = {ours: state_dict[hf] for ours, hf in _TOP.items()}
-    for i in range(config.num_layers):
-        for ours, hf in _BLOCK.items():
-            weight = state_dict[f"model.layers.{i}.{hf}"]
-            out[f"layers.{i}.{ours}"] = _permute_rows(weight, config, False) if ours in _ROTATED else weight
-    return out
+    return _convert(state_dict, config, to_hf=False)
 
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
