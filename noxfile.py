@@ -76,6 +76,14 @@ def _local_closure(name: str) -> list[str]:
     return ordered
 
 
+def _workspace_closure() -> list[str]:
+    """Every workspace package, each after the siblings it depends on."""
+    ordered: list[str] = []
+    for dist in PACKAGES:
+        ordered += [dep for dep in _local_closure(dist) if dep not in ordered]
+    return ordered
+
+
 def _install_torch(session: nox.Session, device: str) -> None:
     session.install(*shlex.split(TORCH[device]))
 
@@ -90,7 +98,7 @@ def _has_cuda() -> bool:
 TEST_TARGETS = [*PACKAGES, "tests-course"]
 # HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
 # the baseline of the benchmarks.
-COURSE_REQUIREMENTS = ["transformers>=5,<6"]
+COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7"]
 
 
 def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu", extras: str = "") -> None:
@@ -103,7 +111,8 @@ def _install_workspace(session: nox.Session, dists: list[str], device: str = "cp
 
 def _run_suite(session: nox.Session, target: str, device: str) -> None:
     if target == "tests-course":
-        _install_workspace(session, _local_closure("tlm-model"), device)
+        # The course's suite spans every part: model, tokenizer, optimizer, training utilities.
+        _install_workspace(session, _workspace_closure(), device)
         session.install(*TEST_REQUIREMENTS, *COURSE_REQUIREMENTS)
         test_dir = COURSE_DIR
     else:
