@@ -19,13 +19,14 @@ without the hash check it never had.
 import dataclasses
 import errno
 import hashlib
+import io
 import json
 import os
 import secrets
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +44,9 @@ _TMP_SUFFIX = ".tmp"
 _MAX_HEADER = 100_000_000
 _TLM_KEYS = frozenset({"tlm_format", "tlm_config", "tlm_sha256"})
 _CHUNK = 1 << 24
+# Never follow a symlink where the temporary file goes (O_NOFOLLOW is POSIX; O_EXCL alone already
+# refuses an existing name, links included); close the file in a forked child.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -73,17 +77,18 @@ def _step(name: str) -> None:
 # Saving
 
 
-def unwrap(model: nn.Module) -> nn.Module:
+def _unwrap(model: nn.Module) -> nn.Module:
     """The TransformerLM inside a ``torch.compile`` wrapper or a :func:`compile_for_inference` model."""
     from tlm_model.inference import InferenceModel
 
     for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
         if isinstance(model, InferenceModel):
             model = model.model
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
+            continue
+        inner = getattr(model, "_orig_mod", None)  # what torch.compile wraps
+        if not isinstance(inner, nn.Module):
             break
+        model = inner
     return model
 
 
@@ -96,7 +101,7 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     An existing checkpoint is replaced in one rename; a ``config.json`` of the 0.1.0 layout beside
     it is removed afterwards (the new file carries its own config).
     """
-    inner = unwrap(model)
+    inner = _unwrap(model)
     if not isinstance(inner, TransformerLM):
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     path = Path(path)
@@ -113,7 +118,7 @@ def save_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     tmp = _create_temp(directory)
     try:
         _step("temp-created")
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)), "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | _NOFOLLOW), "wb") as f:
             f.write(struct.pack("<Q", len(blob)) + blob)
             _step("header-written")
             for name in _order(tensors):
@@ -166,7 +171,8 @@ def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> di
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    # A view of the tensor's own memory (no copy), for hashing, writing and reading into.
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _digest(header: Mapping[str, Any], chunks: Iterable[torch.Tensor | memoryview | bytes]) -> str:
@@ -184,7 +190,7 @@ def _canonical(header: Mapping[str, Any]) -> bytes:
 
 
 def _create_temp(directory: Path) -> Path:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
     while True:
         # pid + random: unique across processes and threads; O_EXCL refuses anything already there.
         tmp = directory / f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{_TMP_SUFFIX}"
@@ -230,7 +236,7 @@ class _Entry:
     end: int
 
 
-def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], dict[str, _Entry], int]:
+def _read_header(f: io.BufferedReader, path: Path) -> tuple[dict[str, Any], dict[str, _Entry], int]:
     """Parse and check a safetensors header; returns (raw header, entries, data length)."""
     size = os.fstat(f.fileno()).st_size
     prefix = f.read(8)
@@ -283,7 +289,7 @@ def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], dict[str, _En
     return header, entries, data
 
 
-def _read_tensors(f: BinaryIO, entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
+def _read_tensors(f: io.BufferedReader, entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
     """Read every tensor of ``entries`` from ``f`` (positioned at the data) in file order."""
     out = {}
     for name in sorted(entries, key=lambda k: entries[k].begin):
