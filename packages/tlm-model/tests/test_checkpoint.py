@@ -241,7 +241,8 @@ def test_mismatched_config_names_every_differing_field(tmp_path):
     save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
     requested = ModelConfig(**{**CFG.to_dict(), "d_model": 64, "d_ff": 160, "rope_theta": 10_000.0})
     expected = (
-        "checkpoint config mismatch: d_model is 32 in the checkpoint but 64 requested; "
+        f"checkpoint config mismatch in {tmp_path / 'model.safetensors'}: "
+        "d_model is 32 in the checkpoint but 64 requested; "
         "d_ff is 80 in the checkpoint but 160 requested; "
         "rope_theta is 500.0 in the checkpoint but 10000.0 requested"
     )
@@ -272,9 +273,10 @@ def test_missing_weights_name_the_path(tmp_path):
         load_checkpoint(tmp_path)
     assert info.value.filename == str(tmp_path / "model.safetensors")
     assert "not a tlm checkpoint: missing model.safetensors" in str(info.value)
-    with pytest.raises(FileNotFoundError, match="no such file") as info:
-        load_checkpoint(tmp_path / "nowhere.safetensors")
-    assert info.value.filename == str(tmp_path / "nowhere.safetensors")
+    for missing in ("nowhere", "nowhere.safetensors"):
+        with pytest.raises(FileNotFoundError, match=r"no such checkpoint \(file or folder\)") as info:
+            load_checkpoint(tmp_path / missing)
+        assert info.value.filename == str(tmp_path / missing)
 
 
 def test_0_1_0_layout_without_config_json_names_it(tmp_path):

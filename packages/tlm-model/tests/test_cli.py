@@ -248,7 +248,7 @@ def ckpt_args(path, *extra):
 
 
 def test_generate_from_a_missing_checkpoint(capsys, tmp_path):
-    fails(capsys, ckpt_args(tmp_path / "nowhere"), "not a tlm checkpoint", str(tmp_path / "nowhere"))
+    fails(capsys, ckpt_args(tmp_path / "nowhere"), f"no such checkpoint (file or folder): {tmp_path / 'nowhere'}\n")
     fails(capsys, ckpt_args(tmp_path), "not a tlm checkpoint: missing model.safetensors", str(tmp_path))
 
 
@@ -264,7 +264,8 @@ def test_generate_from_a_corrupt_checkpoint(capsys, tmp_path):
 
 def test_generate_from_a_mismatched_checkpoint(capsys, tmp_path):
     save_checkpoint(TransformerLM.from_config(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path)
-    fails(capsys, ckpt_args(tmp_path, "--preset", TINY), "checkpoint config mismatch: vocab_size is 11")
+    expected = f"checkpoint config mismatch in {tmp_path / 'model.safetensors'}: vocab_size is 11"
+    fails(capsys, ckpt_args(tmp_path, "--preset", TINY), expected)
 
 
 def test_generate_from_a_state_dict_without_a_preset(capsys, tmp_path):

@@ -331,18 +331,19 @@ def load_checkpoint(
     if config is not None and not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or None, got {type(config).__name__}")
     path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint (file or folder)", str(path))
     weights = path / WEIGHTS_NAME if path.is_dir() else path
     if not weights.is_file():
-        missing = f"missing {WEIGHTS_NAME}" if path.is_dir() or not path.suffix else "no such file"
         raise FileNotFoundError(
-            errno.ENOENT, f"not a tlm checkpoint: {missing} (save_checkpoint writes {WEIGHTS_NAME})", str(weights)
+            errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME} (save_checkpoint writes it)", str(weights)
         )
     if weights.suffix != ".safetensors":
         saved, state = _load_torch_file(weights, config)
     else:
         saved, state = _load_safetensors(weights, config)
     if config is not None:
-        _check_same(saved, config)
+        _check_same(saved, config, weights)
     if dtype is None:
         dtype = _saved_dtype(state, weights)
     model = TransformerLM.from_config(saved, device=device, dtype=dtype, **options)
@@ -453,14 +454,14 @@ def _check_fits(config: ModelConfig, entries: Mapping[str, _Entry], path: Path, 
         raise ValueError(f"{path} does not match {source}: " + "; ".join(problems))
 
 
-def _check_same(saved: ModelConfig, requested: ModelConfig) -> None:
+def _check_same(saved: ModelConfig, requested: ModelConfig, path: Path) -> None:
     differences = []
     for field in dataclasses.fields(ModelConfig):
         have, want = getattr(saved, field.name), getattr(requested, field.name)
         if have != want:
             differences.append(f"{field.name} is {have!r} in the checkpoint but {want!r} requested")
     if differences:
-        raise ValueError("checkpoint config mismatch: " + "; ".join(differences))
+        raise ValueError(f"checkpoint config mismatch in {path}: " + "; ".join(differences))
 
 
 def _saved_dtype(state: dict[str, torch.Tensor], path: Path) -> torch.dtype:
