@@ -1,11 +1,13 @@
+import hashlib
 import json
+import struct
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, compile_for_inference, load_checkpoint, save_checkpoint
 
 CFG = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80, rope_theta=500.0)
 
@@ -21,6 +23,21 @@ def trained_looking(model: TransformerLM) -> TransformerLM:
 
 def tokens(n: int = 12) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def write_legacy(directory, model: TransformerLM, config: dict | None = None) -> None:
+    """A checkpoint as tlm-model 0.1.0 wrote it: plain safetensors weights beside config.json."""
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    config = {"format": 1, **model.config.to_dict()} if config is None else config
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def raw_header(path) -> tuple[dict, int]:
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), n
 
 
 def test_round_trip_gives_bit_identical_logits(tmp_path):
@@ -71,21 +88,35 @@ def test_dtype_and_device_on_load(tmp_path, device):
         assert torch.equal(loaded.state_dict()[key].cpu(), value.double()), key
 
 
-def test_files_are_what_they_claim(tmp_path, course_lm_keys):
-    model = TransformerLM.from_config(CFG)
+def test_the_file_is_a_safetensors_file_holding_weights_config_and_hash(tmp_path, course_lm_keys):
+    model = trained_looking(TransformerLM.from_config(CFG))
     returned = save_checkpoint(model, tmp_path / "new" / "dir")  # parents are created
     assert returned == tmp_path / "new" / "dir"
-    assert sorted(p.name for p in returned.iterdir()) == ["config.json", "model.safetensors"]
-    config = json.loads((returned / "config.json").read_text())
-    assert config == {"format": 1, **CFG.to_dict()}
-    with safe_open(str(returned / "model.safetensors"), framework="pt") as f:
+    assert [p.name for p in returned.iterdir()] == ["model.safetensors"]  # one file: nothing to pair up
+    path = returned / "model.safetensors"
+    # The safetensors library itself (an independent reader) sees the course's keys and shapes ...
+    with safe_open(str(path), framework="pt") as f:
         assert set(f.keys()) == course_lm_keys(CFG.num_layers)
-        for key in f.keys():
-            assert f.get_slice(key).get_shape() == list(model.state_dict()[key].shape), key
-    # Any safetensors reader gets the course's state dict, loadable without tlm's loader.
-    plain = TransformerLM.from_config(CFG)
-    plain.load_state_dict(load_file(str(returned / "model.safetensors")))
-    assert torch.equal(plain(tokens()), model(tokens()))
+        meta = f.metadata()
+    assert meta["format"] == "pt" and meta["tlm_format"] == "2"
+    assert json.loads(meta["tlm_config"]) == CFG.to_dict()
+    # ... and the same tensors, loadable without tlm's loader.
+    plain = load_file(str(path))
+    for key, value in model.state_dict().items():
+        assert torch.equal(plain[key], value), key
+    # The hash, re-derived from its definition: SHA-256 of the header without the hash (sorted keys,
+    # no spaces) followed by every byte after the header.
+    header, n = raw_header(path)
+    digest = header["__metadata__"].pop("tlm_sha256")
+    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    assert digest == hashlib.sha256(canonical + path.read_bytes()[8 + n :]).hexdigest()
+
+
+def test_saves_to_a_named_file(tmp_path):
+    model = trained_looking(TransformerLM.from_config(CFG))
+    assert save_checkpoint(model, tmp_path / "step-10.safetensors") == tmp_path / "step-10.safetensors"
+    assert [p.name for p in tmp_path.iterdir()] == ["step-10.safetensors"]
+    assert torch.equal(load_checkpoint(tmp_path / "step-10.safetensors")(tokens()), model(tokens()))
 
 
 def test_saves_from_a_compiled_model_under_plain_keys(tmp_path, course_lm_keys):
@@ -93,11 +124,21 @@ def test_saves_from_a_compiled_model_under_plain_keys(tmp_path, course_lm_keys):
     save_checkpoint(torch.compile(model), tmp_path)  # wrapping alone; nothing is compiled
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == course_lm_keys(CFG.num_layers)
+    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
+
+
+def test_saves_a_compile_for_inference_model_like_a_plain_one(tmp_path):
+    model = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(model, tmp_path / "plain")
+    save_checkpoint(compile_for_inference(model), tmp_path / "inference")  # nothing compiles until a call
+    save_checkpoint(torch.compile(compile_for_inference(model)), tmp_path / "both")
+    plain = (tmp_path / "plain" / "model.safetensors").read_bytes()
+    assert (tmp_path / "inference" / "model.safetensors").read_bytes() == plain
+    assert (tmp_path / "both" / "model.safetensors").read_bytes() == plain
 
 
 def test_tensors_sharing_storage_are_saved(tmp_path):
-    # Tied embeddings are the usual case: one tensor under two names. safetensors refuses shared
-    # storage, so save_checkpoint must clone; the reload must still tie nothing and match.
+    # Tied embeddings are the usual case: one tensor under two names; the reload must still match.
     model = TransformerLM.from_config(CFG)
     with torch.no_grad():
         model.lm_head.weight = model.token_embeddings.weight
@@ -119,8 +160,76 @@ def test_overwrites_an_existing_checkpoint(tmp_path):
     save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
     second = trained_looking(TransformerLM.from_config(CFG))
     save_checkpoint(second, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), second(tokens()))
+
+
+def test_loads_the_0_1_0_layout(tmp_path):
+    model = trained_looking(TransformerLM.from_config(CFG))
+    write_legacy(tmp_path, model)
+    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
+
+
+def test_saving_over_the_0_1_0_layout_removes_its_config(tmp_path):
+    write_legacy(tmp_path, TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(model, tmp_path)
+    # tlm 0.1.0 would pair a left-over config.json with weights it does not describe.
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
+
+
+def test_a_config_json_that_tlm_did_not_write_is_kept(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    assert (tmp_path / "config.json").read_text() == '{"model_type": "llama"}'
+
+
+def test_an_embedded_config_wins_over_a_stale_config_json(tmp_path):
+    # What a kill between the rename and the removal of the old config.json leaves on disk.
+    model = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(model, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"format": 1, **CFG.to_dict(), "d_model": 64, "d_ff": 160}))
+    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
+
+
+def test_no_symlink_is_followed_on_write(tmp_path):
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"precious")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    # The names 0.1.0 wrote through, and the target itself.
+    for name in ("model.safetensors", "config.json.tmp", "model.safetensors.tmp"):
+        (ckpt / name).symlink_to(outside)
+    model = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(model, ckpt)
+    assert outside.read_bytes() == b"precious"
+    assert not (ckpt / "model.safetensors").is_symlink()
+    assert torch.equal(load_checkpoint(ckpt)(tokens()), model(tokens()))
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
+    old = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(old, tmp_path)
+    import tlm_model.checkpoint as checkpoint
+
+    def fail(step):
+        if step == "tensor-written":
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_after_step", fail)
+    with pytest.raises(OSError, match="No space left on device"):
+        save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+    assert torch.equal(load_checkpoint(tmp_path)(tokens()), old(tokens()))
+
+
+def test_a_state_dict_file_loads_with_a_config(tmp_path):
+    model = trained_looking(TransformerLM.from_config(CFG))
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "weights.safetensors"))
+    for name in ("weights.pt", "weights.safetensors"):
+        assert torch.equal(load_checkpoint(tmp_path / name, config=CFG)(tokens()), model(tokens())), name
 
 
 def test_matching_config_is_accepted(tmp_path):
@@ -132,7 +241,8 @@ def test_mismatched_config_names_every_differing_field(tmp_path):
     save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
     requested = ModelConfig(**{**CFG.to_dict(), "d_model": 64, "d_ff": 160, "rope_theta": 10_000.0})
     expected = (
-        "checkpoint config mismatch: d_model is 32 in the checkpoint but 64 requested; "
+        f"checkpoint config mismatch in {tmp_path / 'model.safetensors'}: "
+        "d_model is 32 in the checkpoint but 64 requested; "
         "d_ff is 80 in the checkpoint but 160 requested; "
         "rope_theta is 500.0 in the checkpoint but 10000.0 requested"
     )
@@ -148,35 +258,33 @@ def test_config_must_be_a_model_config(tmp_path):
 
 
 def test_save_rejects_what_is_not_a_transformer_lm(tmp_path):
-    with pytest.raises(TypeError, match="model must be a TransformerLM, got Linear"):
+    with pytest.raises(TypeError, match="model must be a TransformerLM \\(or a compiled one\\), got Linear"):
         save_checkpoint(torch.nn.Linear(2, 2), tmp_path)
 
 
 def test_save_rejects_a_model_on_the_meta_device(tmp_path):
     with pytest.raises(ValueError, match="is on the meta device"):
         save_checkpoint(TransformerLM.from_config(CFG, device="meta"), tmp_path)
-    assert not (tmp_path / "model.safetensors").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("missing", ["config.json", "model.safetensors"])
-def test_missing_file_names_the_path(tmp_path, missing):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
-    (tmp_path / missing).unlink()
+def test_missing_weights_name_the_path(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         load_checkpoint(tmp_path)
-    assert info.value.filename == str(tmp_path / missing)
-    assert str(tmp_path / missing) in str(info.value) and "not a tlm checkpoint" in str(info.value)
+    assert info.value.filename == str(tmp_path / "model.safetensors")
+    assert "not a tlm checkpoint: missing model.safetensors" in str(info.value)
+    for missing in ("nowhere", "nowhere.safetensors"):
+        with pytest.raises(FileNotFoundError, match=r"no such checkpoint \(file or folder\)") as info:
+            load_checkpoint(tmp_path / missing)
+        assert info.value.filename == str(tmp_path / missing)
 
 
-def test_missing_directory_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="config.json"):
-        load_checkpoint(tmp_path / "nowhere")
-
-
-def corrupt(tmp_path, name: str, content: str | bytes) -> None:
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
-    path = tmp_path / name
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+def test_0_1_0_layout_without_config_json_names_it(tmp_path):
+    write_legacy(tmp_path, TransformerLM.from_config(CFG))
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="carries no config and config.json is missing") as info:
+        load_checkpoint(tmp_path)
+    assert info.value.filename == str(tmp_path / "config.json")
 
 
 @pytest.mark.parametrize(
@@ -185,42 +293,72 @@ def corrupt(tmp_path, name: str, content: str | bytes) -> None:
         ("{not json", "config.json is not valid JSON: Expecting property name"),
         ("[1, 2]", "config.json must hold a JSON object, got list"),
         (json.dumps(CFG.to_dict()), 'config.json has no "format" field, so save_checkpoint did not write it'),
-        (json.dumps({"format": 2, **CFG.to_dict()}), 'has "format": 2; this tlm-model reads checkpoint format 1'),
+        (json.dumps({"format": 2, **CFG.to_dict()}), 'has "format": 2; a config.json beside the weights is checkpoint'),
         (json.dumps({"format": 1, **CFG.to_dict(), "dropout": 0.1}), "config.json: unknown ModelConfig fields"),
         (json.dumps({"format": 1, **CFG.to_dict(), "d_model": 30}), "must be divisible by num_heads"),
     ],
     ids=["not-json", "not-an-object", "no-format", "future-format", "unknown-field", "invalid-config"],
 )
-def test_malformed_config_is_a_value_error_naming_the_file(tmp_path, content, message):
-    corrupt(tmp_path, "config.json", content)
+def test_malformed_0_1_0_config_is_a_value_error_naming_the_file(tmp_path, content, message):
+    write_legacy(tmp_path, TransformerLM.from_config(CFG))
+    (tmp_path / "config.json").write_text(content)
     with pytest.raises(ValueError) as info:
         load_checkpoint(tmp_path)
     assert str(tmp_path / "config.json") in str(info.value) and message in str(info.value)
 
 
 def test_wrongly_typed_config_field_is_a_type_error(tmp_path):
-    corrupt(tmp_path, "config.json", json.dumps({"format": 1, **CFG.to_dict(), "d_model": "32"}))
+    write_legacy(tmp_path, TransformerLM.from_config(CFG), {"format": 1, **CFG.to_dict(), "d_model": "32"})
     with pytest.raises(TypeError, match="ModelConfig.d_model must be an int, got str"):
         load_checkpoint(tmp_path)
 
 
-def test_corrupt_weights_are_a_value_error_naming_the_file(tmp_path):
-    corrupt(tmp_path, "model.safetensors", b"\x00" * 7)
-    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
-        load_checkpoint(tmp_path)
-
-
-def test_weights_that_do_not_fit_the_config_are_torchs_runtime_error(tmp_path):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
-    state = load_file(str(tmp_path / "model.safetensors"))
+def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path):
+    model = TransformerLM.from_config(CFG)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = torch.zeros(5, CFG.d_model)
     del state["layers.1.ln2.weight"]
+    state["extra.weight"] = torch.zeros(1)
+    write_legacy(tmp_path, model)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(ValueError) as info:
         load_checkpoint(tmp_path)
-    message = str(info.value)
-    assert 'Missing key(s) in state_dict: "layers.1.ln2.weight"' in message
-    assert "size mismatch for lm_head.weight: copying a param with shape torch.Size([5, 32])" in message
+    assert str(info.value) == (
+        f"{tmp_path / 'model.safetensors'} does not match {tmp_path / 'config.json'}: "
+        "missing tensors ['layers.1.ln2.weight']; unexpected tensors ['extra.weight']; "
+        "lm_head.weight has shape [5, 32], the config needs [97, 32]"
+    )
+
+
+def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, monkeypatch):
+    # 10¹² × 32 float32 embeddings would be 128 TB: the header check must come first.
+    write_legacy(tmp_path, TransformerLM.from_config(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})
+    built, original = [], TransformerLM.from_config.__func__
+
+    def spy(cls, config, **kwargs):
+        built.append(kwargs)
+        return original(cls, config, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "from_config", classmethod(spy))
+    with pytest.raises(ValueError, match=r"token_embeddings.weight has shape \[97, 32\], the config needs"):
+        load_checkpoint(tmp_path)
+    assert built == [{"device": "meta"}]  # only the allocation-free shape model was built
+
+
+def test_a_consistent_file_whose_config_disagrees_with_its_tensors_is_refused(tmp_path):
+    # Written with a valid hash, so only the shape check can catch it.
+    import tlm_model.checkpoint as checkpoint
+
+    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    path = tmp_path / "model.safetensors"
+    header, n = raw_header(path)
+    data = path.read_bytes()[8 + n :]
+    header["__metadata__"]["tlm_config"] = json.dumps({**CFG.to_dict(), "d_ff": 96})
+    header["__metadata__"]["tlm_sha256"] = checkpoint._digest(header, [data])
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    with pytest.raises(ValueError, match=r"does not match the config stored in .*ffn.w1.weight has shape \[80, 32\]"):
+        load_checkpoint(tmp_path)
 
 
 def test_mixed_dtypes_need_an_explicit_dtype(tmp_path):
@@ -230,3 +368,16 @@ def test_mixed_dtypes_need_an_explicit_dtype(tmp_path):
     with pytest.raises(ValueError, match=r"several dtypes \['torch.bfloat16', 'torch.float32'\]; pass dtype="):
         load_checkpoint(tmp_path)
     assert load_checkpoint(tmp_path, dtype=torch.float32).lm_head.weight.dtype == torch.float32
+
+
+def test_a_plain_state_dict_needs_a_config(tmp_path):
+    torch.save(TransformerLM.from_config(CFG).state_dict(), tmp_path / "weights.pt")
+    with pytest.raises(ValueError, match="weights.pt is a plain state dict that carries no config; pass config="):
+        load_checkpoint(tmp_path / "weights.pt")
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", b"PK\x03\x04" + bytes(40)], ids=["empty", "garbage", "zip"])
+def test_an_unreadable_torch_file_is_a_value_error_naming_it(tmp_path, content):
+    (tmp_path / "weights.pt").write_bytes(content)
+    with pytest.raises(ValueError, match="weights.pt is not a readable torch.save file"):
+        load_checkpoint(tmp_path / "weights.pt", config=CFG)

@@ -125,38 +125,3 @@ def test_cache_overflow_is_an_error(model):
             model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match=r"capacity must be in \[1, context_length=40\], got 41"):
         model.new_kv_cache(1, capacity=41)
-
-
-def test_cli_generate_greedy_matches_the_library(capsys):
-    from tlm_model.cli import main
-
-    assert main(["generate", "--preset", "course-tinystories", "--prompt-ids", "5 6 7", "--max-new-tokens", "6",
-                 "--temperature", "0", "--seed", "1"]) == 0  # fmt: skip
-    captured = capsys.readouterr()
-    torch.manual_seed(1)
-    model = TransformerLM.from_preset("course-tinystories").eval()
-    expected = generate(model, torch.tensor([5, 6, 7]), 6, temperature=0)[3:]
-    assert captured.out.split() == [str(t) for t in expected.tolist()]
-    assert "6/6 tokens" in captured.err  # the progress bar, on stderr only
-
-
-def test_cli_generate_from_a_state_dict_file(tmp_path, capsys):
-    from tlm_model.cli import main
-
-    torch.manual_seed(2)
-    model = TransformerLM.from_preset("course-tinystories").eval()
-    torch.save(model.state_dict(), tmp_path / "weights.pt")
-    args = ["generate", "--preset", "course-tinystories", "--checkpoint", str(tmp_path / "weights.pt")]
-    assert main([*args, "--prompt-ids", "1,2", "--max-new-tokens", "4", "--temperature", "0", "--quiet"]) == 0
-    captured = capsys.readouterr()
-    expected = generate(model, torch.tensor([1, 2]), 4, temperature=0)[2:]
-    assert captured.out.split() == [str(t) for t in expected.tolist()] and captured.err == ""
-
-
-def test_cli_generate_errors():
-    from tlm_model.cli import main
-
-    with pytest.raises(SystemExit, match="give --preset"):
-        main(["generate", "--prompt-ids", "1", "--max-new-tokens", "2"])
-    with pytest.raises(SystemExit, match="must be integers"):
-        main(["generate", "--preset", "course-tinystories", "--prompt-ids", "a b", "--max-new-tokens", "2"])

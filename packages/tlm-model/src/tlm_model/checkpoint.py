@@ -1,149 +1,467 @@
-"""Save a TransformerLM to a directory and load it back: ``model.safetensors`` + ``config.json``.
+"""Save a TransformerLM and load it back: one safetensors file that holds weights, config and a content hash.
 
-The weights file holds the model's state dict under the course's keys (``token_embeddings.weight``,
-``layers.{i}.attn.q_proj.weight``, ...), each tensor in the dtype it had; ``config.json`` holds
-``ModelConfig.to_dict()`` plus ``"format"``, the version of this layout. safetensors stores raw
-tensors and a JSON header only, so loading a checkpoint never runs code (unlike ``torch.load``).
+Design (docs/reliability.md, "Checkpoints that cannot lose data"): a checkpoint is ONE file,
+``model.safetensors``, so there is no pair to keep consistent. Its safetensors header carries the
+config and a SHA-256 over everything else that means something (the header's tensor table and
+config, then the tensor bytes). A save writes a fresh, uniquely named temporary file beside the
+target (created with ``O_EXCL | O_NOFOLLOW``, so no symlink is ever followed), fsyncs it, renames it
+over the target in one ``os.replace`` and fsyncs the folder. A kill at any moment leaves the old
+file or the new one under the real name, never a mix; two savers each write their own temporary
+file and the last rename wins; a reader opens the file once and reads everything from that one
+open file, so a writer renaming a new file in meanwhile cannot mix two versions.
+
+The loader reads the header alone first and checks the config against it (every tensor name and
+shape) before it allocates anything, then reads the tensors while hashing them and refuses a file
+whose hash differs. The 0.1.0 layout (``config.json`` + a plain ``model.safetensors``) still loads,
+without the hash check it never had.
 """
 
 import dataclasses
 import errno
+import hashlib
+import io
 import json
 import os
+import secrets
+import struct
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from torch import nn
 
 from tlm_model.config import ModelConfig
 from tlm_model.lm import TransformerLM
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LEGACY_FORMAT_VERSION = 1
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+_TMP_PREFIX = "." + WEIGHTS_NAME + "."
+_TMP_SUFFIX = ".tmp"
+# safetensors refuses headers above 100 MB; so do we, before reading one.
+_MAX_HEADER = 100_000_000
+_TLM_KEYS = frozenset({"tlm_format", "tlm_config", "tlm_sha256"})
+_CHUNK = 1 << 24
+# Never follow a symlink where the temporary file goes (O_NOFOLLOW is POSIX; O_EXCL alone already
+# refuses an existing name, links included); close the file in a forked child.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_BY_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+
+#: Test seam: called with the name of each step of a save as it completes (tests kill the process
+#: there). Steps: "temp-created", "header-written", "tensor-written" (after each tensor), "fsynced",
+#: "renamed", "folder-fsynced", "legacy-config-removed".
+_after_step: Callable[[str], None] | None = None
 
 
-def save_checkpoint(model: TransformerLM, directory: str | os.PathLike[str]) -> Path:
-    """Write ``model``'s weights and config into ``directory`` (created if needed); return its path.
+def _step(name: str) -> None:
+    if _after_step is not None:
+        _after_step(name)
 
-    Existing files of the same names are replaced; each is written to a temporary name first and
-    renamed, so an interrupted save never leaves a truncated file under the real name.
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The TransformerLM inside a ``torch.compile`` wrapper or a :func:`compile_for_inference` model."""
+    from tlm_model.inference import InferenceModel
+
+    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
+        if isinstance(model, InferenceModel):
+            model = model.model
+            continue
+        inner = getattr(model, "_orig_mod", None)  # what torch.compile wraps
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model
+
+
+def save_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Write ``model``'s weights and config to ``path`` all-or-nothing; return the path.
+
+    ``path`` is a folder (created if needed; the file is ``<path>/model.safetensors``) or, when it
+    ends in ``.safetensors``, the file itself. ``model`` is a TransformerLM, a ``torch.compile``d
+    one or the result of :func:`compile_for_inference`; the file holds the plain course keys.
+    An existing checkpoint is replaced in one rename; a ``config.json`` of the 0.1.0 layout beside
+    it is removed afterwards (the new file carries its own config).
     """
-    # A torch.compile'd model wraps the real one; save that, under the plain keys.
-    model = getattr(model, "_orig_mod", model)
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    tensors = _contiguous_unshared(model.state_dict())
-    directory = Path(directory)
+    inner = _unwrap(model)
+    if not isinstance(inner, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
+    path = Path(path)
+    directory, target = (path.parent, path) if path.suffix == ".safetensors" else (path, path / WEIGHTS_NAME)
+    tensors = _cpu_tensors(inner.state_dict())
+    config = json.dumps(inner.config.to_dict(), sort_keys=True)
+    header = _header(tensors, {"format": "pt", "tlm_format": str(FORMAT_VERSION), "tlm_config": config})
+    digest = _digest(header, (tensors[name] for name in _order(tensors)))
+    header["__metadata__"]["tlm_sha256"] = digest
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # pad the header to 8 bytes, as safetensors' own writer does
+
     directory.mkdir(parents=True, exist_ok=True)
-    config = {"format": FORMAT_VERSION, **model.config.to_dict()}
+    tmp = _create_temp(directory)
+    try:
+        _step("temp-created")
+        with os.fdopen(os.open(tmp, os.O_WRONLY | _NOFOLLOW), "wb") as f:
+            f.write(struct.pack("<Q", len(blob)) + blob)
+            _step("header-written")
+            for name in _order(tensors):
+                f.write(_bytes(tensors[name]))
+                _step("tensor-written")
+            f.flush()
+            os.fsync(f.fileno())
+        _step("fsynced")
+        os.replace(tmp, target)  # rename(2) replaces the entry itself: a symlink there is not followed
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _step("renamed")
+    _fsync_folder(directory)
+    _step("folder-fsynced")
+    if target.name == WEIGHTS_NAME:
+        _remove_legacy_config(directory / CONFIG_NAME)
+        _step("legacy-config-removed")
+    return path
 
-    weights_tmp = directory / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(weights_tmp), metadata={"format": "pt"})
-    os.replace(weights_tmp, directory / WEIGHTS_NAME)
-    config_tmp = directory / (CONFIG_NAME + ".tmp")
-    config_tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    os.replace(config_tmp, directory / CONFIG_NAME)
-    return directory
 
-
-def _contiguous_unshared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses tensors that share storage (tied or fused weights exposed as views) and
-    # non-contiguous ones: keep the first tensor of each storage, clone the others.
-    out: dict[str, torch.Tensor] = {}
-    seen: set[tuple[torch.device, int]] = set()
+def _cpu_tensors(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
     for name, tensor in state.items():
-        tensor = tensor.detach()
         if tensor.is_meta:
             raise ValueError(
                 f"cannot save {name}: it is on the meta device (no data); materialise the model first "
                 f"with to_empty() and reset_parameters() or load_state_dict()"
             )
-        storage = (tensor.device, tensor.untyped_storage().data_ptr())
-        if storage in seen:
-            tensor = tensor.clone(memory_format=torch.contiguous_format)
-        else:
-            seen.add(storage)
-            tensor = tensor.contiguous()
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"cannot save {name}: dtype {tensor.dtype} is not one of {sorted(map(str, _DTYPES))}")
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def _order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    # Widest dtypes first, then by name: every tensor starts at a multiple of its item size.
+    return sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+
+
+def _header(tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name in _order(tensors):
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    return header
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    # A view of the tensor's own memory (no copy), for hashing, writing and reading into.
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _digest(header: Mapping[str, Any], chunks: Iterable[torch.Tensor | memoryview | bytes]) -> str:
+    h = hashlib.sha256(_canonical(header))
+    for chunk in chunks:
+        h.update(_bytes(chunk) if isinstance(chunk, torch.Tensor) else chunk)
+    return h.hexdigest()
+
+
+def _canonical(header: Mapping[str, Any]) -> bytes:
+    # The header minus the hash itself, in one fixed serialisation: a changed dtype, shape, offset,
+    # name or config changes these bytes even when the file's JSON stays valid.
+    meta = {k: v for k, v in header.get("__metadata__", {}).items() if k != "tlm_sha256"}
+    return json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _create_temp(directory: Path) -> Path:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+    while True:
+        # pid + random: unique across processes and threads; O_EXCL refuses anything already there.
+        tmp = directory / f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        try:
+            os.close(os.open(tmp, flags, 0o666))
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _fsync_folder(directory: Path) -> None:
+    if os.name != "posix":  # folders cannot be opened for fsync elsewhere; the rename is still atomic
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_legacy_config(path: Path) -> None:
+    # Only a config.json that 0.1.0's save_checkpoint wrote: left beside the new file, tlm 0.1.0
+    # would pair it with weights it does not describe.
+    try:
+        if path.is_symlink() or not path.is_file():
+            return
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    if isinstance(data, dict) and data.get("format") == LEGACY_FORMAT_VERSION:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+@dataclasses.dataclass
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(f: io.BufferedReader, path: Path) -> tuple[dict[str, Any], dict[str, _Entry], int]:
+    """Parse and check a safetensors header; returns (raw header, entries, data length)."""
+    size = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise ValueError(f"{path} is truncated: it is {size} bytes long, shorter than safetensors' 8-byte prefix")
+    (n,) = struct.unpack("<Q", prefix)
+    if n > min(_MAX_HEADER, size - 8):
+        raise ValueError(
+            f"{path} is truncated or not a safetensors file: its header claims {n} bytes, the file holds {size - 8}"
+        )
+    try:
+        header = json.loads(f.read(n).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is corrupt: its safetensors header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is corrupt: its safetensors header is a {type(header).__name__}, not an object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{path} is corrupt: __metadata__ must map strings to strings")
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _BY_NAME[info["dtype"]]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path} is corrupt: header entry {name!r} is not a valid tensor: {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize:
+            raise ValueError(
+                f"{path} is corrupt: tensor {name!r} of shape {list(shape)} and dtype {info['dtype']} needs "
+                f"{numel * dtype.itemsize} bytes, its offsets span {end - begin}"
+            )
+        entries[name] = _Entry(dtype, shape, begin, end)
+    data = size - 8 - n
+    expected = 0
+    for name in sorted(entries, key=lambda k: (entries[k].begin, entries[k].end)):
+        if entries[name].begin != expected:
+            raise ValueError(f"{path} is corrupt: tensor {name!r} starts at byte {entries[name].begin}, not {expected}")
+        expected = entries[name].end
+    if expected != data:
+        what = "truncated" if expected > data else "corrupt"
+        raise ValueError(f"{path} is {what}: its header describes {expected} bytes of tensor data, the file has {data}")
+    return header, entries, data
+
+
+def _read_tensors(f: io.BufferedReader, entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
+    """Read every tensor of ``entries`` from ``f`` (positioned at the data) in file order."""
+    out = {}
+    for name in sorted(entries, key=lambda k: entries[k].begin):
+        entry = entries[name]
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        view = _bytes(tensor)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done : done + _CHUNK])
+            if not got:
+                raise EOFError  # the file shrank under us: the size checked above no longer holds
+            done += got
         out[name] = tensor
     return out
 
 
 def load_checkpoint(
-    directory: str | os.PathLike[str],
+    path: str | os.PathLike[str],
     *,
     config: ModelConfig | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     **options: Any,
 ) -> TransformerLM:
-    """Build the TransformerLM saved in ``directory`` and load its weights (``strict=True``).
+    """Build the TransformerLM saved at ``path`` and load its weights.
 
-    ``config``, when given, must equal the saved one; otherwise ``ValueError`` names every field
-    that differs. ``dtype`` defaults to the dtype the weights were saved in, so a float32 or
-    bfloat16 model reloads bit for bit; ``device`` defaults to torch's default device.
+    ``path`` is what :func:`save_checkpoint` wrote (a folder or a ``.safetensors`` file), a folder
+    of the 0.1.0 layout (``config.json`` + ``model.safetensors``), or a plain state-dict file
+    (``.safetensors`` without tlm metadata, or a ``torch.save`` file read with ``weights_only``),
+    which needs ``config=``. ``config``, when given, must equal the saved one; otherwise
+    ``ValueError`` names every field that differs. Every tensor name and shape is checked against the
+    config before anything is allocated; a file whose content hash differs is refused; each error
+    names the file. ``dtype`` defaults to the dtype the weights were saved in, so a model reloads
+    bit for bit; ``device`` defaults to torch's default device.
 
     ``options`` (e.g. ``fused=``, ``attention_backend=``) go to ``TransformerLM.from_config``. They
-    are not saved: they change how the model computes, not what it is, and the weights load into
-    any of them. Logits are bit-identical to the saved model's when it was built with the same
-    options (the defaults, unless you chose others); otherwise they agree up to float rounding.
+    are not saved: they change how the model computes, not what it is.
     """
-    directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise FileNotFoundError(
-                errno.ENOENT,
-                f"not a tlm checkpoint: missing {path.name} (save_checkpoint writes both "
-                f"{CONFIG_NAME} and {WEIGHTS_NAME})",
-                str(path),
-            )
-    saved = _read_config(config_path)
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig or None, got {type(config).__name__}")
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such checkpoint (file or folder)", str(path))
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    if not weights.is_file():
+        raise FileNotFoundError(
+            errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME} (save_checkpoint writes it)", str(weights)
+        )
+    if weights.suffix != ".safetensors":
+        saved, state = _load_torch_file(weights, config)
+    else:
+        saved, state = _load_safetensors(weights, config)
     if config is not None:
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig or None, got {type(config).__name__}")
-        _check_same(saved, config)
-
-    try:
-        state = load_file(str(weights_path))
-    except SafetensorError as err:
-        raise ValueError(f"{weights_path} is not a readable safetensors file: {err}") from err
+        _check_same(saved, config, weights)
     if dtype is None:
-        dtype = _saved_dtype(state, weights_path)
+        dtype = _saved_dtype(state, weights)
     model = TransformerLM.from_config(saved, device=device, dtype=dtype, **options)
-    # strict=True: a missing, unexpected or wrongly shaped tensor raises torch's RuntimeError.
     model.load_state_dict(state, strict=True)
     return model
 
 
-def _read_config(path: Path) -> ModelConfig:
+def _load_safetensors(path: Path, config: ModelConfig | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    with open(path, "rb") as f:
+        header, entries, _ = _read_header(f, path)
+        meta = header.get("__metadata__", {})
+        # Any one of the three keys marks a tlm file, so a damaged key name cannot pass for 0.1.0.
+        embedded = bool(_TLM_KEYS & set(meta))
+        if embedded:
+            saved = _embedded_config(meta, path)
+            source = f"the config stored in {path}"
+        else:
+            saved, source = _legacy_config(path, config)
+        _check_fits(saved, entries, path, source)
+        try:
+            state = _read_tensors(f, entries)
+        except EOFError:
+            raise ValueError(f"{path} is truncated: it shrank while being read") from None
+    if embedded:
+        digest = _digest(header, (state[k] for k in sorted(state, key=lambda k: entries[k].begin)))
+        if digest != meta.get("tlm_sha256"):
+            raise ValueError(
+                f"{path} is corrupt: its content hash is {digest}, the file says {meta.get('tlm_sha256')!r}; "
+                f"it changed after it was written (bit flip, partial copy or edit)"
+            )
+    return saved, state
+
+
+def _embedded_config(meta: Mapping[str, str], path: Path) -> ModelConfig:
+    if missing := sorted(_TLM_KEYS - set(meta)):
+        raise ValueError(f"{path} is corrupt: its metadata lacks {missing} (a tlm checkpoint has {sorted(_TLM_KEYS)})")
+    version = meta["tlm_format"]
+    if version != str(FORMAT_VERSION):
+        raise ValueError(f"{path} has tlm_format {version!r}; this tlm-model reads format {FORMAT_VERSION}")
+    return _parse_config(meta["tlm_config"], path, with_format=False)
+
+
+def _legacy_config(weights: Path, config: ModelConfig | None) -> tuple[ModelConfig, str]:
+    config_path = weights.parent / CONFIG_NAME
+    if weights.name == WEIGHTS_NAME and config_path.is_file():
+        return _parse_config(config_path.read_bytes(), config_path, with_format=True), str(config_path)
+    if config is not None:
+        return config, "config="
+    raise FileNotFoundError(
+        errno.ENOENT,
+        f"not a tlm checkpoint: {weights.name} carries no config and {CONFIG_NAME} is missing; pass config=",
+        str(config_path),
+    )
+
+
+def _parse_config(text: str | bytes, path: Path, *, with_format: bool) -> ModelConfig:
     try:
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
+        data: Any = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    if "format" not in data:
-        raise ValueError(f'{path} has no "format" field, so save_checkpoint did not write it')
-    version = data.pop("format")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
-        raise ValueError(f'{path} has "format": {version!r}; this tlm-model reads checkpoint format {FORMAT_VERSION}')
+    if with_format:
+        if "format" not in data:
+            raise ValueError(f'{path} has no "format" field, so save_checkpoint did not write it')
+        version = data.pop("format")
+        if isinstance(version, bool) or version != LEGACY_FORMAT_VERSION:
+            raise ValueError(
+                f'{path} has "format": {version!r}; a config.json beside the weights is checkpoint format '
+                f"{LEGACY_FORMAT_VERSION} (tlm-model 0.1.0)"
+            )
     try:
         return ModelConfig.from_dict(data)
     except (TypeError, ValueError) as err:
         raise type(err)(f"{path}: {err}") from err
 
 
-def _check_same(saved: ModelConfig, requested: ModelConfig) -> None:
+def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    if config is None:
+        raise ValueError(f"{path} is a plain state dict that carries no config; pass config= (the CLI: --preset)")
+    try:
+        # mmap: tensors stay on disk until load_state_dict copies them, so the check below runs first.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # torch raises RuntimeError, pickle errors, EOFError, ... for a bad file
+        raise ValueError(f"{path} is not a readable torch.save file: {str(err).splitlines()[0]}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path} must hold a state dict (names to tensors), got {type(state).__name__}")
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    entries = {k: _Entry(v.dtype, tuple(v.shape), 0, 0) for k, v in state.items()}
+    _check_fits(config, entries, path, "config=")
+    return config, state
+
+
+def _check_fits(config: ModelConfig, entries: Mapping[str, _Entry], path: Path, source: str) -> None:
+    # A meta-device model has every shape and allocates nothing, however large the config.
+    expected = {k: tuple(v.shape) for k, v in TransformerLM.from_config(config, device="meta").state_dict().items()}
+    problems = []
+    if missing := sorted(set(expected) - set(entries)):
+        problems.append(f"missing tensors {missing}")
+    if unexpected := sorted(set(entries) - set(expected)):
+        problems.append(f"unexpected tensors {unexpected}")
+    for name in sorted(set(expected) & set(entries)):
+        if entries[name].shape != expected[name]:
+            problems.append(f"{name} has shape {list(entries[name].shape)}, the config needs {list(expected[name])}")
+        elif not entries[name].dtype.is_floating_point:
+            problems.append(f"{name} is {entries[name].dtype}, not a floating dtype")
+    if problems:
+        raise ValueError(f"{path} does not match {source}: " + "; ".join(problems))
+
+
+def _check_same(saved: ModelConfig, requested: ModelConfig, path: Path) -> None:
     differences = []
     for field in dataclasses.fields(ModelConfig):
         have, want = getattr(saved, field.name), getattr(requested, field.name)
         if have != want:
             differences.append(f"{field.name} is {have!r} in the checkpoint but {want!r} requested")
     if differences:
-        raise ValueError("checkpoint config mismatch: " + "; ".join(differences))
+        raise ValueError(f"checkpoint config mismatch in {path}: " + "; ".join(differences))
 
 
 def _saved_dtype(state: dict[str, torch.Tensor], path: Path) -> torch.dtype:

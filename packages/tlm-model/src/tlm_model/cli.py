@@ -1,24 +1,43 @@
 """The ``tlm`` command line.
 
-``tlm info [--preset NAME]`` describes preset models; ``tlm accounting`` prints the parameter,
-memory and FLOP accounting of one preset or compares several; ``tlm generate`` continues a
-sequence of token ids with a model (random weights, or a checkpoint).
+``tlm info [--preset NAME] [--json]`` describes preset models; ``tlm accounting`` prints the
+parameter, memory and FLOP accounting of one preset or compares several; ``tlm generate`` continues
+a sequence of token ids with a model (random weights, or a checkpoint read by
+:func:`tlm_model.load_checkpoint`). ``python -m tlm_model`` is the same command.
+
+Every user error prints one line, ``tlm: error: ...``, and exits with status 2; Ctrl-C exits
+with 130. Other packages add subcommands through the ``tlm.cli`` entry-point group: each entry
+point is a callable ``register(subparsers)`` that adds its parsers and sets
+``set_defaults(handler=fn)``, where ``fn(args) -> int``. A handler's ``ValueError``, ``TypeError``
+or ``OSError`` becomes the one-line error; a plugin that fails to load is skipped with a warning.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.metadata
 import json
-import pathlib
+import math
+import os
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NoReturn
 
 import torch
 
+from tlm_model import __version__
 from tlm_model.accounting import COMPONENTS, Accounting, account
+from tlm_model.checkpoint import load_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.generate import generate
 from tlm_model.lm import TransformerLM
+
+PLUGIN_GROUP = "tlm.cli"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: printed as one line, exit status 2."""
 
 
 def _count(cfg: ModelConfig) -> int:
@@ -26,17 +45,25 @@ def _count(cfg: ModelConfig) -> int:
     return TransformerLM.from_config(cfg, device="meta").num_parameters()
 
 
+def _describe(name: str, cfg: ModelConfig) -> dict[str, Any]:
+    return {"preset": name, **cfg.to_dict(), "d_head": cfg.d_head, "parameters": _count(cfg)}
+
+
 def _info(args: argparse.Namespace) -> int:
     if args.preset is None:
+        if args.json:
+            print(json.dumps({name: _describe(name, cfg) for name, cfg in PRESETS.items()}))
+            return 0
         width = max(map(len, PRESETS))
         for name, cfg in PRESETS.items():
             print(f"{name:<{width}}  {_count(cfg):>14,} parameters  ({cfg.num_layers} layers, d_model {cfg.d_model})")
         return 0
     cfg = ModelConfig.from_preset(args.preset)
-    params = _count(cfg)
+    described = _describe(args.preset, cfg)
     if args.json:
-        print(json.dumps({"preset": args.preset, **cfg.to_dict(), "d_head": cfg.d_head, "parameters": params}))
+        print(json.dumps(described))
         return 0
+    params = described["parameters"]
     rows = [("preset", args.preset), *cfg.to_dict().items(), ("d_head", cfg.d_head)]
     rows.append(("parameters", f"{params:,} ({params / 1e9:.3f} B)"))
     rows.append(("float32 weights", f"{4 * params / 1e9:.2f} GB ({4 * params / 2**30:.2f} GiB)"))
@@ -124,7 +151,26 @@ def format_comparison(reports: Sequence[tuple[str, Accounting]]) -> str:
     return "\n".join(lines)
 
 
+def _check_plot_target(path: str) -> None:
+    """Everything --plot needs, checked before any work: matplotlib, the folder, the format."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'tlm-model[plot]' (or pip install matplotlib)") from None
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UserError(f"--plot {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--plot {path}: the folder {folder} is not writable")
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix and suffix not in formats:
+        raise UserError(f"--plot {path}: unknown image format {suffix!r}; expected one of {sorted(formats)}")
+
+
 def _accounting(args: argparse.Namespace) -> int:
+    if args.plot:
+        _check_plot_target(args.plot)
     names = args.compare or [args.preset]
     reports = []
     for name in names:
@@ -147,86 +193,161 @@ def _accounting(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Progress:
-    """A one-line progress bar on stderr: ``[#####.....] 120/240 tokens, 85.3 tok/s``."""
+@contextlib.contextmanager
+def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
+    """An ``on_token`` callback drawing a tqdm bar on stderr (none when stderr is not a terminal).
 
-    def __init__(self, total: int, width: int = 30) -> None:
-        self.total, self.width, self.start = total, width, time.perf_counter()
+    The bar starts at the first new token, which comes out of the prefill: its rate counts decoding
+    alone. Leaving the ``with`` block closes the bar's line on every path: early EOS, error, Ctrl-C.
+    """
+    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the package)
 
-    def __call__(self, done: int) -> None:
-        filled = self.width * done // max(self.total, 1)
-        rate = done / max(time.perf_counter() - self.start, 1e-9)
-        bar = "#" * filled + "." * (self.width - filled)
-        end = "\n" if done >= self.total else ""
-        print(f"\r[{bar}] {done}/{self.total} tokens, {rate:.1f} tok/s", end=end, file=sys.stderr, flush=True)
+    bars: list[Any] = []
+
+    def on_token(done: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, initial=done, unit="tok", file=sys.stderr, disable=None if enabled else True,
+                             dynamic_ncols=True))  # fmt: skip
+        else:
+            bars[0].update(done - bars[0].n)
+
+    try:
+        yield on_token
+    finally:
+        for bar in bars:
+            bar.close()
 
 
-def _load_model(args: argparse.Namespace) -> TransformerLM:
+def _token_ids(text: str, what: str) -> list[int]:
+    try:
+        ids = [int(tok) for tok in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"{what} must be integers separated by spaces or commas, got {text!r}") from None
+    if not ids:
+        raise UserError(f"{what} is empty; give at least one token id")
+    return ids
+
+
+def _prompt(ids: list[int], args: argparse.Namespace, model: TransformerLM) -> list[int]:
+    """The prompt's token ids checked against the model (a tokenizer's ids would go through here too)."""
+    vocab = model.config.vocab_size
+    if bad := [i for i in ids if not 0 <= i < vocab]:
+        raise UserError(f"--prompt-ids must be in [0, {vocab}) for this model's vocabulary, got {bad[:5]}")
+    if args.eos_id is not None and not 0 <= args.eos_id < vocab:
+        raise UserError(f"--eos-id must be in [0, {vocab}) for this model's vocabulary, got {args.eos_id}")
+    return ids
+
+
+def _emit(args: argparse.Namespace, new_ids: list[int]) -> None:
+    """Print the continuation (the one place a tokenizer's decode would go)."""
+    print(" ".join(map(str, new_ids)))
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UserError(f"--device must be a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {text}: this torch has no CUDA device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {text}: MPS is not available")
+    return device
+
+
+def _load_model(args: argparse.Namespace, device: torch.device) -> TransformerLM:
+    dtype = DTYPES[args.dtype] if args.dtype else None
     if args.checkpoint is None:
         if args.preset is None:
-            raise SystemExit("tlm generate: give --preset (random weights) or --checkpoint")
+            raise UserError("generate needs --preset (random weights) or --checkpoint")
         torch.manual_seed(args.seed)
-        return TransformerLM.from_preset(args.preset)
-    path = pathlib.Path(args.checkpoint)
-    if path.is_dir():  # written by tlm_model.save_checkpoint: weights + config.json
-        from tlm_model.checkpoint import load_checkpoint
-
-        config = ModelConfig.from_preset(args.preset) if args.preset else None
-        return load_checkpoint(path, config=config)
-    if args.preset is None:
-        raise SystemExit("tlm generate: a state-dict file carries no config; give --preset too")
-    if not path.exists():
-        raise SystemExit(f"tlm generate: checkpoint {path} does not exist")
-    model = TransformerLM.from_preset(args.preset, device="meta")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(path))
-    else:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    model.load_state_dict(state, assign=True)
-    model.rope.to_empty(device="cpu")  # the RoPE table is not in the state dict; rebuild it
-    return model
+        return TransformerLM.from_preset(args.preset, device=device, dtype=dtype)
+    config = ModelConfig.from_preset(args.preset) if args.preset else None
+    return load_checkpoint(args.checkpoint, config=config, device=device, dtype=dtype)
 
 
 def _generate(args: argparse.Namespace) -> int:
-    try:
-        prompt = [int(tok) for tok in args.prompt_ids.replace(",", " ").split()]
-    except ValueError:
-        raise SystemExit(
-            f"tlm generate: --prompt-ids must be integers separated by spaces, got {args.prompt_ids!r}"
-        ) from None
-    model = _load_model(args).eval()
-    generator = torch.Generator().manual_seed(args.seed)
-    out = generate(
-        model,
-        torch.tensor(prompt),
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        eos_token_id=args.eos_id,
-        generator=generator,
-        on_token=None if args.quiet else _Progress(args.max_new_tokens),
-    )
-    print(" ".join(map(str, out[len(prompt) :].tolist())))
+    device = _device(args.device)
+    ids = _token_ids(args.prompt_ids, "--prompt-ids")  # before the model loads: a typo fails fast
+    model = _load_model(args, device).eval()
+    prompt = _prompt(ids, args, model)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    with _progress(args.max_new_tokens, enabled=not args.quiet) as on_token:
+        out = generate(
+            model,
+            torch.tensor(prompt, device=device),
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            eos_token_id=args.eos_id,
+            generator=generator,
+            on_token=on_token,
+        )
+    _emit(args, out[len(prompt) :].tolist())
     return 0
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
 
 
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 decodes greedily), got {text!r}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def _token_id(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a token id (an integer >= 0), got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a token id (an integer >= 0), got {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line: ``tlm: error: <command>: <message>``."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.removeprefix("tlm").strip()
+        where = f"{command}: " if command else ""
+        self.exit(2, f"tlm: error: {where}{message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tlm", description="tlm: a from-scratch Transformer language model.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    """The built-in commands plus every plugin of the ``tlm.cli`` entry-point group."""
+    parser = _Parser(prog="tlm", description="tlm: a from-scratch Transformer language model.")
+    parser.add_argument("--version", action="version", version=f"tlm {__version__} (tlm-model)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     info = commands.add_parser("info", help="show a preset's configuration and parameter count")
     info.add_argument("--preset", choices=sorted(PRESETS), help="a preset name; omit to list them all")
-    info.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
     info.set_defaults(handler=_info)
 
     acc = commands.add_parser(
@@ -248,28 +369,56 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser(
         "generate",
         help="continue a sequence of token ids (KV-cached decoding)",
-        description="Prints the new token ids on stdout; a progress bar goes to stderr.",
+        description="Prints the new token ids on stdout; a progress bar goes to stderr when it is a terminal.",
     )
     gen.add_argument("--preset", choices=sorted(PRESETS), help="model shape (random weights without --checkpoint)")
     gen.add_argument(
-        "--checkpoint", metavar="PATH", help="a save_checkpoint directory, or a .safetensors / torch.save state dict"
+        "--checkpoint",
+        metavar="PATH",
+        help="a save_checkpoint folder or file, or a state-dict file (.safetensors, .pt) with --preset",
     )
     gen.add_argument("--prompt-ids", required=True, metavar='"ID ID ..."', help="the prompt's token ids")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True, metavar="N")
-    gen.add_argument("--temperature", type=float, default=1.0, help="0 decodes greedily (default 1.0)")
+    gen.add_argument("--temperature", type=_temperature, default=1.0, help="0 decodes greedily (default 1.0)")
     gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
-    gen.add_argument("--top-p", type=float, default=None, metavar="P")
-    gen.add_argument("--eos-id", type=int, default=None, metavar="ID", help="stop once this id is generated")
+    gen.add_argument("--top-p", type=_top_p, default=None, metavar="P", help="nucleus sampling, in (0, 1]")
+    gen.add_argument("--eos-id", type=_token_id, default=None, metavar="ID", help="stop once this id is generated")
     gen.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
+    gen.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                     help="weights' dtype (default: the checkpoint's, float32 for random weights)")  # fmt: skip
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(handler=_generate)
+
+    _load_plugins(commands)
     return parser
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
+
+
+def _load_plugins(commands: Any) -> None:
+    for entry_point in importlib.metadata.entry_points(group=PLUGIN_GROUP):
+        try:
+            entry_point.load()(commands)
+        except Exception as err:  # a broken plugin must not take the built-in commands down
+            print(f"tlm: warning: plugin {entry_point.name!r} ({entry_point.value}) not loaded: "
+                  f"{type(err).__name__}: {_first_line(err)}", file=sys.stderr)  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    """Run the ``tlm`` command; returns 0. A user error prints one line and raises ``SystemExit(2)``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except (UserError, ValueError, TypeError, OSError) as err:
+        if isinstance(err, OSError) and err.filename is not None and err.strerror:
+            message = f"{err.strerror}: {err.filename}"
+        else:
+            message = _first_line(err)
+        parser.exit(2, f"tlm: error: {message}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "tlm: interrupted\n")

@@ -1,0 +1,120 @@
+"""Every way a checkpoint file can be damaged is refused with a ValueError that names the file."""
+
+import json
+import random
+import struct
+
+import pytest
+import torch
+
+from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+
+# As small as the config allows, so that every byte can be damaged in turn.
+TINY = ModelConfig(vocab_size=7, context_length=4, d_model=4, num_layers=1, num_heads=2, d_ff=4)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(0)
+    save_checkpoint(TransformerLM.from_config(TINY), tmp_path)
+    path = tmp_path / "model.safetensors"
+    return path, path.read_bytes()
+
+
+def test_a_flipped_bit_anywhere_in_the_file_is_refused(saved):
+    # One bit in every byte (which bit is drawn per byte), plus every bit of the header length.
+    path, good = saved
+    rng = random.Random(0)
+    flips = [(i, rng.randrange(8)) for i in range(len(good))] + [(i, b) for i in range(8) for b in range(8)]
+    accepted = []
+    for index, bit in flips:
+        damaged = bytearray(good)
+        damaged[index] ^= 1 << bit
+        path.write_bytes(bytes(damaged))
+        try:
+            load_checkpoint(path.parent)
+        except ValueError as err:
+            assert str(path) in str(err), (index, bit, str(err))
+        else:
+            accepted.append((index, bit))
+    assert accepted == [], f"{len(accepted)} of {len(flips)} bit flips loaded"
+    assert len(flips) == len(good) + 64
+
+
+def test_every_truncation_is_refused(saved):
+    path, good = saved
+    for length in range(len(good)):
+        path.write_bytes(good[:length])
+        with pytest.raises(ValueError) as info:
+            load_checkpoint(path.parent)
+        assert str(path) in str(info.value) and ("truncated" in str(info.value) or "corrupt" in str(info.value))
+
+
+def test_appended_bytes_are_refused(saved):
+    path, good = saved
+    path.write_bytes(good + b"\x00")
+    with pytest.raises(ValueError, match="is corrupt: its header describes .* bytes of tensor data, the file has"):
+        load_checkpoint(path.parent)
+
+
+def header_of(good: bytes) -> tuple[dict, bytes]:
+    (n,) = struct.unpack("<Q", good[:8])
+    return json.loads(good[8 : 8 + n]), good[8 + n :]
+
+
+def rewrite(path, header: dict, data: bytes) -> None:
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+
+
+def swap_names(header: dict) -> None:
+    # Two gains of the same shape trade places: the file stays valid, only the hash can tell.
+    header["ln_final.weight"], header["layers.0.ln1.weight"] = header["layers.0.ln1.weight"], header["ln_final.weight"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h["lm_head.weight"].update(dtype="F17"), "header entry 'lm_head.weight' is not a valid tensor"),
+        (lambda h: h["lm_head.weight"].update(shape=[7, -4]), "header entry 'lm_head.weight' is not a valid tensor"),
+        (lambda h: h["lm_head.weight"].update(shape=[7, 5]), "needs 140 bytes, its offsets span 112"),
+        (lambda h: h.update(__metadata__={"format": 1}), "__metadata__ must map strings to strings"),
+        (lambda h: h["__metadata__"].update(tlm_format="3"), "has tlm_format '3'; this tlm-model reads format 2"),
+        (lambda h: h["__metadata__"].pop("tlm_sha256"), "is corrupt: its metadata lacks ['tlm_sha256']"),
+        (lambda h: h["__metadata__"].update(tlm_config="{"), "is not valid JSON"),
+        (lambda h: h["__metadata__"].update(tlm_config="{}"), "ModelConfig"),
+        (lambda h: h["__metadata__"].update(tlm_sha256="0" * 64), "is corrupt: its content hash is"),
+        (lambda h: h["lm_head.weight"].update(dtype="I32"), "lm_head.weight is torch.int32, not a floating dtype"),
+        (swap_names, "is corrupt: its content hash is"),
+    ],
+    ids=[
+        *("dtype", "negative-dim", "shape-vs-offsets", "metadata", "format", "no-hash"),
+        *("config-json", "config-empty", "wrong-hash", "int-dtype", "swapped-names"),
+    ],
+)
+def test_a_damaged_header_is_refused_naming_the_file(saved, edit, message):
+    path, good = saved
+    header, data = header_of(good)
+    edit(header)
+    rewrite(path, header, data)
+    with pytest.raises((ValueError, TypeError)) as info:
+        load_checkpoint(path.parent)
+    assert str(path) in str(info.value) and message in str(info.value)
+
+
+def test_a_hole_between_tensors_is_refused(saved):
+    path, good = saved
+    header, data = header_of(good)
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+    begin, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [begin + 4, end + 4]
+    rewrite(path, header, data + bytes(4))
+    with pytest.raises(ValueError, match=f"is corrupt: tensor '{last}' starts at byte {begin + 4}, not {begin}"):
+        load_checkpoint(path.parent)
+
+
+def test_a_header_length_beyond_the_file_is_refused_before_reading(saved):
+    path, good = saved
+    path.write_bytes(struct.pack("<Q", 2**63) + good[8:])
+    with pytest.raises(ValueError, match="is truncated or not a safetensors file: its header claims"):
+        load_checkpoint(path.parent)

@@ -1,0 +1,228 @@
+"""Faults injected into a real saving process: SIGKILL at every step, at random times, and races.
+
+Each test starts ``python`` subprocesses that call ``save_checkpoint``; a hook in
+``tlm_model.checkpoint`` prints every step the save completes, and can park the process there so
+the test kills it with SIGKILL at a known point. After the kill the test looks at what is on disk
+and loads it: the result must be the old checkpoint or the new one, bit for bit, never a mix.
+docs/reliability.md tabulates these cases.
+"""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename-over semantics are POSIX")
+
+SMALL = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80)
+# Big enough (about 4 MB) that a save takes a while, so random kills land inside it.
+MEDIUM = ModelConfig(vocab_size=4000, context_length=32, d_model=128, num_layers=2, num_heads=4, d_ff=344)
+
+# One process imports torch once, then forks a fresh saving process per job (the fork is the
+# process the test kills): 30 saving processes then cost one interpreter start, not 30.
+ZYGOTE = r"""
+import json, os, signal, sys, time, torch
+import tlm_model.checkpoint as checkpoint
+from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+
+torch.set_num_threads(1)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks
+
+def build(seed, config):
+    torch.manual_seed(seed)
+    model = TransformerLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+for line in sys.stdin:
+    job = json.loads(line)
+    pid = os.fork()
+    if pid:
+        print(pid, flush=True)
+        continue
+    log = open(job["log"], "w", buffering=1)  # one write(2) per line: a kill loses none
+
+    def step(name):
+        log.write(name + "\n")
+        if name == job["park_at"]:
+            log.write("parked\n")
+            time.sleep(3600)
+
+    checkpoint._after_step = step
+    code = 1
+    try:
+        config = ModelConfig(**job["config"])
+        models = [build(seed, config) for seed in job["seeds"]]
+        log.write("ready\n")
+        for i in range(job["saves"]):
+            save_checkpoint(models[i % len(models)], job["target"])
+            log.write("saved\n")
+        log.write("done\n")
+        code = 0
+    except BaseException as err:
+        log.write(f"error {err!r}\n")
+    finally:
+        os._exit(code)
+"""
+
+
+def build(seed: int, config: ModelConfig) -> TransformerLM:
+    """The model a saving process builds from ``seed`` (same recipe, same torch: the same weights)."""
+    torch.manual_seed(seed)
+    model = TransformerLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def zygote():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)  # fmt: skip
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+class Saver:
+    """A process that saves ``seeds``' models in turn ``saves`` times into ``target``."""
+
+    def __init__(self, zygote, log, target, seeds, saves=1, park_at="", config=SMALL):
+        self.log = log
+        job = {"log": str(log), "target": str(target), "seeds": seeds, "saves": saves, "park_at": park_at,
+               "config": config.to_dict()}  # fmt: skip
+        zygote.stdin.write(json.dumps(job) + "\n")
+        zygote.stdin.flush()
+        self.pid = int(zygote.stdout.readline())
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().split("\n")[:-1] if self.log.exists() else []
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def wait_for(self, line: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while line not in self.lines():
+            assert not any(x.startswith("error") for x in self.lines()), self.lines()
+            assert time.monotonic() < deadline and (self.alive() or line in self.lines()), (line, self.lines())
+            time.sleep(0.01)
+
+    def kill(self) -> list[str]:
+        os.kill(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while self.alive():
+            assert time.monotonic() < deadline, "the killed process did not go away"
+            time.sleep(0.01)
+        return self.lines()
+
+
+def identify(directory, candidates: dict[str, TransformerLM]) -> str:
+    """Which candidate the checkpoint in ``directory`` holds, bit for bit, or 'nothing'."""
+    try:
+        loaded = load_checkpoint(directory).state_dict()
+    except FileNotFoundError:
+        return "nothing"
+    for label, model in candidates.items():
+        if all(torch.equal(loaded[k], v) for k, v in model.state_dict().items()):
+            return label
+    raise AssertionError("the checkpoint holds neither the old nor the new model")
+
+
+def on_disk(directory) -> list[str]:
+    temporary = re.compile(r"\.model\.safetensors\.\d+-[0-9a-f]{16}\.tmp")
+    return sorted("temporary file" if temporary.fullmatch(p.name) else p.name for p in directory.iterdir())
+
+
+STEPS = ["temp-created", "header-written", "tensor-written", "fsynced", "renamed", "folder-fsynced",
+         "legacy-config-removed"]  # fmt: skip
+OLD, NEW = 1, 2
+# (what the folder held before, step after which the saver was killed) -> (files afterwards, what loads)
+EXPECTED = {
+    **{("empty", s): (["temporary file"], "nothing") for s in STEPS[:4]},
+    **{("empty", s): (["model.safetensors"], "new") for s in STEPS[4:]},
+    **{("current", s): (["model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
+    **{("current", s): (["model.safetensors"], "new") for s in STEPS[4:]},
+    **{("0.1.0", s): (["config.json", "model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
+    **{("0.1.0", s): (["config.json", "model.safetensors"], "new") for s in STEPS[4:6]},
+    ("0.1.0", "legacy-config-removed"): (["model.safetensors"], "new"),
+}
+
+
+def prepare(directory, before: str) -> None:
+    directory.mkdir()
+    old = build(OLD, SMALL)
+    if before == "current":
+        save_checkpoint(old, directory)
+    elif before == "0.1.0":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(directory / "model.safetensors"),
+                  metadata={"format": "pt"})  # fmt: skip
+        (directory / "config.json").write_text(json.dumps({"format": 1, **SMALL.to_dict()}))
+
+
+@pytest.mark.parametrize("before", ["empty", "current", "0.1.0"])
+def test_sigkill_after_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, zygote, before):
+    candidates = {"old": build(OLD, SMALL), "new": build(NEW, SMALL)}
+    for step in STEPS:
+        directory = tmp_path / step
+        prepare(directory, before)
+        saver = Saver(zygote, tmp_path / f"{step}.log", directory, [NEW], park_at=step)
+        saver.wait_for("parked")
+        saver.kill()
+        assert (on_disk(directory), identify(directory, candidates)) == EXPECTED[before, step], step
+
+
+def test_sigkill_at_random_times(tmp_path, zygote):
+    # Each process saves the two models in turn over a checkpoint of the first and dies at a random
+    # moment; the step it last logged says where the kill landed (the next one had not finished).
+    rng = random.Random(0)
+    candidates = {"A": build(10, MEDIUM), "B": build(11, MEDIUM)}
+    landed = []
+    for trial in range(12):
+        directory = tmp_path / str(trial)
+        save_checkpoint(candidates["A"], directory)
+        saver = Saver(zygote, tmp_path / f"{trial}.log", directory, [11, 10], saves=1000, config=MEDIUM)
+        saver.wait_for("ready")
+        time.sleep(rng.uniform(0.0, 0.3))
+        log = saver.kill()
+        assert "done" not in log, "the kill came too late to interrupt anything"
+        landed.append(f"{log.count('saved')} saves + {log[-1]}")
+        assert identify(directory, candidates) in ("A", "B")
+        assert set(on_disk(directory)) <= {"model.safetensors", "temporary file"}
+    print("random kills landed after:", landed)
+
+
+def test_two_savers_and_a_reader_race(tmp_path, zygote):
+    a, b = build(20, SMALL), build(21, SMALL)
+    save_checkpoint(a, tmp_path / "ckpt")
+    savers = [Saver(zygote, tmp_path / f"{seed}.log", tmp_path / "ckpt", [seed], saves=40) for seed in (20, 21)]
+    seen = []
+    while any(s.alive() for s in savers):
+        seen.append(identify(tmp_path / "ckpt", {"A": a, "B": b}))
+    for saver in savers:
+        assert saver.lines()[-1] == "done" and saver.lines().count("saved") == 40, saver.lines()[-3:]
+    assert identify(tmp_path / "ckpt", {"A": a, "B": b}) in ("A", "B")
+    assert on_disk(tmp_path / "ckpt") == ["model.safetensors"]  # every temporary file was renamed in
+    assert set(seen) <= {"A", "B"}
+    print(f"reader loaded {len(seen)} times during 80 saves: {seen.count('A')} A, {seen.count('B')} B")
