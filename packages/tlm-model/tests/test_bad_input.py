@@ -240,7 +240,7 @@ def _empty_passes_through(module_call, shape):
 
 def _mha_empty_sequence(backend):
     def check():
-        assert mha(backend=backend)(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+        assert mha(attention_backend=backend)(torch.randn(2, 0, 16)).shape == (2, 0, 16)
 
     return check
 
@@ -321,7 +321,7 @@ def _nan_sdpa(which: str, expected_rows: list):
 def _nan_mha(backend: str):
     def check():
         torch.manual_seed(0)
-        attn = mha(backend=backend)
+        attn = mha(attention_backend=backend)
         x = torch.randn(2, 6, 16)
         clean = attn(x)
         out = attn(with_nan(x, (0, 3, 5)))  # batch row 0, position 3
@@ -425,9 +425,9 @@ def _inplace_cases():
         "softmax": (lambda x: softmax(x, -1), (x16,)),
         "scaled_dot_product_attention": (scaled_dot_product_attention, (q, k, v, mask)),
         "CausalMultiHeadSelfAttention": (mha(), (x16, positions)),
-        "CausalMultiHeadSelfAttention-reference": (mha(backend="reference"), (x16, positions)),
-        "CausalMultiHeadSelfAttention-blockwise": (mha(backend="blockwise"), (x16, positions)),
-        "CausalMultiHeadSelfAttention-fused": (mha(fused_qkv=True), (x16, positions)),
+        "CausalMultiHeadSelfAttention-reference": (mha(attention_backend="reference"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-blockwise": (mha(attention_backend="blockwise"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-fused": (mha(fused=True), (x16, positions)),
         "TransformerBlock": (block(), (x16, positions)),
         "TransformerLM": (lm(), (tokens, positions)),
         "TransformerLM-unfused": (lm(fused=False), (tokens, positions)),

@@ -176,7 +176,7 @@ def test_attention_backend_switch_and_validation():
     model = TransformerLM.from_config(SMALL)
     assert model.attention_backend == "auto"
     model.attention_backend = "reference"
-    assert all(layer.attn.backend == "reference" for layer in model.layers)
+    assert all(layer.attn.attention_backend == "reference" for layer in model.layers)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         TransformerLM.from_config(SMALL, attention_backend="flash")
 

@@ -69,7 +69,7 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
 class SwiGLU(nn.Module):
     """FFN(x) = w2(silu(w1(x)) * w3(x)) with w1, w3: d_model → d_ff and w2: d_ff → d_model.
 
-    ``fused=True`` stores w1 and w3 as one (2·d_ff, d_model) matrix ``w13`` and runs them as a
+    ``fused=True`` (the default) stores w1 and w3 as one (2·d_ff, d_model) matrix ``w13`` and runs them as a
     single matmul; state dicts still use (and accept) the separate ``w1.weight``/``w3.weight``.
     """
 
@@ -80,7 +80,7 @@ class SwiGLU(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        fused: bool = False,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         if d_ff is None:

@@ -12,7 +12,10 @@ class RMSNorm(nn.Module):
 
     The reduction runs in float32, or in float64 for float64 input, so that squaring
     float16/bfloat16 activations neither overflows nor loses the small ones; the result is
-    cast back to the input dtype. The gain ``weight`` (d_model,) starts at ones.
+    cast back to the input dtype. Rows whose largest magnitude exceeds 1 are divided by it before
+    squaring (x / sqrt(mean(x²) + eps) = (x/s) / sqrt(mean((x/s)²) + eps/s²) for any s > 0), so any
+    finite input, up to the dtype's largest value, gives a finite, correct result. The gain
+    ``weight`` (d_model,) starts at ones.
     """
 
     def __init__(
@@ -46,8 +49,12 @@ class RMSNorm(nn.Module):
         in_dtype = x.dtype
         compute_dtype = torch.promote_types(in_dtype, torch.float32)
         x32 = x.to(compute_dtype)
-        inv_rms = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * inv_rms * self.weight.to(compute_dtype)).to(in_dtype)
+        # The result does not depend on s, so s carries no gradient; s <= 1 leaves x as it is.
+        peak = x32.detach().abs().amax(dim=-1, keepdim=True)
+        scale = torch.where(peak > 1, peak, torch.ones_like(peak))
+        y = x32 / scale
+        inv_rms = torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + self.eps / scale.square())
+        return (y * inv_rms * self.weight.to(compute_dtype)).to(in_dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, eps={self.eps}"
