@@ -115,3 +115,18 @@ def test_silu_mul_matches_the_two_ops_and_gradchecks():
     with torch.no_grad():
         torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
     assert torch.equal(gate, before[0]) and torch.equal(up, before[1]), "inputs must not change"
+
+
+def test_default_is_fused_and_pickles_whole():
+    import io
+    import pickle
+
+    ffn = SwiGLU(8, 16)
+    assert ffn.fused and hasattr(ffn, "w13")
+    x = torch.randn(3, 8)
+    buffer = io.BytesIO()
+    torch.save(ffn, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(ffn)), torch.load(buffer, weights_only=False)):
+        torch.testing.assert_close(copy(x), ffn(x), rtol=0, atol=0)
+        assert set(copy.state_dict()) == {"w1.weight", "w2.weight", "w3.weight"}
