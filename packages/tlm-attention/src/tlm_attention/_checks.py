@@ -44,13 +44,12 @@ def check_cache_positions(token_positions: Tensor, start: int, seq: int) -> None
         raise TypeError(f"token_positions must be an integer tensor, got dtype {token_positions.dtype}")
     if token_positions.device.type == "meta":
         return
-    expected = torch.arange(start, start + seq, device=token_positions.device)
-    message = (
-        f"token_positions must be the KV cache's positions {start}..{start + seq - 1} (the cache holds {start} "
-        f"tokens); pass token_positions=None to take them from the cache"
-    )
-    agree = token_positions.long() == expected
+    agree = token_positions.long() == torch.arange(start, start + seq, device=token_positions.device)
     if torch.compiler.is_compiling() or token_positions.device.type != "cpu":
-        torch._assert_async(agree.all(), message)
+        # A fixed message: under torch.compile start and seq may be symbolic.
+        torch._assert_async(agree.all(), "token_positions must be the KV cache's positions (its length onwards)")
     elif not bool(agree.all()):
-        raise ValueError(f"{message}, got {token_positions.tolist()}")
+        raise ValueError(
+            f"token_positions must be the KV cache's positions {start}..{start + seq - 1} (the cache holds "
+            f"{start} tokens); pass token_positions=None to take them from the cache, got {token_positions.tolist()}"
+        )
