@@ -11,6 +11,7 @@ from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor
 
 from tlm_attention.blockwise import blockwise_attention
@@ -87,7 +88,12 @@ def resolve_attention_backend(name: object, device: torch.device | str | None = 
     return _AUTO.get(device_type, "torch")
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, attention_backend: str = "auto") -> Tensor:
+def causal_attention(
+    q: Float[Tensor, "... queries d_head"],
+    k: Float[Tensor, "... keys d_head"],
+    v: Float[Tensor, "... keys d_head"],
+    attention_backend: str = "auto",
+) -> Float[Tensor, "... queries d_head"]:
     """Causal attention of (..., queries, d_head) over (..., keys, d_head), bottom-right aligned,
     computed by the named backend ("auto": resolved for ``q``'s device)."""
     return _REGISTRY[resolve_attention_backend(attention_backend, q.device)](q, k, v)

@@ -1,12 +1,12 @@
 """The Transformer language model of CS336 §1.1 and §1.6 (Figure 1)."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from tlm_attention import KVCache, resolve_attention_backend
+from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock
 from tlm_model.config import ModelConfig
@@ -110,7 +110,7 @@ class TransformerLM(nn.Module):
     @property
     def attention_backend(self) -> str:
         """The backend name every layer was given; an error if the layers disagree."""
-        names = [layer.attn.attention_backend for layer in self.layers]
+        names = [attn.attention_backend for attn in self._attentions()]
         if len(set(names)) != 1:
             raise ValueError(f"the layers use different attention backends: {names}; set model.attention_backend")
         return names[0]
@@ -118,8 +118,11 @@ class TransformerLM(nn.Module):
     @attention_backend.setter
     def attention_backend(self, name: str) -> None:
         resolve_attention_backend(name)  # refuse an unknown name before touching any layer
-        for layer in self.layers:
-            layer.attn.attention_backend = name  # re-resolved per layer, for its device
+        for attn in self._attentions():
+            attn.attention_backend = name  # re-resolved per layer, for its device
+
+    def _attentions(self) -> list[CausalMultiHeadSelfAttention]:
+        return [cast(TransformerBlock, layer).attn for layer in self.layers]
 
     def new_kv_cache(
         self, batch_size: int, capacity: int | None = None, *, dtype: torch.dtype | None = None
@@ -139,8 +142,9 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and callable(reset):
+                reset()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
