@@ -60,7 +60,7 @@ def run_swiglu(
     w3_weight: Float[Tensor, " d_ff d_model"],
     in_features: Float[Tensor, " ... d_model"],
 ) -> Float[Tensor, " ... d_model"]:
-    ffn = SwiGLU(d_model, d_ff, **_placed(w1_weight))
+    ffn = SwiGLU(d_model, d_ff, fused=False, **_placed(w1_weight))
     ffn.load_state_dict({"w1.weight": w1_weight, "w2.weight": w2_weight, "w3.weight": w3_weight})
     return ffn(in_features)
 
@@ -87,7 +87,9 @@ def run_multihead_self_attention(
     o_proj_weight: Float[Tensor, " d_model d_v"],
     in_features: Float[Tensor, " ... sequence_length d_in"],
 ) -> Float[Tensor, " ... sequence_length d_out"]:
-    attn = CausalMultiHeadSelfAttention(d_model, num_heads, backend="reference", **_placed(q_proj_weight))
+    attn = CausalMultiHeadSelfAttention(
+        d_model, num_heads, attention_backend="reference", fused=False, **_placed(q_proj_weight)
+    )
     attn.load_state_dict(_attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight))
     return attn(in_features)
 
@@ -105,7 +107,9 @@ def run_multihead_self_attention_with_rope(
     token_positions: Int[Tensor, " ... sequence_length"] | None = None,
 ) -> Float[Tensor, " ... sequence_length d_out"]:
     rope = RotaryPositionalEmbedding(theta, d_model // num_heads, max_seq_len, device=q_proj_weight.device)
-    attn = CausalMultiHeadSelfAttention(d_model, num_heads, rope=rope, backend="reference", **_placed(q_proj_weight))
+    attn = CausalMultiHeadSelfAttention(
+        d_model, num_heads, rope=rope, attention_backend="reference", fused=False, **_placed(q_proj_weight)
+    )
     attn.load_state_dict(_attention_weights(q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight))
     return attn(in_features, token_positions)
 
@@ -131,7 +135,14 @@ def run_transformer_block(
     in_features: Float[Tensor, " batch sequence_length d_model"],
 ) -> Float[Tensor, " batch sequence_length d_model"]:
     block = TransformerBlock(
-        d_model, num_heads, d_ff, max_seq_len, theta, attention_backend="reference", **_placed(weights["ln1.weight"])
+        d_model,
+        num_heads,
+        d_ff,
+        max_seq_len,
+        theta,
+        attention_backend="reference",
+        fused=False,
+        **_placed(weights["ln1.weight"]),
     )
     block.load_state_dict(weights)
     return block(in_features)

@@ -175,7 +175,7 @@ def mha_case(draw):
     seq = draw(st.integers(1, 8))
     rope = draw(st.booleans())
     offset = draw(st.integers(0, 8)) if rope else 0
-    options = {"backend": draw(st.sampled_from(BACKENDS)), "fused_qkv": draw(st.booleans())}
+    options = {"attention_backend": draw(st.sampled_from(BACKENDS)), "fused": draw(st.booleans())}
     return heads, d_head, batch, seq, rope, offset, options, draw(st.sampled_from(MHA_DTYPES)), draw(seeds)
 
 

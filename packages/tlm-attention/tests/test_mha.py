@@ -12,17 +12,19 @@ def reference_mha(attn, x, heads, rotate=None):
     def split(t):
         return t.unflatten(-1, (heads, -1)).transpose(-2, -3)
 
-    q, k, v = (split(F.linear(x, p.weight)) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    # The course's state-dict keys, whatever layout (fused or not) the module stores internally.
+    weights = attn.state_dict()
+    q, k, v = (split(F.linear(x, weights[f"{p}.weight"])) for p in ("q_proj", "k_proj", "v_proj"))
     if rotate is not None:
         q, k = rotate(q), rotate(k)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.linear(out.transpose(-2, -3).flatten(-2), attn.output_proj.weight)
+    return F.linear(out.transpose(-2, -3).flatten(-2), weights["output_proj.weight"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lead", [(), (2,), (2, 3)])
 def test_matches_builtin_reference_without_rope(lead, backend, device):
-    attn = CausalMultiHeadSelfAttention(32, 4, device=device, backend=backend)
+    attn = CausalMultiHeadSelfAttention(32, 4, device=device, attention_backend=backend)
     x = torch.randn(*lead, 7, 32, device=device)
     torch.testing.assert_close(attn(x), reference_mha(attn, x, 4), rtol=1e-5, atol=1e-6)
 
@@ -32,14 +34,14 @@ def test_matches_builtin_reference_without_rope(lead, backend, device):
 @pytest.mark.parametrize("offset", [0, 9])
 def test_matches_builtin_reference_with_rope(offset, fused, backend, device, rope_reference):
     rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=32, device=device)
-    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, backend=backend, fused_qkv=fused)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, attention_backend=backend, fused=fused)
     x = torch.randn(2, 7, 32, device=device)
     positions = torch.arange(offset, offset + 7, device=device)
 
     def rotate(t):
         return rope_reference(t, positions, 10_000.0).to(t.dtype)
 
-    plain = CausalMultiHeadSelfAttention(32, 4, device=device)
+    plain = CausalMultiHeadSelfAttention(32, 4, device=device, fused=False)
     plain.load_state_dict(attn.state_dict())  # the course layout, whatever attn stores internally
     expected = reference_mha(plain, x, 4, rotate)
     got = attn(x, positions) if offset else attn(x)
@@ -104,7 +106,7 @@ def test_bad_arguments():
 @pytest.mark.parametrize("fused", [False, True])
 def test_kv_cache_decoding_matches_full_attention(backend, fused, device):
     rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=32, device=device)
-    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, backend=backend, fused_qkv=fused)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, device=device, attention_backend=backend, fused=fused)
     x = torch.randn(2, 12, 32, device=device)
     full = attn(x)
     cache = KVCache(2, 4, capacity=12, d_head=8, device=device)
@@ -116,10 +118,10 @@ def test_kv_cache_decoding_matches_full_attention(backend, fused, device):
 
 
 def test_fused_state_dict_keeps_course_keys_and_loads_both_ways():
-    fused = CausalMultiHeadSelfAttention(16, 2, fused_qkv=True)
+    fused = CausalMultiHeadSelfAttention(16, 2, fused=True)
     keys = {f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "output_proj")}
     assert set(fused.state_dict()) == keys
-    plain = CausalMultiHeadSelfAttention(16, 2)
+    plain = CausalMultiHeadSelfAttention(16, 2, fused=False)
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(3, 16)
     torch.testing.assert_close(plain(x), fused(x), rtol=1e-5, atol=1e-6)
@@ -127,11 +129,11 @@ def test_fused_state_dict_keeps_course_keys_and_loads_both_ways():
 
 def test_backend_is_validated_and_switchable():
     attn = CausalMultiHeadSelfAttention(16, 2)
-    assert attn.backend == "auto"
-    attn.backend = "blockwise"
+    assert attn.attention_backend == "auto"
+    attn.attention_backend = "blockwise"
     with pytest.raises(
         ValueError, match=r"backend must be one of \('auto', 'reference', 'blockwise', 'torch'\), got 'flash'"
     ):
-        attn.backend = "flash"
+        attn.attention_backend = "flash"
     with pytest.raises(ValueError, match="backend must be one of"):
-        CausalMultiHeadSelfAttention(16, 2, backend="fast")
+        CausalMultiHeadSelfAttention(16, 2, attention_backend="fast")

@@ -55,7 +55,7 @@ def test_default_d_ff_bad_input():
 
 
 def test_swiglu_matches_builtin_composition(device):
-    ffn = SwiGLU(32, 96, device=device)
+    ffn = SwiGLU(32, 96, device=device, fused=False)
     x = torch.randn(2, 5, 32, device=device)
     expected = F.linear(F.silu(F.linear(x, ffn.w1.weight)) * F.linear(x, ffn.w3.weight), ffn.w2.weight)
     torch.testing.assert_close(ffn(x), expected, rtol=1e-6, atol=1e-6)
@@ -69,7 +69,7 @@ def test_swiglu_default_width_and_keys():
 
 
 def test_swiglu_gradcheck():
-    ffn = SwiGLU(4, 6, dtype=torch.float64)
+    ffn = SwiGLU(4, 6, dtype=torch.float64, fused=False)
     params = {k: v.detach().clone().requires_grad_(True) for k, v in ffn.named_parameters()}
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
 
@@ -87,13 +87,13 @@ def test_swiglu_bad_sizes():
 
 
 def test_fused_matches_unfused_and_keeps_the_course_keys(device):
-    plain = SwiGLU(32, 96, device=device)
+    plain = SwiGLU(32, 96, device=device, fused=False)
     fused = SwiGLU(32, 96, device=device, fused=True)
     fused.load_state_dict(plain.state_dict())
     assert set(fused.state_dict()) == {"w1.weight", "w2.weight", "w3.weight"}
     x = torch.randn(3, 5, 32, device=device)
     torch.testing.assert_close(fused(x), plain(x), rtol=1e-5, atol=1e-6)
-    back = SwiGLU(32, 96, device=device)
+    back = SwiGLU(32, 96, device=device, fused=False)
     back.load_state_dict(fused.state_dict())
     torch.testing.assert_close(back.w1.weight, plain.w1.weight, rtol=0, atol=0)
 
@@ -115,3 +115,18 @@ def test_silu_mul_matches_the_two_ops_and_gradchecks():
     with torch.no_grad():
         torch.testing.assert_close(silu_mul(gate, up), F.silu(gate) * up)
     assert torch.equal(gate, before[0]) and torch.equal(up, before[1]), "inputs must not change"
+
+
+def test_default_is_fused_and_pickles_whole():
+    import io
+    import pickle
+
+    ffn = SwiGLU(8, 16)
+    assert ffn.fused and hasattr(ffn, "w13")
+    x = torch.randn(3, 8)
+    buffer = io.BytesIO()
+    torch.save(ffn, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(ffn)), torch.load(buffer, weights_only=False)):
+        torch.testing.assert_close(copy(x), ffn(x), rtol=0, atol=0)
+        assert set(copy.state_dict()) == {"w1.weight", "w2.weight", "w3.weight"}

@@ -87,3 +87,37 @@ def test_not_a_tensor():
 def test_bad_sizes(args):
     with pytest.raises(ValueError, match="must be positive, got 0"):
         Embedding(*args)
+
+
+INTEGER_DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32]
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+def test_every_integer_dtype_is_an_id_never_a_mask(dtype, device):
+    # uint8 would be read as a boolean mask by advanced indexing; uint16/32/64 have no min/max.
+    emb = Embedding(120, 4, device=device)
+    ids = torch.tensor([[0, 1, 1, 119], [5, 0, 2, 3]], device=device)
+    expected = F.embedding(ids, emb.weight)
+    torch.testing.assert_close(emb(ids.to(dtype)), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.int16])
+def test_out_of_range_ids_of_narrow_dtypes_are_refused(dtype):
+    with pytest.raises(ValueError, match=r"token_ids must lie in \[0, num_embeddings=10\), got values in \[2, 12\]"):
+        Embedding(10, 4)(torch.tensor([2, 12], dtype=dtype))
+
+
+@pytest.mark.parametrize("bad", [[-1, 2], [2, 10]])
+def test_out_of_range_ids_are_refused_under_torch_compile(bad):
+    # A compiled graph cannot branch on values: a device-side assert (torch._assert_async) refuses them.
+    torch._dynamo.reset()
+    compiled = torch.compile(Embedding(10, 4), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(torch.tensor([1, 9])).shape, torch.Size([2, 4]))
+    with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, num_embeddings=10\)"):
+        compiled(torch.tensor(bad))
+    torch._dynamo.reset()
+
+
+def test_ids_that_are_not_a_tensor_are_refused():
+    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor, got list"):
+        Embedding(10, 4)([1, 2])

@@ -58,3 +58,22 @@ def test_init_std_override():
     assert w.std().item() == pytest.approx(0.98658 * layer.init_std, rel=0.02)
     with pytest.raises(ValueError, match="init_std must be a finite number > 0 or None, got -1.0"):
         Linear(4, 4, init_std=-1.0)
+
+
+def test_a_module_with_the_layout_pickles_and_saves_whole():
+    # The hooks are objects of importable classes, not closures, so pickle and torch.save take them.
+    import io
+    import pickle
+
+    module = nn.Module()
+    module.ab = Linear(4, 5)
+    register_split_layout(module, "ab", {"a": 3, "b": 2})
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(module)), torch.load(buffer, weights_only=False)):
+        sd = copy.state_dict()
+        assert set(sd) == {"a.weight", "b.weight"}
+        torch.testing.assert_close(torch.cat([sd["a.weight"], sd["b.weight"]]), module.ab.weight, rtol=0, atol=0)
+        copy.load_state_dict({"a.weight": torch.zeros(3, 4), "b.weight": torch.ones(2, 4)})
+        assert torch.equal(copy.ab.weight, torch.cat([torch.zeros(3, 4), torch.ones(2, 4)]))

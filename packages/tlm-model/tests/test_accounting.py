@@ -10,7 +10,7 @@ from tlm_model.cli import main
 
 
 def closed_form_forward_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
-    """The seed's count, written out: per layer 4 d×d projections, QKᵀ and AV over seq², three
+    """The course's (full QKᵀ) count, written out: per layer 4 d×d projections, QKᵀ and AV over seq², three
     d×d_ff FFN matrices; then the LM head."""
     d, t = cfg.d_model, seq
     per_layer = 4 * 2 * t * d * d + 2 * 2 * t * t * d + 3 * 2 * t * d * cfg.d_ff

@@ -5,7 +5,9 @@ Each row of the table in docs/reliability.md ("Bad input") is one case here, und
 other tlm package, so this one file can exercise them all.
 """
 
+import dataclasses
 import pathlib
+import pickle
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -13,14 +15,21 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tlm_attention import CausalMultiHeadSelfAttention, scaled_dot_product_attention, softmax
+from tlm_attention import (
+    CausalMultiHeadSelfAttention,
+    KVCache,
+    causal_attention,
+    scaled_dot_product_attention,
+    softmax,
+)
 from tlm_ffn import SwiGLU, silu
 from tlm_linear import Embedding, Linear
-from tlm_model import ModelConfig, TransformerBlock, TransformerLM
+from tlm_model import ModelConfig, TransformerBlock, TransformerLM, chunked_cross_entropy
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
 
 CFG = ModelConfig(vocab_size=11, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
+U16 = torch.uint16
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "reliability.md"
 
 
@@ -200,7 +209,69 @@ RAISES = [
     Raises("mha-positions-without-rope",
            lambda: CausalMultiHeadSelfAttention(16, 2)(torch.randn(3, 16), torch.arange(3)), ValueError,
            "token_positions was given but this attention module has no rope to use it"),
+    # wiring: one source of truth (issue 9)
+    Raises("lm-cache-positions-disagree", lambda: _cached_step(torch.tensor([0])), ValueError,
+           "token_positions must be the KV cache's positions 3..3 (the cache holds 3 tokens); pass "
+           "token_positions=None to take them from the cache, got [0]"),
+    Raises("lm-cache-lengths-disagree", lambda: _uneven_caches(), ValueError,
+           "the layers' KV caches disagree on their length: [2, 0]"),
+    Raises("kv-cache-kv-mismatch",
+           lambda: KVCache(1, 2, 4, 8).update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 2, 8)), ValueError,
+           "keys and values must have shape (batch, heads, new, d_head) = (1, 2, new, 8), got (1, 2, 1, 8) and "
+           "(1, 2, 2, 8)"),
+    Raises("block-rope-and-sizes", lambda: TransformerBlock(16, 2, 24, 8, 10_000.0, rope=rope()), ValueError,
+           "give TransformerBlock either rope or max_seq_len and theta, not both: the rope's own max_seq_len=8, "
+           "theta=10000.0 would silently win over max_seq_len=8, theta=10000.0"),
+    Raises("block-no-rope-no-sizes", lambda: TransformerBlock(16, 2, 24), ValueError,
+           "TransformerBlock needs either max_seq_len and theta (to build its RoPE) or rope, got max_seq_len=None, "
+           "theta=None, rope=None"),
+    Raises("mha-unknown-backend", lambda: mha(attention_backend="flash"), ValueError,
+           "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
+    Raises("causal-attention-unknown-backend",
+           lambda: causal_attention(*torch.randn(3, 2, 4, 8), attention_backend="flash"), ValueError,
+           "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
+    Raises("lm-unknown-backend", lambda: lm(attention_backend="flash"), ValueError,
+           "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
+    Raises("lm-backends-disagree", lambda: _disagreeing_backends().attention_backend, ValueError,
+           "the layers use different attention backends: ['auto', 'reference']; set model.attention_backend"),
+    # dtypes
+    Raises("linear-dtype-mismatch", lambda: Linear(4, 3)(torch.randn(2, 4, dtype=torch.float64)), TypeError,
+           "x must have the weight's dtype torch.float32, got torch.float64; convert one of them (x.to(...) or "
+           "module.to(...)) or run under torch.autocast"),
+    Raises("lm-uint16-ids-too-large", lambda: lm()(torch.tensor([[0, 300]], dtype=torch.uint16)), ValueError,
+           "token_ids must lie in [0, num_embeddings=11), got values in [0, 300]"),
+    Raises("lm-uint8-position-too-large", lambda: lm()(ids(1, 3), torch.tensor([6, 7, 8], dtype=torch.uint8)),
+           ValueError, "token_positions must lie in [0, max_seq_len=8), got values in [6, 8]"),
+    Raises("loss-uint16-targets-too-large",
+           lambda: chunked_cross_entropy(torch.randn(2, 16), torch.randn(11, 16), torch.tensor([0, 11]).to(U16)),
+           ValueError, "targets must lie in [0, vocab=11), got values in [0, 11]"),
+    Raises("lm-negative-ids-compiled", lambda: torch.compile(lm(), backend="aot_eager")(torch.tensor([[-1, 3]])),
+           RuntimeError, "token_ids must lie in [0, num_embeddings=11)"),
 ]  # fmt: skip
+
+
+def _two_layers() -> TransformerLM:
+    return TransformerLM.from_config(dataclasses.replace(CFG, num_layers=2))
+
+
+def _cached_step(positions: torch.Tensor) -> torch.Tensor:
+    model = lm()
+    cache = model.new_kv_cache(1)
+    model(ids(1, 3), kv_cache=cache)
+    return model(ids(1, 1), positions, kv_cache=cache)
+
+
+def _uneven_caches() -> torch.Tensor:
+    model = _two_layers()
+    cache = model.new_kv_cache(1)
+    cache[0].update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
+    return model(ids(1, 1), kv_cache=cache)
+
+
+def _disagreeing_backends() -> TransformerLM:
+    model = _two_layers()
+    model.layers[1].attn.attention_backend = "reference"
+    return model
 
 
 @pytest.mark.parametrize("row", RAISES, ids=[row.id for row in RAISES])
@@ -238,9 +309,48 @@ def _empty_passes_through(module_call, shape):
     return check
 
 
+def _lm_every_integer_dtype():
+    tokens = ids(2, 4)
+    expected = lm_fixed()(tokens)
+    for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32):
+        torch.testing.assert_close(lm_fixed()(tokens.to(dtype)), expected, rtol=0, atol=0)
+
+
+def _rope_uint8_positions():
+    x, positions = torch.randn(3, 8), torch.tensor([1, 0, 1])
+    torch.testing.assert_close(rope()(x, positions.to(torch.uint8)), rope()(x, positions), rtol=0, atol=0)
+
+
+def _rmsnorm_huge_input():
+    x = torch.randn(3, 4)
+    out = RMSNorm(4)(x * 1e30)  # (x·1e30)² overflows float32
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (4,), eps=0.0), rtol=1e-5, atol=1e-6)
+
+
+def _lm_kv_step_interrupted():
+    model = _two_layers()
+    cache = model.new_kv_cache(1)
+    model(ids(1, 3), kv_cache=cache)
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+
+    hook = model.layers[1].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids(1, 1), kv_cache=cache)
+    hook.remove()
+    assert [c.length for c in cache] == [3, 3]
+
+
+def _lm_pickles():
+    model = lm()
+    tokens = ids(1, 4)
+    torch.testing.assert_close(pickle.loads(pickle.dumps(model))(tokens), model(tokens), rtol=0, atol=0)
+
+
 def _mha_empty_sequence(backend):
     def check():
-        assert mha(backend=backend)(torch.randn(2, 0, 16)).shape == (2, 0, 16)
+        assert mha(attention_backend=backend)(torch.randn(2, 0, 16)).shape == (2, 0, 16)
 
     return check
 
@@ -258,6 +368,11 @@ BEHAVES = {
     "mha-empty-sequence-reference": _mha_empty_sequence("reference"),
     "mha-empty-sequence-torch": _mha_empty_sequence("torch"),
     "mha-empty-sequence-blockwise": _mha_empty_sequence("blockwise"),
+    "lm-every-integer-dtype-ids": _lm_every_integer_dtype,
+    "rope-uint8-positions": _rope_uint8_positions,
+    "rmsnorm-huge-input": _rmsnorm_huge_input,
+    "lm-kv-step-interrupted": _lm_kv_step_interrupted,
+    "lm-pickles": _lm_pickles,
 }
 
 
@@ -321,7 +436,7 @@ def _nan_sdpa(which: str, expected_rows: list):
 def _nan_mha(backend: str):
     def check():
         torch.manual_seed(0)
-        attn = mha(backend=backend)
+        attn = mha(attention_backend=backend)
         x = torch.randn(2, 6, 16)
         clean = attn(x)
         out = attn(with_nan(x, (0, 3, 5)))  # batch row 0, position 3
@@ -425,9 +540,9 @@ def _inplace_cases():
         "softmax": (lambda x: softmax(x, -1), (x16,)),
         "scaled_dot_product_attention": (scaled_dot_product_attention, (q, k, v, mask)),
         "CausalMultiHeadSelfAttention": (mha(), (x16, positions)),
-        "CausalMultiHeadSelfAttention-reference": (mha(backend="reference"), (x16, positions)),
-        "CausalMultiHeadSelfAttention-blockwise": (mha(backend="blockwise"), (x16, positions)),
-        "CausalMultiHeadSelfAttention-fused": (mha(fused_qkv=True), (x16, positions)),
+        "CausalMultiHeadSelfAttention-reference": (mha(attention_backend="reference"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-blockwise": (mha(attention_backend="blockwise"), (x16, positions)),
+        "CausalMultiHeadSelfAttention-fused": (mha(fused=True), (x16, positions)),
         "TransformerBlock": (block(), (x16, positions)),
         "TransformerLM": (lm(), (tokens, positions)),
         "TransformerLM-unfused": (lm(fused=False), (tokens, positions)),

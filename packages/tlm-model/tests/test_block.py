@@ -36,8 +36,28 @@ def test_token_positions_are_forwarded(block_reference):
 
 def test_shared_rope_is_used():
     rope = RotaryPositionalEmbedding(10_000.0, 4, 16)
-    block = TransformerBlock(16, 4, 32, 16, 10_000.0, rope=rope)
+    block = TransformerBlock(16, 4, 32, rope=rope)
     assert block.attn.rope is rope
+
+
+@pytest.mark.parametrize("sizes", [dict(max_seq_len=16), dict(theta=500.0), dict(max_seq_len=32, theta=500.0)])
+def test_rope_together_with_its_sizes_is_refused(sizes):
+    # The rope's own table would silently win over max_seq_len/theta: one source of truth.
+    with pytest.raises(ValueError, match="either rope or max_seq_len and theta, not both"):
+        TransformerBlock(16, 4, 32, rope=RotaryPositionalEmbedding(10_000.0, 4, 16), **sizes)
+
+
+@pytest.mark.parametrize("sizes", [dict(), dict(max_seq_len=16), dict(theta=500.0)])
+def test_without_rope_both_sizes_are_required(sizes):
+    with pytest.raises(ValueError, match="needs either max_seq_len and theta"):
+        TransformerBlock(16, 4, 32, **sizes)
+
+
+def test_block_builds_its_rope_from_its_sizes():
+    block = TransformerBlock(16, 4, 32, 24, 500.0)
+    rope = block.attn.rope
+    assert isinstance(rope, RotaryPositionalEmbedding)
+    assert (rope.theta, rope.d_k, rope.max_seq_len) == (500.0, 4, 24)
 
 
 def test_bad_arguments():

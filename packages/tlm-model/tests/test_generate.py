@@ -125,3 +125,21 @@ def test_cache_overflow_is_an_error(model):
             model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
     with pytest.raises(ValueError, match=r"capacity must be in \[1, context_length=40\], got 41"):
         model.new_kv_cache(1, capacity=41)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.int16, torch.int32])
+def test_any_integer_prompt_dtype_continues_like_int64(model, dtype):
+    # A uint16 np.memmap of a token file gives uint16 ids; the continuation is int64 (new ids may not fit).
+    prompt = torch.randint(0, CFG.vocab_size, (2, 5))
+    expected = greedy_without_cache(model, prompt, 6)
+    got = generate(model, prompt.to(dtype), 6, temperature=0)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+    assert torch.equal(generate(model, prompt.to(dtype), 0), prompt)
+
+
+def test_out_of_vocabulary_prompts_are_refused(model):
+    with pytest.raises(ValueError, match=r"prompt_ids must lie in \[0, vocab_size=61\), got values in \[-1, 3\]"):
+        generate(model, torch.tensor([3, -1]), 2)
+    with pytest.raises(ValueError, match=r"prompt_ids must lie in \[0, vocab_size=61\), got values in \[3, 61\]"):
+        generate(model, torch.tensor([3, 61], dtype=torch.uint8), 2)

@@ -176,7 +176,7 @@ def test_attention_backend_switch_and_validation():
     model = TransformerLM.from_config(SMALL)
     assert model.attention_backend == "auto"
     model.attention_backend = "reference"
-    assert all(layer.attn.backend == "reference" for layer in model.layers)
+    assert all(layer.attn.attention_backend == "reference" for layer in model.layers)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         TransformerLM.from_config(SMALL, attention_backend="flash")
 
@@ -188,3 +188,136 @@ def test_fused_and_plain_models_share_checkpoints():
     assert set(plain.state_dict()) == set(fused.state_dict())
     ids = torch.randint(0, SMALL.vocab_size, (2, 9))
     torch.testing.assert_close(plain(ids), fused(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_backend_getter_reports_every_layer():
+    model = TransformerLM.from_config(SMALL)
+    model.layers[1].attn.attention_backend = "blockwise"
+    with pytest.raises(
+        ValueError, match=r"the layers use different attention backends: \['auto', 'blockwise', 'auto'\]"
+    ):
+        _ = model.attention_backend
+    model.attention_backend = "reference"  # the setter brings every layer back into line
+    assert model.attention_backend == "reference"
+    assert [layer.attn.resolved_attention_backend for layer in model.layers] == ["reference"] * 3
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        model.attention_backend = "flash"
+    assert [layer.attn.attention_backend for layer in model.layers] == ["reference"] * 3
+
+
+def test_rope_is_built_once_and_handed_to_every_layer():
+    model = TransformerLM.from_config(SMALL)
+    assert all(layer.attn.rope is model.rope for layer in model.layers)
+    assert (model.rope.max_seq_len, model.rope.theta, model.rope.d_k) == (24, 1000.0, 8)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("exception", [Boom, KeyboardInterrupt])
+@pytest.mark.parametrize("failing_layer", [0, 1, 2])
+def test_a_failed_cached_step_leaves_every_cache_as_it_was(exception, failing_layer):
+    model = TransformerLM.from_config(SMALL).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(ids)  # no cache: the independent reference for every step
+        cache = model.new_kv_cache(2)
+        steps = [model(ids[:, :5], kv_cache=cache)]
+
+        def fail(module, args, output):
+            raise exception()
+
+        # After the layer's attention has written its keys and values: the step fails half-way.
+        hook = model.layers[failing_layer].ffn.register_forward_hook(fail)
+        with pytest.raises(exception):
+            model(ids[:, 5:6], kv_cache=cache)
+        hook.remove()
+        assert [c.length for c in cache] == [5, 5, 5]
+        steps += [model(ids[:, t : t + 1], kv_cache=cache) for t in range(5, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_positions_with_a_cache_come_from_the_cache():
+    model = TransformerLM.from_config(SMALL).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 7))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(2)
+        model(ids[:, :4], kv_cache=cache, token_positions=torch.arange(4))  # explicit and agreeing
+        for wrong in (torch.arange(3), torch.tensor([4, 5, 7]), torch.tensor([[4, 5, 6], [5, 6, 7]])):
+            with pytest.raises(ValueError, match=r"token_positions must be the KV cache's positions 4..6"):
+                model(ids[:, 4:], kv_cache=cache, token_positions=wrong)
+            assert [c.length for c in cache] == [4, 4, 4]
+        last = model(ids[:, 4:], kv_cache=cache, token_positions=torch.arange(4, 7, dtype=torch.uint8))
+    torch.testing.assert_close(last, full[:, 4:], rtol=1e-4, atol=1e-5)
+
+
+def test_caches_of_different_lengths_are_refused():
+    model = TransformerLM.from_config(SMALL).eval()
+    cache = model.new_kv_cache(1)
+    cache[1].update(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"the layers' KV caches disagree on their length: \[0, 2, 0\]"):
+        model(torch.zeros(1, 1, dtype=torch.long), kv_cache=cache)
+
+
+INTEGER_DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32]
+
+
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+def test_every_integer_dtype_works_as_ids_and_positions(dtype):
+    model = TransformerLM.from_config(SMALL).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6))
+    positions = torch.tensor([3, 4, 9, 10, 11, 20])
+    with torch.no_grad():
+        expected = model(ids, positions)
+        torch.testing.assert_close(model(ids.to(dtype), positions.to(dtype)), expected, rtol=0, atol=0)
+        expected_loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1).flatten())
+        got_loss = model.loss(ids.to(dtype), ids.roll(1).to(dtype))
+    torch.testing.assert_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [[[-1, 3]], [[3, 97]]])
+def test_out_of_range_ids_are_refused_under_torch_compile(bad):
+    torch._dynamo.reset()
+    compiled = torch.compile(TransformerLM.from_config(SMALL).eval(), backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(torch.tensor([[1, 96]]))
+        with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, num_embeddings=97\)"):
+            compiled(torch.tensor(bad))
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_model_pickles_and_saves_whole(fused):
+    import io
+    import pickle
+
+    model = TransformerLM.from_config(SMALL, fused=fused, attention_backend="blockwise")
+    ids = torch.randint(0, SMALL.vocab_size, (2, 5))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        assert copy.attention_backend == "blockwise"
+        assert all(layer.attn.rope is copy.rope for layer in copy.layers)
+        torch.testing.assert_close(copy(ids), model(ids), rtol=0, atol=0)
+
+
+def test_forward_never_syncs_with_the_device(device):
+    if device.type != "cuda":
+        pytest.skip("a device-to-host sync only exists on an accelerator; run with TLM_TEST_DEVICE=cuda")
+    model = TransformerLM.from_config(SMALL, device=device).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 6), device=device)
+    positions = torch.arange(6, device=device)
+    with torch.no_grad():
+        cache = model.new_kv_cache(2)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(ids, positions)
+            model(ids[:, :4], kv_cache=cache)
+            model(ids[:, 4:], positions[4:], kv_cache=cache)
+            model.loss(ids, ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -60,3 +60,23 @@ def test_bad_input():
         chunked_cross_entropy(torch.randn(3, 4), torch.randn(5, 4), torch.zeros(3))
     with pytest.raises(ValueError, match="chunk_size must be a positive int, got 0"):
         model.loss(ids, ids, chunk_size=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int16, torch.int32])
+def test_targets_of_any_integer_dtype(dtype):
+    hidden = torch.randn(12, 8, dtype=torch.float64)
+    weight = torch.randn(30, 8, dtype=torch.float64)
+    targets = torch.randint(0, 30, (12,))
+    expected = F.cross_entropy(hidden @ weight.T, targets)
+    torch.testing.assert_close(chunked_cross_entropy(hidden, weight, targets.to(dtype), 5), expected)
+
+
+@pytest.mark.parametrize("bad", [[-1] + [0] * 11, [30] + [0] * 11])
+def test_out_of_range_targets_are_refused_under_torch_compile(bad):
+    torch._dynamo.reset()
+    compiled = torch.compile(chunked_cross_entropy, backend="aot_eager")
+    hidden, weight = torch.randn(12, 8), torch.randn(30, 8)
+    compiled(hidden, weight, torch.zeros(12, dtype=torch.long), 5)
+    with pytest.raises(RuntimeError, match=r"targets must lie in \[0, vocab=30\)"):
+        compiled(hidden, weight, torch.tensor(bad), 5)
+    torch._dynamo.reset()

@@ -90,3 +90,38 @@ def test_bad_inputs():
         norm(torch.randn(2, 7))
     with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
         norm(torch.ones(2, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "dtype, scale",
+    [
+        (torch.float32, 1e30),  # x² overflows float32
+        (torch.float32, 3e38),  # next to float32's largest value
+        (torch.bfloat16, 1e38),  # bfloat16 shares float32's range, so its squares overflow in float32
+        (torch.float16, 6e4),
+        (torch.float64, 1e300),
+        (torch.float32, 1e-30),  # tiny inputs, where eps dominates
+    ],
+)
+def test_finite_and_correct_for_any_finite_input(dtype, scale):
+    norm = random_norm(64, dtype=dtype)
+    x = (torch.rand(3, 64, dtype=torch.float64) * 2 - 1) * scale
+    x[:, 0] = scale  # the row's largest magnitude is the scale itself
+    x = x.to(dtype)
+    out = norm(x)
+    assert torch.isfinite(out).all()
+    # float64 reference from the definition, with the rescaling done by hand in exact powers of two.
+    xd = x.double()
+    shift = torch.floor(torch.log2(xd.abs().amax(-1, keepdim=True)))
+    y = xd * torch.exp2(-shift)
+    expected = y / torch.sqrt(y.square().mean(-1, keepdim=True) + 1e-5 * torch.exp2(-2 * shift)) * norm.weight.double()
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12}.get(dtype, 1e-2)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+def test_large_inputs_match_f_rms_norm_on_the_rescaled_input():
+    # F.rms_norm of x/s (no overflow) equals RMSNorm(x) when eps is scaled by 1/s² too: here eps=0.
+    norm = RMSNorm(32, eps=0.0)
+    x = torch.randn(4, 32) * 1e25
+    expected = F.rms_norm(x / 1e25, (32,), norm.weight, eps=0.0)
+    torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)

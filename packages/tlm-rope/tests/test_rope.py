@@ -173,3 +173,30 @@ def test_bad_inputs():
         rope(torch.randn(4, 6))
     with pytest.raises(TypeError, match="floating-point tensor"):
         rope(torch.ones(4, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32]
+)
+def test_every_integer_dtype_is_a_position_never_a_mask(dtype, rope_reference):
+    # uint8 positions would be read as a boolean mask by indexing; uint16/32/64 have no min/max.
+    rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=100)
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 1, 0], [99, 3, 50, 7]])
+    expected = rope_reference(x, positions, 10_000.0)
+    torch.testing.assert_close(rope(x, positions.to(dtype)), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.int8])
+def test_out_of_range_positions_of_narrow_dtypes_are_refused(dtype):
+    with pytest.raises(ValueError, match=r"token_positions must lie in \[0, max_seq_len=4\), got values in \[1, 9\]"):
+        RotaryPositionalEmbedding(10_000.0, 8, 4)(torch.randn(2, 8), torch.tensor([1, 9], dtype=dtype))
+
+
+def test_out_of_range_positions_are_refused_under_torch_compile():
+    torch._dynamo.reset()
+    rope = torch.compile(RotaryPositionalEmbedding(10_000.0, 8, 4), backend="aot_eager", fullgraph=True)
+    rope(torch.randn(2, 8), torch.tensor([0, 3]))
+    with pytest.raises(RuntimeError, match=r"token_positions must lie in \[0, max_seq_len=4\)"):
+        rope(torch.randn(2, 8), torch.tensor([-1, 3]))
+    torch._dynamo.reset()

@@ -14,6 +14,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from tlm_attention._checks import check_float_tensor
+
 DEFAULT_BLOCK_SIZE = 256
 
 
@@ -105,8 +107,7 @@ def blockwise_attention(
     dimensions. Half-precision inputs are computed in float32 and returned in their dtype.
     """
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point torch.Tensor, got {getattr(t, 'dtype', type(t))}")
+        check_float_tensor(name, t)
         if t.ndim < 2:
             raise ValueError(f"{name} must have shape (..., seq, dim), got {tuple(t.shape)}")
     if not (Q.shape[:-2] == K.shape[:-2] == V.shape[:-2]):

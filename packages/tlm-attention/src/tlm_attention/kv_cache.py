@@ -10,7 +10,11 @@ class KVCache:
     Buffers of shape (batch, heads, capacity, d_head) are allocated once; ``update`` writes the
     new tokens' keys and values after the ``length`` already stored and returns views of
     everything stored, so a prefix is never recomputed. ``length`` is also the position of the
-    next token, which is where RoPE continues.
+    next token, which is where RoPE continues: positions come from the cache.
+
+    Slots past ``length`` hold nothing that counts, so :meth:`truncate` back to an earlier
+    length undoes an ``update`` exactly; a model uses it to make a decoding step all-or-nothing
+    across its layers.
     """
 
     def __init__(
@@ -53,6 +57,12 @@ class KVCache:
         self.values[:, :, start:end] = values
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def truncate(self, length: int) -> None:
+        """Forget every token from position ``length`` on (0 <= length <= the current length)."""
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"length must be an int in [0, {self.length}], got {length!r}")
+        self.length = length
 
     def reset(self) -> None:
         self.length = 0

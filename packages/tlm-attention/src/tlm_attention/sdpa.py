@@ -7,6 +7,7 @@ from einops import einsum
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from tlm_attention._checks import check_float_tensor
 from tlm_attention.softmax import softmax
 
 
@@ -41,10 +42,7 @@ def scaled_dot_product_attention(
     returns NaN there). With no keys at all every query gets zeros, for the same reason.
     """
     for name, t in (("Q", Q), ("K", K), ("V", V)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        check_float_tensor(name, t)
         if t.ndim < 2:
             raise ValueError(f"{name} must have shape (..., seq, dim), got {tuple(t.shape)}")
     if Q.shape[-1] != K.shape[-1]:

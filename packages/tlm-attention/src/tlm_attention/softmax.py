@@ -4,6 +4,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from tlm_attention._checks import check_float_tensor
+
 
 def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
     """softmax(x)_i = exp(x_i - max x) / Σ_j exp(x_j - max x) along ``dim``.
@@ -14,10 +16,7 @@ def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
     Unlike ``torch.softmax``, a slice whose entries are all -inf (nothing to attend to)
     returns zeros rather than NaN, and its gradient is zero rather than NaN.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    check_float_tensor("x", x)
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"dim must be an int, got {type(dim).__name__} ({dim!r})")
     rank = max(x.ndim, 1)

@@ -6,6 +6,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
+from tlm_ffn._checks import check_positive_int
 from tlm_linear import Linear, register_split_layout
 
 
@@ -57,11 +58,8 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
     8/3 keeps the parameter count of a 4·d_model two-matrix FFN with three matrices; the
     rounding keeps matrix shapes friendly to hardware tiles.
     """
-    for name, value in (("d_model", d_model), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_positive_int("d_model", d_model)
+    check_positive_int("multiple_of", multiple_of)
     # Integer ceil-division avoids float rounding for large d_model.
     return multiple_of * -(-(8 * d_model) // (3 * multiple_of))
 
@@ -69,7 +67,7 @@ def default_d_ff(d_model: int, multiple_of: int = 64) -> int:
 class SwiGLU(nn.Module):
     """FFN(x) = w2(silu(w1(x)) * w3(x)) with w1, w3: d_model → d_ff and w2: d_ff → d_model.
 
-    ``fused=True`` stores w1 and w3 as one (2·d_ff, d_model) matrix ``w13`` and runs them as a
+    ``fused=True`` (the default) stores w1 and w3 as one (2·d_ff, d_model) matrix ``w13`` and runs them as a
     single matmul; state dicts still use (and accept) the separate ``w1.weight``/``w3.weight``.
     """
 
@@ -80,16 +78,13 @@ class SwiGLU(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        fused: bool = False,
+        fused: bool = True,
     ) -> None:
         super().__init__()
         if d_ff is None:
             d_ff = default_d_ff(d_model)
-        for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_positive_int("d_model", d_model)
+        check_positive_int("d_ff", d_ff)
         if fused:
             # Each half keeps the σ² = 2/(d_model + d_ff) that a separate w1 or w3 would have.
             std = math.sqrt(2.0 / (d_model + d_ff))

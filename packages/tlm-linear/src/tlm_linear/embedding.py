@@ -4,7 +4,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from tlm_linear.linear import _check_dim
+from tlm_linear._checks import as_index_tensor, check_dim
 
 
 class Embedding(nn.Module):
@@ -12,9 +12,10 @@ class Embedding(nn.Module):
 
     Initialisation (CS336 §1.4.1): N(0, 1) truncated at ±3.
 
-    Ids are checked against ``[0, num_embeddings)`` on every eager call: a negative id would
-    otherwise silently wrap around to the end of the table. The check is skipped while
-    ``torch.compile`` traces the module, so compiled graphs have no data-dependent branch.
+    Ids may have any integer dtype (uint8 ... int64) and are checked against
+    ``[0, num_embeddings)``: a negative id would otherwise silently wrap around to the end of the
+    table. CPU ids are checked eagerly (``ValueError``); on an accelerator and inside
+    ``torch.compile`` a device-side assert (``torch._assert_async``) refuses them without a host sync.
     """
 
     def __init__(
@@ -25,8 +26,8 @@ class Embedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_embeddings = _check_dim("num_embeddings", num_embeddings)
-        self.embedding_dim = _check_dim("embedding_dim", embedding_dim)
+        self.num_embeddings = check_dim("num_embeddings", num_embeddings)
+        self.embedding_dim = check_dim("embedding_dim", embedding_dim)
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -34,19 +35,7 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
-        if not isinstance(token_ids, Tensor):
-            raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
-        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
-            raise TypeError(f"token_ids must be an integer tensor, got dtype {token_ids.dtype}")
-        if not torch.compiler.is_compiling() and token_ids.numel() > 0:
-            low, high = int(token_ids.min()), int(token_ids.max())
-            if low < 0 or high >= self.num_embeddings:
-                raise ValueError(
-                    f"token_ids must lie in [0, num_embeddings={self.num_embeddings}), got values in [{low}, {high}]"
-                )
-        if token_ids.dtype not in (torch.int32, torch.int64):
-            # Advanced indexing reads uint8 (and bool) tensors as masks, not as ids.
-            token_ids = token_ids.long()
+        token_ids = as_index_tensor("token_ids", token_ids, self.num_embeddings, "num_embeddings")
         return self.weight[token_ids]
 
     def extra_repr(self) -> str:

@@ -12,25 +12,34 @@ import torch
 from torch import nn
 
 
+class _Layout:
+    # Callable objects, not closures, so that a module carrying the hooks still pickles and
+    # torch.save()s whole (and torch can mark them as registered through its public API).
+    def __init__(self, fused: str, parts: dict[str, int]) -> None:
+        self.names, self.sizes = list(parts), list(parts.values())
+        self.fused_key = f"{fused}.weight"
+
+
+class _Split(_Layout):
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        weight = state_dict.pop(prefix + self.fused_key)
+        for name, block in zip(self.names, torch.split(weight, self.sizes, dim=0), strict=True):
+            # Separate storage: savers such as safetensors refuse tensors that share memory.
+            state_dict[f"{prefix}{name}.weight"] = block.clone()
+
+
+class _Join(_Layout):
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        keys = [f"{prefix}{name}.weight" for name in self.names]
+        if prefix + self.fused_key not in state_dict and all(k in state_dict for k in keys):
+            state_dict[prefix + self.fused_key] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+
 def register_split_layout(module: nn.Module, fused: str, parts: dict[str, int]) -> None:
     """Present ``module.<fused>.weight`` as the row blocks ``<part>.weight`` in state dicts.
 
     ``parts`` maps each part name to its number of rows, in the order the rows are stacked in
     the fused weight; the row counts must add up to the fused weight's ``out_features``.
     """
-    names, sizes = list(parts), list(parts.values())
-    fused_key = f"{fused}.weight"
-
-    def split(mod: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        weight = state_dict.pop(prefix + fused_key)
-        for name, block in zip(names, torch.split(weight, sizes, dim=0), strict=True):
-            # Separate storage: savers such as safetensors refuse tensors that share memory.
-            state_dict[f"{prefix}{name}.weight"] = block.clone()
-
-    def join(mod: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        keys = [f"{prefix}{name}.weight" for name in names]
-        if prefix + fused_key not in state_dict and all(k in state_dict for k in keys):
-            state_dict[prefix + fused_key] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
-
-    module.register_state_dict_post_hook(split)
-    module.register_load_state_dict_pre_hook(join)
+    module.register_state_dict_post_hook(_Split(fused, parts))
+    module.register_load_state_dict_pre_hook(_Join(fused, parts))

@@ -6,13 +6,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-
-def _check_dim(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return value
+from tlm_linear._checks import check_dim
 
 
 class Linear(nn.Module):
@@ -35,8 +29,8 @@ class Linear(nn.Module):
         init_std: float | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = _check_dim("in_features", in_features)
-        self.out_features = _check_dim("out_features", out_features)
+        self.in_features = check_dim("in_features", in_features)
+        self.out_features = check_dim("out_features", out_features)
         if init_std is not None and not (
             isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0
         ):
@@ -55,6 +49,11 @@ class Linear(nn.Module):
             raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have last dimension in_features={self.in_features}, got shape {tuple(x.shape)}")
+        if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"x must have the weight's dtype {self.weight.dtype}, got {x.dtype}; convert one of them "
+                f"(x.to(...) or module.to(...)) or run under torch.autocast"
+            )
         # matmul folds every leading dimension into one GEMM against the (in, out) view of weight.
         return torch.matmul(x, self.weight.t())
 

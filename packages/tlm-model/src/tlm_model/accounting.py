@@ -8,7 +8,7 @@ includes:
   state: parameters, gradients and AdamW's two moments (16 bytes per parameter). Activations are
   not included; they depend on batch, sequence length and checkpointing.
 - **Matmul FLOPs** of one forward pass, exact for the matrix multiplies our model runs: each
-  product of an m×n and an n×p matrix counts 2·m·n·p. The seed's convention is the default: QKᵀ
+  product of an m×n and an n×p matrix counts 2·m·n·p. The course's (full QKᵀ) convention is the default: QKᵀ
   and attention·V over the full seq×seq square, as tlm's reference attention path computes them.
   A *causal* count (only the i ≥ j entries a causal kernel needs: seq·(seq+1)/2 of them) is
   reported beside it.

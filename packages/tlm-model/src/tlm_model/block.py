@@ -6,6 +6,7 @@ from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache
 from tlm_ffn import SwiGLU
+from tlm_model._checks import check_positive_int
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -16,10 +17,12 @@ class TransformerBlock(nn.Module):
     Normalising the sublayer *inputs* leaves a residual stream with no normalisation on it from
     the embedding to the final norm, which trains more stably than post-norm (Xiong et al. 2020).
 
-    ``rope`` lets a model share one RoPE table across its layers; without it the block builds
-    its own from ``theta`` and ``max_seq_len``. State-dict keys: ``attn.{q,k,v,output}_proj.weight``,
-    ``ln1.weight``, ``ffn.w{1,2,3}.weight``, ``ln2.weight``, whether or not ``fused`` stacks q/k/v
-    and w1/w3 into single matmuls. ``attention_backend`` is one of ``tlm_attention.BACKENDS``.
+    Positions come either from ``max_seq_len`` and ``theta`` (the block builds its own RoPE) or
+    from ``rope``, a RoPE module built once by the caller and shared by its layers; giving both
+    is refused. State-dict keys: ``attn.{q,k,v,output}_proj.weight``, ``ln1.weight``,
+    ``ffn.w{1,2,3}.weight``, ``ln2.weight``, whether or not ``fused`` (the default) stacks q/k/v
+    and w1/w3 into single matmuls. ``attention_backend`` is ``"auto"`` or a key of
+    ``tlm_attention.ATTENTION_BACKENDS``.
     """
 
     def __init__(
@@ -27,23 +30,39 @@ class TransformerBlock(nn.Module):
         d_model: int,
         num_heads: int,
         d_ff: int,
-        max_seq_len: int,
-        theta: float,
+        max_seq_len: int | None = None,
+        theta: float | None = None,
         *,
         norm_eps: float = 1e-5,
         rope: RotaryPositionalEmbedding | None = None,
         attention_backend: str = "auto",
-        fused: bool = False,
+        fused: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.attn = CausalMultiHeadSelfAttention(
-            d_model, num_heads, rope=rope, device=device, dtype=dtype, backend=attention_backend, fused_qkv=fused
-        )
         if rope is None:
-            # Built after the attention module, which has validated d_model and num_heads.
-            self.attn.rope = RotaryPositionalEmbedding(theta, self.attn.d_head, max_seq_len, device=device)
+            if max_seq_len is None or theta is None:
+                raise ValueError(
+                    "TransformerBlock needs either max_seq_len and theta (to build its RoPE) or rope, "
+                    f"got max_seq_len={max_seq_len!r}, theta={theta!r}, rope=None"
+                )
+            check_positive_int("d_model", d_model)
+            check_positive_int("num_heads", num_heads)
+            if d_model % num_heads != 0:
+                raise ValueError(
+                    f"d_model must be divisible by num_heads, got d_model={d_model}, num_heads={num_heads}"
+                )
+            rope = RotaryPositionalEmbedding(theta, d_model // num_heads, max_seq_len, device=device)
+        elif max_seq_len is not None or theta is not None:
+            raise ValueError(
+                "give TransformerBlock either rope or max_seq_len and theta, not both: the rope's own "
+                f"max_seq_len={getattr(rope, 'max_seq_len', '?')}, theta={getattr(rope, 'theta', '?')} would "
+                f"silently win over max_seq_len={max_seq_len!r}, theta={theta!r}"
+            )
+        self.attn = CausalMultiHeadSelfAttention(
+            d_model, num_heads, rope=rope, device=device, dtype=dtype, attention_backend=attention_backend, fused=fused
+        )
         self.ln1 = RMSNorm(d_model, eps=norm_eps, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype, fused=fused)
         self.ln2 = RMSNorm(d_model, eps=norm_eps, device=device, dtype=dtype)

@@ -1,9 +1,10 @@
 """Model hyperparameters as data, with the named presets of CS336 assignment 1."""
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
+
+from tlm_model._checks import check_number, check_positive_int
 
 
 @dataclass(frozen=True)
@@ -24,20 +25,12 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self) -> None:
+        # Field types and ranges first: the cross-field rules below need them, and a config read
+        # from config.json or built for accounting is checked before any module exists.
         for field in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ModelConfig.{field} must be an int, got {type(value).__name__} ({value!r})")
-            if value <= 0:
-                raise ValueError(f"ModelConfig.{field} must be positive, got {value}")
-        for field in ("rope_theta", "norm_eps"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"ModelConfig.{field} must be a float, got {type(value).__name__} ({value!r})")
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0, got {self.rope_theta}")
-        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
-            raise ValueError(f"ModelConfig.norm_eps must be a finite number >= 0, got {self.norm_eps}")
+            check_positive_int(f"ModelConfig.{field}", getattr(self, field))
+        check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, inclusive=False)
+        check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0, inclusive=True)
         if self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "

@@ -6,6 +6,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from tlm_model._checks import as_index_tensor
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
@@ -42,7 +43,8 @@ def generate(
     temperature), restricted to the ``top_k`` most likely and to the smallest set whose probability
     reaches ``top_p``. A row that emits ``eos_token_id`` stops (it is padded with that id while
     other rows go on); generation ends when every row has stopped. ``on_token(step)`` is called
-    after each new token (the CLI draws its progress bar with it). Returns prompt + new tokens.
+    after each new token (the CLI draws its progress bar with it). Returns prompt + new tokens as
+    int64, whatever integer dtype the prompt had.
     ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] == 0:
@@ -59,7 +61,9 @@ def generate(
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     squeeze = prompt_ids.ndim == 1
-    ids = prompt_ids.unsqueeze(0) if squeeze else prompt_ids
+    # int64 whatever the prompt's integer dtype (a uint16 memmap, say): new ids may not fit in it.
+    ids = as_index_tensor("prompt_ids", prompt_ids, model.config.vocab_size, "vocab_size")
+    ids = ids.unsqueeze(0) if squeeze else ids
     total = ids.shape[1] + max_new_tokens
     if total > model.config.context_length:
         raise ValueError(
@@ -67,7 +71,7 @@ def generate(
             f"context_length {model.config.context_length}"
         )
     if max_new_tokens == 0:
-        return prompt_ids.clone()
+        return (ids.squeeze(0) if squeeze else ids).clone()
 
     cache = model.new_kv_cache(ids.shape[0], capacity=total)
     logits = model(ids, kv_cache=cache)[:, -1]

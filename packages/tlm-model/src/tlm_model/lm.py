@@ -1,12 +1,12 @@
 """The Transformer language model of CS336 §1.1 and §1.6 (Figure 1)."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor, nn
 
-from tlm_attention import BACKENDS, KVCache
+from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock
 from tlm_model.config import ModelConfig
@@ -64,8 +64,7 @@ class TransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend must be one of {BACKENDS}, got {attention_backend!r}")
+        resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
         self.config = ModelConfig(
             vocab_size=vocab_size,
             context_length=context_length,
@@ -84,8 +83,6 @@ class TransformerLM(nn.Module):
                 d_model,
                 num_heads,
                 d_ff,
-                context_length,
-                rope_theta,
                 norm_eps=norm_eps,
                 rope=self.rope,
                 attention_backend=attention_backend,
@@ -112,12 +109,20 @@ class TransformerLM(nn.Module):
 
     @property
     def attention_backend(self) -> str:
-        return self.layers[0].attn.backend
+        """The backend name every layer was given; an error if the layers disagree."""
+        names = [attn.attention_backend for attn in self._attentions()]
+        if len(set(names)) != 1:
+            raise ValueError(f"the layers use different attention backends: {names}; set model.attention_backend")
+        return names[0]
 
     @attention_backend.setter
     def attention_backend(self, name: str) -> None:
-        for layer in self.layers:
-            layer.attn.backend = name
+        resolve_attention_backend(name)  # refuse an unknown name before touching any layer
+        for attn in self._attentions():
+            attn.attention_backend = name  # re-resolved per layer, for its device
+
+    def _attentions(self) -> list[CausalMultiHeadSelfAttention]:
+        return [cast(TransformerBlock, layer).attn for layer in self.layers]
 
     def new_kv_cache(
         self, batch_size: int, capacity: int | None = None, *, dtype: torch.dtype | None = None
@@ -137,8 +142,9 @@ class TransformerLM(nn.Module):
     def reset_parameters(self) -> None:
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
         for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if module is not self and callable(reset):
+                reset()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -170,6 +176,23 @@ class TransformerLM(nn.Module):
                 + (f" after {start} cached" if start else "")
                 + f" but the model's context_length is {self.config.context_length}"
             )
+        if kv_cache is None:
+            return self._run_layers(in_indices, token_positions, None)
+        if any(cache.length != start for cache in kv_cache):
+            raise ValueError(f"the layers' KV caches disagree on their length: {[c.length for c in kv_cache]}")
+        if torch.compiler.is_compiling():
+            # A compiled graph applies the caches' new lengths only after the whole graph ran.
+            return self._run_layers(in_indices, token_positions, kv_cache)
+        try:
+            return self._run_layers(in_indices, token_positions, kv_cache)
+        except BaseException:
+            # All-or-nothing: a step interrupted in any layer (an error, Ctrl-C) leaves every cache
+            # as it was, so the next step neither sees a half-written token nor lengths that differ.
+            for cache in kv_cache:
+                cache.truncate(start)
+            raise
+
+    def _run_layers(self, in_indices: Tensor, token_positions: Tensor | None, kv_cache: list[KVCache] | None) -> Tensor:
         x = self.token_embeddings(in_indices)
         for i, layer in enumerate(self.layers):
             x = layer(x, token_positions, None if kv_cache is None else kv_cache[i])

@@ -11,6 +11,8 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from tlm_model._checks import as_index_tensor
+
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -64,17 +66,9 @@ def chunked_cross_entropy(
             f"hidden must be (tokens, d_model) and weight (vocab, d_model), got {tuple(hidden.shape)} "
             f"and {tuple(weight.shape)}"
         )
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
-    if targets.is_floating_point() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must be an integer tensor, got dtype {targets.dtype}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    if (
-        not torch.compiler.is_compiling()
-        and targets.numel()
-        and (targets.min() < 0 or targets.max() >= weight.shape[0])
-    ):
-        low, high = int(targets.min()), int(targets.max())
-        raise ValueError(f"targets must lie in [0, vocab={weight.shape[0]}), got values in [{low}, {high}]")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets.long(), chunk_size)
+    targets = as_index_tensor("targets", targets, weight.shape[0], "vocab")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)

@@ -12,7 +12,10 @@ class RMSNorm(nn.Module):
 
     The reduction runs in float32, or in float64 for float64 input, so that squaring
     float16/bfloat16 activations neither overflows nor loses the small ones; the result is
-    cast back to the input dtype. The gain ``weight`` (d_model,) starts at ones.
+    cast back to the input dtype. Rows whose largest magnitude exceeds 1 are scaled by its inverse c
+    before squaring (x / sqrt(mean(x²) + eps) = cx / sqrt(mean((cx)²) + c²·eps) for any c > 0), so any
+    finite input, up to the dtype's largest value, gives a finite, correct result. The gain
+    ``weight`` (d_model,) starts at ones.
     """
 
     def __init__(
@@ -46,8 +49,13 @@ class RMSNorm(nn.Module):
         in_dtype = x.dtype
         compute_dtype = torch.promote_types(in_dtype, torch.float32)
         x32 = x.to(compute_dtype)
-        inv_rms = torch.rsqrt(x32.square().mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * inv_rms * self.weight.to(compute_dtype)).to(in_dtype)
+        # c = 1 / max(1, max|x|) per row. The result does not depend on c (any c > 0 gives the same
+        # value), so c needs no gradient and need not be rounded exactly.
+        low, high = torch.aminmax(x32.detach(), dim=-1, keepdim=True)
+        c = torch.maximum(high, -low).clamp(min=1.0).reciprocal()
+        y = x32 * c
+        inv_rms = torch.rsqrt(y.square().mean(dim=-1, keepdim=True) + self.eps * c.square())
+        return (y * inv_rms * self.weight.to(compute_dtype)).to(in_dtype)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, eps={self.eps}"

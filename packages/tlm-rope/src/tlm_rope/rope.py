@@ -1,11 +1,11 @@
 """RoPE: rotate each pair (x[2k], x[2k+1]) at position i by θ_{i,k} = i · Θ^(-2k/d)."""
 
-import math
-
 import torch
 from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor, nn
+
+from tlm_rope._checks import as_index_tensor, check_positive_float, check_positive_int
 
 
 class RotaryPositionalEmbedding(nn.Module):
@@ -32,15 +32,9 @@ class RotaryPositionalEmbedding(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-            raise TypeError(f"theta must be a float, got {type(theta).__name__} ({theta!r})")
-        if not (math.isfinite(theta) and theta > 0):
-            raise ValueError(f"theta must be a finite number > 0, got {theta}")
-        for name, value in (("d_k", d_k), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+        check_positive_float("theta", theta)
+        check_positive_int("d_k", d_k)
+        check_positive_int("max_seq_len", max_seq_len)
         if d_k % 2 != 0:
             raise ValueError(f"d_k must be even (RoPE rotates pairs of dimensions), got {d_k}")
         self.theta = float(theta)
@@ -90,7 +84,7 @@ class RotaryPositionalEmbedding(nn.Module):
                 )
             cos, sin = self.cos[:seq], self.sin[:seq]
         else:
-            self._check_positions(token_positions, x.shape[:-1])
+            token_positions = self._check_positions(token_positions, x.shape[:-1])
             cos, sin = self.cos[token_positions], self.sin[token_positions]
 
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -100,11 +94,9 @@ class RotaryPositionalEmbedding(nn.Module):
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
         return rearrange(rotated, "... half two -> ... (half two)").to(x.dtype)
 
-    def _check_positions(self, token_positions: Tensor, lead_shape: torch.Size) -> None:
+    def _check_positions(self, token_positions: Tensor, lead_shape: torch.Size) -> Tensor:
         if not isinstance(token_positions, Tensor):
             raise TypeError(f"token_positions must be a torch.Tensor, got {type(token_positions).__name__}")
-        if token_positions.is_floating_point() or token_positions.is_complex() or token_positions.dtype == torch.bool:
-            raise TypeError(f"token_positions must be an integer tensor, got dtype {token_positions.dtype}")
         try:
             broadcast = torch.broadcast_shapes(token_positions.shape, lead_shape)
         except RuntimeError:
@@ -114,12 +106,7 @@ class RotaryPositionalEmbedding(nn.Module):
                 f"token_positions of shape {tuple(token_positions.shape)} must broadcast to x.shape[:-1] = "
                 f"{tuple(lead_shape)} (that is, (..., seq))"
             )
-        if not torch.compiler.is_compiling() and token_positions.numel() > 0:
-            low, high = int(token_positions.min()), int(token_positions.max())
-            if low < 0 or high >= self.max_seq_len:
-                raise ValueError(
-                    f"token_positions must lie in [0, max_seq_len={self.max_seq_len}), got values in [{low}, {high}]"
-                )
+        return as_index_tensor("token_positions", token_positions, self.max_seq_len, "max_seq_len")
 
     def extra_repr(self) -> str:
         return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"

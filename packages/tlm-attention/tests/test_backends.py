@@ -1,0 +1,117 @@
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tlm_attention.backends as backends_module
+from tlm_attention import (
+    ATTENTION_BACKENDS,
+    BACKENDS,
+    CausalMultiHeadSelfAttention,
+    causal_attention,
+    register_attention_backend,
+    resolve_attention_backend,
+)
+
+
+def bottom_right_causal_reference(q, k, v):
+    """float64 softmax(QKᵀ/√d)V with query i seeing keys j <= i + (keys - queries), from torch built-ins."""
+    q, k, v = q.double(), k.double(), v.double()
+    num_q, num_k = q.shape[-2], k.shape[-2]
+    mask = torch.ones(num_q, num_k, dtype=torch.bool).tril(num_k - num_q)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("num_q, num_k", [(7, 7), (1, 9), (3, 9)])
+def test_every_backend_is_bottom_right_causal_attention(name, num_q, num_k):
+    q, k, v = torch.randn(2, 3, num_q, 8), torch.randn(2, 3, num_k, 8), torch.randn(2, 3, num_k, 8)
+    got = causal_attention(q, k, v, attention_backend=name)
+    torch.testing.assert_close(got.double(), bottom_right_causal_reference(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_registry_lists_the_shipped_backends_and_is_read_only():
+    assert set(ATTENTION_BACKENDS) == {"reference", "blockwise", "torch"} == set(BACKENDS) - {"auto"}
+    with pytest.raises(TypeError):
+        ATTENTION_BACKENDS["mine"] = lambda q, k, v: q  # type: ignore[index]
+
+
+def test_auto_is_resolved_per_device():
+    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", torch.device("meta")) == "torch"
+    assert resolve_attention_backend("reference", "cpu") == "reference"
+
+
+@pytest.mark.parametrize("bad", ["flash", "", None, 3, "Auto"])
+def test_unknown_names_are_refused_everywhere(bad):
+    message = r"attention_backend must be one of \('auto', 'reference', 'blockwise', 'torch'"
+    with pytest.raises(ValueError, match=message):
+        resolve_attention_backend(bad)
+    with pytest.raises(ValueError, match=message):
+        causal_attention(*torch.randn(3, 1, 4, 8), attention_backend=bad)
+    with pytest.raises(ValueError, match=message):
+        CausalMultiHeadSelfAttention(16, 2, attention_backend=bad)
+    attn = CausalMultiHeadSelfAttention(16, 2, attention_backend="reference")
+    with pytest.raises(ValueError, match=message):
+        attn.attention_backend = bad
+    assert attn.attention_backend == "reference" == attn.resolved_attention_backend  # unchanged
+
+
+def test_module_resolves_once_and_setter_re_resolves():
+    attn = CausalMultiHeadSelfAttention(16, 2)
+    assert (attn.attention_backend, attn.resolved_attention_backend) == ("auto", "torch")
+    attn.attention_backend = "blockwise"
+    assert (attn.attention_backend, attn.resolved_attention_backend) == ("blockwise", "blockwise")
+    assert "attention_backend='blockwise'" in repr(attn)
+
+
+def _calls_counted(q, k, v):
+    _calls_counted.count += 1
+    return backends_module.reference_attention(q, k, v)
+
+
+_calls_counted.count = 0
+
+
+@pytest.fixture
+def unregister_counted():
+    yield
+    backends_module._REGISTRY.pop("counted", None)  # leave the registry as the other tests expect it
+
+
+def test_a_registered_backend_is_used_by_modules_and_functions(unregister_counted):
+    register_attention_backend("counted", _calls_counted)
+    with pytest.raises(ValueError, match="already registered"):
+        register_attention_backend("counted", _calls_counted)
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        register_attention_backend("auto", _calls_counted)
+    attn = CausalMultiHeadSelfAttention(16, 2, attention_backend="counted")
+    x = torch.randn(2, 5, 16)
+    before = _calls_counted.count
+    out = attn(x)
+    assert _calls_counted.count == before + 1
+    attn.attention_backend = "reference"
+    torch.testing.assert_close(out, attn(x), rtol=0, atol=0)
+    causal_attention(*torch.randn(3, 1, 4, 8), attention_backend="counted")
+    assert _calls_counted.count == before + 2
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_pickles_and_saves_whole(fused):
+    attn = CausalMultiHeadSelfAttention(16, 2, fused=fused, attention_backend="blockwise")
+    x = torch.randn(2, 5, 16)
+    buffer = io.BytesIO()
+    torch.save(attn, buffer)
+    buffer.seek(0)
+    for copy in (pickle.loads(pickle.dumps(attn)), torch.load(buffer, weights_only=False)):
+        assert copy.attention_backend == "blockwise"
+        torch.testing.assert_close(copy(x), attn(x), rtol=0, atol=0)
+        assert set(copy.state_dict()) == {f"{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "output_proj")}
+
+
+def test_defaults_are_fused_and_auto():
+    attn = CausalMultiHeadSelfAttention(16, 2)
+    assert attn.fused and hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj")
+    assert attn.attention_backend == "auto"
