@@ -15,7 +15,7 @@ __all__ = ["Tokenizer"]
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
-_CACHE_ENTRIES = 1 << 16  # per-chunk cache, cleared when full: memory stays bounded on any stream
+_CACHE_ENTRIES = 1 << 15  # per-chunk cache, cleared when full: memory stays bounded on any stream
 
 
 class _ChunkCache(dict):
