@@ -23,10 +23,14 @@ __all__ = ["GPT2_PATTERN", "count_pretokens", "special_splitter"]
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 PRETOKEN = regex.compile(GPT2_PATTERN)
 
-# Pieces after the first each stood behind one space, which the split consumed.
+# Pieces after the first each stood behind one space, which the split consumed. (re's \S is a
+# subset of regex's: Python also counts \x1c-\x1f as space, so this never cuts where GPT-2 would not.)
 SPACE_SPLIT = re.compile(r" (?=\S)").split
-# Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] whitespace (see module doc).
-LAST_WHITESPACE_CUT = re.compile(r".*\S(?=\s)", re.DOTALL)
+# Cuts just before ASCII whitespace that follows a non-space (see module doc): splits a chunk
+# such as "said.\nLet" so its parts are cached on their own. ASCII only, where re and regex agree.
+TRANSITION_SPLIT = re.compile(r"(?<=\S)(?=[\t\n\x0b\x0c\r ])").split
+# Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] ASCII whitespace.
+LAST_WHITESPACE_CUT = re.compile(r".*\S(?=[\t\n\x0b\x0c\r ])", re.DOTALL)
 
 
 def special_splitter(special_tokens: Iterable[str]) -> re.Pattern[str] | None:
