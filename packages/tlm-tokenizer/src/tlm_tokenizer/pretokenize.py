@@ -51,11 +51,25 @@ def count_pretokens(text: str, splitter: re.Pattern[str] | None) -> dict[str, in
         spaced.update(pieces)
         spaced[pieces[0]] -= 1
         firsts[pieces[0]] += 1
-    counts: dict[str, int] = {}
+    # Chunks holding a newline recur mostly as their parts ("said.\nLet" -> "said.", "\nLet"), so
+    # count parts before running the pattern; the first part of a spaced chunk keeps its space.
+    parts: dict[str, int] = {}
     for chunks, prefix in ((spaced, " "), (firsts, "")):
         for chunk, count in chunks.items():
             if count <= 0:
                 continue
-            for token in PRETOKEN.findall(prefix + chunk):
-                counts[token] = counts.get(token, 0) + count
+            # Printable and space-free: no ASCII whitespace inside, so nothing to split.
+            if chunk.isprintable() and " " not in chunk:
+                part = prefix + chunk
+                parts[part] = parts.get(part, 0) + count
+                continue
+            for part in TRANSITION_SPLIT(prefix + chunk):
+                parts[part] = parts.get(part, 0) + count
+    counts: dict[str, int] = {}
+    for part, count in parts.items():
+        if (part[1:] if part[:1] == " " else part).isalpha():  # str.isalpha is \p{L}: one pre-token
+            counts[part] = counts.get(part, 0) + count
+            continue
+        for token in PRETOKEN.findall(part):
+            counts[token] = counts.get(token, 0) + count
     return counts
