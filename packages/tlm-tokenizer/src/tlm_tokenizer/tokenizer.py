@@ -23,10 +23,12 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
 _NO_RANK = 1 << 62
 _ID_MASK = (1 << 32) - 1
-# Entries in each of the caches (space-delimited chunk, sub-chunk and pre-token -> ids). A full cache
-# keeps what it holds and stops adding: on natural text the entries seen first include the frequent
-# ones, so the hit rate stays high without the thrashing of clear-or-evict, and memory stays bounded
-# (a few tens of MB) on a stream of any length.
+# Capacity of the caches of ids per space-delimited chunk (CHUNK_CACHE_ENTRIES), and per
+# newline-split part and pre-token (CACHE_ENTRIES). A full cache keeps what it holds and stops adding:
+# on natural text the entries seen first include the frequent ones, so the hit rate stays high
+# without the thrashing of clear-or-evict, and memory stays bounded (about 100 MB at most, far less
+# on repetitive text) on a stream of any length.
+CHUNK_CACHE_ENTRIES = 1 << 18
 CACHE_ENTRIES = 1 << 17
 
 
@@ -99,7 +101,7 @@ class Tokenizer:
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache_entries = CACHE_ENTRIES
-        self._spaced = _ChunkCache(self._encode_chunk, " ", CACHE_ENTRIES)
+        self._spaced = _ChunkCache(self._encode_chunk, " ", CHUNK_CACHE_ENTRIES)
         self._bare = _ChunkCache(self._encode_chunk, "", CACHE_ENTRIES)
         self._pretokens: dict[str, list[int]] = {}
 
@@ -186,7 +188,8 @@ class Tokenizer:
         return parts
 
     def _encode_chunk(self, chunk: str) -> list[int]:
-        parts = TRANSITION_SPLIT(chunk)
+        # Printable and without a space after the first character: no ASCII whitespace inside to cut at.
+        parts = (chunk,) if chunk.isprintable() and " " not in chunk[1:] else TRANSITION_SPLIT(chunk)
         if len(parts) > 1:  # e.g. "said.\nLet": cache "said." and "\nLet" apart, as they recur apart
             return list(chain.from_iterable(map(self._bare.__getitem__, parts)))
         # A chunk of letters only (str.isalpha is exactly \p{L}) is one pre-token: skip the regex.
