@@ -14,7 +14,17 @@ import pathlib
 import re
 import sys
 
-SIBLINGS = ["tlm-linear", "tlm-norm", "tlm-ffn", "tlm-rope", "tlm-attention", "tlm-model", "tlm-tokenizer"]
+SIBLINGS = [
+    "tlm-linear",
+    "tlm-norm",
+    "tlm-ffn",
+    "tlm-rope",
+    "tlm-attention",
+    "tlm-model",
+    "tlm-tokenizer",
+    "tlm-optim",
+    "tlm-train",
+]
 
 
 def module_name(dist: str) -> str:
