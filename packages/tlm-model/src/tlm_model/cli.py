@@ -238,9 +238,31 @@ def _prompt(ids: list[int], args: argparse.Namespace, model: TransformerLM) -> l
     return ids
 
 
-def _emit(args: argparse.Namespace, new_ids: list[int]) -> None:
-    """Print the continuation (the one place a tokenizer's decode would go)."""
-    print(" ".join(map(str, new_ids)))
+def _load_tokenizer(args: argparse.Namespace) -> Any:
+    """The ``--tokenizer`` folder as a ``tlm_tokenizer.Tokenizer``, or None; ``--prompt`` needs one."""
+    if args.tokenizer is None:
+        if args.prompt is not None:
+            raise UserError("--prompt needs --tokenizer DIR to turn the text into ids (or give --prompt-ids)")
+        return None
+    try:
+        from tlm_tokenizer import Tokenizer
+    except ImportError:
+        raise UserError("--tokenizer needs the tlm-tokenizer package: pip install tlm-tokenizer") from None
+    return Tokenizer.load(args.tokenizer)
+
+
+def _token_ids_of(args: argparse.Namespace, tokenizer: Any) -> list[int]:
+    if args.prompt is None:
+        return _token_ids(args.prompt_ids, "--prompt-ids")
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise UserError("--prompt is empty; give some text")
+    return ids
+
+
+def _emit(new_ids: list[int], tokenizer: Any) -> None:
+    """Print the continuation: as text through the tokenizer, else as ids."""
+    print(tokenizer.decode(new_ids) if tokenizer is not None else " ".join(map(str, new_ids)))
 
 
 def _device(text: str) -> torch.device:
@@ -270,7 +292,8 @@ def _load_model(args: argparse.Namespace, device: torch.device) -> TransformerLM
 
 def _generate(args: argparse.Namespace) -> int:
     device = _device(args.device)
-    ids = _token_ids(args.prompt_ids, "--prompt-ids")  # before the model loads: a typo fails fast
+    tokenizer = _load_tokenizer(args)
+    ids = _token_ids_of(args, tokenizer)  # before the model loads: a typo fails fast
     model = _load_model(args, device).eval()
     prompt = _prompt(ids, args, model)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -286,7 +309,7 @@ def _generate(args: argparse.Namespace) -> int:
             generator=generator,
             on_token=on_token,
         )
-    _emit(args, out[len(prompt) :].tolist())
+    _emit(out[len(prompt) :].tolist(), tokenizer)
     return 0
 
 
@@ -369,7 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen = commands.add_parser(
         "generate",
         help="continue a sequence of token ids (KV-cached decoding)",
-        description="Prints the new token ids on stdout; a progress bar goes to stderr when it is a terminal.",
+        description=(
+            "Prints the new token ids (with --tokenizer, the text) on stdout; "
+            "a progress bar goes to stderr when it is a terminal."
+        ),
     )
     gen.add_argument("--preset", choices=sorted(PRESETS), help="model shape (random weights without --checkpoint)")
     gen.add_argument(
@@ -377,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="a save_checkpoint folder or file, or a state-dict file (.safetensors, .pt) with --preset",
     )
-    gen.add_argument("--prompt-ids", required=True, metavar='"ID ID ..."', help="the prompt's token ids")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt-ids", metavar='"ID ID ..."', help="the prompt's token ids")
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs --tokenizer)")
+    gen.add_argument("--tokenizer", metavar="DIR", help="a tlm-tokenizer folder: encodes --prompt, decodes the output")
     gen.add_argument("--max-new-tokens", type=_positive_int, required=True, metavar="N")
     gen.add_argument("--temperature", type=_temperature, default=1.0, help="0 decodes greedily (default 1.0)")
     gen.add_argument("--top-k", type=_positive_int, default=None, metavar="K")
