@@ -6,6 +6,7 @@ tlm-tokenizer (the tokenizer); tlm-model itself does not depend on the tokenizer
 
 import pytest
 import torch
+
 from tlm_model import TransformerLM, generate, save_checkpoint
 from tlm_model.cli import main
 from tlm_tokenizer import Tokenizer, train_bpe
