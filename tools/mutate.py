@@ -516,7 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, help="seconds per mutant (default: 3 x baseline + 10)")
     parser.add_argument("--equivalent", type=pathlib.Path, help="JSON {mutant id: reason} judged equivalent")
     parser.add_argument("--only", nargs="*", default=[], help="run only these mutant ids")
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "mutation-report", help="report path stem")
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=ROOT / "build" / "mutation" / "report",
+        help="report path stem (.json and .md are added)",
+    )
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     parser.add_argument(
@@ -552,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - the tool also runs without tqdm
         tqdm = None
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = args.out.with_suffix(".partial.jsonl")
+    partial.unlink(missing_ok=True)
     sandbox = Sandbox()
     done: list[Mutant] = []
     started = time.time()
@@ -584,9 +592,13 @@ def main(argv: list[str] | None = None) -> int:
                     m.seconds = round(m.seconds, 2)
                     m.diff = _diff(m)
                     done.append(m)
+                    with partial.open("a") as f:  # progress that outlives an interrupted run
+                        f.write(json.dumps(dataclasses.asdict(m)) + "\n")
                     if bar:
                         bar.set_postfix_str(f"{pathlib.Path(rel).name}: {m.status}")
                         bar.update()
+                    else:
+                        print(f"{len(done)}/{total} {rel}:{m.line} {m.operator}: {m.status}", file=sys.stderr)
             finally:
                 copy_path.write_text(original)
         if bar:
@@ -603,9 +615,9 @@ def main(argv: list[str] | None = None) -> int:
         "minutes": round((time.time() - started) / 60, 1),
     }
     report, md = summarize(done, equivalent, meta)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(args.out.with_suffix(".json"), json.dumps(report, indent=1) + "\n")
     _write_atomic(args.out.with_suffix(".md"), md)
+    partial.unlink(missing_ok=True)
     print(md.split("\n## ")[0])
     return 0
 
