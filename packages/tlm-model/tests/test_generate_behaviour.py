@@ -243,3 +243,19 @@ def test_max_new_tokens_must_be_an_int(model, bad):
 def test_empty_and_scalar_prompts_are_refused(model, prompt):
     with pytest.raises(ValueError, match="prompt_ids must be a non-empty tensor of shape"):
         generate(model, prompt, 3)
+
+
+@pytest.mark.parametrize("bad", ["hot", None, [1.0]])
+def test_temperature_of_the_wrong_type_is_a_value_error(model, bad):
+    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+        generate(model, torch.randint(0, CFG.vocab_size, (1, 4)), 3, temperature=bad)
+
+
+def test_zero_new_tokens_never_runs_the_model(model):
+    calls = []
+    hook = model.register_forward_hook(lambda m, args, out: calls.append(1))
+    try:
+        out = generate(model, torch.randint(0, CFG.vocab_size, (2, 3)), 0)
+    finally:
+        hook.remove()
+    assert calls == [] and out.shape == (2, 3)

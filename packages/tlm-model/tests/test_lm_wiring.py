@@ -184,3 +184,11 @@ def test_num_parameters_is_the_sum_of_every_parameter():
     model = TransformerLM.from_config(cfg)
     d, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
     assert model.num_parameters() == 2 * v * d + d + layers * (4 * d * d + 3 * d * f + 2 * d)
+
+
+def test_norm_eps_defaults_to_the_course_value():
+    model = TransformerLM(vocab_size=11, context_length=4, d_model=8, num_layers=2, num_heads=2, d_ff=16)
+    assert model.config.norm_eps == 1e-5
+    # Rename-proof: read eps from every RMSNorm module, whatever the attribute path.
+    norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]
+    assert len(norms) == 2 * 2 + 1 and all(m.eps == 1e-5 for m in norms)
