@@ -168,6 +168,23 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "bench" / "run.py"), *session.posargs)
 
 
+@nox.session(default=False)
+def mutate(session: nox.Session) -> None:
+    """Mutation testing (tools/mutate.py, docs/mutation.md); slow: pass e.g. ``-- --max-per-file 25``."""
+    _install_workspace(session, _workspace_closure(), extras="[test]")
+    session.install("hypothesis>=6", "transformers", "tqdm")  # the leaves' test extras and the HF comparisons
+    out = ROOT / "build" / "mutation" / "report"
+    session.run(
+        "python",
+        str(ROOT / "tools" / "mutate.py"),
+        "--equivalent",
+        str(ROOT / "tools" / "mutation_equivalent.json"),
+        "--out",
+        str(out),
+        *session.posargs,
+    )
+
+
 @nox.session(reuse_venv=False)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def standalone(session: nox.Session, package: str) -> None:
