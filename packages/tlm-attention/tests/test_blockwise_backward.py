@@ -102,5 +102,5 @@ def test_more_bad_input(shapes, kwargs, exc, match):
 
 def test_integer_input_is_refused():
     t = torch.ones(3, 4, dtype=torch.long)
-    with pytest.raises(TypeError, match="Q must be a floating-point torch.Tensor"):
+    with pytest.raises(TypeError, match="Q must be a floating-point tensor, got dtype torch.int64"):
         blockwise_attention(t, t.float(), t.float())

@@ -81,9 +81,8 @@ def _manual_mha(attn, x, theta):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunks", [(1, 1, 1, 1, 1), (1, 4), (3, 2), (2, 1, 2)])
 def test_cached_attention_in_chunks_matches_the_float64_whole_sequence(backend, chunks):
-    # Rename note: `backend=` becomes `attention_backend=` on branch `wiring`.
     rope = RotaryPositionalEmbedding(10_000.0, 8, 16)
-    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, backend=backend)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, attention_backend=backend)
     x = torch.randn(2, sum(chunks), 32)
     expected = _manual_mha(attn, x, 10_000.0)
     cache = KVCache(2, 4, capacity=16, d_head=8)

@@ -21,8 +21,7 @@ def _truncated_normal_std(sigma):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("d_model", [128, 384])
 def test_q_k_v_and_output_initialisation_statistics(fused, d_model):
-    # Rename note: `fused_qkv=` becomes `fused=` on branch `wiring`; the state dict keys stay.
-    attn = CausalMultiHeadSelfAttention(d_model, 4, fused_qkv=fused)
+    attn = CausalMultiHeadSelfAttention(d_model, 4, fused=fused)
     sigma = math.sqrt(1.0 / d_model)
     sd = attn.state_dict()
     for name in ("q_proj", "k_proj", "v_proj", "output_proj"):
@@ -37,7 +36,7 @@ def test_q_k_v_and_output_initialisation_statistics(fused, d_model):
 
 
 def test_fused_module_reset_parameters_redraws_with_the_same_statistics():
-    attn = CausalMultiHeadSelfAttention(256, 4, fused_qkv=True)
+    attn = CausalMultiHeadSelfAttention(256, 4, fused=True)
     before = attn.state_dict()["q_proj.weight"].clone()
     for module in attn.modules():
         if module is not attn and hasattr(module, "reset_parameters"):

@@ -78,8 +78,7 @@ def test_attention_backend_getter_reports_the_backend_in_use(backend):
 def test_attention_backend_setter_reaches_every_layer():
     model = TransformerLM.from_config(SMALL)
     model.attention_backend = "blockwise"
-    # Rename note: the per-layer attribute becomes `attention_backend` on branch `wiring`.
-    assert [layer.attn.backend for layer in model.layers] == ["blockwise"] * SMALL.num_layers
+    assert [layer.attn.attention_backend for layer in model.layers] == ["blockwise"] * SMALL.num_layers
     with pytest.raises(ValueError):
         model.attention_backend = "flash"
 
