@@ -14,7 +14,7 @@ import pathlib
 import re
 import sys
 
-SIBLINGS = ["tlm-linear", "tlm-norm", "tlm-ffn", "tlm-rope", "tlm-attention", "tlm-model"]
+SIBLINGS = ["tlm-linear", "tlm-norm", "tlm-ffn", "tlm-rope", "tlm-attention", "tlm-model", "tlm-optim", "tlm-train"]
 
 
 def module_name(dist: str) -> str:

@@ -3,6 +3,7 @@
 from tlm_model.block import TransformerBlock
 from tlm_model.checkpoint import load_checkpoint, save_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_model.cross_entropy import cross_entropy
 from tlm_model.generate import generate
 from tlm_model.inference import InferenceModel, compile_for_inference
 from tlm_model.lm import TransformerLM
@@ -19,6 +20,7 @@ __all__ = [
     "__version__",
     "chunked_cross_entropy",
     "compile_for_inference",
+    "cross_entropy",
     "generate",
     "load_checkpoint",
     "save_checkpoint",
