@@ -73,7 +73,10 @@ def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpoin
     if mode not in ("none", "ddp", "fsdp"):
         raise ValueError(f"mode must be 'none', 'ddp' or 'fsdp', got {mode!r}")
     if mode != "none" and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(f"mode={mode!r} needs a process group: launch with torchrun (or init_distributed())")
+        raise ValueError(
+            f"distributed mode {mode!r} needs a process group: launch with torchrun (or call "
+            f"init_distributed() first); in a single process use mode 'none' (--distributed none)"
+        )
     if activation_checkpointing:
         # Recompute each block's activations in the backward pass instead of storing them; the
         # composable API keeps the state-dict keys unchanged.
