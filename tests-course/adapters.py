@@ -24,6 +24,7 @@ from tlm_linear import Embedding, Linear
 from tlm_model import TransformerBlock, TransformerLM
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
+from tlm_tokenizer import Tokenizer, train_bpe
 
 
 def _placed(weight: Tensor) -> dict[str, Any]:
@@ -235,10 +236,10 @@ def run_load_checkpoint(
 def get_tokenizer(
     vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], special_tokens: list[str] | None = None
 ) -> Any:
-    raise _not_in_tlm("get_tokenizer")
+    return Tokenizer(vocab, merges, special_tokens)
 
 
 def run_train_bpe(
     input_path: str | os.PathLike, vocab_size: int, special_tokens: list[str], **kwargs: Any
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
-    raise _not_in_tlm("run_train_bpe")
+    return train_bpe(input_path, vocab_size, special_tokens, **kwargs)

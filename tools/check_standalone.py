@@ -14,7 +14,17 @@ import pathlib
 import re
 import sys
 
-SIBLINGS = ["tlm-linear", "tlm-norm", "tlm-ffn", "tlm-rope", "tlm-attention", "tlm-model", "tlm-optim", "tlm-train"]
+SIBLINGS = [
+    "tlm-linear",
+    "tlm-norm",
+    "tlm-ffn",
+    "tlm-rope",
+    "tlm-attention",
+    "tlm-model",
+    "tlm-optim",
+    "tlm-train",
+    "tlm-tokenizer",
+]
 
 
 def module_name(dist: str) -> str:

@@ -1,0 +1,132 @@
+"""Encode a text file into a flat array of token ids for training, optionally across processes.
+
+The output is raw little-endian ``uint16`` (vocabularies up to 65,536 ids) or ``uint32``, with no
+header (no numpy here to write a ``.npy``): read it with
+``numpy.memmap(out_path, dtype=tokenizer.id_dtype, mode="r")``.
+"""
+
+import array
+import codecs
+import contextlib
+import multiprocessing
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+
+from tqdm.auto import tqdm
+
+from tlm_tokenizer._chunks import split_file
+from tlm_tokenizer._files import atomic_file
+from tlm_tokenizer.tokenizer import Tokenizer
+
+__all__ = ["encode_file"]
+
+_READ_BYTES = 1 << 20
+_RANGE_BYTES = 32 << 20  # ranges smaller than this would not amortise a worker's start-up; more give progress
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(tokenizer: Tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _text_blocks(path: str, start: int, end: int) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        left = end - start
+        while left > 0:
+            data = handle.read(min(_READ_BYTES, left))
+            if not data:
+                break
+            left -= len(data)
+            yield decoder.decode(data, final=left == 0)
+
+
+def _encode_range(tokenizer: Tokenizer, path: str, start: int, end: int, part_path: str) -> int:
+    typecode = "H" if tokenizer.id_dtype == "uint16" else "I"
+    count = 0
+    with open(part_path, "wb") as out:
+        ids = array.array(typecode)
+        for block in tokenizer.encode_blocks(_text_blocks(path, start, end)):
+            ids.extend(block)
+            if len(ids) >= _READ_BYTES:
+                count += _flush(ids, out)
+                ids = array.array(typecode)
+        count += _flush(ids, out)
+    return count
+
+
+def _flush(ids: array.array, out) -> int:
+    if sys.byteorder != "little":
+        ids.byteswap()
+    ids.tofile(out)
+    return len(ids)
+
+
+def _encode_range_in_worker(path: str, start: int, end: int, part_path: str) -> int:
+    assert _worker_tokenizer is not None
+    return _encode_range(_worker_tokenizer, path, start, end, part_path)
+
+
+def encode_file(
+    tokenizer: Tokenizer,
+    path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    num_workers: int = 1,
+    progress: bool | None = None,
+) -> int:
+    """Encode the UTF-8 file ``path`` to ``out_path`` (raw little-endian ``tokenizer.id_dtype``).
+
+    The file is cut into byte ranges at points no pre-token or special token crosses, so the result
+    equals ``tokenizer.encode`` of the whole text whatever ``num_workers`` is. ``out_path`` is written
+    all or nothing. A tqdm bar (in bytes) shows when stderr is a terminal, unless ``progress=False``.
+
+    Returns:
+        The number of token ids written.
+    """
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(f"tokenizer: expected a Tokenizer, got {type(tokenizer).__name__}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers: expected a positive int, got {num_workers!r}")
+    source = os.fspath(path)
+    size = os.path.getsize(source)  # FileNotFoundError names the path
+    target = pathlib.Path(out_path)
+    if target.is_dir():
+        raise IsADirectoryError(f"out_path: expected a file path, got the directory {target}")
+    parts = max(num_workers, -(-size // _RANGE_BYTES)) if num_workers > 1 else 1
+    ranges = split_file(source, parts, tokenizer.special_tokens)
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".parts", dir=target.parent))
+    try:
+        part_paths = [str(scratch / f"{index:06d}") for index in range(len(ranges))]
+        disable = not progress if progress is not None else None
+        total = 0
+        with tqdm(total=size, unit="B", unit_scale=True, desc="encoding", disable=disable) as bar:
+            jobs = [(source, start, end, part) for (start, end), part in zip(ranges, part_paths, strict=True)]
+            if num_workers == 1 or len(ranges) == 1:
+                for (start, end), job in zip(ranges, jobs, strict=True):
+                    total += _encode_range(tokenizer, *job)
+                    bar.update(end - start)
+            else:
+                context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+                with ProcessPoolExecutor(
+                    min(num_workers, len(ranges)), mp_context=context, initializer=_init_worker, initargs=(tokenizer,)
+                ) as pool:
+                    for (start, end), count in zip(
+                        ranges, pool.map(_encode_range_in_worker, *zip(*jobs, strict=True)), strict=True
+                    ):
+                        total += count
+                        bar.update(end - start)
+        with atomic_file(target) as out:
+            for part in part_paths:
+                with open(part, "rb") as handle:
+                    shutil.copyfileobj(handle, out, 1 << 22)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(scratch)
+    return total

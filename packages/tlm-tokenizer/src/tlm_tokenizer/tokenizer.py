@@ -1,0 +1,291 @@
+"""A byte-level BPE tokenizer that applies merges by rank exactly as GPT-2 (and tiktoken) do."""
+
+import json
+import os
+import pathlib
+from collections.abc import Iterable, Iterator
+from itertools import chain, islice, pairwise
+from typing import Any
+
+from tlm_tokenizer._files import atomic_directory
+from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
+from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, PRETOKEN, SPACE_SPLIT, special_splitter
+
+__all__ = ["Tokenizer"]
+
+SPECIAL_TOKENS_FILE = "special_tokens.json"
+_STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
+_CACHE_ENTRIES = 1 << 15  # per-chunk cache, cleared when full: memory stays bounded on any stream
+
+
+class _ChunkCache(dict):
+    """Space-delimited chunk -> ids; a miss runs GPT-2's pattern and BPE on that chunk only."""
+
+    def __init__(self, encode_chunk: Any, prefix: str) -> None:
+        super().__init__()
+        self._encode_chunk = encode_chunk
+        self._prefix = prefix
+
+    def __missing__(self, chunk: str) -> list[int]:
+        if len(self) >= _CACHE_ENTRIES:
+            self.clear()
+        ids = self[chunk] = self._encode_chunk(self._prefix + chunk)
+        return ids
+
+
+class Tokenizer:
+    """Byte-level BPE: ``encode`` text to ids, ``decode`` ids to text.
+
+    Args:
+        vocab: id -> token bytes. Must hold all 256 single bytes and every merge's two parts and result.
+        merges: ``(left, right)`` byte pairs in priority order (rank = position).
+        special_tokens: strings that are never split; those missing from ``vocab`` get new ids.
+            Overlapping ones match longest first.
+    """
+
+    def __init__(
+        self,
+        vocab: dict[int, bytes],
+        merges: list[tuple[bytes, bytes]],
+        special_tokens: list[str] | None = None,
+    ) -> None:
+        if not isinstance(vocab, dict):
+            raise TypeError(f"vocab: expected a dict[int, bytes], got {type(vocab).__name__}")
+        bad = next(((i, t) for i, t in vocab.items() if not isinstance(i, int) or not isinstance(t, bytes)), None)
+        if bad is not None:
+            raise TypeError(f"vocab: expected int -> bytes entries, got {bad[0]!r} -> {bad[1]!r}")
+        if special_tokens is not None and (
+            isinstance(special_tokens, str) or not all(isinstance(s, str) and s for s in special_tokens)
+        ):
+            raise TypeError(f"special_tokens: expected a list of non-empty str or None, got {special_tokens!r}")
+        self._vocab = dict(vocab)
+        self._ids = {token: index for index, token in self._vocab.items()}
+        missing_bytes = [byte for byte in range(256) if bytes([byte]) not in self._ids]
+        if missing_bytes:
+            raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
+        self._merges = [tuple(pair) for pair in merges]
+        self._ranks: dict[tuple[bytes, bytes], int] = {}
+        for rank, pair in enumerate(self._merges):
+            if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):
+                raise TypeError(f"merges: expected (bytes, bytes) pairs, got {pair!r} at position {rank}")
+            for part in (*pair, pair[0] + pair[1]):
+                if part not in self._ids:
+                    raise ValueError(f"merges: merge {rank} {pair!r} needs {part!r}, which vocab lacks")
+            self._ranks.setdefault(pair, rank)
+        self.special_tokens = list(dict.fromkeys(special_tokens or []))
+        for token in self.special_tokens:
+            encoded = token.encode("utf-8")
+            if encoded not in self._ids:
+                index = max(self._vocab, default=-1) + 1
+                self._vocab[index] = encoded
+                self._ids[encoded] = index
+        self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
+        self._splitter = special_splitter(self.special_tokens)
+        self._longest_special = max(map(len, self.special_tokens), default=0)
+        self._byte_tokens = [bytes([byte]) for byte in range(256)]
+        self._spaced = _ChunkCache(self._encode_chunk, " ")
+        self._bare = _ChunkCache(self._encode_chunk, "")
+        self._pretokens: dict[str, list[int]] = {}
+
+    # -- construction from and to files ---------------------------------------------------------
+
+    @classmethod
+    def from_files(
+        cls,
+        vocab_filepath: str | os.PathLike,
+        merges_filepath: str | os.PathLike,
+        special_tokens: list[str] | None = None,
+    ) -> "Tokenizer":
+        """Load GPT-2-format ``vocab.json`` and ``merges.txt`` (GPT-2's own files included)."""
+        vocab, merges = read_gpt2_files(vocab_filepath, merges_filepath)
+        return cls(vocab, merges, special_tokens)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write ``vocab.json``, ``merges.txt`` and ``special_tokens.json`` into ``directory``, all or nothing."""
+
+        def fill(folder: pathlib.Path) -> None:
+            write_gpt2_files(folder, self._vocab, self._merges)
+            payload = {"special_tokens": self.special_tokens}
+            (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
+
+        atomic_directory(directory, fill)
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "Tokenizer":
+        """Load a directory written by ``save``."""
+        folder = pathlib.Path(directory)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"directory: expected a tokenizer directory, got {folder} (no such directory)")
+        special_tokens: list[str] = []
+        specials_path = folder / SPECIAL_TOKENS_FILE
+        if specials_path.exists():
+            special_tokens = json.loads(specials_path.read_text(encoding="utf-8"))["special_tokens"]
+        return cls.from_files(folder / "vocab.json", folder / "merges.txt", special_tokens)
+
+    # -- views ----------------------------------------------------------------------------------
+
+    @property
+    def vocab(self) -> dict[int, bytes]:
+        """A copy of id -> token bytes (special tokens included)."""
+        return dict(self._vocab)
+
+    @property
+    def merges(self) -> list[tuple[bytes, bytes]]:
+        """A copy of the merges, in rank order."""
+        return list(self._merges)
+
+    @property
+    def vocab_size(self) -> int:
+        """One more than the largest id: the size an embedding table needs."""
+        return max(self._vocab) + 1
+
+    def __len__(self) -> int:
+        return len(self._vocab)
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def _bpe(self, token: bytes) -> list[int]:
+        parts = [self._byte_tokens[byte] for byte in token]
+        ranks = self._ranks
+        while len(parts) > 1:
+            best, best_rank = None, None
+            for pair in pairwise(parts):
+                rank = ranks.get(pair)
+                if rank is not None and (best_rank is None or rank < best_rank):
+                    best, best_rank = pair, rank
+            if best is None:
+                break
+            left, right = best
+            merged, i = [], 0
+            while i < len(parts):
+                if i + 1 < len(parts) and parts[i] == left and parts[i + 1] == right:
+                    merged.append(left + right)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            parts = merged
+        ids = self._ids
+        return [ids[part] for part in parts]
+
+    def _encode_chunk(self, chunk: str) -> list[int]:
+        out: list[int] = []
+        cache = self._pretokens
+        for pretoken in PRETOKEN.findall(chunk):
+            ids = cache.get(pretoken)
+            if ids is None:
+                if len(cache) >= _CACHE_ENTRIES:
+                    cache.clear()
+                ids = cache[pretoken] = self._bpe(pretoken.encode("utf-8"))
+            out += ids
+        return out
+
+    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+        pieces = SPACE_SPLIT(text)
+        if pieces[0]:
+            out += self._bare[pieces[0]]
+        out += chain.from_iterable(map(self._spaced.__getitem__, islice(pieces, 1, None)))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens are matched first and never split."""
+        if not isinstance(text, str):
+            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+        out: list[int] = []
+        if self._splitter is None:
+            self._encode_ordinary(text, out)
+            return out
+        for position, part in enumerate(self._splitter.split(text)):
+            if position % 2:
+                out.append(self._special_ids[part])
+            elif part:
+                self._encode_ordinary(part, out)
+        return out
+
+    def _stream_cut(self, buffer: str) -> int:
+        """Largest p such that encode(buffer[:p]) + encode(rest) == encode(buffer + rest) for any rest."""
+        limit = len(buffer) - self._longest_special
+        if limit <= 0:
+            return 0
+        match = LAST_WHITESPACE_CUT.match(buffer, 0, limit + 1)
+        cut = match.end() if match is not None else 0
+        if self._splitter is not None:
+            best_end = 0
+            for special in self._splitter.finditer(buffer):
+                if special.start() > limit:
+                    break
+                if special.start() < cut < special.end():
+                    cut = special.start()
+                if special.end() <= limit:
+                    best_end = special.end()
+            cut = max(cut, best_end)
+        return cut
+
+    def encode_blocks(self, iterable: Iterable[str]) -> Iterator[list[int]]:
+        """Like ``encode_iterable``, but yields lists of ids, one per block of about 64K characters."""
+        if isinstance(iterable, str):
+            iterable = (iterable,)
+        buffer = ""
+        for item in iterable:
+            if not isinstance(item, str):
+                raise TypeError(f"iterable: expected str items, got {type(item).__name__}")
+            buffer += item
+            if len(buffer) < _STREAM_BLOCK:
+                continue
+            cut = self._stream_cut(buffer)
+            if cut > 0:
+                yield self.encode(buffer[:cut])
+                buffer = buffer[cut:]
+        if buffer:
+            yield self.encode(buffer)
+
+    def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
+        """Lazily yield the ids of the concatenation of ``iterable`` (e.g. a file's lines).
+
+        Equals ``encode("".join(iterable))``. Memory stays bounded by the caches and a buffer of about
+        64K characters plus one item, unless the text goes that long without any whitespace.
+        """
+        for ids in self.encode_blocks(iterable):
+            yield from ids
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes that ``ids`` stand for."""
+        try:
+            return b"".join(map(self._vocab.__getitem__, ids))
+        except KeyError as missing:
+            raise ValueError(f"ids: expected ids in the vocabulary, got {missing.args[0]!r}") from None
+        except TypeError:
+            raise TypeError(f"ids: expected an iterable of int, got {type(ids).__name__}") from None
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    # -- files ----------------------------------------------------------------------------------
+
+    @property
+    def id_dtype(self) -> str:
+        """``"uint16"`` when every id fits in 16 bits, else ``"uint32"``: what ``encode_file`` writes."""
+        return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
+
+    def encode_file(
+        self,
+        path: str | os.PathLike,
+        out_path: str | os.PathLike,
+        num_workers: int = 1,
+        progress: bool | None = None,
+    ) -> int:
+        """Encode a UTF-8 file into a raw little-endian array of ``id_dtype``; returns the token count.
+
+        See ``tlm_tokenizer.encode_file``.
+        """
+        from tlm_tokenizer.encode_file import encode_file
+
+        return encode_file(self, path, out_path, num_workers=num_workers, progress=progress)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"vocab": self._vocab, "merges": self._merges, "special_tokens": self.special_tokens}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["vocab"], state["merges"], state["special_tokens"])  # type: ignore[misc]

@@ -1,0 +1,225 @@
+"""Byte-level BPE training with the course's semantics (CS336 assignment 1, §2.4-2.5).
+
+Pre-tokens are counted once (in parallel over file ranges for large inputs); the merge loop then
+works on distinct pre-tokens weighted by their counts. Pair counts are updated incrementally: an
+index from each pair to the words that contain it limits each merge to the words it touches, and
+a heap with lazy deletion finds the most frequent pair, ties going to the greater ``(bytes, bytes)``.
+"""
+
+import heapq
+import itertools
+import math
+import multiprocessing
+import os
+from collections.abc import Iterable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from tlm_tokenizer._chunks import read_range, split_file
+from tlm_tokenizer.pretokenize import count_pretokens, special_splitter
+
+__all__ = ["train_bpe"]
+
+_PARALLEL_MIN_BYTES = 4 << 20  # below this, process start-up costs more than it saves
+_RANGE_BYTES = 64 << 20  # bounds each worker's text in memory
+_PROGRESS_MIN_BYTES = 16 << 20
+
+
+class _Greatest:
+    """Heap key that makes Python's min-heap pop the lexicographically greatest pair first."""
+
+    __slots__ = ("pair",)
+
+    def __init__(self, pair: tuple[bytes, bytes]) -> None:
+        self.pair = pair
+
+    def __lt__(self, other: "_Greatest") -> bool:
+        return self.pair > other.pair
+
+
+def _count_range(path: str, start: int, end: int, special_tokens: list[str]) -> dict[str, int]:
+    return count_pretokens(read_range(path, start, end), special_splitter(special_tokens))
+
+
+def _check_arguments(input_path: Any, vocab_size: Any, special_tokens: Any) -> list[str]:
+    if not isinstance(input_path, str | os.PathLike):
+        raise TypeError(f"input_path: expected a str or os.PathLike, got {type(input_path).__name__}")
+    if isinstance(special_tokens, str) or not isinstance(special_tokens, Iterable):
+        raise TypeError(f"special_tokens: expected a list of str, got {type(special_tokens).__name__}")
+    specials = list(dict.fromkeys(special_tokens))
+    bad = [token for token in specials if not isinstance(token, str) or not token]
+    if bad:
+        raise TypeError(f"special_tokens: expected non-empty str entries, got {bad[0]!r}")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
+    if vocab_size < 256 + len(specials):
+        raise ValueError(
+            f"vocab_size: expected at least {256 + len(specials)} (256 bytes + {len(specials)} special tokens), "
+            f"got {vocab_size}"
+        )
+    return specials
+
+
+def count_file(
+    input_path: str | os.PathLike,
+    special_tokens: list[str],
+    num_workers: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, int]:
+    """Pre-token -> count over a whole UTF-8 file, split across ``num_workers`` processes."""
+    size = os.path.getsize(input_path)
+    workers = num_workers if num_workers is not None else min(os.cpu_count() or 1, 8)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"num_workers: expected a positive int, got {num_workers!r}")
+    if size < _PARALLEL_MIN_BYTES:
+        workers = 1
+    ranges = split_file(input_path, max(workers, math.ceil(size / _RANGE_BYTES)), special_tokens)
+    path = os.fspath(input_path)
+    disable = not progress if progress is not None else (None if size >= _PROGRESS_MIN_BYTES else True)
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenising", disable=disable)
+    totals: dict[str, int] = {}
+    with bar:
+        if workers == 1 or len(ranges) == 1:
+            results: Iterable[dict[str, int]] = (_count_range(path, a, b, special_tokens) for a, b in ranges)
+            pool = None
+        else:
+            context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+            pool = ProcessPoolExecutor(min(workers, len(ranges)), mp_context=context)
+            results = pool.map(_count_range, *zip(*[(path, a, b, special_tokens) for a, b in ranges], strict=True))
+        try:
+            for (start, end), counts in zip(ranges, results, strict=True):
+                if totals:
+                    for token, count in counts.items():
+                        totals[token] = totals.get(token, 0) + count
+                else:
+                    totals = counts
+                bar.update(end - start)
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+    return totals
+
+
+def merge_counts(
+    pretoken_counts: dict[str, int], vocab_size: int, special_tokens: list[str], progress: bool | None = None
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Run the BPE merge loop on pre-token counts. Ids: 0-255 bytes, then specials, then merges."""
+    vocab: dict[int, bytes] = {byte: bytes([byte]) for byte in range(256)}
+    for token in special_tokens:
+        vocab[len(vocab)] = token.encode("utf-8")
+    merges: list[tuple[bytes, bytes]] = []
+
+    words: list[list[int]] = []
+    freqs: list[int] = []
+    pair_counts: dict[tuple[int, int], int] = {}
+    where: dict[tuple[int, int], set[int]] = {}
+    for token, count in pretoken_counts.items():
+        word = list(token.encode("utf-8"))
+        if len(word) < 2:
+            continue
+        index = len(words)
+        words.append(word)
+        freqs.append(count)
+        for pair in itertools.pairwise(word):
+            pair_counts[pair] = pair_counts.get(pair, 0) + count
+            where.setdefault(pair, set()).add(index)
+
+    heap = [(-count, _Greatest((vocab[a], vocab[b])), a, b) for (a, b), count in pair_counts.items()]
+    heapq.heapify(heap)
+    wanted = vocab_size - len(vocab)
+    disable = not progress if progress is not None else (None if wanted >= 2000 else True)
+    with tqdm(total=max(wanted, 0), desc="merging", disable=disable) as bar:
+        while len(vocab) < vocab_size and heap:
+            negative, key, a, b = heapq.heappop(heap)
+            count = pair_counts.get((a, b), 0)
+            if count != -negative:
+                if count > 0:  # stale entry: counts only fall for old pairs, so re-file it lower
+                    heapq.heappush(heap, (-count, key, a, b))
+                continue
+            new = len(vocab)
+            vocab[new] = key.pair[0] + key.pair[1]
+            merges.append(key.pair)
+            created: dict[tuple[int, int], None] = {}
+            # Inlined word update (this loop is the trainer's hot spot). At each occurrence of (a, b)
+            # the pair to its left (with the symbol already written, possibly `new`) and the pair to
+            # its right change; a right-side increment is cancelled by the next occurrence's left
+            # side, so `a b a b` nets one (new, new) and loses one (b, a). Every pair that gains
+            # contains `new`, so only those need this word in their index; (a, b) itself is dropped.
+            for index in where.pop((a, b)):
+                word = words[index]
+                if a not in word:
+                    continue
+                i = word.index(a)
+                n = len(word)
+                freq = freqs[index]
+                merged = word[:i]
+                found = False
+                while i < n:
+                    if word[i] == a and i + 1 < n and word[i + 1] == b:
+                        found = True
+                        if merged:
+                            left = merged[-1]
+                            pair_counts[(left, a)] -= freq
+                            pair = (left, new)
+                            pair_counts[pair] = pair_counts.get(pair, 0) + freq
+                            created[pair] = None
+                            indexed = where.get(pair)
+                            if indexed is None:
+                                where[pair] = {index}
+                            else:
+                                indexed.add(index)
+                        if i + 2 < n:
+                            right = word[i + 2]
+                            pair_counts[(b, right)] -= freq
+                            pair = (new, right)
+                            pair_counts[pair] = pair_counts.get(pair, 0) + freq
+                            created[pair] = None
+                            indexed = where.get(pair)
+                            if indexed is None:
+                                where[pair] = {index}
+                            else:
+                                indexed.add(index)
+                        merged.append(new)
+                        i += 2
+                    else:
+                        merged.append(word[i])
+                        i += 1
+                if found:
+                    words[index] = merged
+            del pair_counts[(a, b)]
+            for pair in created:
+                x, y = pair
+                if pair_counts[pair] > 0:
+                    heapq.heappush(heap, (-pair_counts[pair], _Greatest((vocab[x], vocab[y])), x, y))
+            bar.update(1)
+    return vocab, merges
+
+
+def train_bpe(
+    input_path: str | os.PathLike,
+    vocab_size: int,
+    special_tokens: list[str],
+    *,
+    num_workers: int | None = None,
+    progress: bool | None = None,
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
+    """Train a byte-level BPE vocabulary on a UTF-8 text file.
+
+    The vocabulary starts with the 256 byte values (ids 0-255) and ``special_tokens`` (next ids),
+    all counted in ``vocab_size``. The text is split at the special tokens first, so no merge
+    crosses one; pre-tokens come from GPT-2's pattern; each step merges the most frequent pair
+    (ties: the lexicographically greater ``(bytes, bytes)``). Stops early if no pair is left.
+
+    Args:
+        num_workers: processes for pre-tokenisation (default: CPU count, at most 8; files under
+            4 MiB always use one).
+        progress: show tqdm bars (default: for large inputs, and only when stderr is a terminal).
+
+    Returns:
+        ``(vocab, merges)``: id -> token bytes, and the merges in the order they were made.
+    """
+    specials = _check_arguments(input_path, vocab_size, special_tokens)
+    counts = count_file(input_path, specials, num_workers=num_workers, progress=progress)
+    return merge_counts(counts, vocab_size, specials, progress=progress)

@@ -1,0 +1,17 @@
+"""Hypothesis strategies shared by the tests: text full of ties, repeats, odd whitespace, specials."""
+
+from hypothesis import strategies as st
+
+# Fragments chosen to collide: repeated letters make many equal pair counts (ties), and the
+# whitespace covers what GPT-2's pattern treats specially (runs, \r\n, Unicode spaces).
+FRAGMENTS = [
+    "a", "b", "ab", "ba", "aa", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "\u2028",
+    "é", "日本", "'s", "'ll", "1", "23", ".", "!?", " the", "<|eot|>", "<|eot|><|eot|>", "<|", "|>",
+]  # fmt: skip
+SPECIALS = ["<|eot|>", "<|eot|><|eot|>"]
+
+
+def texts(min_size: int = 0, max_size: int = 60) -> st.SearchStrategy[str]:
+    """Strings built from tie-prone fragments, mixed with arbitrary Unicode."""
+    piece = st.one_of(st.sampled_from(FRAGMENTS), st.sampled_from(FRAGMENTS), st.text(max_size=3))
+    return st.lists(piece, min_size=min_size, max_size=max_size).map("".join)

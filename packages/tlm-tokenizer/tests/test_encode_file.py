@@ -1,0 +1,65 @@
+"""encode_file: the raw id array equals tiktoken's ids, whatever the number of workers."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from tlm_tokenizer import Tokenizer, encode_file
+
+# The package re-exports the function under the module's name, so fetch the module itself.
+encode_file_module = importlib.import_module("tlm_tokenizer.encode_file")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, english_text):
+    text = "<|endoftext|>".join(english_text[i : i + 30_011] for i in range(0, 300_000, 30_011)) + " \r\n"
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(text.encode("utf-8"))
+    return path, text
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_matches_tiktoken(gpt2_tokenizer, tiktoken_gpt2, corpus, tmp_path, monkeypatch, num_workers):
+    # Small ranges: the file is cut in many places, inside lines and next to special tokens.
+    monkeypatch.setattr(encode_file_module, "_RANGE_BYTES", 20_000)
+    path, text = corpus
+    out = tmp_path / "ids.bin"
+    count = encode_file(gpt2_tokenizer, path, out, num_workers=num_workers)
+    ids = np.memmap(out, dtype=np.dtype(gpt2_tokenizer.id_dtype).newbyteorder("<"), mode="r")
+    expected = tiktoken_gpt2.encode(text, allowed_special={"<|endoftext|>"})
+    assert gpt2_tokenizer.id_dtype == "uint16" and count == len(expected)
+    assert ids.tolist() == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.bin"], "temporary files were left behind"
+
+
+def test_method_and_uint32_for_large_vocabularies(tmp_path):
+    vocab = {i: bytes([i]) for i in range(256)} | {70_000: b"<|big|>"}
+    tokenizer = Tokenizer(vocab, [], ["<|big|>"])
+    source = tmp_path / "in.txt"
+    source.write_bytes("a<|big|>é".encode())
+    assert tokenizer.id_dtype == "uint32"
+    assert tokenizer.encode_file(source, tmp_path / "out.bin") == 4
+    assert np.fromfile(tmp_path / "out.bin", dtype="<u4").tolist() == [97, 70_000, 0xC3, 0xA9]
+
+
+def test_failure_leaves_no_output(gpt2_tokenizer, tmp_path):
+    source = tmp_path / "bad.txt"
+    source.write_bytes(b"valid text, then \xff not UTF-8")
+    (tmp_path / "out.bin").write_bytes(b"old")
+    with pytest.raises(UnicodeDecodeError):
+        encode_file(gpt2_tokenizer, source, tmp_path / "out.bin")
+    assert (tmp_path / "out.bin").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.txt", "out.bin"]
+
+
+def test_bad_arguments(gpt2_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="num_workers: expected a positive int, got 0"):
+        encode_file(gpt2_tokenizer, tmp_path / "x", tmp_path / "y", num_workers=0)
+    with pytest.raises(TypeError, match="tokenizer: expected a Tokenizer, got str"):
+        encode_file("gpt2", tmp_path / "x", tmp_path / "y")
+    with pytest.raises(FileNotFoundError):
+        encode_file(gpt2_tokenizer, tmp_path / "absent.txt", tmp_path / "y")
+    (tmp_path / "in.txt").write_text("hi")
+    with pytest.raises(IsADirectoryError, match="out_path: expected a file path"):
+        encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path)

@@ -1,0 +1,223 @@
+"""Tokenizer against tiktoken (GPT-2's own encoding, and one built from our merges) and HF tokenizers."""
+
+import json
+
+import pytest
+from bpe_strategies import FRAGMENTS, SPECIALS, texts
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tlm_tokenizer import GPT2_PATTERN, Tokenizer, train_bpe
+
+UNICODE_SAMPLE = (
+    "Héllò wörld! 日本語のテキスト 🤖🚀 — naïve café\r\n\ttabs  and   spaces\u00a0nbsp\u3000ideographic\n"
+    "numbers 3.14159, 1,000,000; contractions: I'm, you'll, they've, we'd, it's, she's. ¿Qué? Ωμέγα"
+    "\n\n\n   trailing   "
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, english_text):
+    """A tokenizer trained here on real text, with a special token (the vocab is our output, not a reference)."""
+    path = tmp_path_factory.mktemp("train") / "corpus.txt"
+    path.write_bytes("<|endoftext|>".join([english_text[:150_000], english_text[150_000:300_000]]).encode())
+    vocab, merges = train_bpe(path, 2_000, ["<|endoftext|>"])
+    return Tokenizer(vocab, merges, ["<|endoftext|>"])
+
+
+def tiktoken_from(tokenizer: Tokenizer):
+    """A tiktoken Encoding built from our merges: ranks = our ids, same pattern, same specials."""
+    tiktoken = pytest.importorskip("tiktoken")
+    specials = {token: tokenizer.encode(token)[0] for token in tokenizer.special_tokens}
+    special_ids = set(specials.values())
+    ranks = {token: index for index, token in tokenizer.vocab.items() if index not in special_ids}
+    return tiktoken.Encoding(name="ours", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+
+
+# -- GPT-2 exactness ------------------------------------------------------------------------------
+
+
+def test_gpt2_matches_tiktoken_on_english(gpt2_tokenizer, tiktoken_gpt2, english_text):
+    text = english_text[:200_000]
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)
+
+
+def test_gpt2_matches_tiktoken_on_unicode_and_specials(gpt2_tokenizer, tiktoken_gpt2):
+    text = UNICODE_SAMPLE + "<|endoftext|>" + UNICODE_SAMPLE + "<|endoftext|><|endoftext|>"
+    expected = tiktoken_gpt2.encode(text, allowed_special={"<|endoftext|>"})
+    assert gpt2_tokenizer.encode(text) == expected
+    assert gpt2_tokenizer.decode(expected) == text
+    assert gpt2_tokenizer.encode("<|endoftext|>") == [50256]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=texts(max_size=40))
+def test_gpt2_matches_tiktoken_on_generated_text(gpt2_tokenizer, tiktoken_gpt2, text):
+    assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)
+
+
+# -- a trained tokenizer against two independent encoders ------------------------------------------
+
+
+def test_trained_matches_tiktoken_built_from_our_merges(trained, english_text):
+    reference = tiktoken_from(trained)
+    for text in (english_text[300_000:400_000], UNICODE_SAMPLE, UNICODE_SAMPLE + "<|endoftext|>x"):
+        assert trained.encode(text) == reference.encode(text, allowed_special="all")
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=texts(max_size=40))
+def test_trained_matches_tiktoken_on_generated_text(trained, text):
+    reference = tiktoken_from(trained)
+    assert trained.encode(text) == reference.encode(text, allowed_special="all")
+
+
+def test_trained_matches_hf_tokenizers_loading_our_files(trained, tmp_path, english_text):
+    hf = pytest.importorskip("tokenizers")
+    trained.save(tmp_path / "tok")
+    model = hf.models.BPE.from_file(str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt"))
+    reference = hf.Tokenizer(model)
+    reference.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    reference.decoder = hf.decoders.ByteLevel()
+    for text in (english_text[400_000:450_000], UNICODE_SAMPLE):
+        ids = trained.encode(text)
+        assert ids == reference.encode(text).ids
+        assert reference.decode(ids) == text
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.one_of(texts(max_size=60), st.text(max_size=60)))
+def test_roundtrip_any_string(gpt2_tokenizer, trained, text):
+    for tokenizer in (gpt2_tokenizer, trained):
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=texts(max_size=60))
+def test_roundtrip_with_overlapping_specials(text):
+    vocab = {i: bytes([i]) for i in range(256)}
+    tokenizer = Tokenizer(vocab, [], SPECIALS)
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text
+    # Longest special first: a doubled special is always the doubled token, never two singles.
+    single, double = (tokenizer.encode(token)[0] for token in SPECIALS)
+    assert single != double and tokenizer.encode(SPECIALS[1]) == [double]
+    assert ids.count(double) == text.count(SPECIALS[1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=texts(max_size=80), cuts=st.lists(st.integers(0, 400), max_size=8), data=st.data())
+def test_encode_iterable_equals_encode_for_any_chunking(gpt2_tokenizer, text, cuts, data):
+    text = text + "<|endoftext|>" + text
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    assert list(gpt2_tokenizer.encode_iterable(chunks)) == gpt2_tokenizer.encode(text)
+
+
+def test_encode_iterable_streams_long_text_in_blocks(gpt2_tokenizer, tiktoken_gpt2, english_text):
+    # Long enough to cross many 64K-character blocks, with specials and whitespace at odd places.
+    pieces = [english_text[i : i + 7_001] for i in range(0, 400_000, 7_001)]
+    text = "<|endoftext|>".join(pieces)
+    lines = text.splitlines(keepends=True)
+    assert list(gpt2_tokenizer.encode_iterable(lines)) == tiktoken_gpt2.encode(text, allowed_special="all")
+    assert list(gpt2_tokenizer.encode_iterable(iter([text]))) == gpt2_tokenizer.encode(text)
+
+
+def test_fragments_are_all_encodable(gpt2_tokenizer):
+    for fragment in FRAGMENTS:
+        assert gpt2_tokenizer.decode(gpt2_tokenizer.encode(fragment)) == fragment
+
+
+# -- decoding, files, construction -----------------------------------------------------------------
+
+
+def test_decode_replaces_invalid_utf8(gpt2_tokenizer):
+    assert gpt2_tokenizer.decode_bytes(gpt2_tokenizer.encode("é")) == "é".encode()
+    byte_ids = {token: index for index, token in gpt2_tokenizer.vocab.items()}
+    assert gpt2_tokenizer.decode([byte_ids[b"\xff"], byte_ids[b"a"]]) == "\ufffda"
+    assert gpt2_tokenizer.decode([byte_ids[b"\xe6"], byte_ids[b"\x97"]]) == "\ufffd"
+
+
+def test_save_load_roundtrip_and_gpt2_layout(trained, tmp_path):
+    trained.save(tmp_path / "tok")
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["merges.txt", "special_tokens.json", "vocab.json"]
+    loaded = Tokenizer.load(tmp_path / "tok")
+    assert loaded.vocab == trained.vocab and loaded.merges == trained.merges
+    assert loaded.special_tokens == ["<|endoftext|>"]
+    assert (tmp_path / "tok" / "merges.txt").read_text().startswith("#version: 0.2\n")
+    vocab_json = json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8"))
+    assert vocab_json["Ġ"] == 32 and vocab_json["!"] == 33  # GPT-2's byte->unicode table: space is "Ġ"
+
+
+def test_gpt2_files_roundtrip_byte_identical_tables(gpt2_tokenizer, gpt2_files, tmp_path):
+    gpt2_tokenizer.save(tmp_path / "gpt2")
+    original = json.loads(gpt2_files["encoder.json"].read_text(encoding="utf-8"))
+    ours = json.loads((tmp_path / "gpt2" / "vocab.json").read_text(encoding="utf-8"))
+    assert ours == original
+    merges = gpt2_files["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:]
+    assert (tmp_path / "gpt2" / "merges.txt").read_text(encoding="utf-8").splitlines()[1:] == [
+        line for line in merges if line
+    ]
+
+
+def test_save_is_all_or_nothing(trained, tmp_path, monkeypatch):
+    trained.save(tmp_path / "tok")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()}
+
+    def broken(folder, vocab, merges):
+        (folder / "vocab.json").write_text("{")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("tlm_tokenizer.tokenizer.write_gpt2_files", broken)
+    with pytest.raises(OSError, match="disk full"):
+        trained.save(tmp_path / "tok")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"], "a temporary directory was left behind"
+
+
+def test_special_tokens_missing_from_vocab_are_appended():
+    vocab = {i: bytes([i]) for i in range(256)}
+    tokenizer = Tokenizer(vocab, [], ["<|a|>", "<|b|>"])
+    assert tokenizer.encode("x<|b|><|a|>") == [ord("x"), 257, 256]
+    assert vocab == {i: bytes([i]) for i in range(256)}, "the caller's vocab was modified"
+    assert tokenizer.id_dtype == "uint16"
+
+
+def test_merges_apply_by_rank_not_by_frequency():
+    vocab = {i: bytes([i]) for i in range(256)} | {256: b"bc", 257: b"ab", 258: b"abc"}
+    # (b, c) has the better rank, so "abc" -> a + bc, and (a, bc) is no merge: GPT-2 never tries "ab" first.
+    tokenizer = Tokenizer(vocab, [(b"b", b"c"), (b"a", b"b")], [])
+    assert tokenizer.encode("abc") == [ord("a"), 256]
+    assert tokenizer.encode("abab") == [257, 257]
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (([], []), TypeError, "vocab: expected a dict"),
+        (({0: "a"}, []), TypeError, "vocab: expected int -> bytes"),
+        (({0: b"\x00"}, []), ValueError, "vocab: expected all 256 single bytes, got none for byte 1"),
+        (("full", [(b"x", b"y")]), ValueError, "merges: merge 0 .* needs b'xy'"),
+        (("full", [(b"x",)]), TypeError, "merges: expected .bytes, bytes. pairs"),
+        (("full", [], "<|eot|>"), TypeError, "special_tokens: expected a list"),
+    ],
+)
+def test_bad_construction(args, error, match):
+    if args[0] == "full":
+        args = ({i: bytes([i]) for i in range(256)}, *args[1:])
+    with pytest.raises(error, match=match):
+        Tokenizer(*args)
+
+
+def test_bad_encode_decode_input(gpt2_tokenizer):
+    with pytest.raises(TypeError, match="text: expected a str, got bytes"):
+        gpt2_tokenizer.encode(b"abc")
+    with pytest.raises(ValueError, match="ids: expected ids in the vocabulary, got 99999999"):
+        gpt2_tokenizer.decode([1, 99999999])
+    with pytest.raises(TypeError, match="iterable: expected str items, got int"):
+        list(gpt2_tokenizer.encode_iterable([1]))
+    with pytest.raises(FileNotFoundError, match="directory: expected a tokenizer directory"):
+        Tokenizer.load("/nonexistent/tokenizer")
