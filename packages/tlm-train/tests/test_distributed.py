@@ -55,6 +55,10 @@ def _metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in lines]
 
 
+def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.flatten() for t in state.values()])
+
+
 def _max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     assert got.keys() == want.keys()
     return max((got[k] - want[k]).abs().max().item() for k in want)
@@ -86,8 +90,7 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
     out = tmp_path / "run"
     _train(tokens, out, "--distributed", "ddp", nproc=2)
     got, want = _weights(out), _weights(single)
-    record_error("DDP x2 vs 1 process, weights after 6 steps", torch.cat([t.flatten() for t in got.values()]),
-                 torch.cat([t.flatten() for t in want.values()]))  # fmt: skip
+    record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got), _flat(want))
     assert _max_error(got, want) <= ATOL
     for a, b in zip(_metrics(out), _metrics(single), strict=True):
         assert a.keys() == b.keys() and a["step"] == b["step"]
@@ -98,8 +101,7 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
 
 def test_fsdp2_on_two_processes_equals_one_process(fsdp: Path, single: Path, record_error) -> None:
     got, want = _weights(fsdp), _weights(single)
-    record_error("FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps",
-                 torch.cat([t.flatten() for t in got.values()]), torch.cat([t.flatten() for t in want.values()]))  # fmt: skip
+    record_error("FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps", _flat(got), _flat(want))
     assert _max_error(got, want) <= ATOL
 
 

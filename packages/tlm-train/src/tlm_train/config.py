@@ -59,7 +59,7 @@ class TrainConfig:
     warmup_steps: int = 20
     grad_clip: float = 1.0  # 0 disables clipping
     # Steps and batches.
-    batch_size: int = 32
+    batch_size: int = 16
     grad_accum: int = 1
     steps: int = 300
     max_tokens: int | None = None  # a token budget: stops once this many tokens were trained on

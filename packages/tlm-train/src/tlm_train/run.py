@@ -23,18 +23,23 @@ from tqdm.auto import tqdm
 
 from tlm_model import TransformerLM, generate
 from tlm_train.atomic import atomic_write_text
+from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.config import CONFIG_NAME, TrainConfig
 from tlm_train.corpus import Dataset, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, wrap_model
-from tlm_train.metrics import METRICS_NAME, PLOT_NAME, MetricsLog, measure_gemm_flops, plot_loss_curve
-from tlm_train.metrics import training_flops_per_token
+from tlm_train.metrics import (
+    METRICS_NAME,
+    PLOT_NAME,
+    MetricsLog,
+    measure_gemm_flops,
+    plot_loss_curve,
+    training_flops_per_token,
+)
 from tlm_train.trainer import (
-    BatchSampler,
     CheckpointManager,
     NonFiniteLossError,
     capture_state,
-    eval_batches,
-    evaluate,
+    evaluate_loss,
     restore_state,
     train_step,
 )
@@ -133,7 +138,27 @@ def _run(
         warmup_iters=config.warmup_steps,
         cosine_cycle_iters=steps,
     )
-    sampler = BatchSampler(data.train, config.batch_size, model_config.context_length, seed=config.seed)
+    # Each rank draws its disjoint share of every global micro-batch from the same seeded stream,
+    # so the batches (and the weights, up to float reassociation) do not depend on world_size.
+    micro = config.batch_size // config.grad_accum
+    if config.batch_size % config.grad_accum or micro % info.world_size:
+        raise ValueError(
+            f"batch_size ({config.batch_size}) must split into grad_accum ({config.grad_accum}) micro-batches "
+            f"that divide among {info.world_size} ranks"
+        )
+    sampler = BatchSampler(
+        data.train,
+        micro // info.world_size,
+        model_config.context_length,
+        info.device,
+        seed=config.seed,
+        rank=info.rank,
+        world_size=info.world_size,
+    )
+    # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
+    val_batches = EvalBatches(
+        data.val, micro, model_config.context_length, info.device, max_batches=config.eval_batches
+    )
     metrics = MetricsLog(run_dir / METRICS_NAME)
     autocast = None if config.dtype == "float32" else getattr(torch, config.dtype)
 
@@ -155,11 +180,7 @@ def _run(
             metrics.truncate(start)
 
     def val_loss() -> float:
-        batches = eval_batches(
-            data.val, model_config.context_length, config.batch_size, config.eval_batches, info.rank, info.world_size
-        )
-        device_batches = ((x.to(info.device), y.to(info.device)) for x, y in batches)
-        return evaluate(loss_module, device_batches, autocast_dtype=autocast)
+        return evaluate_loss(loss_module, val_batches, autocast_dtype=autocast)
 
     tokens_per_step = config.batch_size * model_config.context_length
     flops_per_token = training_flops_per_token(model_config, model_config.context_length)
@@ -177,7 +198,7 @@ def _run(
     bar = tqdm(total=steps, initial=start, disable=quiet, unit="step", dynamic_ncols=True)
     with _stop_requests() as requested:
         for step in range(start + 1, steps + 1):
-            batches = sampler.micro_batches(config.grad_accum, info.rank, info.world_size, info.device)
+            batches = [next(sampler) for _ in range(config.grad_accum)]
             began = time.perf_counter()
             try:
                 stats = train_step(

@@ -1,7 +1,8 @@
 """The training loop's parts, each usable from a script of your own: the loss as a module
-(:class:`LanguageModelLoss`), the global-batch sampler (:class:`BatchSampler`), one optimizer step
-(:func:`train_step`), evaluation (:func:`evaluate`) and checkpoints (:class:`CheckpointManager`,
-:func:`capture_state`, :func:`restore_state`). :func:`tlm_train.train` strings them together.
+(:class:`LanguageModelLoss`), one optimizer step (:func:`train_step`), evaluation
+(:func:`evaluate_loss`) and checkpoints (:class:`CheckpointManager`, :func:`capture_state`,
+:func:`restore_state`); batches come from :class:`tlm_train.BatchSampler` and
+:class:`tlm_train.EvalBatches`. :func:`tlm_train.train` strings them together.
 
 Every part works unchanged on a plain module, under DDP and under FSDP2: the loss is the wrapped
 module's ``forward`` (the call DDP and FSDP hook), losses and stop requests are averaged over the
@@ -11,14 +12,12 @@ ranks, and checkpoints hold full (gathered) state dicts, so a run resumes on any
 import contextlib
 import math
 import os
-import random
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from jaxtyping import Int
@@ -26,6 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from tlm_train.atomic import atomic_write
+from tlm_train.rng import rng_state, set_rng_state
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,75 +43,6 @@ class LanguageModelLoss(nn.Module):
 
     def forward(self, inputs: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
         return self.model.loss(inputs, targets)
-
-
-class BatchSampler:
-    """Random training windows, a global batch at a time, from a seeded generator.
-
-    Every rank draws the same global batch of ``batch_size`` windows and keeps its share
-    (:meth:`micro_batches`), so the batches do not depend on the number of ranks and the sampler's
-    whole state is one generator state (:meth:`state_dict`), saved in every checkpoint.
-    """
-
-    def __init__(self, data: np.ndarray, batch_size: int, context_length: int, *, seed: int) -> None:
-        if len(data) <= context_length:
-            raise ValueError(
-                f"data must hold more than context_length={context_length} tokens, got {len(data)}"
-            )
-        self.data, self.batch_size, self.context_length = data, batch_size, context_length
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next_batch(self) -> tuple[Tensor, Tensor]:
-        """(inputs, targets), both (batch_size, context_length) int64 on the CPU."""
-        high = len(self.data) - self.context_length
-        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator).numpy()
-        windows = np.stack([self.data[s : s + self.context_length + 1] for s in starts]).astype(np.int64)
-        tokens = torch.from_numpy(windows)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def micro_batches(
-        self, grad_accum: int = 1, rank: int = 0, world_size: int = 1, device: torch.device | str = "cpu"
-    ) -> list[tuple[Tensor, Tensor]]:
-        """The next global batch, cut into ``grad_accum`` micro-batches, each cut into
-        ``world_size`` disjoint shares: this rank's shares."""
-        share = _share(self.batch_size, grad_accum * world_size)
-        inputs, targets = self.next_batch()
-        out = []
-        for m in range(grad_accum):
-            rows = slice((m * world_size + rank) * share, (m * world_size + rank + 1) * share)
-            out.append((inputs[rows].to(device), targets[rows].to(device)))
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
-
-
-def _share(batch_size: int, parts: int) -> int:
-    if batch_size % parts:
-        raise ValueError(
-            f"batch_size must be divisible by grad_accum × world_size = {parts}, got batch_size={batch_size}"
-        )
-    return batch_size // parts
-
-
-def eval_batches(
-    data: np.ndarray, context_length: int, batch_size: int, num_batches: int, rank: int = 0, world_size: int = 1
-) -> Iterator[tuple[Tensor, Tensor]]:
-    """Fixed, evenly spaced validation windows (the same every evaluation), this rank's share of
-    each global batch of ``batch_size``."""
-    high = len(data) - context_length - 1
-    if high < 0:
-        raise ValueError(f"validation data must hold more than context_length={context_length} tokens")
-    count = batch_size * num_batches
-    starts = np.linspace(0, high, count).round().astype(np.int64)
-    share = _share(batch_size, world_size)
-    for b in range(num_batches):
-        mine = starts[b * batch_size + rank * share : b * batch_size + (rank + 1) * share]
-        windows = torch.from_numpy(np.stack([data[s : s + context_length + 1] for s in mine]).astype(np.int64))
-        yield windows[:, :-1], windows[:, 1:]
 
 
 @dataclass(frozen=True)
@@ -209,23 +140,25 @@ def _autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.Abs
 
 
 @torch.no_grad()
-def evaluate(
+def evaluate_loss(
     loss_module: nn.Module, batches: Iterable[tuple[Tensor, Tensor]], *, autocast_dtype: torch.dtype | None = None
 ) -> float:
-    """Mean loss over ``batches`` (and over ranks), in eval mode; the training mode is restored."""
+    """Token-weighted mean loss of ``loss_module(inputs, targets)`` over ``batches``, in eval mode
+    (the training mode is restored). Under DDP/FSDP every rank passes the same batches (e.g.
+    :class:`tlm_train.EvalBatches`), so every rank gets the same number."""
     was_training = loss_module.training
     loss_module.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, tokens = torch.zeros((), dtype=torch.float64), 0
     try:
         for inputs, targets in batches:
             with _autocast(inputs.device, autocast_dtype):
-                total += loss_module(inputs, targets).double().cpu()
-            count += 1
+                total += loss_module(inputs, targets).double().cpu() * targets.numel()
+            tokens += targets.numel()
     finally:
         loss_module.train(was_training)
-    if count == 0:
+    if tokens == 0:
         raise ValueError("batches must hold at least one (inputs, targets) pair, got none")
-    return float(_global_mean(total / count))
+    return float(total / tokens)
 
 
 _OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -237,13 +170,13 @@ def capture_state(
     *,
     step: int,
     scheduler: Any = None,
-    sampler: BatchSampler | None = None,
+    sampler: Any = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """Everything a bit-exact resume needs, as plain tensors and containers (``torch.load``
     with ``weights_only=True`` reads it): full model and optimizer state dicts (gathered from all
     ranks when sharded; every rank must call this, and rank 0 gets the data), the scheduler and
-    sampler states and the RNG states of torch and Python."""
+    sampler states and the RNG states (:func:`tlm_train.rng_state`)."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     return {
         "step": step,
@@ -251,7 +184,7 @@ def capture_state(
         "optimizer": optim_state,
         "scheduler": None if scheduler is None else scheduler.state_dict(),
         "sampler": None if sampler is None else sampler.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rng": rng_state(),
         "world_size": dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1,
         **extra,
     }
@@ -263,7 +196,7 @@ def restore_state(
     optimizer: torch.optim.Optimizer,
     *,
     scheduler: Any = None,
-    sampler: BatchSampler | None = None,
+    sampler: Any = None,
 ) -> int:
     """Load what :func:`capture_state` saved into the (possibly wrapped or sharded) model and
     optimizer, on any number of ranks; every rank passes the full ``state``. Returns the step."""
@@ -278,16 +211,9 @@ def restore_state(
         scheduler.load_state_dict(state["scheduler"])
     if sampler is not None and state.get("sampler") is not None:
         sampler.load_state_dict(state["sampler"])
-    rng = state.get("rng") or {}
-    if "torch" in rng:
-        torch.set_rng_state(rng["torch"])
-    if "python" in rng:
-        random.setstate(_as_tuple(rng["python"]))
+    if state.get("rng") is not None:
+        set_rng_state(state["rng"])
     return int(state["step"])
-
-
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 class CheckpointManager:
