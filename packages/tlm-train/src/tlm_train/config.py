@@ -51,7 +51,7 @@ class TrainConfig:
     rope_theta: float = 10_000.0
     # Optimizer and schedule (AdamW; linear warm-up then cosine to min_lr).
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float | None = None  # None: lr / 10
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
@@ -93,6 +93,8 @@ class TrainConfig:
         _check_int("seed", self.seed, minimum=0)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
         for name in ("lr", "min_lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip", "rope_theta"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
