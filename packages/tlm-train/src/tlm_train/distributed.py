@@ -85,7 +85,10 @@ def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpoin
     loss_module = LanguageModelLoss(model)
     if mode == "ddp":
         device = next(model.parameters()).device
-        return DistributedDataParallel(loss_module, device_ids=[device] if device.type == "cuda" else None)
+        # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+        return DistributedDataParallel(
+            loss_module, device_ids=[device] if device.type == "cuda" else None, gradient_as_bucket_view=True
+        )
     if mode == "fsdp":
         for block in model.layers:
             fully_shard(block)
