@@ -2,6 +2,13 @@
 
 Every :class:`~tlm_train.config.TrainConfig` field is a flag (``--batch-size 16``, ``--no-deterministic``),
 read over ``--config FILE.toml``; ``--resume RUN_DIR`` continues a run with its saved settings.
+
+Scale-out is torchrun's (the same command on every rank; rank 0 writes the files)::
+
+    torchrun --nproc-per-node 2 -m tlm_train train --distributed fsdp       # one machine, gloo on CPU
+    # several machines (standard c10d rendezvous; run on every node; OUT_DIR on a filesystem all share):
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 --rdzv-id RUN \
+        -m tlm_train train --distributed fsdp --device cuda --dtype bfloat16 --out-dir OUT_DIR
 """
 
 import argparse

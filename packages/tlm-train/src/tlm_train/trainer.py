@@ -177,7 +177,10 @@ def capture_state(
     with ``weights_only=True`` reads it): full model and optimizer state dicts (gathered from all
     ranks when sharded; every rank must call this, and rank 0 gets the data), the scheduler and
     sampler states and the RNG states (:func:`tlm_train.rng_state`)."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    if _is_plain(model):
+        model_state, optim_state = model.state_dict(), _named_optimizer_state(model, optimizer)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     return {
         "step": step,
         "model": model_state,
@@ -200,13 +203,17 @@ def restore_state(
 ) -> int:
     """Load what :func:`capture_state` saved into the (possibly wrapped or sharded) model and
     optimizer, on any number of ranks; every rank passes the full ``state``. Returns the step."""
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=StateDictOptions(full_state_dict=True),
-    )
+    if _is_plain(model):
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state["optimizer"]))
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     if sampler is not None and state.get("sampler") is not None:
@@ -214,6 +221,44 @@ def restore_state(
     if state.get("rng") is not None:
         set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _is_plain(model: nn.Module) -> bool:
+    # One process and unsharded parameters: the module's own state dicts are already complete
+    # (and this path also handles layouts that torch.distributed.checkpoint cannot name, such
+    # as TransformerLM's fused projections).
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return not distributed and not any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    try:
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    except KeyError:
+        raise ValueError("optimizer holds a parameter that is not in model; pass the model it optimizes") from None
+
+
+def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name, the layout torch.distributed.checkpoint's
+    full state dicts use, so that a checkpoint from one process loads under DDP/FSDP2 and back."""
+    names = _parameter_names(model, optimizer)
+    saved = optimizer.state_dict()
+    return {
+        "state": {names[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+
+
+def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+    unknown = sorted(set(state["state"]) - set(index))
+    if unknown:
+        raise ValueError(f"checkpoint holds optimizer state for parameters the model lacks: {unknown[:5]}")
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
 
 
 class CheckpointManager:
