@@ -4,9 +4,9 @@ Each ``run_*`` builds the matching tlm module from scratch, loads the given weig
 ``load_state_dict`` and runs it, so the course's tests exercise tlm's own code paths, never a
 torch built-in: attention uses the ``"reference"`` backend and projections are not fused.
 
-The functions for parts of the assignment that tlm does not cover (data loading, the loss and
-optimiser, checkpointing, the tokenizer) raise ``NotImplementedError`` so the course's other
-test modules still import.
+The training parts (batches, loss, clipping, AdamW, the schedule, checkpoints) come from
+tlm-train, tlm-optim and tlm-model's ``cross_entropy``. The tokenizer adapters, not yet covered
+by tlm, raise ``NotImplementedError`` so the course's other test modules still import.
 """
 
 import os
@@ -21,10 +21,12 @@ from torch import Tensor
 from tlm_attention import CausalMultiHeadSelfAttention, scaled_dot_product_attention, softmax
 from tlm_ffn import SwiGLU, silu
 from tlm_linear import Embedding, Linear
-from tlm_model import TransformerBlock, TransformerLM
+from tlm_model import TransformerBlock, TransformerLM, cross_entropy
 from tlm_norm import RMSNorm
+from tlm_optim import AdamW, clip_grad_norm_, cosine_lr
 from tlm_rope import RotaryPositionalEmbedding
 from tlm_tokenizer import Tokenizer, train_bpe
+from tlm_train import get_batch, load_checkpoint, save_checkpoint
 
 
 def _placed(weight: Tensor) -> dict[str, Any]:
@@ -185,7 +187,7 @@ def run_softmax(in_features: Float[Tensor, " ..."], dim: int) -> Float[Tensor, "
     return softmax(in_features, dim)
 
 
-# --- Outside tlm's scope (the architecture part of the assignment) ---------------------------
+# --- Training parts (tlm-optim, tlm-train), then the tokenizer (not in tlm yet) ----------------
 
 
 def _not_in_tlm(name: str) -> NotImplementedError:
@@ -195,27 +197,27 @@ def _not_in_tlm(name: str) -> NotImplementedError:
 def run_get_batch(
     dataset: npt.NDArray, batch_size: int, context_length: int, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    raise _not_in_tlm("run_get_batch")
+    return get_batch(dataset, batch_size, context_length, device)
 
 
 def run_cross_entropy(
     inputs: Float[Tensor, " batch_size vocab_size"], targets: Int[Tensor, " batch_size"]
 ) -> Float[Tensor, ""]:
-    raise _not_in_tlm("run_cross_entropy")
+    return cross_entropy(inputs, targets)
 
 
 def run_gradient_clipping(parameters: Iterable[torch.nn.Parameter], max_l2_norm: float) -> None:
-    raise _not_in_tlm("run_gradient_clipping")
+    clip_grad_norm_(parameters, max_l2_norm)
 
 
 def get_adamw_cls() -> Any:
-    raise _not_in_tlm("get_adamw_cls")
+    return AdamW
 
 
 def run_get_lr_cosine_schedule(
     it: int, max_learning_rate: float, min_learning_rate: float, warmup_iters: int, cosine_cycle_iters: int
 ) -> float:
-    raise _not_in_tlm("run_get_lr_cosine_schedule")
+    return cosine_lr(it, max_learning_rate, min_learning_rate, warmup_iters, cosine_cycle_iters)
 
 
 def run_save_checkpoint(
@@ -224,13 +226,13 @@ def run_save_checkpoint(
     iteration: int,
     out: str | os.PathLike | BinaryIO | IO[bytes],
 ) -> None:
-    raise _not_in_tlm("run_save_checkpoint")
+    save_checkpoint(model, optimizer, iteration, out)
 
 
 def run_load_checkpoint(
     src: str | os.PathLike | BinaryIO | IO[bytes], model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> int:
-    raise _not_in_tlm("run_load_checkpoint")
+    return load_checkpoint(src, model, optimizer)
 
 
 def get_tokenizer(

@@ -14,6 +14,8 @@ GROUPS = [
     {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
 ]
 SHAPES = [[(16, 8), (8,)], [(4, 3, 5), (1,)]]
+# The default (torch's fused kernel, re-parametrised), the multi-tensor path, the one-tensor path.
+PATHS = [{}, {"fused": True}, {"fused": False}, {"foreach": True}, {"foreach": False}]
 
 
 def _initial(dtype=torch.float32):
@@ -76,18 +78,18 @@ def test_matches_torch_adamw(record_error):
 
 def test_matches_float64_rederivation(record_error):
     expected, _ = _reference()
-    # Run in float64, the algorithm itself is checked to far below the 1e-6.
-    for foreach in (True, False):
-        for a, b in zip(
-            _run(lambda groups, f=foreach: AdamW(groups, foreach=f), dtype=torch.float64), expected, strict=True
-        ):
-            record_error("AdamW float64 vs float64 course algorithm, 100 steps", a, b)
+    # Run in float64, the algorithm itself is checked to far below the 1e-6, on every path.
+    for path in PATHS:
+        ours = _run(lambda groups, kw=path: AdamW(groups, **kw), dtype=torch.float64)
+        for a, b in zip(ours, expected, strict=True):
+            record_error(f"AdamW {path or 'default'} float64 vs float64 course algorithm, 100 steps", a, b)
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     # In float32 each of the 100 steps rounds θ once (half an ulp, ≤ 2⁻²⁴|θ|), which bounds the drift.
-    for a, b in zip(_run(AdamW), expected, strict=True):
-        record_error("AdamW float32 vs float64 course algorithm, 100 steps", a, b)
-        bound = STEPS * 2.0**-24 * b.abs().max().item()
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=bound)
+    for path in PATHS:
+        for a, b in zip(_run(lambda groups, kw=path: AdamW(groups, **kw)), expected, strict=True):
+            record_error("AdamW float32 vs float64 course algorithm, 100 steps", a, b)
+            bound = STEPS * 2.0**-24 * b.abs().max().item()
+            torch.testing.assert_close(a.double(), b, rtol=0, atol=bound)
 
 
 def test_decay_order_bound():
@@ -191,6 +193,8 @@ def test_closure_is_called_and_its_loss_returned():
         ({"eps": -1e-8}, ValueError, "eps"),
         ({"weight_decay": float("nan")}, ValueError, "weight_decay"),
         ({"foreach": "yes"}, TypeError, "foreach"),
+        ({"fused": 1}, TypeError, "fused"),
+        ({"fused": True, "foreach": True}, ValueError, "foreach"),
     ],
 )
 def test_bad_hyperparameters(kwargs, error, match):
@@ -202,3 +206,22 @@ def test_bad_group_setting_refused():
     opt = AdamW([torch.zeros(2, requires_grad=True)])
     with pytest.raises(ValueError, match="lr"):
         opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": -1.0})
+
+
+def test_fused_refuses_what_its_kernel_cannot_do_and_default_falls_back():
+    p = torch.ones(3, requires_grad=True)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="lr·weight_decay"):
+        AdamW([p], lr=1.0, weight_decay=1.0, fused=True).step()
+    AdamW([p], lr=1.0, weight_decay=1.0).step()  # the course's update: (θ − α_t u)(1 − αλ) = 0
+    assert torch.equal(p.detach(), torch.zeros(3))
+
+
+def test_bfloat16_parameters_on_every_path():
+    for path in PATHS:
+        ours = _run(lambda groups, kw=path: AdamW(groups, **kw), dtype=torch.bfloat16, steps=10)
+        ref = _run(lambda groups, kw=path: AdamW(groups, **kw), dtype=torch.float64, steps=10)
+        for a, b in zip(ours, ref, strict=True):
+            assert a.dtype == torch.bfloat16
+            # bfloat16 keeps 8 bits: each of the 10 steps rounds θ by at most 2⁻⁹|θ|.
+            torch.testing.assert_close(a.double(), b, rtol=0, atol=10 * 2.0**-9 * b.abs().max().item())

@@ -11,8 +11,13 @@ For each parameter θ with gradient g, at step t = 1, 2, ...:
 torch.optim.AdamW differs in two small ways: it decays θ *before* the Adam update (the two orders
 differ by α·λ·α_t·m/(√v+ε) per step), and it adds ε to √v / √(1 − β₂ᵗ) rather than to √v.
 
-The default multi-tensor path folds the decay into the update: θ·(1 − αλ) − α_t (1 − αλ)·u equals
-(θ − α_t u)(1 − αλ), the course's order, with one pass over θ fewer than torch's foreach AdamW.
+Both fast paths fold the decay into the update: θ·(1 − αλ) − α_t (1 − αλ)·u equals
+(θ − α_t u)(1 − αλ), the course's order. The multi-tensor path (``torch._foreach_*``) makes one
+pass over θ fewer than torch's foreach AdamW. The fused path runs torch's one-pass AdamW kernel
+(``torch._fused_adamw_``, on CPU and CUDA) with its arguments re-parametrised so that it computes
+the course's update instead of torch's: with lr' = α(1 − αλ), weight_decay' = λ / (1 − αλ) and
+eps' = ε / √(1 − β₂ᵗ), torch's θ(1 − lr'λ') − lr'/(1 − β₁ᵗ) · m / (√v / √(1 − β₂ᵗ) + eps') is exactly
+(θ − α_t · m / (√v + ε))(1 − αλ).
 """
 
 from collections.abc import Iterable
@@ -27,8 +32,11 @@ from tlm_optim._checks import check_number
 class AdamW(torch.optim.Optimizer):
     """AdamW with the course's update order; parameter groups, ``state_dict`` and complex parameters work.
 
-    ``foreach=None`` (the default) and ``True`` use the multi-tensor ``torch._foreach_*`` kernels;
-    ``False`` updates one tensor at a time (same arithmetic). Parameters whose ``.grad`` is None are
+    ``fused=None`` (the default) uses torch's fused kernel where it exists for the parameters'
+    device and dtype (CPU and CUDA floating point), else the multi-tensor ``torch._foreach_*``
+    path; ``fused=False`` with ``foreach=None``/``True`` forces the multi-tensor path, and
+    ``foreach=False`` updates one tensor at a time. All paths compute the same algorithm (tested
+    against one float64 re-derivation); they may differ in the last bits. Parameters whose ``.grad`` is None are
     skipped; sparse gradients are refused with a ``TypeError``; complex parameters are updated as
     pairs of real numbers (as torch does). Per-parameter state: ``step`` (int), ``exp_avg`` (m),
     ``exp_avg_sq`` (v).
@@ -42,10 +50,22 @@ class AdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.01,
         foreach: bool | None = None,
+        *,
+        fused: bool | None = None,
     ) -> None:
-        if foreach is not None and not isinstance(foreach, bool):
-            raise TypeError(f"foreach must be None or a bool, got {type(foreach).__name__} {foreach!r}")
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "foreach": foreach}
+        for name, flag in (("foreach", foreach), ("fused", fused)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be None or a bool, got {type(flag).__name__} {flag!r}")
+        if fused and foreach is not None:
+            raise ValueError(f"fused=True runs its own kernel; leave foreach=None, got foreach={foreach}")
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "foreach": foreach,
+            "fused": fused,
+        }
         _check_group(defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
@@ -84,10 +104,30 @@ class AdamW(torch.optim.Optimizer):
                 lists = batches.setdefault(key, ([], [], [], []))
                 for lst, t in zip(lists, tensors, strict=True):
                     lst.append(t)
-            update = _foreach_update if group["foreach"] in (None, True) else _single_tensor_update
-            for (_, _, step), (params, grads, exp_avgs, exp_avg_sqs) in batches.items():
+            for (device, dtype, step), (params, grads, exp_avgs, exp_avg_sqs) in batches.items():
+                update = _choose(group, device, dtype)
                 update(params, grads, exp_avgs, exp_avg_sqs, step, group)
         return loss
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _choose(group: dict[str, Any], device: torch.device, dtype: torch.dtype) -> Any:
+    fused, foreach = group.get("fused"), group.get("foreach")
+    keep = 1.0 - group["lr"] * group["weight_decay"]
+    can_fuse = device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES and keep > 0.0
+    if fused:
+        if not can_fuse:
+            raise ValueError(
+                f"fused=True needs parameters on {_FUSED_DEVICES} in {_FUSED_DTYPES} and lr·weight_decay < 1, "
+                f"got {device.type} {dtype} and lr·weight_decay={1.0 - keep}"
+            )
+        return _fused_update
+    if fused is None and foreach is None and can_fuse:
+        return _fused_update
+    return _single_tensor_update if foreach is False else _foreach_update
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -144,3 +184,31 @@ def _single_tensor_update(
         if keep != 1.0:
             p.mul_(keep)
         p.addcdiv_(m, denom, value=step_size)
+
+
+def _fused_update(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: int,
+    group: dict[str, Any],
+) -> None:
+    lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
+    keep = 1.0 - lr * decay  # > 0, checked by _choose
+    steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr * keep,
+        beta1=beta1,
+        beta2=beta2,
+        weight_decay=decay / keep,
+        eps=group["eps"] / (1.0 - beta2**step) ** 0.5,
+        amsgrad=False,
+        maximize=False,
+    )
