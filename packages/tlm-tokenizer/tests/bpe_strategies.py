@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 FRAGMENTS = [
     "a", "b", "ab", "ba", "aa", " ", "  ", "\t", "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "\u2028",
     "é", "日本", "'s", "'ll", "1", "23", ".", "!?", " the", "<|eot|>", "<|eot|><|eot|>", "<|", "|>",
+    "\x1c", "\x85", " \x1c", "a\x1f",  # whitespace to Python's str, not to GPT-2's \s (and NEL)
 ]  # fmt: skip
 SPECIALS = ["<|eot|>", "<|eot|><|eot|>"]
 

@@ -23,10 +23,14 @@ __all__ = ["GPT2_PATTERN", "count_pretokens", "special_splitter"]
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 PRETOKEN = regex.compile(GPT2_PATTERN)
 
-# Pieces after the first each stood behind one space, which the split consumed.
+# Pieces after the first each stood behind one space, which the split consumed. (re's \S is a
+# subset of regex's: Python also counts \x1c-\x1f as space, so this never cuts where GPT-2 would not.)
 SPACE_SPLIT = re.compile(r" (?=\S)").split
-# Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] whitespace (see module doc).
-LAST_WHITESPACE_CUT = re.compile(r".*\S(?=\s)", re.DOTALL)
+# Cuts just before ASCII whitespace that follows a non-space (see module doc): splits a chunk
+# such as "said.\nLet" so its parts are cached on their own. ASCII only, where re and regex agree.
+TRANSITION_SPLIT = re.compile(r"(?<=\S)(?=[\t\n\x0b\x0c\r ])").split
+# Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] ASCII whitespace.
+LAST_WHITESPACE_CUT = re.compile(r".*\S(?=[\t\n\x0b\x0c\r ])", re.DOTALL)
 
 
 def special_splitter(special_tokens: Iterable[str]) -> re.Pattern[str] | None:
@@ -47,11 +51,25 @@ def count_pretokens(text: str, splitter: re.Pattern[str] | None) -> dict[str, in
         spaced.update(pieces)
         spaced[pieces[0]] -= 1
         firsts[pieces[0]] += 1
-    counts: dict[str, int] = {}
+    # Chunks holding a newline recur mostly as their parts ("said.\nLet" -> "said.", "\nLet"), so
+    # count parts before running the pattern; the first part of a spaced chunk keeps its space.
+    parts: dict[str, int] = {}
     for chunks, prefix in ((spaced, " "), (firsts, "")):
         for chunk, count in chunks.items():
             if count <= 0:
                 continue
-            for token in PRETOKEN.findall(prefix + chunk):
-                counts[token] = counts.get(token, 0) + count
+            # Printable and space-free: no ASCII whitespace inside, so nothing to split.
+            if chunk.isprintable() and " " not in chunk:
+                part = prefix + chunk
+                parts[part] = parts.get(part, 0) + count
+                continue
+            for part in TRANSITION_SPLIT(prefix + chunk):
+                parts[part] = parts.get(part, 0) + count
+    counts: dict[str, int] = {}
+    for part, count in parts.items():
+        if (part[1:] if part[:1] == " " else part).isalpha():  # str.isalpha is \p{L}: one pre-token
+            counts[part] = counts.get(part, 0) + count
+            continue
+        for token in PRETOKEN.findall(part):
+            counts[token] = counts.get(token, 0) + count
     return counts

@@ -9,27 +9,42 @@ from typing import Any
 
 from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
-from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, PRETOKEN, SPACE_SPLIT, special_splitter
+from tlm_tokenizer.pretokenize import (
+    LAST_WHITESPACE_CUT,
+    PRETOKEN,
+    SPACE_SPLIT,
+    TRANSITION_SPLIT,
+    special_splitter,
+)
 
 __all__ = ["Tokenizer"]
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
-_CACHE_ENTRIES = 1 << 15  # per-chunk cache, cleared when full: memory stays bounded on any stream
+_NO_RANK = 1 << 62
+_ID_MASK = (1 << 32) - 1
+# Capacity of the caches of ids per space-delimited chunk (CHUNK_CACHE_ENTRIES), and per
+# newline-split part and pre-token (CACHE_ENTRIES). A full cache keeps what it holds and stops adding:
+# on natural text the entries seen first include the frequent ones, so the hit rate stays high
+# without the thrashing of clear-or-evict, and memory stays bounded (about 100 MB at most, far less
+# on repetitive text) on a stream of any length.
+CHUNK_CACHE_ENTRIES = 1 << 18
+CACHE_ENTRIES = 1 << 17
 
 
 class _ChunkCache(dict):
     """Space-delimited chunk -> ids; a miss runs GPT-2's pattern and BPE on that chunk only."""
 
-    def __init__(self, encode_chunk: Any, prefix: str) -> None:
+    def __init__(self, encode_chunk: Any, prefix: str, capacity: int) -> None:
         super().__init__()
         self._encode_chunk = encode_chunk
         self._prefix = prefix
+        self._capacity = capacity
 
     def __missing__(self, chunk: str) -> list[int]:
-        if len(self) >= _CACHE_ENTRIES:
-            self.clear()
-        ids = self[chunk] = self._encode_chunk(self._prefix + chunk)
+        ids = self._encode_chunk(self._prefix + chunk)
+        if len(self) < self._capacity:
+            self[chunk] = ids
         return ids
 
 
@@ -64,14 +79,16 @@ class Tokenizer:
         if missing_bytes:
             raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
         self._merges = [tuple(pair) for pair in merges]
-        self._ranks: dict[tuple[bytes, bytes], int] = {}
+        self._merge_table: dict[tuple[int, int], int] = {}
         for rank, pair in enumerate(self._merges):
             if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):
                 raise TypeError(f"merges: expected (bytes, bytes) pairs, got {pair!r} at position {rank}")
             for part in (*pair, pair[0] + pair[1]):
                 if part not in self._ids:
                     raise ValueError(f"merges: merge {rank} {pair!r} needs {part!r}, which vocab lacks")
-            self._ranks.setdefault(pair, rank)
+            key = (self._ids[pair[0]], self._ids[pair[1]])
+            if key not in self._merge_table:
+                self._merge_table[key] = rank << 32 | self._ids[pair[0] + pair[1]]
         self.special_tokens = list(dict.fromkeys(special_tokens or []))
         for token in self.special_tokens:
             encoded = token.encode("utf-8")
@@ -82,9 +99,10 @@ class Tokenizer:
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
         self._splitter = special_splitter(self.special_tokens)
         self._longest_special = max(map(len, self.special_tokens), default=0)
-        self._byte_tokens = [bytes([byte]) for byte in range(256)]
-        self._spaced = _ChunkCache(self._encode_chunk, " ")
-        self._bare = _ChunkCache(self._encode_chunk, "")
+        self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
+        self._cache_entries = CACHE_ENTRIES
+        self._spaced = _ChunkCache(self._encode_chunk, " ", CHUNK_CACHE_ENTRIES)
+        self._bare = _ChunkCache(self._encode_chunk, "", CACHE_ENTRIES)
         self._pretokens: dict[str, list[int]] = {}
 
     # -- construction from and to files ---------------------------------------------------------
@@ -145,38 +163,45 @@ class Tokenizer:
     # -- encoding -------------------------------------------------------------------------------
 
     def _bpe(self, token: bytes) -> list[int]:
-        parts = [self._byte_tokens[byte] for byte in token]
-        ranks = self._ranks
-        while len(parts) > 1:
-            best, best_rank = None, None
-            for pair in pairwise(parts):
-                rank = ranks.get(pair)
-                if rank is not None and (best_rank is None or rank < best_rank):
-                    best, best_rank = pair, rank
-            if best is None:
+        """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank (leftmost on ties).
+
+        Works on ids: ``_merge_table[(left, right)]`` packs ``rank << 32 | merged_id``, so ``min``
+        over the packed values finds the lowest rank and the low bits give the new id.
+        """
+        byte_ids = self._byte_ids
+        parts = [byte_ids[byte] for byte in token]
+        table = self._merge_table
+        packed = [table.get(pair, _NO_RANK) for pair in pairwise(parts)]
+        while packed:
+            best = min(packed)
+            if best == _NO_RANK:
                 break
-            left, right = best
-            merged, i = [], 0
-            while i < len(parts):
-                if i + 1 < len(parts) and parts[i] == left and parts[i + 1] == right:
-                    merged.append(left + right)
-                    i += 2
-                else:
-                    merged.append(parts[i])
-                    i += 1
-            parts = merged
-        ids = self._ids
-        return [ids[part] for part in parts]
+            i = packed.index(best)
+            parts[i] = best & _ID_MASK
+            del parts[i + 1]
+            del packed[i]
+            # Only the pairs on either side of the merged symbol change.
+            if i > 0:
+                packed[i - 1] = table.get((parts[i - 1], parts[i]), _NO_RANK)
+            if i < len(packed):
+                packed[i] = table.get((parts[i], parts[i + 1]), _NO_RANK)
+        return parts
 
     def _encode_chunk(self, chunk: str) -> list[int]:
-        out: list[int] = []
+        # Printable and without a space after the first character: no ASCII whitespace inside to cut at.
+        parts = (chunk,) if chunk.isprintable() and " " not in chunk[1:] else TRANSITION_SPLIT(chunk)
+        if len(parts) > 1:  # e.g. "said.\nLet": cache "said." and "\nLet" apart, as they recur apart
+            return list(chain.from_iterable(map(self._bare.__getitem__, parts)))
+        # A chunk of letters only (str.isalpha is exactly \p{L}) is one pre-token: skip the regex.
+        pretokens = (chunk,) if (chunk[1:] if chunk[:1] == " " else chunk).isalpha() else PRETOKEN.findall(chunk)
         cache = self._pretokens
-        for pretoken in PRETOKEN.findall(chunk):
+        out: list[int] = []
+        for pretoken in pretokens:
             ids = cache.get(pretoken)
             if ids is None:
-                if len(cache) >= _CACHE_ENTRIES:
-                    cache.clear()
-                ids = cache[pretoken] = self._bpe(pretoken.encode("utf-8"))
+                ids = self._bpe(pretoken.encode("utf-8"))
+                if len(cache) < self._cache_entries:
+                    cache[pretoken] = ids
             out += ids
         return out
 
@@ -241,8 +266,9 @@ class Tokenizer:
     def encode_iterable(self, iterable: Iterable[str]) -> Iterator[int]:
         """Lazily yield the ids of the concatenation of ``iterable`` (e.g. a file's lines).
 
-        Equals ``encode("".join(iterable))``. Memory stays bounded by the caches and a buffer of about
-        64K characters plus one item, unless the text goes that long without any whitespace.
+        Equals ``encode("".join(iterable))``. Memory stays bounded: the caches have a fixed capacity, and
+        text is held in blocks of about 64K characters plus one item (longer only where the text runs
+        that long without ASCII whitespace).
         """
         for ids in self.encode_blocks(iterable):
             yield from ids
