@@ -131,3 +131,12 @@ def test_cli_trains_and_prints_a_sample(tmp_path, tokens, capsys) -> None:
     captured = capsys.readouterr()
     assert captured.out.startswith("sample: ")
     assert "step 0: validation loss" in captured.err
+
+
+def test_bfloat16_autocast_trains(tmp_path, tokens) -> None:
+    config = TrainConfig(out_dir=str(tmp_path / "run"), data=[str(tokens)], vocab_size=32, steps=3, **TINY)
+    config.dtype = "bfloat16"
+    result = train(config)
+    assert all(math.isfinite(loss) for _, loss in result.val_losses)
+    weights = torch.load(tmp_path / "run" / "checkpoints" / "step_00000003.pt", weights_only=True)["model"]
+    assert all(t.dtype == torch.float32 for t in weights.values())  # autocast: weights stay float32
