@@ -140,3 +140,10 @@ def test_bfloat16_autocast_trains(tmp_path, tokens) -> None:
     assert all(math.isfinite(loss) for _, loss in result.val_losses)
     weights = torch.load(tmp_path / "run" / "checkpoints" / "step_00000003.pt", weights_only=True)["model"]
     assert all(t.dtype == torch.float32 for t in weights.values())  # autocast: weights stay float32
+
+
+def test_warmup_longer_than_the_run_is_refused(tmp_path, tokens) -> None:
+    config = TrainConfig(out_dir=str(tmp_path / "run"), data=[str(tokens)], vocab_size=32, steps=3, **TINY)
+    config.warmup_steps = 5
+    with pytest.raises(ValueError, match=r"warmup_steps \(5\) must not exceed the run's 3 steps"):
+        train(config)

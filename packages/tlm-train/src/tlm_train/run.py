@@ -22,6 +22,7 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from tlm_model import TransformerLM, generate
+from tlm_optim import AdamW, CosineSchedule
 from tlm_train.atomic import atomic_write_text
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.config import CONFIG_NAME, TrainConfig
@@ -121,8 +122,6 @@ def _run(
     if config.compile:
         for block in model.layers:
             block.compile()
-    from tlm_optim import AdamW, CosineSchedule
-
     optimizer = AdamW(
         model.parameters(),
         lr=config.lr,
@@ -131,6 +130,8 @@ def _run(
         weight_decay=config.weight_decay,
     )
     steps = total_steps(config)
+    if config.warmup_steps > steps:
+        raise ValueError(f"warmup_steps ({config.warmup_steps}) must not exceed the run's {steps} steps")
     scheduler = CosineSchedule(
         optimizer,
         max_learning_rate=config.lr,

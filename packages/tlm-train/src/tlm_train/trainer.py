@@ -24,6 +24,7 @@ from jaxtyping import Int
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from tlm_optim import clip_grad_norm_
 from tlm_train.atomic import atomic_write
 from tlm_train.rng import rng_state, set_rng_state
 
@@ -88,8 +89,6 @@ def grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float) -> Tensor:
     if any(type(p.grad).__name__ == "DTensor" for p in params):
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    from tlm_optim import clip_grad_norm_
-
     if max_norm > 0:
         return torch.as_tensor(clip_grad_norm_(params, max_norm))
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
