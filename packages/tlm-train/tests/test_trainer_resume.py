@@ -16,6 +16,8 @@ import torch
 
 from tlm_train.metrics import TIMING_FIELDS
 
+pytestmark = pytest.mark.slow
+
 STEPS = 16
 FLAGS = [
     "--vocab-size", "48", "--context-length", "16", "--d-model", "32", "--num-layers", "2", "--num-heads", "2",
