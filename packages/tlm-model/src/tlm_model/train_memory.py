@@ -1,0 +1,131 @@
+"""Per-rank training memory under DDP and FSDP2: parameters, gradients, AdamW state, activations.
+
+- **DDP** keeps a full replica on every rank: parameters, gradients and AdamW's two moments
+  are all ``4 × P`` bytes each in float32 (16 B/parameter in all), whatever the number of ranks
+  (with ``gradient_as_bucket_view=True``, as tlm-train wraps it; otherwise DDP's all-reduce
+  buckets hold a second copy of the gradients).
+- **FSDP2** (``fully_shard``) splits every parameter along its first dimension into ``N`` chunks of
+  ``ceil(rows / N)`` rows (the last ranks may get fewer, or none); gradients and AdamW state are
+  sharded the same way, so rank ``r`` holds exactly the rows :func:`shard_rows` gives it. While a
+  block runs forward or backward its full parameters are gathered (one block at a time, plus the
+  root's embedding, final norm and LM head): that transient is ``gathered_bytes``.
+- **Activations** (what autograd keeps for the backward pass), float32, counted from what this
+  implementation saves. Per token and layer: each RMSNorm's input, its 1/rms and its output, plus
+  the flattened copy its projection saves (2 × (3·d + 1)); the SDPA inputs and output (q, k, v,
+  out: 4·d) and its log-sum-exp (heads); the output projection's input (d); SwiGLU's gate, up,
+  product and two more d_ff-wide tensors (5·d_ff). Outside the blocks, per token: the final
+  norm's (3·d + 1 with the loss's gradient of the hidden states) and the int64 ids; per step:
+  the chunked loss's gradient of the LM head (vocab·d), computed in the forward pass, and the
+  RoPE cos/sin tables (seq·d_head, shared by the layers). With per-block activation
+  checkpointing only each block's input (d) is kept after the forward pass (``activations``),
+  and one block's activations are rebuilt at a time during the backward pass (``recomputed``).
+"""
+
+import math
+from dataclasses import dataclass
+
+from tlm_model.config import ModelConfig
+
+MODES = ("ddp", "fsdp")
+_F32 = 4
+
+
+def shard_rows(rows: int, world_size: int, rank: int) -> int:
+    """Rows of a parameter with ``rows`` rows that FSDP2 places on ``rank`` of ``world_size``."""
+    chunk = math.ceil(rows / world_size)
+    return max(0, min(chunk, rows - rank * chunk))
+
+
+def parameter_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
+    """Every parameter's shape, in the model's order (unfused projections)."""
+    d, f, v = config.d_model, config.d_ff, config.vocab_size
+    block = [(d, d)] * 4 + [(d,)] + [(f, d), (f, d), (d, f)] + [(d,)]
+    return [(v, d), *block * config.num_layers, (d,), (v, d)]
+
+
+@dataclass(frozen=True)
+class TrainMemory:
+    """Bytes on one rank (float32 weights, gradients and AdamW moments)."""
+
+    mode: str
+    world_size: int
+    rank: int
+    tokens: int  # this rank's tokens per micro-batch
+    parameters: int
+    gradients: int
+    optimizer: int  # AdamW's exp_avg and exp_avg_sq
+    gathered: int  # FSDP2: the largest unsharded block (or the root) held while it runs; DDP: 0
+    activations: int  # kept from the forward pass to the backward pass
+    recomputed: int  # activation checkpointing: one block's activations, rebuilt during backward
+    activation_checkpointing: bool
+
+    @property
+    def activations_per_token(self) -> float:
+        return self.activations / self.tokens
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.gathered + self.activations + self.recomputed
+
+
+def block_activation_bytes_per_token(config: ModelConfig) -> int:
+    """Bytes one block saves per token for its backward pass (see the module docstring)."""
+    return (11 * config.d_model + 5 * config.d_ff + config.num_heads + 2) * _F32
+
+
+def activation_bytes_per_token(config: ModelConfig, *, activation_checkpointing: bool = False) -> int:
+    """Bytes autograd keeps per token from the forward pass to the backward pass."""
+    outside = (3 * config.d_model + 1) * _F32 + 8  # final norm, loss gradient w.r.t. hidden, int64 ids
+    if activation_checkpointing:
+        return config.num_layers * config.d_model * _F32 + outside  # each block's input only
+    return config.num_layers * block_activation_bytes_per_token(config) + outside
+
+
+def train_memory(
+    config: ModelConfig,
+    *,
+    mode: str = "ddp",
+    world_size: int = 1,
+    rank: int = 0,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    activation_checkpointing: bool = False,
+) -> TrainMemory:
+    """Training memory of ``rank`` when ``batch_size`` sequences of ``seq_len`` tokens (the
+    context length by default) run on each rank, under ``mode`` (``"ddp"`` or ``"fsdp"``)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0), ("batch_size", batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
+    seq_len = config.context_length if seq_len is None else seq_len
+    shapes = parameter_shapes(config)
+    if mode == "ddp":
+        local = sum(math.prod(s) for s in shapes)
+        gathered = 0
+    else:
+        local = sum(shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shapes)
+        per_block = (len(shapes) - 3) // config.num_layers
+        block = sum(math.prod(s) for s in shapes[1 : 1 + per_block])
+        root = sum(math.prod(s) for s in (shapes[0], shapes[-2], shapes[-1]))
+        # The root stays gathered for the whole step (FSDP2 reshards it only after backward).
+        gathered = (root + block) * _F32 if world_size > 1 else 0
+    tokens = batch_size * seq_len
+    rope = seq_len * config.d_head * _F32  # the RoPE cos and sin tables, saved by the blocks
+    return TrainMemory(
+        mode=mode,
+        world_size=world_size,
+        rank=rank,
+        tokens=tokens,
+        parameters=local * _F32,
+        gradients=local * _F32,
+        optimizer=2 * local * _F32,
+        gathered=gathered,
+        activations=tokens * activation_bytes_per_token(config, activation_checkpointing=activation_checkpointing)
+        + config.vocab_size * config.d_model * _F32  # the LM head's gradient, held from forward to backward
+        + (0 if activation_checkpointing else rope),
+        recomputed=tokens * block_activation_bytes_per_token(config) + rope if activation_checkpointing else 0,
+        activation_checkpointing=activation_checkpointing,
+    )

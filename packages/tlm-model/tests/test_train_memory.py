@@ -1,0 +1,149 @@
+"""train_memory against measured tensor bytes: parameters, gradients and AdamW moments summed over
+the tensors each rank really holds (1 process; 2 gloo processes under DDP and FSDP2), and the
+activations autograd really saves (saved-tensor hooks), with and without activation checkpointing."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch.distributed._composable import checkpoint
+
+from tlm_model import ModelConfig, TransformerLM
+from tlm_model.train_memory import shard_rows, train_memory
+
+CONFIGS = [
+    ModelConfig(vocab_size=96, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160),
+    ModelConfig(vocab_size=203, context_length=24, d_model=32, num_layers=3, num_heads=2, d_ff=96),
+]
+
+
+def _saved_bytes(model: TransformerLM, ids: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for backward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    inputs, targets = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # as get_batch gives them
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.loss(inputs, targets)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("activation_checkpointing", [False, True])
+def test_one_process_matches_measured_bytes(config: ModelConfig, activation_checkpointing: bool) -> None:
+    model = TransformerLM.from_config(config, fused=False)
+    if activation_checkpointing:
+        for block in model.layers:
+            checkpoint(block)
+    ids = torch.randint(0, config.vocab_size, (3, config.context_length + 1))
+    want = train_memory(config, batch_size=3, activation_checkpointing=activation_checkpointing)
+    assert want.activations == _saved_bytes(model, ids)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    optimizer.step()
+    assert want.parameters == sum(p.nbytes for p in model.parameters())
+    assert want.gradients == sum(p.grad.nbytes for p in model.parameters())
+    moments = sum(s[k].nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq"))
+    assert want.optimizer == moments
+    assert want.gathered == 0 and (want.recomputed > 0) == activation_checkpointing
+
+
+def test_shard_rows_cover_every_row_once() -> None:
+    for rows in range(1, 40):
+        for world in range(1, 7):
+            shares = [shard_rows(rows, world, r) for r in range(world)]
+            assert sum(shares) == rows and all(s >= 0 for s in shares)
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from tlm_model import ModelConfig, TransformerLM
+
+    dist.init_process_group("gloo")
+    config = ModelConfig(**json.loads(sys.argv[1]))
+    out = {}
+    for mode in ("ddp", "fsdp"):
+        torch.manual_seed(0)
+        model = TransformerLM.from_config(config, fused=False)
+        if mode == "fsdp":
+            for block in model.layers:
+                fully_shard(block)
+            fully_shard(model)
+            wrapped = model
+        else:
+            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        optimizer = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, config.vocab_size, (2, config.context_length))
+        wrapped(ids).sum().backward()
+        optimizer.step()
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+        out[mode] = {
+            "parameters": sum(local(p).nbytes for p in model.parameters()),
+            "gradients": sum(local(p.grad).nbytes for p in model.parameters()),
+            "optimizer": sum(local(s[k]).nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")),
+        }
+    print(json.dumps(out))
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS)
+def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(config: ModelConfig, tmp_path) -> None:
+    script = tmp_path / "measure.py"
+    script.write_text(_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    base |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), json.dumps(config.to_dict())],
+            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    results = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-2000:]
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    for rank, measured in enumerate(results):
+        for mode in ("ddp", "fsdp"):
+            want = train_memory(config, mode=mode, world_size=2, rank=rank, batch_size=2)
+            got = measured[mode]
+            assert (want.parameters, want.gradients, want.optimizer) == (
+                got["parameters"],
+                got["gradients"],
+                got["optimizer"],
+            ), (mode, rank)
+    # FSDP2 really shards: the two ranks together hold one copy.
+    single = train_memory(config, mode="ddp")
+    assert results[0]["fsdp"]["parameters"] + results[1]["fsdp"]["parameters"] == single.parameters
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        train_memory(CONFIGS[0], mode="zero")
+    with pytest.raises(ValueError, match="rank must be < world_size=2, got 2"):
+        train_memory(CONFIGS[0], world_size=2, rank=2)
