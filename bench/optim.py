@@ -1,4 +1,4 @@
-"""tlm-optim's AdamW against torch's, and get_batch against a training step; writes docs/benchmarks-optim.md.
+"""tlm-optim's AdamW against torch's, and get_batch against a training step; writes its section of docs/benchmarks.md.
 
 Usage: ``python bench/optim.py [--repeats N] [--quick]`` from the repository root, in any venv with
 torch and numpy (the workspace's ``packages/*/src`` are put on the path when tlm is not installed).
@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from _doc import write_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
@@ -37,7 +38,7 @@ from tlm_model import TransformerLM, cross_entropy  # noqa: E402
 from tlm_optim import AdamW, clip_grad_norm_  # noqa: E402
 from tlm_train import get_batch  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks-optim.md"
+DOC = ROOT / "docs" / "benchmarks.md"
 
 
 def cpu_model() -> str:
@@ -168,7 +169,7 @@ def main() -> None:
     text = render(rows, repeats)
     print(text)
     if not args.quick:
-        DOC.write_text(text, encoding="utf-8")
+        write_section("optim", text, DOC)
         print(f"wrote {DOC.relative_to(ROOT)}", file=sys.stderr)
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from _doc import write_section
 
 from tlm_model import ModelConfig, TransformerBlock, TransformerLM, compile_for_inference, generate
 from tlm_model.accounting import account
@@ -359,7 +360,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        args.out.write_text(render(saved["results"], saved["meta"]))
+        write_section("model", render(saved["results"], saved["meta"]), args.out)
         print(f"wrote {args.out}")
         return
     if args.child:
@@ -403,7 +404,7 @@ def main() -> None:
     text = render(results, meta)
     print(text)
     if not args.quick:
-        args.out.write_text(text)
+        write_section("model", text, args.out)
         (args.out.with_suffix(".json")).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
         print(f"wrote {args.out}")
 

@@ -1,7 +1,7 @@
 """Training-loop throughput: tlm-train's loop against a reference loop of HF transformers'
 LlamaForCausalLM + torch.optim.AdamW(foreach=True), same weights, same batches, one process.
 
-    python bench/train.py [--quick]        # writes docs/benchmarks-train.md and prints it
+    python bench/train.py [--quick]        # writes its section of docs/benchmarks.md and prints it
 
 Both loops do everything a training step does: draw the batch (tlm_train.BatchSampler from the
 same token array), forward, backward, gradient clipping at 1.0, the optimizer step, the
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
+from _doc import write_section
 
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
@@ -122,7 +123,7 @@ def compare(cfg: ModelConfig, batch: int, repeats: int, rate: float) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, no course-preset row")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks-train.md"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     rate = gemm_rate()
@@ -130,7 +131,7 @@ def main() -> None:
     if not args.quick:
         rows.append(("course-tinystories preset 2 × 256", compare(COURSE, 2, repeats, rate)))
     lines = [
-        "## Training loop: tlm-train vs HF Llama + torch AdamW(foreach)",
+        "# Training loop: tlm-train vs HF Llama + torch AdamW(foreach)",
         "",
         f"{datetime.date.today()}, {cpu_line()}, torch {torch.__version__}, transformers {transformers.__version__}.",
         f"Float32 GEMM rate (2048³ torch.mm, this run): {rate / 1e9:.0f} GFLOP/s; "
@@ -150,7 +151,7 @@ def main() -> None:
         "",
     ]
     text = "\n".join(lines)
-    pathlib.Path(args.out).write_text(text, encoding="utf-8")
+    write_section("train", text, pathlib.Path(args.out))
     sys.stdout.write(text)
 
 
