@@ -31,6 +31,7 @@ from tlm_model.checkpoint import load_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.generate import generate
 from tlm_model.lm import TransformerLM
+from tlm_model.train_memory import TrainMemory, train_memory
 
 PLUGIN_GROUP = "tlm.cli"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -168,7 +169,51 @@ def _check_plot_target(path: str) -> None:
         raise UserError(f"--plot {path}: unknown image format {suffix!r}; expected one of {sorted(formats)}")
 
 
+def _training_memory(args: argparse.Namespace, cfg: ModelConfig) -> list[TrainMemory]:
+    return [
+        train_memory(
+            cfg,
+            mode=mode,
+            world_size=args.world_size,
+            batch_size=args.batch_size,
+            activation_checkpointing=args.activation_checkpointing,
+        )
+        for mode in ("ddp", "fsdp")
+    ]
+
+
+def format_training_memory(memory: Sequence[TrainMemory]) -> str:
+    """Rank 0's training memory under DDP and FSDP2, float32 weights and AdamW state."""
+    first = memory[0]
+    checkpointing = "with" if first.activation_checkpointing else "without"
+    lines = [
+        "",
+        f"Training memory per rank (rank 0 of {first.world_size}, {first.tokens:,} tokens per rank and micro-batch, "
+        f"float32, AdamW, {checkpointing} activation checkpointing):",
+        f"  {'':<28}" + "".join(f"{m.mode.upper():>14}" for m in memory),
+    ]
+    rows = [
+        ("parameters", "parameters"),
+        ("gradients", "gradients"),
+        ("AdamW state (m, v)", "optimizer"),
+        ("gathered (FSDP2 unshard)", "gathered"),
+        ("activations kept", "activations"),
+        ("recomputed (one block)", "recomputed"),
+    ]
+    for label, field in rows:
+        lines.append(f"  {label:<28}" + "".join(f"{human(getattr(m, field), 'B'):>14}" for m in memory))
+    lines.append(f"  {'total':<28}" + "".join(f"{human(m.total, 'B'):>14}" for m in memory))
+    lines.append(
+        f"  {'activations per token':<28}" + "".join(f"{human(m.activations_per_token, 'B'):>14}" for m in memory)
+    )
+    return "\n".join(lines)
+
+
 def _accounting(args: argparse.Namespace) -> int:
+    if args.world_size is not None and args.compare:
+        raise UserError("--world-size reports one model: use it with --preset, not --compare")
+    if args.activation_checkpointing and args.world_size is None:
+        raise UserError("--activation-checkpointing applies to the training memory: give --world-size N too")
     if args.plot:
         _check_plot_target(args.plot)
     names = args.compare or [args.preset]
@@ -178,13 +223,19 @@ def _accounting(args: argparse.Namespace) -> int:
         if args.context_length is not None:
             cfg = dataclasses.replace(cfg, context_length=args.context_length)
         reports.append((name, account(cfg, batch_size=args.batch_size, seq_len=cfg.context_length)))
+    memory = _training_memory(args, cfg) if args.world_size is not None else None
     if args.json:
         payload = {name: report.to_dict() for name, report in reports}
-        print(json.dumps(payload if args.compare else payload[names[0]], indent=2))
+        single = payload[names[0]]
+        if memory is not None:
+            single["training_memory_per_rank"] = {m.mode: {**dataclasses.asdict(m), "total": m.total} for m in memory}
+        print(json.dumps(payload if args.compare else single, indent=2))
     elif args.compare:
         print(format_comparison(reports))
     else:
         print(format_report(*reports[0]))
+        if memory is not None:
+            print(format_training_memory(memory))
     if args.plot:
         from tlm_model.plot import plot_shares
 
@@ -386,6 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sequence length to account for (default: the preset's context length)")  # fmt: skip
     acc.add_argument("--batch-size", type=_positive_int, default=1, metavar="B", help="default 1")
     acc.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    acc.add_argument("--world-size", type=_positive_int, metavar="N",
+                     help="also report per-rank training memory under DDP and FSDP2 at N ranks")  # fmt: skip
+    acc.add_argument("--activation-checkpointing", action="store_true",
+                     help="with --world-size: per-block activation checkpointing")  # fmt: skip
     acc.add_argument("--plot", metavar="FILE.png", help="also draw the FLOP shares as stacked bars (needs matplotlib)")
     acc.set_defaults(handler=_accounting)
 
