@@ -1,9 +1,9 @@
 """The Transformer language model of CS336 §1.1 and §1.6 (Figure 1)."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Integer
 from torch import Tensor, nn
 
 from tlm_attention import BACKENDS, KVCache
@@ -112,11 +112,11 @@ class TransformerLM(nn.Module):
 
     @property
     def attention_backend(self) -> str:
-        return self.layers[0].attn.backend
+        return cast(TransformerBlock, self.layers[0]).attn.backend
 
     @attention_backend.setter
     def attention_backend(self, name: str) -> None:
-        for layer in self.layers:
+        for layer in cast(list[TransformerBlock], self.layers):
             layer.attn.backend = name
 
     def new_kv_cache(
@@ -138,15 +138,15 @@ class TransformerLM(nn.Module):
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+                module.reset_parameters()  # type: ignore[operator]  # Module.__getattr__ says Tensor | Module
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
     def hidden_states(
         self,
-        in_indices: Int[Tensor, "... seq"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        in_indices: Integer[Tensor, "... seq"],
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         """The final-normed activations that the LM head turns into logits."""
@@ -177,8 +177,8 @@ class TransformerLM(nn.Module):
 
     def forward(
         self,
-        in_indices: Int[Tensor, "... seq"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        in_indices: Integer[Tensor, "... seq"],
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
         """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
@@ -187,7 +187,7 @@ class TransformerLM(nn.Module):
 
     def loss(
         self,
-        in_indices: Int[Tensor, "... seq"],
+        in_indices: Integer[Tensor, "... seq"],
         targets: Int[Tensor, "... seq"],
         *,
         chunk_size: int = 256,
