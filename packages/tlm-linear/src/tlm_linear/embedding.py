@@ -1,7 +1,7 @@
 """A token-embedding lookup table that does not use nn.Embedding or F.embedding."""
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_linear.linear import _check_dim
@@ -33,7 +33,7 @@ class Embedding(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
-    def forward(self, token_ids: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
+    def forward(self, token_ids: Integer[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
         if not isinstance(token_ids, Tensor):
             raise TypeError(f"token_ids must be a torch.Tensor, got {type(token_ids).__name__}")
         if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:

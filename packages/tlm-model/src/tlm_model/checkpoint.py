@@ -25,7 +25,7 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 
-def save_checkpoint(model: TransformerLM, directory: str | os.PathLike[str]) -> Path:
+def save_checkpoint(model: torch.nn.Module, directory: str | os.PathLike[str]) -> Path:
     """Write ``model``'s weights and config into ``directory`` (created if needed); return its path.
 
     Existing files of the same names are replaced; each is written to a temporary name first and

@@ -4,7 +4,7 @@ import math
 
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 
@@ -74,7 +74,7 @@ class RotaryPositionalEmbedding(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "... seq d_k"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        token_positions: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_k"]:
         """Rotate ``x``; ``token_positions`` (default 0..seq-1) broadcast against ``x.shape[:-1]``."""
         if not x.is_floating_point():
