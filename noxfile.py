@@ -59,8 +59,9 @@ PACKAGES = _discover()
 
 
 def _module(dist: str) -> str:
-    """The import name of a workspace package (src/<module>/ in its wheel)."""
-    return pathlib.PurePath(PACKAGES[dist]["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"][0]).name
+    """The import name of a workspace package: its wheel's src/<module>/, else the name with "_" for "-"."""
+    wheel = PACKAGES[dist].get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {}).get("wheel", {})
+    return pathlib.PurePath(wheel["packages"][0]).name if wheel.get("packages") else dist.replace("-", "_")
 
 
 # jaxtyping's pytest plugin installs its import hook on every tlm package before any test imports one,
