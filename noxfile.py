@@ -13,8 +13,10 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s build        wheel + sdist of every package into dist/
 
-Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix
-with ``-k``: ``nox -s tests -k "tlm-rope and cpu"``.
+Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix by
+its full name: ``nox -s "tests(tlm-rope, cpu)"``. Not ``-k "tlm-rope and cpu"``: nox evaluates ``-k`` as
+an expression in which ``tlm-rope`` means "tlm and not rope", so it selects every *other* package
+(and ``-k`` overrides ``-s``); ``-k "rope and cpu"`` works.
 
 torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
 machines keep on disk) and, for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``).
