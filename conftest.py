@@ -26,64 +26,28 @@ def pytest_report_header(config: pytest.Config) -> str:
 # (jaxtyping's pytest plugin; the checker is beartype, tools/tlm_typecheck.py), so every annotated call a
 # test makes is checked against its annotations, shapes included.
 # Inside pytest.raises the checks are paused: there a test probes our own validation, which is what users
-# get without the hook, and jaxtyping would otherwise answer first with its own message.
+# get without the hook, and jaxtyping would otherwise answer first with its own message. They also pause
+# while torch.compile traces (tools/tlm_typecheck.py says why).
 def _jaxtyping_packages(config: pytest.Config) -> list[str]:
     value = config.getoption("jaxtyping_packages", default=None) or ""
     return [name.strip() for name in value.split(",")[:-1]]  # the last entry is the type checker
 
 
-def _no_checks_while_compiling() -> None:
-    # Dynamo would trace jaxtyping's checks into the graph and fail on them; the wrapper skips its checks
-    # when config.jaxtyping_disable is true, so make that true while torch.compile traces. A compiled
-    # module's eager runs, and every eager call, stay checked.
-    from jaxtyping import config
-
-    class _Config(type(config)):
-        @property
-        def jaxtyping_disable(self) -> bool:
-            return self._paused or torch.compiler.is_compiling()
-
-        @jaxtyping_disable.setter
-        def jaxtyping_disable(self, value: bool) -> None:
-            self._paused = value
-
-    config._paused = config.__dict__.pop("jaxtyping_disable")
-    config.__class__ = _Config
-
-
-class _ChecksPaused:
-    def __init__(self, context):
-        self._context = context
-
-    def __enter__(self):
-        from jaxtyping import config
-
-        self._previous = config.jaxtyping_disable
-        config.update("jaxtyping_disable", True)
-        return self._context.__enter__()
-
-    def __exit__(self, *exc_info):
-        from jaxtyping import config
-
-        try:
-            return self._context.__exit__(*exc_info)
-        finally:
-            config.update("jaxtyping_disable", self._previous)
-
-
 def pytest_configure(config: pytest.Config) -> None:
     if not _jaxtyping_packages(config):
         return
-    _no_checks_while_compiling()
+    import tlm_typecheck  # tools/, on pytest's pythonpath
+
+    tlm_typecheck.install()  # checks pause while torch.compile traces
     original = pytest.raises
 
     @functools.wraps(original)
     def raises(*args, **kwargs):
         if len(args) > 1:  # pytest.raises(exc, func, *args): call func with the checks paused
-            with _ChecksPaused(original(args[0], **kwargs)) as info:
+            with tlm_typecheck.Paused(original(args[0], **kwargs)) as info:
                 args[1](*args[2:])
             return info
-        return _ChecksPaused(original(*args, **kwargs))
+        return tlm_typecheck.Paused(original(*args, **kwargs))
 
     pytest.raises = raises
     config.add_cleanup(lambda: setattr(pytest, "raises", original))
