@@ -4,7 +4,10 @@
 nox ``tests`` session sets it to ``cuda`` for the CUDA leg of the matrix.
 """
 
+import functools
 import os
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,7 +18,63 @@ def _device_name() -> str:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"tlm: TLM_TEST_DEVICE={_device_name()}, torch {torch.__version__}"
+    checked = ", ".join(_jaxtyping_packages(config)) or "off"
+    return f"tlm: TLM_TEST_DEVICE={_device_name()}, torch {torch.__version__}, jaxtyping runtime checks: {checked}"
+
+
+# jaxtyping's runtime checks: `nox -s tests` passes --jaxtyping-packages=<every tlm package>,tlm_typecheck.typechecker
+# (jaxtyping's pytest plugin; the checker is beartype, tools/tlm_typecheck.py), so every annotated call a
+# test makes is checked against its annotations, shapes included.
+# Inside pytest.raises the checks are paused: there a test probes our own validation, which is what users
+# get without the hook, and jaxtyping would otherwise answer first with its own message. They also pause
+# while torch.compile traces (tools/tlm_typecheck.py says why).
+def _jaxtyping_packages(config: pytest.Config) -> list[str]:
+    value = config.getoption("jaxtyping_packages", default=None) or ""
+    return [name.strip() for name in value.split(",")[:-1]]  # the last entry is the type checker
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not _jaxtyping_packages(config):
+        return
+    import tlm_typecheck  # tools/, on pytest's pythonpath
+
+    tlm_typecheck.install()  # checks pause while torch.compile traces
+    original = pytest.raises
+
+    @functools.wraps(original)
+    def raises(*args, **kwargs):
+        if len(args) > 1:  # pytest.raises(exc, func, *args): call func with the checks paused
+            with tlm_typecheck.Paused(original(args[0], **kwargs)) as info:
+                args[1](*args[2:])
+            return info
+        return tlm_typecheck.Paused(original(*args, **kwargs))
+
+    pytest.raises = raises
+    config.add_cleanup(lambda: setattr(pytest, "raises", original))
+
+
+@pytest.fixture
+def shape_checks(request: pytest.FixtureRequest) -> Callable[[ModuleType, Callable[[], object]], None]:
+    """``shape_checks(module, call)``: ``call()`` must raise jaxtyping's TypeCheckError. Fails when the run
+    asked for jaxtyping's checks on ``module``'s package but the module was imported without them; skips,
+    saying so, when the run did not ask (plain pytest)."""
+
+    def check(module: ModuleType, call: Callable[[], object]) -> None:
+        requested = module.__name__.split(".")[0] in _jaxtyping_packages(request.config)
+        instrumented = type(getattr(module.__spec__, "loader", None)).__name__ == "_JaxtypingLoader"
+        if requested != instrumented:
+            pytest.fail(f"jaxtyping checks requested for {module.__name__}: {requested}, installed: {instrumented}")
+        if not requested:
+            pytest.skip("jaxtyping's runtime checks are off in this run (nox -s tests turns them on)")
+        from jaxtyping import TypeCheckError
+
+        try:
+            call()
+        except TypeCheckError:
+            return
+        pytest.fail(f"a wrong-shaped call into {module.__name__} passed jaxtyping's checks")
+
+    return check
 
 
 @pytest.fixture

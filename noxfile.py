@@ -2,17 +2,21 @@
 
 Every package under packages/ is discovered from its pyproject.toml. Sessions:
 
-    nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device
+    nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device,
+                        with jaxtyping's runtime shape checks (beartype) on every tlm package
+    nox -s tests_lowest each package's suite on the lowest torch its pyproject declares (not a default session)
     nox -s course       tests-course alone: the course adapter suite
     nox -s report       the main job: GPT-2 XL accounting, the size comparison and its plot
     nox -s docs         regenerate docs/accounting.md and its plot
     nox -s bench        tlm vs HF transformers' Llama; writes docs/benchmarks.md (not part of tests)
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
-    nox -s lint         ruff check + ruff format --check
+    nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s build        wheel + sdist of every package into dist/
 
-Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix
-with ``-k``: ``nox -s tests -k "tlm-rope and cpu"``.
+Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix by
+its full name: ``nox -s "tests(tlm-rope, cpu)"``. Not ``-k "tlm-rope and cpu"``: nox evaluates ``-k`` as
+an expression in which ``tlm-rope`` means "tlm and not rope", so it selects every *other* package
+(and ``-k`` overrides ``-s``); ``-k "rope and cpu"`` works.
 
 torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
 machines keep on disk) and, for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``).
@@ -34,6 +38,8 @@ COURSE_DIR = ROOT / "tests-course"
 
 TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ.get("TLM_TORCH_CUDA", "torch")}
 TEST_REQUIREMENTS = ["pytest>=8", "numpy"]
+# The type checker behind jaxtyping's runtime checks in every test leg.
+CHECKER_REQUIREMENTS = ["beartype>=0.18"]
 
 nox.options.default_venv_backend = "venv"
 # Test venvs hold only pinned torch, editable packages and test tools, so reusing them is safe;
@@ -52,6 +58,19 @@ def _discover() -> dict[str, dict]:
 
 
 PACKAGES = _discover()
+
+
+def _module(dist: str) -> str:
+    """The import name of a workspace package: its wheel's src/<module>/, else the name with "_" for "-"."""
+    wheel = PACKAGES[dist].get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {}).get("wheel", {})
+    return pathlib.PurePath(wheel["packages"][0]).name if wheel.get("packages") else dist.replace("-", "_")
+
+
+# jaxtyping's pytest plugin installs its import hook on every tlm package before any test imports one,
+# so every annotated call is checked. A package absent from a leg's venv is simply never
+# imported. conftest.py pauses the checks inside pytest.raises, where tests probe our own messages.
+# The checker is beartype with PEP 484's int-is-a-float rule (tools/tlm_typecheck.py).
+JAXTYPING_CHECKS = "--jaxtyping-packages=" + ",".join([*map(_module, PACKAGES), "tlm_typecheck.typechecker"])
 
 
 def _requirement_name(requirement: str) -> str:
@@ -110,6 +129,7 @@ def _install_workspace(session: nox.Session, dists: list[str], device: str = "cp
 
 
 def _run_suite(session: nox.Session, target: str, device: str) -> None:
+    session.install(*CHECKER_REQUIREMENTS)
     if target == "tests-course":
         # The course's suite spans every part: model, tokenizer, optimizer, training utilities.
         _install_workspace(session, _workspace_closure(), device)
@@ -119,7 +139,7 @@ def _run_suite(session: nox.Session, target: str, device: str) -> None:
         # Each package declares its own test dependencies in its `test` extra.
         _install_workspace(session, _local_closure(target), device, extras="[test]")
         test_dir = PACKAGES[target]["dir"] / "tests"
-    session.run("pytest", str(test_dir), *session.posargs, env={"TLM_TEST_DEVICE": device})
+    session.run("pytest", str(test_dir), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": device})
 
 
 @nox.session
@@ -130,6 +150,33 @@ def tests(session: nox.Session, target: str, device: str) -> None:
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
     _run_suite(session, target, device)
+
+
+def _torch_floor(dist: str) -> str:
+    """The version in the package's ``torch>=X`` requirement."""
+    for requirement in PACKAGES[dist]["project"]["dependencies"]:
+        if _requirement_name(requirement) == "torch":
+            floor = [part.strip()[2:] for part in requirement[5:].split(",") if part.strip().startswith(">=")]
+            if floor:
+                return floor[0]
+    raise ValueError(f"{dist} declares no torch>=X requirement, so it has no floor to test")
+
+
+@nox.session(default=False)
+@nox.parametrize("target", list(PACKAGES), ids=list(PACKAGES))
+def tests_lowest(session: nox.Session, target: str) -> None:
+    """Run one package's suite on exactly the lowest torch it declares (CPU)."""
+    # The floors equal the torch that `tests` runs (2.13, the CPU build kept on disk): PyPI's older
+    # Linux wheels are multi-GB CUDA builds, so CI never installs one. To lower a floor, run this with
+    # TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu" and then change it.
+    session.install(f"torch=={_torch_floor(target)}", *shlex.split(os.environ.get("TLM_TORCH_LOWEST_ARGS", "")))
+    session.install(*CHECKER_REQUIREMENTS)
+    paths = [str(PACKAGES[dist]["dir"]) for dist in _local_closure(target)]
+    paths[-1] += "[test]"
+    session.install(*[arg for path in paths for arg in ("-e", path)])
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    test_dir = PACKAGES[target]["dir"] / "tests"
+    session.run("pytest", str(test_dir), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": "cpu"})
 
 
 @nox.session(default=False)
@@ -217,10 +264,21 @@ def standalone(session: nox.Session, package: str) -> None:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff: lint rules and formatting."""
-    session.install("ruff>=0.6")
+    """ruff, mypy over every package's src/, and the dependency and packaging checks in tools/."""
+    session.install("ruff>=0.6", "mypy>=1.10")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    # mypy and check_deps need every package importable with all its extras (torch's own types,
+    # matplotlib for the plot extra, and an import-name -> distribution map that is complete).
+    _install_torch(session, "cpu")
+    paths = []
+    for dist in _workspace_closure():
+        extras = ",".join(PACKAGES[dist]["project"].get("optional-dependencies", {}))
+        paths += ["-e", f"{PACKAGES[dist]['dir']}[{extras}]" if extras else str(PACKAGES[dist]["dir"])]
+    session.install(*paths)
+    session.run("mypy")  # configured in pyproject.toml: files, python_version and strictness
+    session.run("python", str(ROOT / "tools" / "check_deps.py"))
+    session.run("python", str(ROOT / "tools" / "check_packaging.py"))
 
 
 @nox.session

@@ -2,9 +2,10 @@
 
 Usage: python check_standalone.py DIST [ALLOWED_SIBLING ...]
 
-Imports the package from site-packages, checks its metadata, version, ``__all__`` and
-``py.typed``, checks that no undeclared sibling is installed, then runs every ```python
-block of the README that shipped in the wheel's metadata.
+Imports the package from site-packages, checks its metadata, version, ``__all__``,
+``py.typed`` and that the installed metadata holds the LICENSE (the repository's), checks that
+no undeclared sibling is installed, then runs every ```python block of the README that shipped
+in the wheel's metadata.
 """
 
 import importlib
@@ -14,17 +15,10 @@ import pathlib
 import re
 import sys
 
-SIBLINGS = [
-    "tlm-linear",
-    "tlm-norm",
-    "tlm-ffn",
-    "tlm-rope",
-    "tlm-attention",
-    "tlm-model",
-    "tlm-tokenizer",
-    "tlm-optim",
-    "tlm-train",
-]
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIBLINGS = [tomllib.loads(p.read_text())["project"]["name"] for p in sorted(ROOT.glob("packages/*/pyproject.toml"))]
 
 
 def module_name(dist: str) -> str:
@@ -44,6 +38,13 @@ def main(dist: str, allowed: list[str]) -> None:
         sys.exit(f"{dist}: __all__ names missing from the module: {missing}")
     if not (location.parent / "py.typed").exists():
         sys.exit(f"{dist}: the wheel has no py.typed marker")
+    # Metadata 2.4 (PEP 639): License-File names a path under the dist-info's licenses/ folder.
+    license_files = meta.get_all("License-File") or []
+    if "LICENSE" not in license_files:
+        sys.exit(f"{dist}: installed metadata lists License-File {license_files}, expected LICENSE among them")
+    shipped = importlib.metadata.distribution(dist).read_text("licenses/LICENSE")
+    if shipped != (ROOT / "LICENSE").read_text():
+        sys.exit(f"{dist}: the installed licenses/LICENSE is missing or differs from the repository's LICENSE")
     for other in SIBLINGS:
         if other != dist and other not in allowed and importlib.util.find_spec(module_name(other)) is not None:
             sys.exit(f"{dist}: {other} is installed too, though {dist} does not declare it")

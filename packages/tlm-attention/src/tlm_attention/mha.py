@@ -4,7 +4,7 @@ import math
 
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention._checks import check_cache_positions, check_positions_shape, check_positive_int
@@ -90,7 +90,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "... seq d_model"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.

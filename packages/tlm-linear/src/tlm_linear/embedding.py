@@ -1,7 +1,7 @@
 """A token-embedding lookup table that does not use nn.Embedding or F.embedding."""
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_linear._checks import as_index_tensor, check_dim
@@ -34,7 +34,7 @@ class Embedding(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
-    def forward(self, token_ids: Int[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
+    def forward(self, token_ids: Integer[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
         token_ids = as_index_tensor("token_ids", token_ids, self.num_embeddings, "num_embeddings")
         return self.weight[token_ids]
 

@@ -9,7 +9,7 @@ from tlm_model.inference import InferenceModel, compile_for_inference
 from tlm_model.lm import TransformerLM
 from tlm_model.loss import chunked_cross_entropy
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PRESETS",

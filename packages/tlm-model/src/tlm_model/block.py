@@ -1,7 +1,7 @@
 """The pre-norm Transformer block of CS336 §1.5 (Figure 2)."""
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache
@@ -70,7 +70,7 @@ class TransformerBlock(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "... seq d_model"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: KVCache | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         x = x + self.attn(self.ln1(x), token_positions, kv_cache)

@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 import torch
-from jaxtyping import Int
+from jaxtyping import Int, Integer
 from torch import Tensor
 
 from tlm_model._checks import as_index_tensor
@@ -27,7 +27,7 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
 @torch.no_grad()
 def generate(
     model: TransformerLM | InferenceModel,
-    prompt_ids: Int[Tensor, "... prompt"],
+    prompt_ids: Integer[Tensor, "... prompt"],
     max_new_tokens: int,
     *,
     temperature: float = 1.0,

@@ -3,7 +3,7 @@
 from typing import Any, cast
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Integer
 from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
@@ -151,8 +151,8 @@ class TransformerLM(nn.Module):
 
     def hidden_states(
         self,
-        in_indices: Int[Tensor, "... seq"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        in_indices: Integer[Tensor, "... seq"],
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         """The final-normed activations that the LM head turns into logits."""
@@ -200,8 +200,8 @@ class TransformerLM(nn.Module):
 
     def forward(
         self,
-        in_indices: Int[Tensor, "... seq"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        in_indices: Integer[Tensor, "... seq"],
+        token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
         """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
@@ -210,8 +210,8 @@ class TransformerLM(nn.Module):
 
     def loss(
         self,
-        in_indices: Int[Tensor, "... seq"],
-        targets: Int[Tensor, "... seq"],
+        in_indices: Integer[Tensor, "... seq"],
+        targets: Integer[Tensor, "... seq"],
         *,
         chunk_size: int = 256,
     ) -> Float[Tensor, ""]:

@@ -8,7 +8,7 @@ peak memory grows with ``chunk_size × vocab`` instead of ``tokens × vocab``.
 """
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor
 
 from tlm_model._checks import as_index_tensor
@@ -57,7 +57,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 def chunked_cross_entropy(
     hidden: Float[Tensor, "tokens d_model"],
     weight: Float[Tensor, "vocab d_model"],
-    targets: Int[Tensor, " tokens"],
+    targets: Integer[Tensor, " tokens"],
     chunk_size: int = 1024,
 ) -> Float[Tensor, ""]:
     """``F.cross_entropy(hidden @ weight.T, targets)`` (mean over tokens), a chunk of tokens at a time."""

@@ -2,6 +2,6 @@
 
 from tlm_rope.rope import RotaryPositionalEmbedding
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["RotaryPositionalEmbedding", "__version__"]

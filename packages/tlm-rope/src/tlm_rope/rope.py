@@ -2,7 +2,7 @@
 
 import torch
 from einops import rearrange
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_rope._checks import as_index_tensor, check_positive_float, check_positive_int
@@ -68,7 +68,7 @@ class RotaryPositionalEmbedding(nn.Module):
     def forward(
         self,
         x: Float[Tensor, "... seq d_k"],
-        token_positions: Int[Tensor, "... seq"] | None = None,
+        token_positions: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_k"]:
         """Rotate ``x``; ``token_positions`` (default 0..seq-1) broadcast against ``x.shape[:-1]``."""
         if not x.is_floating_point():
