@@ -3,7 +3,7 @@
 from typing import Any, cast
 
 import torch
-from jaxtyping import Float, Int, Integer
+from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
