@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-from _doc import write_section
+from _common import cpu_description, write_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
@@ -39,18 +39,6 @@ from tlm_optim import AdamW, clip_grad_norm_  # noqa: E402
 from tlm_train import get_batch  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
-
-
-def cpu_model() -> str:
-    fields: dict[str, str] = {}
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in fields.get("flags", "").split()]
-    return (
-        f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family', '?')}, "
-        f"model {fields.get('model', '?')}; {', '.join(isa) or 'no AVX2'})"
-    )
 
 
 def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int, warmup: int = 2) -> tuple[float, float]:
@@ -130,7 +118,7 @@ def render(rows: list[tuple[str, float, float]], repeats: int) -> str:
     lines = [
         "# tlm-optim and tlm-train benchmarks",
         "",
-        f"Written by `python bench/optim.py` on {now}. CPU: {cpu_model()}, {torch.get_num_threads()} torch "
+        f"Written by `python bench/optim.py` on {now}. CPU: {cpu_description()}, {torch.get_num_threads()} torch "
         f"threads, torch {torch.__version__}, Python {platform.python_version()}. Medians of {repeats} "
         "alternating repeats; ratio = ours ÷ reference (below 1.00× is faster for the optimizer rows; "
         "for get_batch it is the share of a training step). The machine is shared, so expect a few "

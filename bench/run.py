@@ -17,10 +17,8 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import pathlib
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from _doc import write_section
+from _common import alternate, cpu_description, gemm_rate, write_section
 
 from tlm_model import ModelConfig, TransformerBlock, TransformerLM, compile_for_inference, generate
 from tlm_model.accounting import account
@@ -79,25 +77,6 @@ def block_pair(cfg: ModelConfig, seed: int = 0) -> tuple[Callable, Callable]:
 
 
 # --- measuring --------------------------------------------------------------------------------
-
-
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each function, run in alternation after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def gemm_rate(n: int = 2048, repeats: int = 7) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    seconds = alternate({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
-    return 2 * n**3 / seconds
 
 
 def onednn_gemm_rate(n: int = 2048, repeats: int = 7) -> float | None:
@@ -393,7 +372,7 @@ def main() -> None:
         print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - start:.0f} s)", flush=True)
     meta = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()} Linux, {os.cpu_count()} cores",
+        "machine": f"{platform.machine()} Linux, {cpu_description()}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),

@@ -17,17 +17,13 @@ import argparse
 import datetime
 import os
 import pathlib
-import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 import transformers
-from _doc import write_section
+from _common import alternate, cpu_description, gemm_rate, write_section
 
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
@@ -38,37 +34,6 @@ from tlm_train.metrics import training_flops_per_token
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMALL = ModelConfig(vocab_size=1024, context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=384)
 COURSE = ModelConfig.from_preset("course-tinystories")
-
-
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / alternate({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
-
-
-def cpu_line() -> str:
-    info = {}
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    flags = set(info.get("flags", "").split())
-    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    model, family = info.get("model name", "?"), info.get("cpu family", "?")
-    return f"{model} (family {family}; {isa}), {torch.get_num_threads()} threads"
 
 
 def compare(cfg: ModelConfig, batch: int, repeats: int, rate: float) -> dict[str, float]:
@@ -133,7 +98,8 @@ def main() -> None:
     lines = [
         "# Training loop: tlm-train vs HF Llama + torch AdamW(foreach)",
         "",
-        f"{datetime.date.today()}, {cpu_line()}, torch {torch.__version__}, transformers {transformers.__version__}.",
+        f"{datetime.date.today()}, {cpu_description()}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}.",
         f"Float32 GEMM rate (2048³ torch.mm, this run): {rate / 1e9:.0f} GFLOP/s; "
         f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: ratios are same-run, times are not).",
         "",

@@ -1,4 +1,6 @@
-"""docs/benchmarks.md is shared: each benchmark script owns one section of it.
+"""What the benchmark scripts share: timing in alternation, the machine's description, the doc.
+
+docs/benchmarks.md is shared: each benchmark script owns one section of it.
 
 A section sits between ``<!-- section: NAME -->`` and ``<!-- /section: NAME -->``; writing one
 replaces only that span (or adds it), so ``bench/run.py``, ``bench/tokenizer.py``,
@@ -8,8 +10,12 @@ demoted one level under the document's title. The file is replaced in one rename
 
 import os
 import pathlib
+import platform
 import re
+import statistics
 import tempfile
+import time
+from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -48,3 +54,41 @@ def write_section(name: str, text: str, doc: pathlib.Path = DOC) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, doc)
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each function, run in alternation after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def gemm_rate(n: int = 2048, repeats: int = 7) -> float:
+    """float32 FLOP/s of an n³ ``torch.mm`` on this machine (the kernel eager PyTorch uses)."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return 2 * n**3 / alternate({"mm": lambda: torch.mm(a, b)}, repeats)["mm"]
+
+
+def cpu_description() -> str:
+    """The CPU's model name, family/model numbers and the vector ISAs that decide GEMM speed."""
+    fields: dict[str, str] = {}
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
+    return (
+        f"{fields.get('model name', platform.processor())} (family {fields.get('cpu family', '?')}, "
+        f"model {fields.get('model', '?')}; {', '.join(isa) or 'no AVX2'}; {os.cpu_count()} cores)"
+    )
