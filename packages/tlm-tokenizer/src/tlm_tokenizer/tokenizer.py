@@ -10,6 +10,7 @@ from itertools import islice, pairwise, repeat
 from typing import Any
 
 from tlm_tokenizer._files import atomic_directory
+from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
 from tlm_tokenizer.pretokenize import (
     LAST_WHITESPACE_CUT,
@@ -236,7 +237,8 @@ class Tokenizer:
         new = list(distinct.difference(cache))
         lookup = cache
         if new:
-            encoded = self._encode_spaced(new)
+            with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
+                encoded = self._encode_spaced(new)
             room = CHUNK_CACHE_ENTRIES - len(cache)
             if len(new) <= room:
                 cache.update(zip(new, encoded, strict=True))

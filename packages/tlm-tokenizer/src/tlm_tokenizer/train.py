@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tlm_tokenizer._chunks import read_range, split_file
+from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer._progress import progress_bar
 from tlm_tokenizer.pretokenize import count_pretokens, special_splitter
 
@@ -103,6 +104,13 @@ def merge_counts(
     pretoken_counts: dict[str, int], vocab_size: int, special_tokens: list[str], progress: bool | None = None
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Run the BPE merge loop on pre-token counts. Ids: 0-255 bytes, then specials, then merges."""
+    with gc_paused():  # the loop's tuples, lists and sets form no cycles
+        return _merge_counts(pretoken_counts, vocab_size, special_tokens, progress)
+
+
+def _merge_counts(
+    pretoken_counts: dict[str, int], vocab_size: int, special_tokens: list[str], progress: bool | None
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     vocab: dict[int, bytes] = {byte: bytes([byte]) for byte in range(256)}
     for token in special_tokens:
         vocab[len(vocab)] = token.encode("utf-8")
