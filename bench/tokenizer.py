@@ -320,12 +320,13 @@ def report(
         "Both trainers count pre-tokens once and then run the merge loop; ours runs GPT-2's regex once per "
         "distinct space-delimited chunk, and pre-tokenises files over 4 MiB in parallel processes. The merge "
         "loop (incremental pair counts, pair→words index, lazy heap) is where the pure-Python trainer loses "
-        "to Rust, so the ratio rises with vocab size. Encoding caches ids per chunk, so the regex and BPE run "
-        "once per distinct chunk (caches hold up to 262,144 chunks and 131,072 parts and pre-tokens, and stop "
-        "adding when full); tiktoken "
-        "runs its regex and BPE on every piece. A single pass over text this diverse (203k distinct "
-        "space-delimited chunks, 55k distinct pre-tokens in 7.9 MB) pays the pure-Python cost of every first "
-        "sighting; the second pass shows the steady state a long corpus reaches.",
+        "to Rust, so the ratio rises with vocab size. Encoding caches packed ids per space-delimited chunk "
+        "(up to 262,144 chunks) and per pre-token (up to 131,072; full caches stop adding). Each call runs "
+        "GPT-2's regex once over all its chunks not yet cached, joined with a marker between them, and BPE "
+        "once per new distinct pre-token; ids are joined as bytes in C. tiktoken runs its regex and BPE on "
+        "every piece. A single pass over text this diverse (203k distinct space-delimited chunks, 55k distinct "
+        "pre-tokens in 7.9 MB) pays the pure-Python BPE of every first sighting; the second pass shows the "
+        "steady state a long corpus reaches.",
         "",
     ]
     return "\n".join(lines)

@@ -8,19 +8,16 @@ header (no numpy here to write a ``.npy``): read it with
 import array
 import codecs
 import contextlib
-import multiprocessing
 import os
 import pathlib
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
-
-from tqdm.auto import tqdm
 
 from tlm_tokenizer._chunks import split_file
 from tlm_tokenizer._files import atomic_file
+from tlm_tokenizer._progress import progress_bar
 from tlm_tokenizer.tokenizer import Tokenizer
 
 __all__ = ["encode_file"]
@@ -106,13 +103,16 @@ def encode_file(
         part_paths = [str(scratch / f"{index:06d}") for index in range(len(ranges))]
         disable = not progress if progress is not None else None
         total = 0
-        with tqdm(total=size, unit="B", unit_scale=True, desc="encoding", disable=disable) as bar:
+        with progress_bar(disable, total=size, unit="B", unit_scale=True, desc="encoding") as bar:
             jobs = [(source, start, end, part) for (start, end), part in zip(ranges, part_paths, strict=True)]
             if num_workers == 1 or len(ranges) == 1:
                 for (start, end), job in zip(ranges, jobs, strict=True):
                     total += _encode_range(tokenizer, *job)
                     bar.update(end - start)
             else:
+                import multiprocessing  # here, not at the top: importing it slows every short run
+                from concurrent.futures import ProcessPoolExecutor
+
                 context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
                 with ProcessPoolExecutor(
                     min(num_workers, len(ranges)), mp_context=context, initializer=_init_worker, initargs=(tokenizer,)

@@ -3,17 +3,19 @@
 import json
 import os
 import pathlib
+import sys
+from array import array
 from collections.abc import Iterable, Iterator
-from itertools import chain, islice, pairwise
+from itertools import islice, pairwise, repeat
 from typing import Any
 
 from tlm_tokenizer._files import atomic_directory
+from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
 from tlm_tokenizer.pretokenize import (
     LAST_WHITESPACE_CUT,
     PRETOKEN,
     SPACE_SPLIT,
-    TRANSITION_SPLIT,
     special_splitter,
 )
 
@@ -23,29 +25,23 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
 _NO_RANK = 1 << 62
 _ID_MASK = (1 << 32) - 1
-# Capacity of the caches of ids per space-delimited chunk (CHUNK_CACHE_ENTRIES), and per
-# newline-split part and pre-token (CACHE_ENTRIES). A full cache keeps what it holds and stops adding:
-# on natural text the entries seen first include the frequent ones, so the hit rate stays high
-# without the thrashing of clear-or-evict, and memory stays bounded (about 100 MB at most, far less
-# on repetitive text) on a stream of any length.
+# Capacity of the caches of ids per space-delimited chunk (CHUNK_CACHE_ENTRIES) and per pre-token
+# (CACHE_ENTRIES). A full cache keeps what it holds and stops adding: on natural text the entries seen
+# first include the frequent ones, so the hit rate stays high without the thrashing of clear-or-evict,
+# and memory stays bounded (well under 100 MB) on a stream of any length.
 CHUNK_CACHE_ENTRIES = 1 << 18
 CACHE_ENTRIES = 1 << 17
-
-
-class _ChunkCache(dict):
-    """Space-delimited chunk -> ids; a miss runs GPT-2's pattern and BPE on that chunk only."""
-
-    def __init__(self, encode_chunk: Any, prefix: str, capacity: int) -> None:
-        super().__init__()
-        self._encode_chunk = encode_chunk
-        self._prefix = prefix
-        self._capacity = capacity
-
-    def __missing__(self, chunk: str) -> list[int]:
-        ids = self._encode_chunk(self._prefix + chunk)
-        if len(self) < self._capacity:
-            self[chunk] = ids
-        return ids
+# Ids travel as packed native 32-bit unsigned ints (bytes), so joining and splitting them runs in C.
+_ID_CODE = next(code for code in "IL" if array(code).itemsize == 4)
+# Between chunks encoded together: the text " \x00" is one pre-token (see _encode_spaced), and the
+# packed "id" 0xFFFFFFFF marks where a chunk's ids end. Ids below 2**24 have a zero high byte, the last
+# of each 4 on a little-endian machine, so bytes.split, scanning from the left, finds four 0xFF bytes
+# only at a marker, never inside or across real ids. (Elsewhere, _encode_ordinary takes the plain path.)
+_BYTE_ORDER = sys.byteorder
+_MARK = "\x00"
+_MARK_PRETOKEN = " \x00"
+_SENTINEL = b"\xff\xff\xff\xff"
+_SENTINEL_MAX_ID = 1 << 24
 
 
 class Tokenizer:
@@ -100,10 +96,9 @@ class Tokenizer:
         self._splitter = special_splitter(self.special_tokens)
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
-        self._cache_entries = CACHE_ENTRIES
-        self._spaced = _ChunkCache(self._encode_chunk, " ", CHUNK_CACHE_ENTRIES)
-        self._bare = _ChunkCache(self._encode_chunk, "", CACHE_ENTRIES)
-        self._pretokens: dict[str, list[int]] = {}
+        self._chunks: dict[str, bytes] = {}  # space-delimited chunk (its space dropped) -> packed ids
+        self._pretokens: dict[str, bytes] = {_MARK_PRETOKEN: _SENTINEL}  # pre-token -> packed ids
+        self._bulk = sys.byteorder == "little" and max(self._vocab) < _SENTINEL_MAX_ID
 
     # -- construction from and to files ---------------------------------------------------------
 
@@ -169,9 +164,11 @@ class Tokenizer:
         over the packed values finds the lowest rank and the low bits give the new id.
         """
         byte_ids = self._byte_ids
-        parts = [byte_ids[byte] for byte in token]
+        if len(token) == 1:
+            return [byte_ids[token[0]]]
+        parts = list(map(byte_ids.__getitem__, token))
         table = self._merge_table
-        packed = [table.get(pair, _NO_RANK) for pair in pairwise(parts)]
+        packed = list(map(table.get, pairwise(parts), repeat(_NO_RANK)))
         while packed:
             best = min(packed)
             if best == _NO_RANK:
@@ -187,44 +184,83 @@ class Tokenizer:
                 packed[i] = table.get((parts[i], parts[i + 1]), _NO_RANK)
         return parts
 
-    def _encode_chunk(self, chunk: str) -> list[int]:
-        # Printable and without a space after the first character: no ASCII whitespace inside to cut at.
-        parts = (chunk,) if chunk.isprintable() and " " not in chunk[1:] else TRANSITION_SPLIT(chunk)
-        if len(parts) > 1:  # e.g. "said.\nLet": cache "said." and "\nLet" apart, as they recur apart
-            return list(chain.from_iterable(map(self._bare.__getitem__, parts)))
-        # A chunk of letters only (str.isalpha is exactly \p{L}) is one pre-token: skip the regex.
-        pretokens = (chunk,) if (chunk[1:] if chunk[:1] == " " else chunk).isalpha() else PRETOKEN.findall(chunk)
+    def _packed_pretokens(self, pretokens: list[str]) -> bytes:
+        """Packed ids of ``pretokens`` in order; BPE runs once per distinct new pre-token."""
         cache = self._pretokens
-        out: list[int] = []
-        for pretoken in pretokens:
-            ids = cache.get(pretoken)
-            if ids is None:
-                ids = self._bpe(pretoken.encode("utf-8"))
-                if len(cache) < self._cache_entries:
-                    cache[pretoken] = ids
-            out += ids
-        return out
+        new = set(pretokens).difference(cache)
+        if not new:
+            return b"".join(map(cache.__getitem__, pretokens))
+        lookup = cache
+        room = CACHE_ENTRIES - len(cache)
+        if len(new) > room:  # filling up: keep what it holds plus what fits; this call alone sees the rest
+            lookup = {token: cache[token] for token in set(pretokens).difference(new)}
+        for token in new:
+            lookup[token] = packed = self._packed_bpe(token)
+            if lookup is not cache and room > 0:
+                cache[token] = packed
+                room -= 1
+        return b"".join(map(lookup.__getitem__, pretokens))
 
-    def _encode_ordinary(self, text: str, out: list[int]) -> None:
+    def _packed_bpe(self, pretoken: str) -> bytes:
+        ids = self._bpe(pretoken.encode("utf-8"))
+        return ids[0].to_bytes(4, _BYTE_ORDER) if len(ids) == 1 else array(_ID_CODE, ids).tobytes()
+
+    def _encode_spaced(self, chunks: list[str]) -> list[bytes]:
+        """Packed ids of ``" " + chunk`` for each chunk, with one run of GPT-2's pattern over them all.
+
+        Each chunk starts with a non-space and holds no space followed by a non-space (``SPACE_SPLIT``),
+        so in ``" c1 \\x00 c2 \\x00 ..."`` no pre-token crosses a space before ``\\x00`` or before a
+        chunk (see ``pretokenize``): the pattern yields each ``" " + chunk``'s pre-tokens, then the
+        pre-token ``" \\x00"``, and so on. The text holds no ``\\x00`` of its own (``encode`` checks).
+        """
+        pretokens = PRETOKEN.findall(" " + " \x00 ".join(chunks) + " \x00")
+        return self._packed_pretokens(pretokens).split(_SENTINEL)[:-1]
+
+    def _encode_ordinary(self, text: str) -> bytes:
+        """Packed ids of ``text`` (no special tokens in it)."""
+        # The plain definition, GPT-2's pattern over the whole text, where the fast path's markers could clash;
+        # with a NUL in the text, " \x00" may be a real pre-token, so the cache (where it is the marker) stays out.
+        if _MARK in text:
+            return b"".join(map(self._packed_bpe, PRETOKEN.findall(text)))
+        if not self._bulk:
+            return self._packed_pretokens(PRETOKEN.findall(text))
         pieces = SPACE_SPLIT(text)
-        if pieces[0]:
-            out += self._bare[pieces[0]]
-        out += chain.from_iterable(map(self._spaced.__getitem__, islice(pieces, 1, None)))
+        head = self._packed_pretokens(PRETOKEN.findall(pieces[0])) if pieces[0] else b""
+        if len(pieces) == 1:
+            return head
+        cache = self._chunks
+        try:  # all chunks seen before: the common case on a long text
+            return head + b"".join(map(cache.__getitem__, islice(pieces, 1, None)))
+        except KeyError:
+            pass
+        distinct = set(islice(pieces, 1, None))
+        new = list(distinct.difference(cache))
+        lookup = cache
+        if new:
+            with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
+                encoded = self._encode_spaced(new)
+            room = CHUNK_CACHE_ENTRIES - len(cache)
+            if len(new) <= room:
+                cache.update(zip(new, encoded, strict=True))
+            else:  # filling up: keep what it holds plus what fits; this call alone sees the rest
+                lookup = {chunk: cache[chunk] for chunk in distinct.difference(new)}
+                lookup.update(zip(new, encoded, strict=True))
+                cache.update(zip(new[: max(room, 0)], encoded, strict=False))
+        return head + b"".join(map(lookup.__getitem__, islice(pieces, 1, None)))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens are matched first and never split."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
-        out: list[int] = []
         if self._splitter is None:
-            self._encode_ordinary(text, out)
-            return out
+            return array(_ID_CODE, self._encode_ordinary(text)).tolist()
+        packed = []
         for position, part in enumerate(self._splitter.split(text)):
             if position % 2:
-                out.append(self._special_ids[part])
+                packed.append(self._special_ids[part].to_bytes(4, _BYTE_ORDER))
             elif part:
-                self._encode_ordinary(part, out)
-        return out
+                packed.append(self._encode_ordinary(part))
+        return array(_ID_CODE, b"".join(packed)).tolist()
 
     def _stream_cut(self, buffer: str) -> int:
         """Largest p such that encode(buffer[:p]) + encode(rest) == encode(buffer + rest) for any rest."""

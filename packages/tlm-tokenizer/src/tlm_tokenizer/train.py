@@ -9,15 +9,13 @@ a heap with lazy deletion finds the most frequent pair, ties going to the greate
 import heapq
 import itertools
 import math
-import multiprocessing
 import os
 from collections.abc import Iterable
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from tlm_tokenizer._chunks import read_range, split_file
+from tlm_tokenizer._gc import gc_paused
+from tlm_tokenizer._progress import progress_bar
 from tlm_tokenizer.pretokenize import count_pretokens, special_splitter
 
 __all__ = ["train_bpe"]
@@ -27,16 +25,13 @@ _RANGE_BYTES = 64 << 20  # bounds each worker's text in memory
 _PROGRESS_MIN_BYTES = 16 << 20
 
 
-class _Greatest:
-    """Heap key that makes Python's min-heap pop the lexicographically greatest pair first."""
+def _reverse_key(token: bytes) -> tuple[int, ...]:
+    """A key whose order is the reverse of ``bytes`` order: x > y exactly when key(x) < key(y).
 
-    __slots__ = ("pair",)
-
-    def __init__(self, pair: tuple[bytes, bytes]) -> None:
-        self.pair = pair
-
-    def __lt__(self, other: "_Greatest") -> bool:
-        return self.pair > other.pair
+    Each byte c becomes 255 - c, and the end becomes 256, above any byte, so a proper prefix (smaller as
+    bytes) gets the greater key. Python's min-heap then pops the lexicographically greatest pair first.
+    """
+    return (*(255 - byte for byte in token), 256)
 
 
 def _count_range(path: str, start: int, end: int, special_tokens: list[str]) -> dict[str, int]:
@@ -78,13 +73,16 @@ def count_file(
     ranges = split_file(input_path, max(workers, math.ceil(size / _RANGE_BYTES)), special_tokens)
     path = os.fspath(input_path)
     disable = not progress if progress is not None else (None if size >= _PROGRESS_MIN_BYTES else True)
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc="pre-tokenising", disable=disable)
+    bar = progress_bar(disable, total=size, unit="B", unit_scale=True, desc="pre-tokenising")
     totals: dict[str, int] = {}
     with bar:
         if workers == 1 or len(ranges) == 1:
             results: Iterable[dict[str, int]] = (_count_range(path, a, b, special_tokens) for a, b in ranges)
             pool = None
         else:
+            import multiprocessing  # here, not at the top: importing it slows every short run
+            from concurrent.futures import ProcessPoolExecutor
+
             context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
             pool = ProcessPoolExecutor(min(workers, len(ranges)), mp_context=context)
             results = pool.map(_count_range, *zip(*[(path, a, b, special_tokens) for a, b in ranges], strict=True))
@@ -106,6 +104,13 @@ def merge_counts(
     pretoken_counts: dict[str, int], vocab_size: int, special_tokens: list[str], progress: bool | None = None
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Run the BPE merge loop on pre-token counts. Ids: 0-255 bytes, then specials, then merges."""
+    with gc_paused():  # the loop's tuples, lists and sets form no cycles
+        return _merge_counts(pretoken_counts, vocab_size, special_tokens, progress)
+
+
+def _merge_counts(
+    pretoken_counts: dict[str, int], vocab_size: int, special_tokens: list[str], progress: bool | None
+) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     vocab: dict[int, bytes] = {byte: bytes([byte]) for byte in range(256)}
     for token in special_tokens:
         vocab[len(vocab)] = token.encode("utf-8")
@@ -126,21 +131,25 @@ def merge_counts(
             pair_counts[pair] = pair_counts.get(pair, 0) + count
             where.setdefault(pair, set()).add(index)
 
-    heap = [(-count, _Greatest((vocab[a], vocab[b])), a, b) for (a, b), count in pair_counts.items()]
+    # Heap entries (-count, key(left), key(right), left, right): key() reverses byte order (see _reverse_key),
+    # so ties pop the lexicographically greatest pair, compared in C rather than by a Python __lt__.
+    keys = [_reverse_key(token) for token in vocab.values()]
+    heap = [(-count, keys[a], keys[b], a, b) for (a, b), count in pair_counts.items()]
     heapq.heapify(heap)
     wanted = vocab_size - len(vocab)
     disable = not progress if progress is not None else (None if wanted >= 2000 else True)
-    with tqdm(total=max(wanted, 0), desc="merging", disable=disable) as bar:
+    with progress_bar(disable, total=max(wanted, 0), desc="merging") as bar:
         while len(vocab) < vocab_size and heap:
-            negative, key, a, b = heapq.heappop(heap)
+            negative, key_a, key_b, a, b = heapq.heappop(heap)
             count = pair_counts.get((a, b), 0)
             if count != -negative:
                 if count > 0:  # stale entry: counts only fall for old pairs, so re-file it lower
-                    heapq.heappush(heap, (-count, key, a, b))
+                    heapq.heappush(heap, (-count, key_a, key_b, a, b))
                 continue
             new = len(vocab)
-            vocab[new] = key.pair[0] + key.pair[1]
-            merges.append(key.pair)
+            vocab[new] = vocab[a] + vocab[b]
+            keys.append(_reverse_key(vocab[new]))
+            merges.append((vocab[a], vocab[b]))
             created: dict[tuple[int, int], None] = {}
             # Inlined word update (this loop is the trainer's hot spot). At each occurrence of (a, b)
             # the pair to its left (with the symbol already written, possibly `new`) and the pair to
@@ -149,16 +158,21 @@ def merge_counts(
             # contains `new`, so only those need this word in their index; (a, b) itself is dropped.
             for index in where.pop((a, b)):
                 word = words[index]
-                if a not in word:
+                try:
+                    i = word.index(a)
+                except ValueError:
                     continue
-                i = word.index(a)
                 n = len(word)
                 freq = freqs[index]
-                merged = word[:i]
-                found = False
-                while i < n:
-                    if word[i] == a and i + 1 < n and word[i + 1] == b:
-                        found = True
+                merged: list[int] | None = None
+                start = 0  # word[start:] is not copied into `merged` yet
+                # Jump between occurrences of `a` with list.index (C speed) rather than step through every symbol.
+                while True:
+                    if i + 1 < n and word[i + 1] == b:
+                        if merged is None:
+                            merged = word[:i]
+                        else:
+                            merged += word[start:i]
                         if merged:
                             left = merged[-1]
                             pair_counts[(left, a)] -= freq
@@ -182,17 +196,23 @@ def merge_counts(
                             else:
                                 indexed.add(index)
                         merged.append(new)
-                        i += 2
+                        start = i = i + 2
                     else:
-                        merged.append(word[i])
                         i += 1
-                if found:
+                    if i >= n - 1:
+                        break
+                    try:
+                        i = word.index(a, i, n - 1)
+                    except ValueError:
+                        break
+                if merged is not None:
+                    merged += word[start:]
                     words[index] = merged
             del pair_counts[(a, b)]
             for pair in created:
                 x, y = pair
                 if pair_counts[pair] > 0:
-                    heapq.heappush(heap, (-pair_counts[pair], _Greatest((vocab[x], vocab[y])), x, y))
+                    heapq.heappush(heap, (-pair_counts[pair], keys[x], keys[y], x, y))
             bar.update(1)
     return vocab, merges
 
