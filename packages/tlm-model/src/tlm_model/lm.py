@@ -146,6 +146,13 @@ class TransformerLM(nn.Module):
         return cls(**config.to_dict(), **kwargs)
 
     @classmethod
+    def from_hf(cls, directory: Any, **kwargs: Any) -> "TransformerLM":
+        """Load an HF Llama folder (``config.json`` + safetensors); see :func:`tlm_model.interop.from_hf`."""
+        from tlm_model.interop import from_hf  # interop builds TransformerLMs: imported late, no cycle
+
+        return from_hf(directory, **kwargs)
+
+    @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
         return cls.from_config(ModelConfig.from_preset(name), **kwargs)
 
