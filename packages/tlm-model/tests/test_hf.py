@@ -2,10 +2,10 @@
 
 The configurations are the published ones of SmolLM2-135M, TinyLlama-1.1B and Llama-3.2-1B, shrunk
 in layers, width and vocabulary for a 2-core CPU while keeping each model's GQA ratio, head_dim,
-RoPE θ and tie flag. (Llama-3.2's llama3 RoPE scaling is refused until tlm-rope supports it; its
-shrunk model here runs unscaled.)
+RoPE θ, tie flag and RoPE scaling (Llama-3.2's llama3 rule).
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -22,10 +22,15 @@ PUBLISHED = {
     "TinyLlama-1.1B": (32, 4, 64, 10_000.0, False, 1e-5),
     "Llama-3.2-1B": (32, 8, 64, 500_000.0, True, 1e-5),
 }
+LLAMA3 = {
+    "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}  # fmt: skip
+SCALING = {"Llama-3.2-1B": LLAMA3}
 SHRUNK_HEADS = {"SmolLM2-135M": (9, 3), "TinyLlama-1.1B": (8, 1), "Llama-3.2-1B": (8, 2)}  # same ratio
 
 
-def hf_config(name):
+def hf_config(name, scaling=None):
     heads, kv, head_dim, theta, tie, eps = PUBLISHED[name]
     heads, kv = SHRUNK_HEADS[name]
     return transformers.LlamaConfig(
@@ -38,15 +43,15 @@ def hf_config(name):
         head_dim=head_dim,
         max_position_embeddings=256,
         rms_norm_eps=eps,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rope_parameters={"rope_type": "default", **(scaling or SCALING.get(name, {})), "rope_theta": theta},
         tie_word_embeddings=tie,
         hidden_act="silu",
     )
 
 
-def random_hf_model(name):
+def random_hf_model(name, scaling=None):
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_config(name)).eval()
+    model = transformers.LlamaForCausalLM(hf_config(name, scaling)).eval()
     with torch.no_grad():  # HF initialises RMSNorm weights to 1; random ones test the mapping too
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -60,7 +65,7 @@ def rel_err(got, ref):
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 @pytest.mark.parametrize("shard", [False, True])
-def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path):
+def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path, record_error):
     hf = random_hf_model(name)
     hf.save_pretrained(tmp_path, max_shard_size="1MB" if shard else "50GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == shard
@@ -72,7 +77,7 @@ def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path):
         ref = hf(ids).logits
         got = model(ids)
     err = rel_err(got, ref)
-    print(f"{name} import: max|Δlogits|/max|logits| = {err:.2e}")
+    record_error(f"from_hf logits vs HF, {name} shape{' (sharded)' if shard else ''}", got, ref)
     assert err < 1e-5
     prompt = ids[:1, :6]
     with torch.no_grad():
@@ -81,7 +86,7 @@ def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
-def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path):
+def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path, record_error):
     hf = random_hf_model(name)
     hf.save_pretrained(tmp_path / "hf")
     model = TransformerLM.from_hf(tmp_path / "hf")
@@ -93,7 +98,7 @@ def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path):
         ref, got = back(ids).logits, model(ids)
         original = hf(ids).logits
     err = rel_err(ref, got)
-    print(f"{name} export: max|Δlogits|/max|logits| = {err:.2e}")
+    record_error(f"save_hf -> from_pretrained logits vs tlm, {name} shape", ref, got)
     assert err < 1e-5
     torch.testing.assert_close(ref, original, rtol=0, atol=0)  # the exported weights are HF's exactly
     # And back again: the exported folder imports to the same model.
@@ -109,14 +114,46 @@ def test_tied_import_is_one_parameter(tmp_path):
     assert model.lm_head.weight is model.token_embeddings.weight
 
 
-def test_llama3_rope_scaling_is_refused_by_name(tmp_path):
-    cfg = json.loads(hf_config("Llama-3.2-1B").to_json_string())
-    cfg["rope_parameters"] = {
-        "rope_type": "llama3", "rope_theta": 500_000.0, "factor": 32.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    }  # fmt: skip
-    with pytest.raises(ValueError, match="rope_type='llama3'"):
-        config_from_hf(cfg)
+def test_llama3_scaling_is_applied_over_a_full_context(tmp_path, record_error):
+    # Over the whole 256-token context the llama3 rule matters: dropping it (what tlm did before,
+    # silently) is ~6e-3 off, far outside the 1e-5 the import keeps.
+    hf = random_hf_model("Llama-3.2-1B")
+    assert hf.config.rope_parameters["rope_type"] == "llama3"
+    hf.save_pretrained(tmp_path)
+    model = TransformerLM.from_hf(tmp_path)
+    assert model.config.rope_scaling == LLAMA3
+    unscaled = TransformerLM.from_config(dataclasses.replace(model.config, rope_scaling=None))
+    unscaled.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 512, (1, 256))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids)
+        record_error("from_hf logits vs HF, Llama-3.2-1B shape + llama3, 256 tokens", got, ref)
+        assert rel_err(got, ref) < 1e-5
+        assert rel_err(unscaled(ids), ref) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "dynamic", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+    ids=lambda s: s["rope_type"],
+)
+def test_other_scalings_import_with_hf_logits(scaling, tmp_path, record_error):
+    hf = random_hf_model("TinyLlama-1.1B", scaling)
+    hf.save_pretrained(tmp_path)
+    model = TransformerLM.from_hf(tmp_path)
+    ids = torch.randint(0, 512, (2, 24))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids)
+    record_error(f"from_hf logits vs HF, TinyLlama shape + {scaling['rope_type']} scaling", got, ref)
+    assert rel_err(got, ref) < 1e-5
+    save_hf(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -126,8 +163,19 @@ def test_llama3_rope_scaling_is_refused_by_name(tmp_path):
         ({"mlp_bias": True}, "mlp_bias=True"),
         ({"sliding_window": 4096}, "sliding_window=4096"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling="),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type='longrope'"),
+        (
+            {
+                "rope_parameters": {
+                    "rope_type": "linear",
+                    "rope_theta": 1e4,
+                    "factor": 2.0,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
+            r"does not take keys \['partial_rotary_factor'\]",
+        ),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'default'"),
         ({"some_new_switch": 1}, "unknown keys \\['some_new_switch'\\]"),
         ({"model_type": "mistral"}, "model_type must be 'llama'"),
     ],

@@ -92,3 +92,21 @@ def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path
     loaded = load_checkpoint(tmp_path, fused=fused)
     assert dataclasses.asdict(loaded.config) == dataclasses.asdict(model.config)
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+
+
+def test_rope_scaling_round_trips_through_a_checkpoint(tmp_path):
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    model = TransformerLM(**SMALL, rope_scaling=scaling)
+    scaling["factor"] = 3.0  # the config keeps its own copy
+    assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert model.rope.scaling == {"rope_type": "linear", "factor": 2.0}
+    save_checkpoint(model, tmp_path)
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.config == model.config
+    ids = torch.randint(0, 50, (1, 16))
+    torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
+
+
+def test_bad_rope_scaling_is_refused():
+    with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling: scaling\['rope_type'\] must be one of"):
+        ModelConfig(**SMALL, rope_scaling={"rope_type": "ntk", "factor": 2.0})

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tlm_model._checks import check_number, check_positive_int
+from tlm_rope.scaling import check_scaling
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,9 @@ class ModelConfig:
     epsilon (CS336 §1.5.1 uses 1e-5). The Llama-family fields default to the course model:
     ``num_kv_heads`` (None: ``num_heads``; fewer is grouped-query attention), ``head_dim`` (None:
     ``d_model / num_heads``) and ``tie_word_embeddings`` (the LM head reuses the token embedding
-    matrix, one parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B).
+    matrix, one parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B). ``rope_scaling``
+    (None, or a dict with HF's ``rope_parameters`` keys such as ``{"rope_type": "llama3", ...}``) is
+    passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``.
     """
 
     vocab_size: int
@@ -29,6 +32,7 @@ class ModelConfig:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Field types and ranges first: the cross-field rules below need them, and a config read
@@ -44,6 +48,11 @@ class ModelConfig:
             raise TypeError(
                 f"ModelConfig.tie_word_embeddings must be a bool, got {type(self.tie_word_embeddings).__name__}"
             )
+        try:
+            # A private copy: the caller's dict may change later, a frozen config must not.
+            object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
         if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tlm_model import checkpoint as _ckpt
 from tlm_model.config import ModelConfig
 from tlm_model.lm import TransformerLM
+from tlm_rope import SCALINGS
 
 _BLOCK = {  # tlm key inside a layer -> HF key inside a layer
     "attn.q_proj.weight": "self_attn.q_proj.weight",
@@ -82,7 +83,7 @@ def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
         "head_dim": config.d_head,
         "max_position_embeddings": config.context_length,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
         "hidden_act": "silu",
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": False,
@@ -113,7 +114,6 @@ _FIXED = {
     "attention_dropout": 0.0,
     "pretraining_tp": 1,
     "sliding_window": None,
-    "rope_scaling": None,
 }
 _MAPPED = {
     "vocab_size": "vocab_size",
@@ -127,7 +127,7 @@ _MAPPED = {
     "head_dim": "head_dim",
     "tie_word_embeddings": "tie_word_embeddings",
 }
-_SUPPORTED_ROPE_TYPES = ("default",)
+_SUPPORTED_ROPE_TYPES = ("default", *SCALINGS)
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
@@ -144,24 +144,36 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     for key, value in _FIXED.items():
         if key in hf and hf[key] != value:
             problems.append(f"{key}={hf[key]!r} (tlm supports only {value!r})")
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta plus rope_scaling (type or rope_type).
     rope = hf.get("rope_parameters")
+    if rope is None and hf.get("rope_scaling") is not None:
+        rope = dict(hf["rope_scaling"])
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+    elif rope is not None and hf.get("rope_scaling") is not None:
+        problems.append("both rope_parameters and rope_scaling are set")
     theta = hf.get("rope_theta")
+    scaling = None
     if rope is not None:
         if not isinstance(rope, dict):
             problems.append(f"rope_parameters={rope!r} (expected a dict)")
         else:
-            if rope.get("rope_type", "default") not in _SUPPORTED_ROPE_TYPES:
-                problems.append(
-                    f"rope_parameters.rope_type={rope.get('rope_type')!r} (supported: {_SUPPORTED_ROPE_TYPES})"
-                )
-            if extra := sorted(set(rope) - {"rope_type", "rope_theta"}):
-                problems.append(f"rope_parameters keys {extra} (RoPE scaling is not supported)")
+            kind = rope.get("rope_type", "default")
+            if kind not in _SUPPORTED_ROPE_TYPES:
+                problems.append(f"rope_parameters.rope_type={kind!r} (supported: {_SUPPORTED_ROPE_TYPES})")
+            elif kind == "default" and (extra := sorted(set(rope) - {"rope_type", "rope_theta"})):
+                problems.append(f"rope_parameters keys {extra} with rope_type 'default'")
+            elif kind != "default":
+                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+                scaling["rope_type"] = kind
+                if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings
+                    scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
             if theta is not None and rope.get("rope_theta", theta) != theta:
                 problems.append(
                     f"rope_theta={theta!r} disagrees with rope_parameters.rope_theta={rope['rope_theta']!r}"
                 )
             theta = rope.get("rope_theta", theta)
-    known = _IGNORED | set(_FIXED) | set(_MAPPED) | {"rope_parameters", "rope_theta"}
+    known = _IGNORED | set(_FIXED) | set(_MAPPED) | {"rope_parameters", "rope_theta", "rope_scaling"}
     if unknown := sorted(set(hf) - known):
         problems.append(f"unknown keys {unknown}")
     if problems:
@@ -174,6 +186,8 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     fields.setdefault("norm_eps", 1e-6)  # LlamaConfig's default
     if theta is not None:
         fields["rope_theta"] = theta
+    if scaling is not None:
+        fields["rope_scaling"] = scaling
     # tlm stores the defaults as None, so a config that spells them out still equals the course's.
     if fields.get("num_kv_heads") == fields["num_heads"]:
         fields.pop("num_kv_heads")

@@ -82,6 +82,7 @@ class TransformerLM(nn.Module):
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
         tie_word_embeddings: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
         attention_backend: str = "auto",
         fused: bool = True,
         device: torch.device | str | None = None,
@@ -101,10 +102,13 @@ class TransformerLM(nn.Module):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             tie_word_embeddings=tie_word_embeddings,
+            rope_scaling=rope_scaling,
         )
         cfg = self.config
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        self.rope = RotaryPositionalEmbedding(rope_theta, cfg.d_head, context_length, device=device)
+        self.rope = RotaryPositionalEmbedding(
+            rope_theta, cfg.d_head, context_length, device=device, scaling=cfg.rope_scaling
+        )
         self.layers = nn.ModuleList(
             TransformerBlock(
                 d_model,

@@ -124,7 +124,7 @@ class RotaryPositionalEmbedding(nn.Module):
             if seq > self.max_seq_len:
                 raise ValueError(
                     f"x has seq={seq} positions but the tables hold max_seq_len={self.max_seq_len}; "
-                    f"build the module with a larger max_seq_len"
+                    f"pass token_positions or build the module with a larger max_seq_len"
                 )
             if self._dynamic_past_original(seq):
                 cos_table, sin_table = self._tables(self.cos.device, seq)
