@@ -200,3 +200,23 @@ def test_attention_bias_tensors_are_refused_by_name(tmp_path):
 def test_missing_folder_is_an_oserror(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         TransformerLM.from_hf(tmp_path)
+
+
+def test_half_layout_import_keeps_hf_rows_and_logits(tmp_path, record_error):
+    hf = random_hf_model("Llama-3.2-1B")
+    hf.save_pretrained(tmp_path / "hf")
+    model = TransformerLM.from_hf(tmp_path / "hf", rope_layout="half")
+    assert model.config.rope_layout == "half" and model.rope.layout == "half"
+    # No reordering: tlm's q rows are HF's rows as they are.
+    torch.testing.assert_close(
+        model.state_dict()["layers.0.attn.q_proj.weight"], hf.model.layers[0].self_attn.q_proj.weight, rtol=0, atol=0
+    )
+    ids = torch.randint(0, 512, (2, 40))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, model(ids)
+    record_error("from_hf(rope_layout='half') logits vs HF, Llama-3.2-1B shape", got, ref)
+    assert rel_err(got, ref) < 1e-5
+    save_hf(model, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)

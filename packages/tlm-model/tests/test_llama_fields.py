@@ -110,3 +110,11 @@ def test_rope_scaling_round_trips_through_a_checkpoint(tmp_path):
 def test_bad_rope_scaling_is_refused():
     with pytest.raises(ValueError, match=r"ModelConfig.rope_scaling: scaling\['rope_type'\] must be one of"):
         ModelConfig(**SMALL, rope_scaling={"rope_type": "ntk", "factor": 2.0})
+
+
+def test_rope_layout_round_trips_and_is_checked(tmp_path):
+    model = TransformerLM(**SMALL, rope_layout="half")
+    save_checkpoint(model, tmp_path)
+    assert load_checkpoint(tmp_path).rope.layout == "half"
+    with pytest.raises(ValueError, match=r"rope_layout must be one of \('interleaved', 'half'\), got 'neox'"):
+        ModelConfig(**SMALL, rope_layout="neox")

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tlm_model._checks import check_number, check_positive_int
+from tlm_rope import LAYOUTS
 from tlm_rope.scaling import check_scaling
 
 
@@ -18,7 +19,8 @@ class ModelConfig:
     ``d_model / num_heads``) and ``tie_word_embeddings`` (the LM head reuses the token embedding
     matrix, one parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B). ``rope_scaling``
     (None, or a dict with HF's ``rope_parameters`` keys such as ``{"rope_type": "llama3", ...}``) is
-    passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``.
+    passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``; ``rope_layout`` is
+    its ``layout`` (``"interleaved"``, the course's, or ``"half"``, HF's rotate-half).
     """
 
     vocab_size: int
@@ -33,6 +35,7 @@ class ModelConfig:
     head_dim: int | None = None
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = None
+    rope_layout: str = "interleaved"
 
     def __post_init__(self) -> None:
         # Field types and ranges first: the cross-field rules below need them, and a config read
@@ -53,6 +56,8 @@ class ModelConfig:
             object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
         except (TypeError, ValueError) as err:
             raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
+        if self.rope_layout not in LAYOUTS:
+            raise ValueError(f"ModelConfig.rope_layout must be one of {LAYOUTS}, got {self.rope_layout!r}")
         if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "

@@ -8,6 +8,7 @@ q·k is unchanged because both move together. Nothing here imports transformers:
 written directly, and anything tlm cannot represent is refused by name, never dropped.
 """
 
+import dataclasses
 import json
 import os
 import struct
@@ -57,7 +58,9 @@ def _convert(state_dict: dict[str, Tensor], config: ModelConfig, to_hf: bool) ->
     for ours, hf in _pairs(config):
         source, target = (ours, hf) if to_hf else (hf, ours)
         weight = state_dict[source]
-        out[target] = _permute_rows(weight, config, to_hf) if ours.endswith(_ROTATED) else weight
+        # A model built with rope_layout="half" already pairs features as HF does: nothing to reorder.
+        permute = ours.endswith(_ROTATED) and config.rope_layout == "interleaved"
+        out[target] = _permute_rows(weight, config, to_hf) if permute else weight
     return out
 
 
@@ -233,11 +236,14 @@ def from_hf(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    rope_layout: str = "interleaved",
     **options: Any,
 ) -> TransformerLM:
     """A :class:`TransformerLM` from an HF Llama folder (``config.json`` + safetensors, sharded or not).
 
-    ``dtype`` defaults to the dtype the weights are stored in; ``options`` (``fused=``,
+    ``rope_layout="interleaved"`` (the default) reorders each head's q/k rows into tlm's pairing;
+    ``"half"`` keeps HF's rows and rotates rotate-half pairs. ``dtype`` defaults to the dtype the
+    weights are stored in; ``options`` (``fused=``,
     ``attention_backend=``) go to :meth:`TransformerLM.from_config`. Tensors tlm would not use
     (biases, extra buffers) are refused by name.
     """
@@ -249,7 +255,7 @@ def from_hf(
         hf = json.loads(config_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
         raise ValueError(f"{config_path} is not valid JSON ({err})") from None
-    config = config_from_hf(hf)
+    config = dataclasses.replace(config_from_hf(hf), rope_layout=rope_layout)
     state = read_hf_state_dict(directory)
     if config.tie_word_embeddings and "lm_head.weight" in state:
         if not torch.equal(state["lm_head.weight"], state.get("model.embed_tokens.weight", state["lm_head.weight"])):

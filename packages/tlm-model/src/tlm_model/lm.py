@@ -83,6 +83,7 @@ class TransformerLM(nn.Module):
         head_dim: int | None = None,
         tie_word_embeddings: bool = False,
         rope_scaling: dict[str, Any] | None = None,
+        rope_layout: str = "interleaved",
         attention_backend: str = "auto",
         fused: bool = True,
         device: torch.device | str | None = None,
@@ -103,11 +104,12 @@ class TransformerLM(nn.Module):
             head_dim=head_dim,
             tie_word_embeddings=tie_word_embeddings,
             rope_scaling=rope_scaling,
+            rope_layout=rope_layout,
         )
         cfg = self.config
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
         self.rope = RotaryPositionalEmbedding(
-            rope_theta, cfg.d_head, context_length, device=device, scaling=cfg.rope_scaling
+            rope_theta, cfg.d_head, context_length, device=device, scaling=cfg.rope_scaling, layout=cfg.rope_layout
         )
         self.layers = nn.ModuleList(
             TransformerBlock(
