@@ -1,8 +1,10 @@
 """Attention implementations by name: a registry resolved once, when a module is built.
 
-Every entry computes the same causal attention of (..., queries, d_head) over (..., keys, d_head),
-bottom-right aligned: query i sees keys j <= i + (keys - queries). That is ordinary causal
-attention when queries == keys, and new tokens attending to themselves and a KV cache otherwise.
+Every entry computes the same causal attention of (..., heads, queries, d_head) over
+(..., kv_heads, keys, d_head), bottom-right aligned: query i sees keys j <= i + (keys - queries).
+That is ordinary causal attention when queries == keys, and new tokens attending to themselves and
+a KV cache otherwise. ``kv_heads`` divides ``heads`` (grouped-query attention, Ainslie et al. 2023):
+query head h reads key/value head h // (heads / kv_heads), as in HF's ``repeat_kv``.
 ``"auto"`` is not an entry: :func:`resolve_attention_backend` turns it into one, per device.
 """
 
@@ -11,6 +13,7 @@ from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from jaxtyping import Float
 from torch import Tensor
 
@@ -24,25 +27,61 @@ def _causal_mask(num_q: int, num_k: int, device: torch.device) -> Tensor:
     return torch.ones(num_q, num_k, dtype=torch.bool, device=device).tril(num_k - num_q)
 
 
+def _kv_groups(q: Tensor, k: Tensor, v: Tensor) -> int:
+    """How many query heads share each key/value head (1 for ordinary multi-head attention)."""
+    if q.ndim < 3 or k.ndim < 3 or k.shape[-3] != v.shape[-3] or q.shape[-3] % k.shape[-3] != 0:
+        raise ValueError(
+            "q must have shape (..., heads, queries, d_head) and k, v (..., kv_heads, keys, d_head) with kv_heads "
+            f"dividing heads, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    return q.shape[-3] // k.shape[-3]
+
+
+def repeat_kv(kv: Float[Tensor, "... kv_heads keys d_head"], groups: int) -> Float[Tensor, "... heads keys d_head"]:
+    """Each key/value head repeated ``groups`` times in place (head h -> heads h·groups .. h·groups+groups-1)."""
+    return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
+
+
 def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """tlm's own softmax(QKᵀ/√d)V with a boolean mask (what the course grades)."""
-    return scaled_dot_product_attention(q, k, v, _causal_mask(q.shape[-2], k.shape[-2], q.device))
+    groups = _kv_groups(q, k, v)
+    mask = _causal_mask(q.shape[-2], k.shape[-2], q.device)
+    if groups == 1:
+        return scaled_dot_product_attention(q, k, v, mask)
+    # Grouped: a unit axis lets one kv head broadcast over its query heads without a copy.
+    grouped = rearrange(q, "... (kv_heads group) seq d -> ... kv_heads group seq d", group=groups)
+    out = scaled_dot_product_attention(grouped, k.unsqueeze(-3), v.unsqueeze(-3), mask)
+    return rearrange(out, "... kv_heads group seq d -> ... (kv_heads group) seq d")
 
 
 def blockwise_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Online softmax over key blocks in plain PyTorch: O(seq) memory, future blocks skipped."""
-    return blockwise_attention(q, k, v, causal=True)
+    groups = _kv_groups(q, k, v)
+    return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)
 
 
 def torch_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``: torch's fused kernels."""
+    gqa = _kv_groups(q, k, v) > 1
     num_q, num_k = q.shape[-2], k.shape[-2]
     if num_q == num_k:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if num_q == 1:  # one new token sees the whole cache
-        return F.scaled_dot_product_attention(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     # torch's is_causal aligns top-left, which is wrong once a cache offsets the queries.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(num_q, num_k, q.device))
+    mask = _causal_mask(num_q, num_k, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class _RepeatKV:
+    """Wraps a backend registered without ``grouped_kv``: it sees as many kv heads as query heads."""
+
+    def __init__(self, fn: "AttentionFn") -> None:
+        self.fn = fn
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        groups = _kv_groups(q, k, v)
+        return self.fn(q, repeat_kv(k, groups), repeat_kv(v, groups))
 
 
 _REGISTRY: dict[str, AttentionFn] = {
@@ -63,10 +102,13 @@ BACKENDS = ("auto", "reference", "blockwise", "torch")
 _AUTO = {"cpu": "torch", "cuda": "torch", "meta": "torch"}
 
 
-def register_attention_backend(name: str, fn: AttentionFn) -> None:
+def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool = False) -> None:
     """Make ``fn(q, k, v)`` (causal, bottom-right aligned) available as ``attention_backend=name``.
 
-    ``fn`` should be a module-level function so that modules using it still pickle.
+    ``fn`` should be a module-level function so that modules using it still pickle. With
+    ``grouped_kv=False`` (the default) ``fn`` always gets as many key/value heads as query heads
+    (grouped ones are repeated for it); with ``grouped_kv=True`` it gets k and v with ``kv_heads``
+    heads as they are, and must handle the grouping itself.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"name must be a non-empty str other than 'auto', got {name!r}")
@@ -74,7 +116,7 @@ def register_attention_backend(name: str, fn: AttentionFn) -> None:
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if name in _REGISTRY:
         raise ValueError(f"attention backend {name!r} is already registered")
-    _REGISTRY[name] = fn
+    _REGISTRY[name] = fn if grouped_kv else _RepeatKV(fn)
 
 
 def resolve_attention_backend(name: object, device: torch.device | str | None = None) -> str:
@@ -89,11 +131,12 @@ def resolve_attention_backend(name: object, device: torch.device | str | None = 
 
 
 def causal_attention(
-    q: Float[Tensor, "... queries d_head"],
-    k: Float[Tensor, "... keys d_head"],
-    v: Float[Tensor, "... keys d_head"],
+    q: Float[Tensor, "... heads queries d_head"],
+    k: Float[Tensor, "... kv_heads keys d_head"],
+    v: Float[Tensor, "... kv_heads keys d_head"],
     attention_backend: str = "auto",
-) -> Float[Tensor, "... queries d_head"]:
-    """Causal attention of (..., queries, d_head) over (..., keys, d_head), bottom-right aligned,
-    computed by the named backend ("auto": resolved for ``q``'s device)."""
+) -> Float[Tensor, "... heads queries d_head"]:
+    """Causal attention of (..., heads, queries, d_head) over (..., kv_heads, keys, d_head),
+    bottom-right aligned, computed by the named backend ("auto": resolved for ``q``'s device).
+    ``kv_heads`` must divide ``heads``; query head h reads kv head h // (heads / kv_heads)."""
     return _REGISTRY[resolve_attention_backend(attention_backend, q.device)](q, k, v)

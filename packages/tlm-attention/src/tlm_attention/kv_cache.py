@@ -7,7 +7,8 @@ from torch import Tensor
 class KVCache:
     """Keys and values of the tokens seen so far, for one attention layer.
 
-    Buffers of shape (batch, heads, capacity, d_head) are allocated once; ``update`` writes the
+    Buffers of shape (batch, heads, capacity, d_head) are allocated once (``num_heads`` is the
+    attention's key/value head count, ``num_kv_heads`` under grouped-query attention); ``update`` writes the
     new tokens' keys and values after the ``length`` already stored and returns views of
     everything stored, so a prefix is never recomputed. ``length`` is also the position of the
     next token, which is where RoPE continues: positions come from the cache.

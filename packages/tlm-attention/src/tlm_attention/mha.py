@@ -17,8 +17,12 @@ from tlm_rope import RotaryPositionalEmbedding
 class CausalMultiHeadSelfAttention(nn.Module):
     """MultiHeadSelfAttention(x) = W_O · MultiHead(W_Q x, W_K x, W_V x) with a causal mask.
 
-    d_head = d_model / num_heads. Submodules ``q_proj``, ``k_proj``, ``v_proj`` and
-    ``output_proj`` fix the state-dict keys. ``rope``, when given, rotates q and k of every
+    ``num_kv_heads`` (default ``num_heads``) key/value heads are shared by groups of
+    ``num_heads / num_kv_heads`` query heads: grouped-query attention (Ainslie et al. 2023), or
+    multi-query attention with ``num_kv_heads=1``. ``head_dim`` defaults to d_model / num_heads and
+    may be set independently (Gemma, Qwen3). Submodules ``q_proj`` (num_heads·head_dim, d_model),
+    ``k_proj``/``v_proj`` (num_kv_heads·head_dim, d_model) and ``output_proj`` (d_model,
+    num_heads·head_dim) fix the state-dict keys. ``rope``, when given, rotates q and k of every
     head by the same position-dependent rotation (never v); one RoPE module can be shared by
     all layers of a model.
 
@@ -26,7 +30,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
     :data:`~tlm_attention.ATTENTION_BACKENDS`, or ``"auto"``); it is resolved once, here, for
     ``device``, and an unknown name is refused here. ``fused=True`` (the default) computes q, k
     and v with one matmul against a stacked (3·d_model, d_model) weight ``qkv_proj``; state
-    dicts keep (and accept) the separate q/k/v keys either way.
+    dicts keep (and accept) the separate q/k/v keys either way. A :class:`KVCache` for this
+    module holds ``num_kv_heads`` heads, so its memory is ∝ ``num_kv_heads``.
     """
 
     def __init__(
@@ -39,35 +44,52 @@ class CausalMultiHeadSelfAttention(nn.Module):
         *,
         attention_backend: str = "auto",
         fused: bool = True,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("d_model", d_model)
         check_positive_int("num_heads", num_heads)
-        if d_model % num_heads != 0:
-            raise ValueError(f"d_model must be divisible by num_heads, got d_model={d_model}, num_heads={num_heads}")
-        d_head = d_model // num_heads
+        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        if head_dim is None:
+            if d_model % num_heads != 0:
+                raise ValueError(
+                    f"d_model must be divisible by num_heads, got d_model={d_model}, num_heads={num_heads} "
+                    "(or give head_dim)"
+                )
+            head_dim = d_model // num_heads
+        d_head = check_positive_int("head_dim", head_dim)
         if rope is not None:
             if not isinstance(rope, RotaryPositionalEmbedding):
                 raise TypeError(f"rope must be a RotaryPositionalEmbedding or None, got {type(rope).__name__}")
             if rope.d_k != d_head:
-                raise ValueError(f"rope.d_k must equal d_model / num_heads = {d_head}, got rope.d_k={rope.d_k}")
+                raise ValueError(
+                    f"rope.d_k must equal d_model / num_heads = {d_head}, got rope.d_k={rope.d_k} (or set head_dim)"
+                )
         self.d_model = d_model
         self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.d_head = d_head
+        q_size, kv_size = num_heads * d_head, num_kv_heads * d_head
+        self._split_sizes = (q_size, kv_size, kv_size)
         self._requested_backend = attention_backend
         self._backend = resolve_attention_backend(attention_backend, device)
         self._attention_fn = ATTENTION_BACKENDS[self._backend]  # chosen once, not on every call
         self.fused = bool(fused)
         if self.fused:
-            # Each third keeps the σ² = 2 / (d_model + d_model) of a separate projection.
-            std = math.sqrt(1.0 / d_model)
-            self.qkv_proj = Linear(d_model, 3 * d_model, device=device, dtype=dtype, init_std=std)
-            register_split_layout(self, "qkv_proj", {"q_proj": d_model, "k_proj": d_model, "v_proj": d_model})
+            # The stack keeps q's σ² = 2 / (d_model + heads·d_head) (k's and v's too without GQA).
+            std = math.sqrt(2.0 / (d_model + q_size))
+            self.qkv_proj = Linear(d_model, q_size + 2 * kv_size, device=device, dtype=dtype, init_std=std)
+            register_split_layout(self, "qkv_proj", {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size})
         else:
-            self.q_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-            self.k_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-            self.v_proj = Linear(d_model, d_model, device=device, dtype=dtype)
-        self.output_proj = Linear(d_model, d_model, device=device, dtype=dtype)
+            self.q_proj = Linear(d_model, q_size, device=device, dtype=dtype)
+            self.k_proj = Linear(d_model, kv_size, device=device, dtype=dtype)
+            self.v_proj = Linear(d_model, kv_size, device=device, dtype=dtype)
+        self.output_proj = Linear(q_size, d_model, device=device, dtype=dtype)
         self.rope = rope
 
     @property
@@ -111,11 +133,12 @@ class CausalMultiHeadSelfAttention(nn.Module):
             check_cache_positions(token_positions, start, x.shape[-2])
 
         if self.fused:
-            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+            q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         split = "... seq (heads d_head) -> ... heads seq d_head"
-        q, k, v = (rearrange(t, split, heads=self.num_heads) for t in (q, k, v))
+        q = rearrange(q, split, d_head=self.d_head)
+        k, v = (rearrange(t, split, d_head=self.d_head) for t in (k, v))
 
         if self.rope is not None:
             if token_positions is None and start > 0:
@@ -132,6 +155,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"d_model={self.d_model}, num_heads={self.num_heads}, "
+            f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.d_head}, "
             f"attention_backend={self._requested_backend!r} ({self._backend}), fused={self.fused}"
         )

@@ -6,6 +6,7 @@ from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.cross_entropy import cross_entropy
 from tlm_model.generate import generate
 from tlm_model.inference import InferenceModel, compile_for_inference
+from tlm_model.interop import save_hf
 from tlm_model.lm import TransformerLM
 from tlm_model.loss import chunked_cross_entropy
 
@@ -24,4 +25,5 @@ __all__ = [
     "generate",
     "load_checkpoint",
     "save_checkpoint",
+    "save_hf",
 ]

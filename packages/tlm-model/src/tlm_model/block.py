@@ -22,7 +22,8 @@ class TransformerBlock(nn.Module):
     is refused. State-dict keys: ``attn.{q,k,v,output}_proj.weight``, ``ln1.weight``,
     ``ffn.w{1,2,3}.weight``, ``ln2.weight``, whether or not ``fused`` (the default) stacks q/k/v
     and w1/w3 into single matmuls. ``attention_backend`` is ``"auto"`` or a key of
-    ``tlm_attention.ATTENTION_BACKENDS``.
+    ``tlm_attention.ATTENTION_BACKENDS``. ``num_kv_heads`` and ``head_dim`` go to the attention
+    (grouped-query attention; a head size other than d_model / num_heads).
     """
 
     def __init__(
@@ -37,6 +38,8 @@ class TransformerBlock(nn.Module):
         rope: RotaryPositionalEmbedding | None = None,
         attention_backend: str = "auto",
         fused: bool = True,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -49,11 +52,12 @@ class TransformerBlock(nn.Module):
                 )
             check_positive_int("d_model", d_model)
             check_positive_int("num_heads", num_heads)
-            if d_model % num_heads != 0:
+            if head_dim is None and d_model % num_heads != 0:
                 raise ValueError(
                     f"d_model must be divisible by num_heads, got d_model={d_model}, num_heads={num_heads}"
                 )
-            rope = RotaryPositionalEmbedding(theta, d_model // num_heads, max_seq_len, device=device)
+            d_head = d_model // num_heads if head_dim is None else check_positive_int("head_dim", head_dim)
+            rope = RotaryPositionalEmbedding(theta, d_head, max_seq_len, device=device)
         elif max_seq_len is not None or theta is not None:
             raise ValueError(
                 "give TransformerBlock either rope or max_seq_len and theta, not both: the rope's own "
@@ -61,7 +65,15 @@ class TransformerBlock(nn.Module):
                 f"silently win over max_seq_len={max_seq_len!r}, theta={theta!r}"
             )
         self.attn = CausalMultiHeadSelfAttention(
-            d_model, num_heads, rope=rope, device=device, dtype=dtype, attention_backend=attention_backend, fused=fused
+            d_model,
+            num_heads,
+            rope=rope,
+            device=device,
+            dtype=dtype,
+            attention_backend=attention_backend,
+            fused=fused,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
         )
         self.ln1 = RMSNorm(d_model, eps=norm_eps, device=device, dtype=dtype)
         self.ffn = SwiGLU(d_model, d_ff, device=device, dtype=dtype, fused=fused)

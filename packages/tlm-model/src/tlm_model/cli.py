@@ -3,7 +3,9 @@
 ``tlm info [--preset NAME] [--json]`` describes preset models; ``tlm accounting`` prints the
 parameter, memory and FLOP accounting of one preset or compares several; ``tlm generate`` continues
 a sequence of token ids with a model (random weights, or a checkpoint read by
-:func:`tlm_model.load_checkpoint`). ``python -m tlm_model`` is the same command.
+:func:`tlm_model.load_checkpoint`); ``tlm convert --from-hf DIR --out DIR`` turns an HF Llama folder
+into a tlm checkpoint and ``tlm convert --to-hf CHECKPOINT --out DIR`` the reverse.
+``python -m tlm_model`` is the same command.
 
 Every user error prints one line, ``tlm: error: ...``, and exits with status 2; Ctrl-C exits
 with 130. Other packages add subcommands through the ``tlm.cli`` entry-point group: each entry
@@ -27,9 +29,10 @@ import torch
 
 from tlm_model import __version__
 from tlm_model.accounting import COMPONENTS, Accounting, account
-from tlm_model.checkpoint import load_checkpoint
+from tlm_model.checkpoint import load_checkpoint, save_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.generate import generate
+from tlm_model.interop import from_hf, save_hf
 from tlm_model.lm import TransformerLM
 from tlm_model.train_memory import TrainMemory, train_memory
 
@@ -364,6 +367,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.from_hf is not None:
+        model = from_hf(args.from_hf, dtype=dtype)
+        save_checkpoint(model, args.out)
+        source, target = "HF Llama folder", "tlm checkpoint"
+    else:
+        model = load_checkpoint(args.to_hf, dtype=dtype)
+        save_hf(model, args.out)
+        source, target = "tlm checkpoint", "HF Llama folder"
+    report = {"from": args.from_hf or args.to_hf, "out": args.out, "parameters": model.num_parameters(),
+              "config": model.config.to_dict()}  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{source} {report['from']} -> {target} {args.out} ({human(report['parameters'])} parameters)")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -473,6 +495,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="weights' dtype (default: the checkpoint's, float32 for random weights)")  # fmt: skip
     gen.add_argument("--quiet", action="store_true", help="no progress bar")
     gen.set_defaults(handler=_generate)
+
+    conv = commands.add_parser(
+        "convert",
+        help="convert between an HF Llama folder and a tlm checkpoint",
+        description="--from-hf reads config.json + safetensors (sharded or not) and writes a tlm checkpoint; "
+        "--to-hf writes config.json + model.safetensors that transformers' from_pretrained loads. "
+        "Settings tlm does not compute (biases, sliding window, unknown keys) are refused by name.",
+    )
+    direction = conv.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="an HF Llama model folder")
+    direction.add_argument("--to-hf", metavar="CHECKPOINT", help="a tlm checkpoint (save_checkpoint folder or file)")
+    conv.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    conv.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="convert the weights (default: as stored)")
+    conv.add_argument("--json", action="store_true", help="print a JSON summary")
+    conv.set_defaults(handler=_convert)
 
     _load_plugins(commands)
     return parser

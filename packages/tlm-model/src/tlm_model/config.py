@@ -5,6 +5,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tlm_model._checks import check_number, check_positive_int
+from tlm_rope import LAYOUTS
+from tlm_rope.scaling import check_scaling
 
 
 @dataclass(frozen=True)
@@ -12,7 +14,13 @@ class ModelConfig:
     """Everything needed to build a :class:`~tlm_model.TransformerLM`.
 
     Field names follow the course's ``run_transformer_lm`` adapter. ``norm_eps`` is the RMSNorm
-    epsilon (CS336 §1.5.1 uses 1e-5).
+    epsilon (CS336 §1.5.1 uses 1e-5). The Llama-family fields default to the course model:
+    ``num_kv_heads`` (None: ``num_heads``; fewer is grouped-query attention), ``head_dim`` (None:
+    ``d_model / num_heads``) and ``tie_word_embeddings`` (the LM head reuses the token embedding
+    matrix, one parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B). ``rope_scaling``
+    (None, or a dict with HF's ``rope_parameters`` keys such as ``{"rope_type": "llama3", ...}``) is
+    passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``; ``rope_layout`` is
+    its ``layout`` (``"interleaved"``, the course's, or ``"half"``, HF's rotate-half).
     """
 
     vocab_size: int
@@ -23,6 +31,11 @@ class ModelConfig:
     d_ff: int
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    rope_layout: str = "interleaved"
 
     def __post_init__(self) -> None:
         # Field types and ranges first: the cross-field rules below need them, and a config read
@@ -31,17 +44,42 @@ class ModelConfig:
             check_positive_int(f"ModelConfig.{field}", getattr(self, field))
         check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, inclusive=False)
         check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0, inclusive=True)
-        if self.d_model % self.num_heads != 0:
+        for field in ("num_kv_heads", "head_dim"):
+            if getattr(self, field) is not None:
+                check_positive_int(f"ModelConfig.{field}", getattr(self, field))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise TypeError(
+                f"ModelConfig.tie_word_embeddings must be a bool, got {type(self.tie_word_embeddings).__name__}"
+            )
+        try:
+            # A private copy: the caller's dict may change later, a frozen config must not.
+            object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
+        if self.rope_layout not in LAYOUTS:
+            raise ValueError(f"ModelConfig.rope_layout must be one of {LAYOUTS}, got {self.rope_layout!r}")
+        if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
-                f"num_heads={self.num_heads}"
+                f"num_heads={self.num_heads} (or set head_dim)"
+            )
+        if self.num_heads % self.kv_heads != 0:
+            raise ValueError(
+                f"ModelConfig.num_kv_heads must divide num_heads, got num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}"
             )
         if self.d_head % 2 != 0:
-            raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head}")
+            raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head} (or head_dim)")
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.num_heads
+        """The per-head dimension: ``head_dim``, or ``d_model / num_heads`` when that is None."""
+        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads: ``num_kv_heads``, or ``num_heads`` when that is None."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 
     @classmethod
     def from_preset(cls, name: str) -> "ModelConfig":

@@ -28,13 +28,34 @@ def _strip_compiled_prefix(
         state_dict[prefix + key[len(marked) :]] = state_dict.pop(key)
 
 
+def _drop_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    # A tied head is the embedding matrix itself: saved once, under token_embeddings.weight, as HF
+    # checkpoints of tied models are.
+    state_dict.pop(prefix + "lm_head.weight", None)
+
+
+def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+    embedding, head = prefix + "token_embeddings.weight", prefix + "lm_head.weight"
+    if embedding not in state_dict:
+        return  # load_state_dict reports the missing key
+    if head in state_dict and not torch.equal(state_dict[head], state_dict[embedding]):
+        raise ValueError(
+            f"this model ties lm_head.weight to token_embeddings.weight (tie_word_embeddings=True), but the state "
+            f"dict has a different {head!r}; build the model with tie_word_embeddings=False to load it"
+        )
+    state_dict[head] = state_dict[embedding]
+
+
 class TransformerLM(nn.Module):
     """token embedding → ``num_layers`` pre-norm blocks → final RMSNorm → LM head.
 
     ``forward`` returns unnormalised next-token logits (batch, seq, vocab). All layers share one
     RoPE table sized ``context_length``. State-dict keys: ``token_embeddings.weight``,
     ``layers.{i}.<block keys>``, ``ln_final.weight``, ``lm_head.weight``; checkpoints saved from a
-    ``torch.compile``d model (keys prefixed ``_orig_mod.``) load as they are.
+    ``torch.compile``d model (keys prefixed ``_orig_mod.``) load as they are. With
+    ``tie_word_embeddings=True`` ``lm_head.weight`` *is* ``token_embeddings.weight`` (one
+    parameter); state dicts then leave out ``lm_head.weight`` and loading restores the tie.
+    ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size.
 
     Build on ``device="meta"`` to get shapes and parameter counts without allocating; then
     ``to_empty(device=...)`` and ``reset_parameters()`` to materialise it.
@@ -58,6 +79,11 @@ class TransformerLM(nn.Module):
         rope_theta: float = 10_000.0,
         *,
         norm_eps: float = 1e-5,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        tie_word_embeddings: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
+        rope_layout: str = "interleaved",
         attention_backend: str = "auto",
         fused: bool = True,
         device: torch.device | str | None = None,
@@ -74,10 +100,17 @@ class TransformerLM(nn.Module):
             d_ff=d_ff,
             rope_theta=rope_theta,
             norm_eps=norm_eps,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            tie_word_embeddings=tie_word_embeddings,
+            rope_scaling=rope_scaling,
+            rope_layout=rope_layout,
         )
         cfg = self.config
         self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        self.rope = RotaryPositionalEmbedding(rope_theta, cfg.d_head, context_length, device=device)
+        self.rope = RotaryPositionalEmbedding(
+            rope_theta, cfg.d_head, context_length, device=device, scaling=cfg.rope_scaling, layout=cfg.rope_layout
+        )
         self.layers = nn.ModuleList(
             TransformerBlock(
                 d_model,
@@ -87,6 +120,8 @@ class TransformerLM(nn.Module):
                 rope=self.rope,
                 attention_backend=attention_backend,
                 fused=fused,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
                 device=device,
                 dtype=dtype,
             )
@@ -95,6 +130,19 @@ class TransformerLM(nn.Module):
         self.ln_final = RMSNorm(d_model, eps=norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
         self.register_load_state_dict_pre_hook(_strip_compiled_prefix)
+        if tie_word_embeddings:
+            # (vocab, d_model) both ways: one Parameter, so an optimizer and a save see it once.
+            self.lm_head.weight = self.token_embeddings.weight
+            self.register_state_dict_post_hook(_drop_tied_head)
+            self.register_load_state_dict_pre_hook(_restore_tied_head)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "TransformerLM":
+        # to_empty() (and .to() with torch's overwrite-on-conversion setting) replace each module's
+        # Parameter separately, which would split a tied head from its embedding: tie them again.
+        super()._apply(fn, recurse)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
+        return self
 
     @classmethod
     def from_config(cls, config: ModelConfig, **kwargs: Any) -> "TransformerLM":
@@ -102,6 +150,13 @@ class TransformerLM(nn.Module):
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
         return cls(**config.to_dict(), **kwargs)
+
+    @classmethod
+    def from_hf(cls, directory: Any, **kwargs: Any) -> "TransformerLM":
+        """Load an HF Llama folder (``config.json`` + safetensors); see :func:`tlm_model.interop.from_hf`."""
+        from tlm_model.interop import from_hf  # interop builds TransformerLMs: imported late, no cycle
+
+        return from_hf(directory, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
@@ -135,15 +190,17 @@ class TransformerLM(nn.Module):
         weight = self.lm_head.weight
         dtype = weight.dtype if dtype is None else dtype
         return [
-            KVCache(batch_size, cfg.num_heads, capacity, cfg.d_head, device=weight.device, dtype=dtype)
+            KVCache(batch_size, cfg.kv_heads, capacity, cfg.d_head, device=weight.device, dtype=dtype)
             for _ in range(cfg.num_layers)
         ]
 
     def reset_parameters(self) -> None:
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
+        tied = self.config.tie_word_embeddings
         for module in self.modules():
             reset = getattr(module, "reset_parameters", None)
-            if module is not self and callable(reset):
+            # A tied head keeps the embedding's initialisation rather than redrawing it as a Linear.
+            if module is not self and callable(reset) and not (tied and module is self.lm_head):
                 reset()
 
     def num_parameters(self) -> int:

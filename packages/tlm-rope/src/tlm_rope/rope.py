@@ -1,19 +1,41 @@
 """RoPE: rotate each pair (x[2k], x[2k+1]) at position i by θ_{i,k} = i · Θ^(-2k/d)."""
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 from einops import rearrange
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_rope._checks import as_index_tensor, check_positive_float, check_positive_int
+from tlm_rope.scaling import check_scaling, inv_freq_and_factor
+
+LAYOUTS = ("interleaved", "half")
 
 
 class RotaryPositionalEmbedding(nn.Module):
     """Applies the block-diagonal rotation R^i of CS336 §1.5.3 to the last dimension.
 
-    Pairs are *interleaved*: (x[0], x[1]), (x[2], x[3]), ... as in the original paper and
-    Meta's LLaMA code. HF transformers and GPT-NeoX rotate (x[k], x[k + d/2]) instead
-    ("rotate-half"); the two agree only after permuting the q/k projection rows.
+    ``layout="interleaved"`` (the default) pairs (x[0], x[1]), (x[2], x[3]), ... as in the
+    original paper and Meta's LLaMA code; ``layout="half"`` pairs (x[k], x[k + d/2]) as HF
+    transformers and GPT-NeoX do ("rotate-half"). The two agree only after permuting the q/k
+    projection rows.
+
+    ``seq_dim`` says which axis of the input is the sequence: -2 for (..., seq, d_k) (the default,
+    e.g. (batch, heads, seq, d_k)), -3 for (..., seq, heads, d_k) (torchtune's and flash-attn's
+    layout); no other axis is accepted. ``rotary_dim`` (default ``d_k``, even) rotates only the
+    first ``rotary_dim`` features and passes the rest through (GPT-NeoX, Phi). ``scaling`` extends
+    the context with HF's ``rope_parameters`` keys: ``{"rope_type": "linear", "factor": f}``,
+    ``"dynamic"`` (+ ``original_max_position_embeddings``), ``"yarn"`` (+ the same, and optional
+    ``beta_fast``, ``beta_slow``, ``attention_factor``, ``mscale``, ``mscale_all_dim``, ``truncate``)
+    or ``"llama3"`` (+ ``low_freq_factor``, ``high_freq_factor``); see :mod:`tlm_rope.scaling`.
+
+    Past ``max_seq_len`` nothing is extrapolated silently: a position >= ``max_seq_len`` is a
+    ``ValueError`` that names the limit (build the module with a larger ``max_seq_len``; the
+    tables cost 8·max_seq_len·rotary_dim/2 bytes). ``dynamic`` scaling recomputes its frequencies for
+    each call whose sequence reaches past ``original_max_position_embeddings`` (as HF does, for the
+    whole call); that reads the largest position, a host sync when ``token_positions`` are given.
 
     cos/sin tables of shape (max_seq_len, d_k/2) are built once, angles computed in float64
     and stored in float32, as non-persistent buffers (they never enter a state dict). They
@@ -30,6 +52,11 @@ class RotaryPositionalEmbedding(nn.Module):
         d_k: int,
         max_seq_len: int,
         device: torch.device | str | None = None,
+        *,
+        layout: str = "interleaved",
+        seq_dim: int = -2,
+        rotary_dim: int | None = None,
+        scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         check_positive_float("theta", theta)
@@ -37,24 +64,37 @@ class RotaryPositionalEmbedding(nn.Module):
         check_positive_int("max_seq_len", max_seq_len)
         if d_k % 2 != 0:
             raise ValueError(f"d_k must be even (RoPE rotates pairs of dimensions), got {d_k}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if isinstance(seq_dim, bool) or seq_dim not in (-2, -3):
+            raise ValueError(
+                f"seq_dim must be -2 (input (..., seq, d_k)) or -3 (input (..., seq, heads, d_k)), got {seq_dim!r}"
+            )
+        rotary_dim = d_k if rotary_dim is None else check_positive_int("rotary_dim", rotary_dim)
+        if rotary_dim % 2 != 0 or rotary_dim > d_k:
+            raise ValueError(f"rotary_dim must be even and at most d_k={d_k}, got {rotary_dim}")
         self.theta = float(theta)
         self.d_k = d_k
         self.max_seq_len = max_seq_len
+        self.layout = layout
+        self.seq_dim = seq_dim
+        self.rotary_dim = rotary_dim
+        self.scaling = check_scaling(scaling)
         cos, sin = self._tables(torch.device(device) if device is not None else None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device: torch.device | None) -> tuple[Tensor, Tensor]:
+    def _tables(self, device: torch.device | None, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         # float64 on the CPU first: a float32 Θ^(-2k/d) carries ~1e-7 relative error, which
         # position 16384 would turn into ~2e-3 rad of rotation error.
         if device is not None and device.type == "meta":
-            shape = (self.max_seq_len, self.d_k // 2)
+            shape = (self.max_seq_len, self.rotary_dim // 2)
             return (torch.empty(shape, device=device), torch.empty(shape, device=device))
-        inv_freq = self.theta ** (-torch.arange(0, self.d_k, 2, dtype=torch.float64) / self.d_k)
+        inv_freq, factor = inv_freq_and_factor(self.theta, self.rotary_dim, self.scaling, seq_len)
         angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float64), inv_freq)
         return (
-            angles.cos().to(device=device, dtype=torch.float32),
-            angles.sin().to(device=device, dtype=torch.float32),
+            (angles.cos() * factor).to(device=device, dtype=torch.float32),
+            (angles.sin() * factor).to(device=device, dtype=torch.float32),
         )
 
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
@@ -70,29 +110,53 @@ class RotaryPositionalEmbedding(nn.Module):
         x: Float[Tensor, "... seq d_k"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_k"]:
-        """Rotate ``x``; ``token_positions`` (default 0..seq-1) broadcast against ``x.shape[:-1]``."""
+        """Rotate ``x`` of shape (..., seq, d_k) (``seq_dim=-2``) or (..., seq, heads, d_k)
+        (``seq_dim=-3``); ``token_positions`` (default 0..seq-1) broadcast against (..., seq)."""
         if not x.is_floating_point():
             raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
-        if x.ndim < 2 or x.shape[-1] != self.d_k:
-            raise ValueError(f"x must have shape (..., seq, d_k={self.d_k}), got {tuple(x.shape)}")
-        seq = x.shape[-2]
+        axes = "(..., seq, d_k" if self.seq_dim == -2 else "(..., seq, heads, d_k"
+        if x.ndim < -self.seq_dim or x.shape[-1] != self.d_k:
+            raise ValueError(f"x must have shape {axes}={self.d_k}), got {tuple(x.shape)}")
+        seq = x.shape[self.seq_dim]
+        lead = x.shape[:-1] if self.seq_dim == -2 else x.shape[:-2]
+        cos_table, sin_table = self.cos, self.sin
         if token_positions is None:
             if seq > self.max_seq_len:
                 raise ValueError(
                     f"x has seq={seq} positions but the tables hold max_seq_len={self.max_seq_len}; "
                     f"pass token_positions or build the module with a larger max_seq_len"
                 )
-            cos, sin = self.cos[:seq], self.sin[:seq]
+            if self._dynamic_past_original(seq):
+                cos_table, sin_table = self._tables(self.cos.device, seq)
+            cos, sin = cos_table[:seq], sin_table[:seq]
         else:
-            token_positions = self._check_positions(token_positions, x.shape[:-1])
-            cos, sin = self.cos[token_positions], self.sin[token_positions]
+            token_positions = self._check_positions(token_positions, lead)
+            if self._is_dynamic() and token_positions.numel():
+                length = int(token_positions.max()) + 1  # a host sync, only for dynamic scaling
+                if self._dynamic_past_original(length):
+                    cos_table, sin_table = self._tables(self.cos.device, length)
+            cos, sin = cos_table[token_positions], sin_table[token_positions]
+        if self.seq_dim == -3:  # one rotation for every head at a position
+            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
 
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
         cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
-        pairs = rearrange(x.to(compute_dtype), "... (half two) -> ... half two", two=2)
-        even, odd = pairs.unbind(-1)
-        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-        return rearrange(rotated, "... half two -> ... (half two)").to(x.dtype)
+        rot, rest = x.to(compute_dtype).split((self.rotary_dim, self.d_k - self.rotary_dim), dim=-1)
+        if self.layout == "interleaved":
+            pairs = rearrange(rot, "... (half two) -> ... half two", two=2)
+            even, odd = pairs.unbind(-1)
+            rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+            rot = rearrange(rotated, "... half two -> ... (half two)")
+        else:
+            first, second = rot.chunk(2, dim=-1)
+            rot = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return torch.cat((rot, rest), dim=-1).to(x.dtype)
+
+    def _is_dynamic(self) -> bool:
+        return self.scaling is not None and self.scaling["rope_type"] == "dynamic"
+
+    def _dynamic_past_original(self, seq_len: int) -> bool:
+        return self._is_dynamic() and seq_len > self.scaling["original_max_position_embeddings"]  # type: ignore[index]
 
     def _check_positions(self, token_positions: Tensor, lead_shape: torch.Size) -> Tensor:
         if not isinstance(token_positions, Tensor):
@@ -103,10 +167,15 @@ class RotaryPositionalEmbedding(nn.Module):
             broadcast = None
         if broadcast != lead_shape:
             raise ValueError(
-                f"token_positions of shape {tuple(token_positions.shape)} must broadcast to x.shape[:-1] = "
-                f"{tuple(lead_shape)} (that is, (..., seq))"
+                f"token_positions of shape {tuple(token_positions.shape)} must broadcast to "
+                f"x.shape[:{self.seq_dim + 1}] = {tuple(lead_shape)} (that is, (..., seq))"
             )
         return as_index_tensor("token_positions", token_positions, self.max_seq_len, "max_seq_len")
 
     def extra_repr(self) -> str:
-        return f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}"
+        extra = "" if self.rotary_dim == self.d_k else f", rotary_dim={self.rotary_dim}"
+        extra += "" if self.scaling is None else f", scaling={self.scaling}"
+        return (
+            f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, layout={self.layout!r}, "
+            f"seq_dim={self.seq_dim}{extra}"
+        )
