@@ -220,7 +220,7 @@ def train(session: nox.Session) -> None:
     session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
 
 
-BENCHMARKS = ["run", "tokenizer", "optim", "train"]
+BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train"]
 # The references each benchmark measures against, beside tlm's own packages.
 BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15"]
 

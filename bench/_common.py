@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
-ORDER = ["model", "tokenizer", "optim", "train"]
+ORDER = ["model", "gqa", "tokenizer", "optim", "train"]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
+    "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
     "tokenizer": "the tokenizer: tlm-tokenizer vs HF tokenizers and tiktoken (`bench/tokenizer.py`)",
     "optim": "the optimizer and batches: tlm-optim vs torch.optim (`bench/optim.py`)",
     "train": "the training loop: tlm-train vs HF Llama + torch AdamW (`bench/train.py`)",

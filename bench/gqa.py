@@ -18,13 +18,13 @@ the same model would need without GQA for comparison.
 import argparse
 import datetime
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+from _common import cpu_description, write_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 try:
@@ -36,7 +36,7 @@ import transformers  # noqa: E402
 
 from tlm_model import TransformerLM, generate  # noqa: E402
 
-DOC = ROOT / "docs" / "benchmarks-gqa.md"
+DOC = ROOT / "docs" / "benchmarks.md"
 LLAMA3 = {
     "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192, "rope_theta": 500_000.0,
@@ -118,7 +118,7 @@ def main() -> None:
         [
             "# Grouped-query decoding: tlm vs HF transformers",
             "",
-            f"Written by `python bench/gqa.py` on {datetime.date.today()}, {platform.machine()}, "
+            f"Written by `python bench/gqa.py` on {datetime.date.today()}, {cpu_description()}, "
             f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s).",
             f"Model: Llama-3.2-1B's attention shape shrunk to {args.layers} layers, d_model 512, 8 query heads over "
             "2 kv heads, head_dim 64, vocab 8192, tied embeddings, llama3 RoPE scaling; random weights, "
@@ -130,7 +130,7 @@ def main() -> None:
             "",
         ]
     )
-    DOC.write_text(text, encoding="utf-8")
+    write_section("gqa", text, DOC)
     print(text)
 
 
