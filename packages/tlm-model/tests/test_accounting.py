@@ -162,3 +162,41 @@ def test_cli_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["accounting"])
     assert "one of the arguments --preset --compare is required" in capsys.readouterr().err
+
+
+# Grouped-query attention, a free head_dim and tied embeddings (issue 13's configurations).
+GQA_CONFIGS = [
+    ModelConfig(vocab_size=97, context_length=24, d_model=48, num_layers=2, num_heads=6, d_ff=80, num_kv_heads=2),
+    ModelConfig(
+        vocab_size=50,
+        context_length=16,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        d_ff=64,
+        num_kv_heads=1,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
+    ModelConfig(vocab_size=61, context_length=16, d_model=40, num_layers=1, num_heads=2, d_ff=48, head_dim=12),
+]
+
+
+@pytest.mark.parametrize("cfg", GQA_CONFIGS)
+def test_gqa_head_dim_and_tied_parameters_equal_numel(cfg):
+    model = TransformerLM.from_config(cfg, device="meta", fused=False)
+    report = account(cfg)
+    assert report.params_total == sum(p.numel() for p in model.parameters())  # a tied weight is listed once
+    by_name = {k: v.numel() for k, v in model.named_parameters()}
+    projections = ["q_proj", "k_proj", "v_proj", "output_proj"]
+    for component, suffix in [(f"attn_{name}", f"{name}.weight") for name in projections]:
+        assert report.params[component] == sum(v for k, v in by_name.items() if k.endswith(suffix))
+
+
+@pytest.mark.parametrize("cfg", GQA_CONFIGS)
+def test_gqa_forward_flops_equal_flop_counter_mode(cfg):
+    model = TransformerLM.from_config(cfg, attention_backend="reference", fused=False)
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids)
+    assert counter.get_total_flops() == account(cfg, batch_size=2, seq_len=11).forward_flops

@@ -19,6 +19,17 @@ from tlm_model.train_memory import shard_rows, train_memory
 CONFIGS = [
     ModelConfig(vocab_size=96, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160),
     ModelConfig(vocab_size=203, context_length=24, d_model=32, num_layers=3, num_heads=2, d_ff=96),
+    ModelConfig(
+        vocab_size=77,
+        context_length=16,
+        d_model=48,
+        num_layers=2,
+        num_heads=6,
+        d_ff=64,
+        num_kv_heads=2,
+        head_dim=12,
+        tie_word_embeddings=True,
+    ),
 ]
 
 

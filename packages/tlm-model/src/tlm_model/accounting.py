@@ -168,19 +168,21 @@ class Accounting:
 def count_parameters(config: ModelConfig) -> dict[str, int]:
     """Parameters per component, summed over layers."""
     d, layers = config.d_model, config.num_layers
+    q_width, kv_width = config.num_heads * config.d_head, config.kv_heads * config.d_head
     return {
         "token_embeddings": config.vocab_size * d,
-        "attn_q_proj": layers * d * d,
-        "attn_k_proj": layers * d * d,
-        "attn_v_proj": layers * d * d,
-        "attn_output_proj": layers * d * d,
+        "attn_q_proj": layers * q_width * d,
+        "attn_k_proj": layers * kv_width * d,
+        "attn_v_proj": layers * kv_width * d,
+        "attn_output_proj": layers * d * q_width,
         "ffn_w1": layers * config.d_ff * d,
         "ffn_w2": layers * d * config.d_ff,
         "ffn_w3": layers * config.d_ff * d,
         "ln1": layers * d,
         "ln2": layers * d,
         "ln_final": d,
-        "lm_head": config.vocab_size * d,
+        # A tied head is the token embedding itself: one parameter, counted once (there).
+        "lm_head": 0 if config.tie_word_embeddings else config.vocab_size * d,
     }
 
 
@@ -188,14 +190,16 @@ def forward_matmuls(config: ModelConfig, batch_size: int, seq_len: int) -> tuple
     """Every matrix multiply of one forward pass, as tlm's reference path computes it."""
     d, d_ff, heads, layers = config.d_model, config.d_ff, config.num_heads, config.num_layers
     tokens, dh = batch_size * seq_len, config.d_head
+    q_width, kv_width = heads * dh, config.kv_heads * dh
+    # Grouped-query attention: every query head still scores against (a shared) key head.
     per_head = batch_size * heads * layers
     return (
-        MatMul("q_proj", "attn_qkv_proj", tokens, d, d, layers),
-        MatMul("k_proj", "attn_qkv_proj", tokens, d, d, layers),
-        MatMul("v_proj", "attn_qkv_proj", tokens, d, d, layers),
+        MatMul("q_proj", "attn_qkv_proj", tokens, d, q_width, layers),
+        MatMul("k_proj", "attn_qkv_proj", tokens, d, kv_width, layers),
+        MatMul("v_proj", "attn_qkv_proj", tokens, d, kv_width, layers),
         MatMul("Q Kᵀ", "attn_scores", seq_len, dh, seq_len, per_head),
         MatMul("softmax(·) V", "attn_values", seq_len, seq_len, dh, per_head),
-        MatMul("output_proj", "attn_output_proj", tokens, d, d, layers),
+        MatMul("output_proj", "attn_output_proj", tokens, q_width, d, layers),
         MatMul("ffn.w1", "ffn", tokens, d, d_ff, layers),
         MatMul("ffn.w3", "ffn", tokens, d, d_ff, layers),
         MatMul("ffn.w2", "ffn", tokens, d_ff, d, layers),
@@ -211,7 +215,7 @@ def elementwise_estimate(config: ModelConfig, batch_size: int, seq_len: int) -> 
         "softmax": cost["softmax"] * scores,
         "rmsnorm": cost["rmsnorm"] * tokens * d * (2 * layers + 1),
         "silu_gate": cost["silu_gate"] * tokens * config.d_ff * layers,
-        "rope": cost["rope"] * 2 * tokens * d * layers,
+        "rope": cost["rope"] * tokens * (config.num_heads + config.kv_heads) * config.d_head * layers,
         "residual": cost["residual"] * 2 * tokens * d * layers,
     }
 

@@ -10,11 +10,12 @@
   block runs forward or backward its full parameters are gathered (one block at a time, plus the
   root's embedding, final norm and LM head): that transient is ``gathered_bytes``.
 - **Activations** (what autograd keeps for the backward pass), float32, counted from what this
-  implementation saves. Per token and layer: each RMSNorm's input, its 1/rms and its output, plus
-  the flattened copy its projection saves (2 × (3·d + 1)); the SDPA inputs and output (q, k, v,
-  out: 4·d) and its log-sum-exp (heads); the output projection's input (d); SwiGLU's gate, up,
-  product and two more d_ff-wide tensors (5·d_ff). Outside the blocks, per token: the final
-  norm's (3·d + 1 with the loss's gradient of the hidden states) and the int64 ids; per step:
+  implementation saves. Per token and layer: each RMSNorm's input, its 1/rms, its overflow scale
+  and its output, plus the flattened copy its projection saves (2 × (3·d + 2)); the SDPA inputs and
+  output (q and out: heads·d_head each; k and v: kv_heads·d_head each, so grouped-query attention
+  saves less) and its log-sum-exp (heads); the output projection's input (heads·d_head); SwiGLU's
+  gate, up, product and two more d_ff-wide tensors (5·d_ff). Outside the blocks, per token: the
+  final norm's (3·d + 2 with the loss's gradient of the hidden states) and the int64 ids; per step:
   the chunked loss's gradient of the LM head (vocab·d), computed in the forward pass, and the
   RoPE cos/sin tables (seq·d_head, shared by the layers). With per-block activation
   checkpointing only each block's input (d) is kept after the forward pass (``activations``),
@@ -36,11 +37,16 @@ def shard_rows(rows: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
+BLOCK_PARAMETERS = ("q_proj", "k_proj", "v_proj", "output_proj", "ln1", "w1", "w3", "w2", "ln2")
+
+
 def parameter_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
     """Every parameter's shape, in the model's order (unfused projections)."""
     d, f, v = config.d_model, config.d_ff, config.vocab_size
-    block = [(d, d)] * 4 + [(d,)] + [(f, d), (f, d), (d, f)] + [(d,)]
-    return [(v, d), *block * config.num_layers, (d,), (v, d)]
+    q, kv = config.num_heads * config.d_head, config.kv_heads * config.d_head
+    block = [(q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f), (d,)]
+    head = [] if config.tie_word_embeddings else [(v, d)]  # a tied head is the embedding
+    return [(v, d), *block * config.num_layers, (d,), *head]
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,15 @@ class TrainMemory:
 
 def block_activation_bytes_per_token(config: ModelConfig) -> int:
     """Bytes one block saves per token for its backward pass (see the module docstring)."""
-    return (11 * config.d_model + 5 * config.d_ff + config.num_heads + 2) * _F32
+    d, q, kv = config.d_model, config.num_heads * config.d_head, config.kv_heads * config.d_head
+    norms = 2 * (3 * d + 2)  # two RMSNorms: input, output, the projection's flattened copy; 1/rms and scale
+    attention = 3 * q + 2 * kv + config.num_heads  # q, k, v, out, the output projection's input; log-sum-exp
+    return (norms + attention + 5 * config.d_ff) * _F32
 
 
 def activation_bytes_per_token(config: ModelConfig, *, activation_checkpointing: bool = False) -> int:
     """Bytes autograd keeps per token from the forward pass to the backward pass."""
-    outside = (3 * config.d_model + 1) * _F32 + 8  # final norm, loss gradient w.r.t. hidden, int64 ids
+    outside = (3 * config.d_model + 2) * _F32 + 8  # final norm, loss gradient w.r.t. hidden, int64 ids
     if activation_checkpointing:
         return config.num_layers * config.d_model * _F32 + outside  # each block's input only
     return config.num_layers * block_activation_bytes_per_token(config) + outside
@@ -107,9 +116,11 @@ def train_memory(
         gathered = 0
     else:
         local = sum(shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shapes)
-        per_block = (len(shapes) - 3) // config.num_layers
+        per_block = len(BLOCK_PARAMETERS)
+        end = 1 + per_block * config.num_layers
         block = sum(math.prod(s) for s in shapes[1 : 1 + per_block])
-        root = sum(math.prod(s) for s in (shapes[0], shapes[-2], shapes[-1]))
+        # The root: the embedding, the final norm and (unless tied to the embedding) the LM head.
+        root = sum(math.prod(s) for s in [shapes[0], *shapes[end:]])
         # The root stays gathered for the whole step (FSDP2 reshards it only after backward).
         gathered = (root + block) * _F32 if world_size > 1 else 0
     tokens = batch_size * seq_len
