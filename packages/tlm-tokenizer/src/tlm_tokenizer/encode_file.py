@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from typing import BinaryIO
 
 from tqdm.auto import tqdm
 
@@ -62,7 +63,7 @@ def _encode_range(tokenizer: Tokenizer, path: str, start: int, end: int, part_pa
     return count
 
 
-def _flush(ids: array.array, out) -> int:
+def _flush(ids: array.array, out: BinaryIO) -> int:
     if sys.byteorder != "little":
         ids.byteswap()
     ids.tofile(out)

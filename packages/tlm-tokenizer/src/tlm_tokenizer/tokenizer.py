@@ -5,7 +5,7 @@ import os
 import pathlib
 from collections.abc import Iterable, Iterator
 from itertools import chain, islice, pairwise
-from typing import Any
+from typing import Any, cast
 
 from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
@@ -78,7 +78,7 @@ class Tokenizer:
         missing_bytes = [byte for byte in range(256) if bytes([byte]) not in self._ids]
         if missing_bytes:
             raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
-        self._merges = [tuple(pair) for pair in merges]
+        self._merges = cast(list[tuple[bytes, bytes]], [tuple(pair) for pair in merges])
         self._merge_table: dict[tuple[int, int], int] = {}
         for rank, pair in enumerate(self._merges):
             if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):

@@ -89,7 +89,7 @@ def save_checkpoint(
     if isinstance(out, (str, os.PathLike)):
         _save_atomically(payload, Path(os.fspath(out)))
     elif hasattr(out, "write"):
-        torch.save(payload, out)  # type: ignore[arg-type]
+        torch.save(payload, out)
         if hasattr(out, "flush"):
             out.flush()
     else:
@@ -137,7 +137,7 @@ def _fsync_folder(folder: Path) -> None:
 
 def _name(src: Source) -> str:
     if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)  # type: ignore[return-value]
+        return os.fspath(src)
     return str(getattr(src, "name", f"<{type(src).__name__}>"))
 
 
@@ -151,7 +151,7 @@ def read_checkpoint(src: Source) -> dict[str, Any]:
     if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
         raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
     try:
-        payload = torch.load(src, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+        payload = torch.load(src, map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:
