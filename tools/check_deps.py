@@ -5,7 +5,8 @@ Usage: python tools/check_deps.py [PACKAGE_DIR ...]   (default: every packages/*
 Imports are read with ``ast`` (every ``import``/``from ... import``, at any depth, including lazy
 ones inside functions), reduced to their top-level module, and mapped to a distribution through
 ``importlib.metadata.packages_distributions()`` of the running environment (workspace packages map
-by their own names). Standard-library and relative imports are ignored. For each package:
+by their own names). Standard-library and relative imports are ignored, and so are the folder's own
+modules (a test helper ``tests/helpers.py`` imported as ``helpers``). For each package:
 
 - undeclared: a module imported by ``src/`` that is neither a dependency nor in a non-test extra,
   or one imported by ``tests/`` that is neither a dependency nor in the ``test`` extra;
@@ -100,8 +101,10 @@ def check(package_dir: pathlib.Path, dists_of: dict[str, list[str]]) -> list[str
     ):
         if not folder.is_dir():
             continue
+        local = {path.stem for path in folder.glob("*.py")}
+        local |= {path.parent.name for path in folder.glob("*/__init__.py")}
         for module, where in sorted(imported_modules(folder).items()):
-            if module in sys.stdlib_module_names or module == "__future__":
+            if module in sys.stdlib_module_names or module == "__future__" or module in local:
                 continue
             dists = dists_for(module)
             if own in dists:

@@ -254,7 +254,7 @@ def _progress(total: int, enabled: bool) -> Iterator[Callable[[int], None]]:
     The bar starts at the first new token, which comes out of the prefill: its rate counts decoding
     alone. Leaving the ``with`` block closes the bar's line on every path: early EOS, error, Ctrl-C.
     """
-    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs in the package)
+    from tqdm import tqdm
 
     bars: list[Any] = []
 

@@ -76,7 +76,7 @@ class AdamW(torch.optim.Optimizer):
         _check_group(self.param_groups[-1])
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         """One AdamW step for every parameter that has a gradient; returns ``closure()`` if given."""
         loss = None
         if closure is not None:
@@ -97,7 +97,7 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] = int(state["step"]) + 1
-                tensors = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                tensors: tuple[Tensor, ...] = (p, p.grad, state["exp_avg"], state["exp_avg_sq"])
                 if torch.is_complex(p):
                     tensors = tuple(torch.view_as_real(t) for t in tensors)
                 key = (tensors[0].device, tensors[0].dtype, state["step"])

@@ -8,12 +8,13 @@ so every range decodes on its own. A cut that would fall inside a special token 
 import itertools
 import os
 import re
+from typing import BinaryIO
 
 _CUT = re.compile(rb"[\x21-\x7e](?=[ \t\n\r\x0b\x0c])")
 _WINDOW = 1 << 16
 
 
-def _cut_at_or_after(handle, offset: int, size: int, specials: re.Pattern[bytes] | None, longest: int) -> int:
+def _cut_at_or_after(handle: BinaryIO, offset: int, size: int, specials: re.Pattern[bytes] | None, longest: int) -> int:
     position = offset
     while position < size:
         handle.seek(position)

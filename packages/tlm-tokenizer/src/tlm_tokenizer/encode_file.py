@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import BinaryIO
 
 from tlm_tokenizer._chunks import split_file
 from tlm_tokenizer._files import atomic_file
@@ -59,7 +60,7 @@ def _encode_range(tokenizer: Tokenizer, path: str, start: int, end: int, part_pa
     return count
 
 
-def _flush(ids: array.array, out) -> int:
+def _flush(ids: array.array, out: BinaryIO) -> int:
     if sys.byteorder != "little":
         ids.byteswap()
     ids.tofile(out)

@@ -7,7 +7,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Iterator
 from itertools import islice, pairwise, repeat
-from typing import Any
+from typing import Any, cast
 
 from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer._gc import gc_paused
@@ -74,7 +74,7 @@ class Tokenizer:
         missing_bytes = [byte for byte in range(256) if bytes([byte]) not in self._ids]
         if missing_bytes:
             raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
-        self._merges = [tuple(pair) for pair in merges]
+        self._merges = cast(list[tuple[bytes, bytes]], [tuple(pair) for pair in merges])
         self._merge_table: dict[tuple[int, int], int] = {}
         for rank, pair in enumerate(self._merges):
             if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):

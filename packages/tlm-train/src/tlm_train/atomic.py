@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import IO
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
+def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
     """Call ``write(file)`` on a new temporary file beside ``path``, then rename it to ``path``.
 
     If anything fails (the writer, a full disk, a permission error) the temporary file is removed

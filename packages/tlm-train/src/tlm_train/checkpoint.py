@@ -10,10 +10,11 @@ at any moment, sees the old checkpoint or the new one, never a mix or a truncate
 """
 
 import hashlib
+import io
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 from torch import Tensor, nn
@@ -22,7 +23,8 @@ from tlm_train._checks import check_int
 
 FORMAT = "tlm-train-checkpoint/1"
 _KEYS = {"format", "iteration", "model", "optimizer", "extra", "digest"}
-Source = str | os.PathLike[str] | BinaryIO | IO[bytes]
+# io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
+Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -89,7 +91,7 @@ def save_checkpoint(
     if isinstance(out, (str, os.PathLike)):
         _save_atomically(payload, Path(os.fspath(out)))
     elif hasattr(out, "write"):
-        torch.save(payload, out)  # type: ignore[arg-type]
+        torch.save(payload, cast(IO[bytes], out))
         if hasattr(out, "flush"):
             out.flush()
     else:
@@ -137,7 +139,7 @@ def _fsync_folder(folder: Path) -> None:
 
 def _name(src: Source) -> str:
     if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)  # type: ignore[return-value]
+        return os.fspath(src)
     return str(getattr(src, "name", f"<{type(src).__name__}>"))
 
 
@@ -151,7 +153,7 @@ def read_checkpoint(src: Source) -> dict[str, Any]:
     if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
         raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
     try:
-        payload = torch.load(src, map_location="cpu", weights_only=True)  # type: ignore[arg-type]
+        payload = torch.load(cast("str | os.PathLike[str] | IO[bytes]", src), map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:

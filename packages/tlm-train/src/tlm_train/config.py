@@ -83,6 +83,7 @@ class TrainConfig:
     sample_temperature: float = 0.8
 
     def __post_init__(self) -> None:
+        positive: tuple[str, ...]
         positive = ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff", "batch_size")
         positive += ("grad_accum", "steps", "eval_interval", "eval_batches", "log_interval", "checkpoint_interval")
         positive += ("keep_checkpoints",)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def _run(
     scheduler = CosineSchedule(
         optimizer,
         max_learning_rate=config.lr,
-        min_learning_rate=config.min_lr,
+        min_learning_rate=cast(float, config.min_lr),  # __post_init__ filled None
         warmup_iters=config.warmup_steps,
         cosine_cycle_iters=steps,
     )
@@ -265,7 +265,7 @@ def _checkpoint(
     state = capture_state(model, optimizer, step=step, scheduler=scheduler, sampler=sampler)
     path = None
     if info.is_main:
-        state["model_config"] = model.config.to_dict()
+        state["model_config"] = cast(Any, model).config.to_dict()
         path = manager.save(state)
     barrier()
     return path

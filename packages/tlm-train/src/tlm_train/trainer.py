@@ -16,7 +16,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ class LanguageModelLoss(nn.Module):
         self.model = model
 
     def forward(self, inputs: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
-        return self.model.loss(inputs, targets)
+        return cast(Any, self.model).loss(inputs, targets)
 
 
 @dataclass(frozen=True)
@@ -66,16 +66,16 @@ def _no_sync(module: nn.Module, sync: bool) -> contextlib.AbstractContextManager
     if sync:
         return contextlib.nullcontext()
     if hasattr(module, "no_sync"):  # DDP
-        return module.no_sync()
+        return cast(Any, module).no_sync()
     if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
-        module.set_requires_gradient_sync(False)
+        cast(Any, module).set_requires_gradient_sync(False)
 
         @contextlib.contextmanager
         def restore() -> Iterator[None]:
             try:
                 yield
             finally:
-                module.set_requires_gradient_sync(True)
+                cast(Any, module).set_requires_gradient_sync(True)
 
         return restore()
     return contextlib.nullcontext()
