@@ -13,6 +13,9 @@ modules (a test helper ``tests/helpers.py`` imported as ``helpers``). For each p
 - unused: a dependency, or a requirement of a non-test extra, that nothing in ``src/`` imports.
   A requirement needed without being imported is listed with its reason in the package's
   pyproject.toml: ``[tool.tlm.check-deps] not-imported = { numpy = "why" }``.
+  A distribution that ``src/`` imports only where its absence is handled (an optional feature that
+  tells the user what to install), and that cannot be an extra, is listed the same way:
+  ``undeclared-imports = { tlm-tokenizer = "why" }``.
 
 Run it in an environment where every package is installed with its extras (``nox -s lint`` does),
 so that module names map to the right distributions. Exits 1 listing every problem.
@@ -88,7 +91,9 @@ def check(package_dir: pathlib.Path, dists_of: dict[str, list[str]]) -> list[str
     }
     optional = set().union(*[names for extra, names in extras.items() if extra != "test"])
     test_only = extras.get("test", set())
-    reasons = pyproject.get("tool", {}).get("tlm", {}).get("check-deps", {}).get("not-imported", {})
+    settings = pyproject.get("tool", {}).get("tlm", {}).get("check-deps", {})
+    reasons = settings.get("not-imported", {})
+    undeclared = {canonical(name) for name in settings.get("undeclared-imports", {})}
     problems = []
 
     def dists_for(module: str) -> list[str]:
@@ -96,7 +101,7 @@ def check(package_dir: pathlib.Path, dists_of: dict[str, list[str]]) -> list[str
 
     src_dists: set[str] = set()
     for folder, allowed, label in (
-        (package_dir / "src", runtime | optional, "dependencies or a non-test extra"),
+        (package_dir / "src", runtime | optional | undeclared, "dependencies or a non-test extra"),
         (package_dir / "tests", runtime | test_only, "dependencies or the test extra"),
     ):
         if not folder.is_dir():
@@ -124,6 +129,8 @@ def check(package_dir: pathlib.Path, dists_of: dict[str, list[str]]) -> list[str
         )
     for name in sorted(set(reasons) - runtime - optional):
         problems.append(f"{own}: [tool.tlm.check-deps] not-imported names {name}, which is not a requirement")
+    for name in sorted(undeclared - src_dists):
+        problems.append(f"{own}: [tool.tlm.check-deps] undeclared-imports names {name}, which src/ never imports")
     return problems
 
 
