@@ -7,11 +7,11 @@ float32 for the computation.
 """
 
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Float, Integer
 from torch import Tensor
 
 
-def cross_entropy(logits: Float[Tensor, "... vocab"], targets: Int[Tensor, "..."]) -> Float[Tensor, ""]:
+def cross_entropy(logits: Float[Tensor, "... vocab"], targets: Integer[Tensor, "..."]) -> Float[Tensor, ""]:
     """Mean over all leading dimensions of −log softmax(logits)[targets].
 
     Returns a scalar in float32 (float64 for float64 logits); bfloat16 and float16 logits are

@@ -107,9 +107,10 @@ class RotaryPositionalEmbedding(nn.Module):
 
     def forward(
         self,
-        x: Float[Tensor, "... seq d_k"],
-        token_positions: Integer[Tensor, "... seq"] | None = None,
-    ) -> Float[Tensor, "... seq d_k"]:
+        # Where seq sits depends on seq_dim (-2 or -3), so the shapes name only d_k; the body checks the rest.
+        x: Float[Tensor, "... d_k"],
+        token_positions: Integer[Tensor, "..."] | None = None,
+    ) -> Float[Tensor, "... d_k"]:
         """Rotate ``x`` of shape (..., seq, d_k) (``seq_dim=-2``) or (..., seq, heads, d_k)
         (``seq_dim=-3``); ``token_positions`` (default 0..seq-1) broadcast against (..., seq)."""
         if not x.is_floating_point():
