@@ -16,6 +16,11 @@ SCALINGS = {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
         "mscale_all_dim": 0.707, "beta_fast": 16, "beta_slow": 2,
     },
+    # Unequal mscales (DeepSeek-V2's style): the attention factor is their ratio, not 1.
+    "yarn-mscale-unequal": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+    },
     "llama3": {
         "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
