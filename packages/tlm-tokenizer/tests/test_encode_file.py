@@ -1,14 +1,10 @@
 """encode_file: the raw id array equals tiktoken's ids, whatever the number of workers."""
 
-import importlib
-
 import numpy as np
 import pytest
 
 from tlm_tokenizer import Tokenizer, encode_file
-
-# The package re-exports the function under the module's name, so fetch the module itself.
-encode_file_module = importlib.import_module("tlm_tokenizer.encode_file")
+from tlm_tokenizer import _encode_file as encode_file_module
 
 
 @pytest.fixture(scope="module")

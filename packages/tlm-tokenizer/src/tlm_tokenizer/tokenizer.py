@@ -3,21 +3,14 @@
 import json
 import os
 import pathlib
-import sys
-from array import array
 from collections.abc import Iterable, Iterator
-from itertools import islice, pairwise, repeat
+from itertools import chain, pairwise, repeat
 from typing import Any, cast
 
 from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
-from tlm_tokenizer.pretokenize import (
-    LAST_WHITESPACE_CUT,
-    PRETOKEN,
-    SPACE_SPLIT,
-    special_splitter,
-)
+from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, pretokenize, special_splitter
 
 __all__ = ["Tokenizer"]
 
@@ -25,23 +18,10 @@ SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
 _NO_RANK = 1 << 62
 _ID_MASK = (1 << 32) - 1
-# Capacity of the caches of ids per space-delimited chunk (CHUNK_CACHE_ENTRIES) and per pre-token
-# (CACHE_ENTRIES). A full cache keeps what it holds and stops adding: on natural text the entries seen
-# first include the frequent ones, so the hit rate stays high without the thrashing of clear-or-evict,
-# and memory stays bounded (well under 100 MB) on a stream of any length.
-CHUNK_CACHE_ENTRIES = 1 << 18
-CACHE_ENTRIES = 1 << 17
-# Ids travel as packed native 32-bit unsigned ints (bytes), so joining and splitting them runs in C.
-_ID_CODE = next(code for code in "IL" if array(code).itemsize == 4)
-# Between chunks encoded together: the text " \x00" is one pre-token (see _encode_spaced), and the
-# packed "id" 0xFFFFFFFF marks where a chunk's ids end. Ids below 2**24 have a zero high byte, the last
-# of each 4 on a little-endian machine, so bytes.split, scanning from the left, finds four 0xFF bytes
-# only at a marker, never inside or across real ids. (Elsewhere, _encode_ordinary takes the plain path.)
-_BYTE_ORDER = sys.byteorder
-_MARK = "\x00"
-_MARK_PRETOKEN = " \x00"
-_SENTINEL = b"\xff\xff\xff\xff"
-_SENTINEL_MAX_ID = 1 << 24
+# Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
+# natural text the pre-tokens seen first include the frequent ones, so the hit rate stays high without
+# the thrashing of clear-or-evict, and memory stays bounded (tens of MB) on a stream of any length.
+CACHE_ENTRIES = 1 << 18
 
 
 class Tokenizer:
@@ -96,9 +76,7 @@ class Tokenizer:
         self._splitter = special_splitter(self.special_tokens)
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
-        self._chunks: dict[str, bytes] = {}  # space-delimited chunk (its space dropped) -> packed ids
-        self._pretokens: dict[str, bytes] = {_MARK_PRETOKEN: _SENTINEL}  # pre-token -> packed ids
-        self._bulk = sys.byteorder == "little" and max(self._vocab) < _SENTINEL_MAX_ID
+        self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
 
     # -- construction from and to files ---------------------------------------------------------
 
@@ -184,83 +162,42 @@ class Tokenizer:
                 packed[i] = table.get((parts[i], parts[i + 1]), _NO_RANK)
         return parts
 
-    def _packed_pretokens(self, pretokens: list[str]) -> bytes:
-        """Packed ids of ``pretokens`` in order; BPE runs once per distinct new pre-token."""
-        cache = self._pretokens
+    def _encode_ordinary(self, text: str) -> list[int]:
+        """Ids of ``text`` (no special tokens in it): BPE once per distinct pre-token, then a cache.
+
+        The ids come out of the cache's tuples through ``chain`` and ``map``, so a cached text costs
+        C-speed work only: one run of the pattern, one dict lookup per pre-token.
+        """
+        pretokens = pretokenize(text)
+        cache = self._cache
         new = set(pretokens).difference(cache)
         if not new:
-            return b"".join(map(cache.__getitem__, pretokens))
+            return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
         lookup = cache
         room = CACHE_ENTRIES - len(cache)
         if len(new) > room:  # filling up: keep what it holds plus what fits; this call alone sees the rest
             lookup = {token: cache[token] for token in set(pretokens).difference(new)}
-        for token in new:
-            lookup[token] = packed = self._packed_bpe(token)
-            if lookup is not cache and room > 0:
-                cache[token] = packed
-                room -= 1
-        return b"".join(map(lookup.__getitem__, pretokens))
-
-    def _packed_bpe(self, pretoken: str) -> bytes:
-        ids = self._bpe(pretoken.encode("utf-8"))
-        return ids[0].to_bytes(4, _BYTE_ORDER) if len(ids) == 1 else array(_ID_CODE, ids).tobytes()
-
-    def _encode_spaced(self, chunks: list[str]) -> list[bytes]:
-        """Packed ids of ``" " + chunk`` for each chunk, with one run of GPT-2's pattern over them all.
-
-        Each chunk starts with a non-space and holds no space followed by a non-space (``SPACE_SPLIT``),
-        so in ``" c1 \\x00 c2 \\x00 ..."`` no pre-token crosses a space before ``\\x00`` or before a
-        chunk (see ``pretokenize``): the pattern yields each ``" " + chunk``'s pre-tokens, then the
-        pre-token ``" \\x00"``, and so on. The text holds no ``\\x00`` of its own (``encode`` checks).
-        """
-        pretokens = PRETOKEN.findall(" " + " \x00 ".join(chunks) + " \x00")
-        return self._packed_pretokens(pretokens).split(_SENTINEL)[:-1]
-
-    def _encode_ordinary(self, text: str) -> bytes:
-        """Packed ids of ``text`` (no special tokens in it)."""
-        # The plain definition, GPT-2's pattern over the whole text, where the fast path's markers could clash;
-        # with a NUL in the text, " \x00" may be a real pre-token, so the cache (where it is the marker) stays out.
-        if _MARK in text:
-            return b"".join(map(self._packed_bpe, PRETOKEN.findall(text)))
-        if not self._bulk:
-            return self._packed_pretokens(PRETOKEN.findall(text))
-        pieces = SPACE_SPLIT(text)
-        head = self._packed_pretokens(PRETOKEN.findall(pieces[0])) if pieces[0] else b""
-        if len(pieces) == 1:
-            return head
-        cache = self._chunks
-        try:  # all chunks seen before: the common case on a long text
-            return head + b"".join(map(cache.__getitem__, islice(pieces, 1, None)))
-        except KeyError:
-            pass
-        distinct = set(islice(pieces, 1, None))
-        new = list(distinct.difference(cache))
-        lookup = cache
-        if new:
-            with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
-                encoded = self._encode_spaced(new)
-            room = CHUNK_CACHE_ENTRIES - len(cache)
-            if len(new) <= room:
-                cache.update(zip(new, encoded, strict=True))
-            else:  # filling up: keep what it holds plus what fits; this call alone sees the rest
-                lookup = {chunk: cache[chunk] for chunk in distinct.difference(new)}
-                lookup.update(zip(new, encoded, strict=True))
-                cache.update(zip(new[: max(room, 0)], encoded, strict=False))
-        return head + b"".join(map(lookup.__getitem__, islice(pieces, 1, None)))
+        with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
+            for token in new:
+                lookup[token] = ids = tuple(self._bpe(token.encode("utf-8")))
+                if lookup is not cache and room > 0:
+                    cache[token] = ids
+                    room -= 1
+        return list(chain.from_iterable(map(lookup.__getitem__, pretokens)))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens are matched first and never split."""
         if not isinstance(text, str):
             raise TypeError(f"text: expected a str, got {type(text).__name__}")
         if self._splitter is None:
-            return array(_ID_CODE, self._encode_ordinary(text)).tolist()
-        packed = []
+            return self._encode_ordinary(text)
+        ids: list[int] = []
         for position, part in enumerate(self._splitter.split(text)):
             if position % 2:
-                packed.append(self._special_ids[part].to_bytes(4, _BYTE_ORDER))
+                ids.append(self._special_ids[part])
             elif part:
-                packed.append(self._encode_ordinary(part))
-        return array(_ID_CODE, b"".join(packed)).tolist()
+                ids += self._encode_ordinary(part)
+        return ids
 
     def _stream_cut(self, buffer: str) -> int:
         """Largest p such that encode(buffer[:p]) + encode(rest) == encode(buffer + rest) for any rest."""
@@ -340,9 +277,9 @@ class Tokenizer:
     ) -> int:
         """Encode a UTF-8 file into a raw little-endian array of ``id_dtype``; returns the token count.
 
-        See ``tlm_tokenizer.encode_file``.
+        See ``tlm_tokenizer.encode_file`` (the function).
         """
-        from tlm_tokenizer.encode_file import encode_file
+        from tlm_tokenizer._encode_file import encode_file
 
         return encode_file(self, path, out_path, num_workers=num_workers, progress=progress)
 

@@ -10,8 +10,8 @@ import heapq
 import itertools
 import math
 import os
+from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any
 
 from tlm_tokenizer._chunks import read_range, split_file
 from tlm_tokenizer._gc import gc_paused
@@ -38,7 +38,7 @@ def _count_range(path: str, start: int, end: int, special_tokens: list[str]) -> 
     return count_pretokens(read_range(path, start, end), special_splitter(special_tokens))
 
 
-def _check_arguments(input_path: Any, vocab_size: Any, special_tokens: Any) -> list[str]:
+def _check_arguments(input_path: object, vocab_size: object, special_tokens: object) -> list[str]:
     if not isinstance(input_path, str | os.PathLike):
         raise TypeError(f"input_path: expected a str or os.PathLike, got {type(input_path).__name__}")
     if isinstance(special_tokens, str) or not isinstance(special_tokens, Iterable):
@@ -116,20 +116,19 @@ def _merge_counts(
         vocab[len(vocab)] = token.encode("utf-8")
     merges: list[tuple[bytes, bytes]] = []
 
-    words: list[list[int]] = []
-    freqs: list[int] = []
-    pair_counts: dict[tuple[int, int], int] = {}
-    where: dict[tuple[int, int], set[int]] = {}
-    for token, count in pretoken_counts.items():
-        word = list(token.encode("utf-8"))
-        if len(word) < 2:
-            continue
-        index = len(words)
-        words.append(word)
-        freqs.append(count)
+    # Each pair's word list (a word appears once per occurrence) gives both its count (the sum of
+    # those words' counts) and its index (the set of them), summed and deduplicated in C.
+    kept = [(encoded, count) for token, count in pretoken_counts.items() if len(encoded := token.encode("utf-8")) > 1]
+    words = [list(encoded) for encoded, _ in kept]
+    freqs = [count for _, count in kept]
+    occurrences: defaultdict[tuple[int, int], list[int]] = defaultdict(list)
+    for index, word in enumerate(words):
         for pair in itertools.pairwise(word):
-            pair_counts[pair] = pair_counts.get(pair, 0) + count
-            where.setdefault(pair, set()).add(index)
+            occurrences[pair].append(index)
+    count_of = freqs.__getitem__
+    pair_counts = {pair: sum(map(count_of, indices)) for pair, indices in occurrences.items()}
+    where = {pair: set(indices) for pair, indices in occurrences.items()}
+    del occurrences
 
     # Heap entries (-count, key(left), key(right), left, right): key() reverses byte order (see _reverse_key),
     # so ties pop the lexicographically greatest pair, compared in C rather than by a Python __lt__.
