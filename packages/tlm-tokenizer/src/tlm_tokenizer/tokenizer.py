@@ -170,9 +170,11 @@ class Tokenizer:
         """
         pretokens = pretokenize(text)
         cache = self._cache
-        new = set(pretokens).difference(cache)
-        if not new:
+        try:  # every pre-token seen before: no set to build (on new text the first miss comes early)
             return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
+        except KeyError:
+            pass
+        new = set(pretokens).difference(cache)
         lookup = cache
         room = CACHE_ENTRIES - len(cache)
         if len(new) > room:  # filling up: keep what it holds plus what fits; this call alone sees the rest
