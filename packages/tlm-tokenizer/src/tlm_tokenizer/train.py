@@ -157,17 +157,22 @@ def _merge_counts(
             # contains `new`, so only those need this word in their index; (a, b) itself is dropped.
             for index in where.pop((a, b)):
                 word = words[index]
-                try:
-                    i = word.index(a)
-                except ValueError:
+                # The index may name words that lost the pair to an earlier merge, so count first. Walking
+                # the occurrences of `a` with list.index (C speed) by count, not until a ValueError, keeps
+                # exceptions out of the loop: raising one cost more than the rest of a visit.
+                unseen = word.count(a)
+                if not unseen:
                     continue
                 n = len(word)
                 freq = freqs[index]
                 merged: list[int] | None = None
-                start = 0  # word[start:] is not copied into `merged` yet
-                # Jump between occurrences of `a` with list.index (C speed) rather than step through every symbol.
-                while True:
+                start = i = 0  # word[start:] is not copied into `merged` yet
+                while unseen:
+                    i = word.index(a, i)
+                    unseen -= 1
                     if i + 1 < n and word[i + 1] == b:
+                        if a == b:
+                            unseen -= 1  # word[i + 1] is an `a` too, merged away here
                         if merged is None:
                             merged = word[:i]
                         else:
@@ -198,12 +203,6 @@ def _merge_counts(
                         start = i = i + 2
                     else:
                         i += 1
-                    if i >= n - 1:
-                        break
-                    try:
-                        i = word.index(a, i, n - 1)
-                    except ValueError:
-                        break
                 if merged is not None:
                     merged += word[start:]
                     words[index] = merged
