@@ -81,6 +81,19 @@ def test_matches_naive_trainer_on_tie_heavy_text(tmp_path, text, extra, use_spec
     assert train_bpe(path, vocab_size, specials, num_workers=1) == naive_train(text, vocab_size, specials)
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    words=st.lists(st.text(alphabet="aab", min_size=1, max_size=14), min_size=1, max_size=30),
+    extra=st.integers(1, 40),
+)
+def test_matches_naive_trainer_on_runs_of_one_symbol(tmp_path, words, extra):
+    # Pairs like (a, a) overlap themselves: "aaa" holds two but merges once, and a word may hold the
+    # pair's left symbol many times without the pair. The merge loop walks occurrences by count.
+    text = " ".join(words)
+    path = write(tmp_path, text)
+    assert train_bpe(path, 256 + extra, [], num_workers=1) == naive_train(text, 256 + extra, [])
+
+
 def test_parallel_ranges_count_like_one_pass(tmp_path, english_text, monkeypatch):
     # Tiny ranges force many cuts (inside lines, next to special tokens) and two worker processes.
     monkeypatch.setattr(train_module, "_PARALLEL_MIN_BYTES", 0)
