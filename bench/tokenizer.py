@@ -257,6 +257,10 @@ def encode_rows(path: pathlib.Path, repeats: int) -> dict:
 # -- report ----------------------------------------------------------------------------------------
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.0f} ms"
+
+
 def report(
     rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int, date: str, loadavg: list | None = None
 ) -> str:
@@ -292,7 +296,7 @@ def report(
         what += " (course-size case)" if row is small else ""
         worker = f" + {row['ours_worker_rss']:,.0f}" if row["ours_worker_rss"] > 1 else ""
         lines.append(
-            f"| {what} | {row['ours_s']:.2f} s | {row['hf_s']:.2f} s (HF BpeTrainer) | "
+            f"| {what} | {duration(row['ours_s'])} | {duration(row['hf_s'])} (HF BpeTrainer) | "
             f"**{row['ours_s'] / row['hf_s']:.2f}×** | {row['ours_rss']:,.0f}{worker} / {row['hf_rss']:,.0f} MiB | "
             f"first {row['common_prefix']:,} of {min(row['merges_ours'], row['merges_hf']):,} merges |"
         )
