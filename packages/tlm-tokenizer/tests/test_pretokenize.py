@@ -29,14 +29,17 @@ def test_ascii_pattern_equals_gpt2_pattern_on_ascii(text):
     pieces=st.lists(st.one_of(st.sampled_from(ASCII_PIECES), st.sampled_from(OTHER_PIECES), texts(max_size=3))),
     look_back=st.sampled_from([1, 2, 5, 4096]),
     block=st.sampled_from([1, 3, 7, 65536]),
+    dense_min=st.sampled_from([0, 2, 64]),
 )
-def test_mixed_text_equals_gpt2_pattern(pieces, look_back, block):
+def test_mixed_text_equals_gpt2_pattern(pieces, look_back, block, dense_min):
     # Small blocks and look-back windows put cuts and block edges everywhere, runs split across blocks
-    # included; the result must not depend on them.
+    # included, and a small dense_min hands the rest of the text to regex at any point; the result
+    # must not depend on them.
     text = "".join(pieces)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(module, "_LOOK_BACK", look_back)
         patch.setattr(module, "_SCAN_BLOCK", block)
+        patch.setattr(module, "_DENSE_MIN", dense_min)
         assert pretokenize(text) == GPT2.findall(text)
 
 
@@ -47,6 +50,13 @@ def test_long_mixed_text_equals_gpt2_pattern(english_text):
     pieces = pretokenize(text)
     assert pieces == GPT2.findall(text)
     assert "".join(pieces) == text
+
+
+def test_densely_mixed_text_equals_gpt2_pattern(english_text):
+    # An accented word every few words: past _DENSE_MIN stretches the rest goes to regex whole.
+    words = english_text[:50_000].split(" ")
+    text = " ".join(word.replace("e", "é", 1) if index % 3 == 0 else word for index, word in enumerate(words))
+    assert pretokenize(text) == GPT2.findall(text)
 
 
 def test_count_pretokens_skips_special_tokens():

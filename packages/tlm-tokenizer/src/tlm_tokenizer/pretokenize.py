@@ -34,6 +34,11 @@ _SCAN_BLOCK = 1 << 16  # a slice's isascii() is a memory-speed scan, ten times f
 _CUT = re.compile(rf"[\x21-\x7e](?=[{_SPACE}])")
 _LAST_CUT = re.compile(rf".*[\x21-\x7e](?=[{_SPACE}])", re.DOTALL)
 _LOOK_BACK = 1 << 12  # how far before a non-ASCII character to look for a cut (else: from the last one)
+# Past _DENSE_MIN stretches, more than one per _DENSE_SPACING characters sends the rest of the text to
+# regex: with a stretch every ~70 characters (English with one word in eight accented), cutting them
+# out cost 13% more than regex over everything; with one every ~150, it saved 10%.
+_DENSE_MIN = 64
+_DENSE_SPACING = 100
 # Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] ASCII whitespace: where
 # encode_iterable may cut a stream (re's \S is narrower than regex's, so this never cuts where GPT-2
 # would not).
@@ -55,9 +60,13 @@ def pretokenize(text: str) -> list[str]:
     unicode = unicode_findall()
     pieces: list[str] = []
     done = 0  # text[:done] is pre-tokenised, and done is a safe cut (or 0)
+    stretches = 0
     for run in _non_ascii_runs(text):
         if run.start() < done:
             continue
+        stretches += 1
+        if stretches > _DENSE_MIN and stretches * _DENSE_SPACING > done:
+            break  # non-ASCII everywhere: cutting out stretches costs more than regex saves
         before = _LAST_CUT.match(text, max(done, run.start() - _LOOK_BACK), run.start())
         start = before.end() if before is not None else done
         after = _CUT.search(text, run.end())
@@ -66,8 +75,11 @@ def pretokenize(text: str) -> list[str]:
             pieces += _ascii_findall(text, done, start)
         pieces += unicode(text, start, end)
         done = end
-    if done < len(text):
-        pieces += _ascii_findall(text, done)
+    else:
+        if done < len(text):
+            pieces += _ascii_findall(text, done)
+        return pieces
+    pieces += unicode(text, done)
     return pieces
 
 
