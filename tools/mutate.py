@@ -380,16 +380,16 @@ def _preload() -> None:
         sys.exit(f"mutate: {leaked} were imported before forking; they would hide the mutants")
 
 
-def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float) -> tuple[str, float]:
-    """pytest in a forked child of this (warm) process, with the sandbox first on sys.path."""
+def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float, log: str = os.devnull) -> tuple[str, float]:
+    """pytest in a forked child of this (warm) process, with the sandbox first on sys.path; output to ``log``."""
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: never returns
         code = 3
         try:
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(output, 1)
+            os.dup2(output, 2)
             os.chdir(ROOT)
             sys.path.insert(0, sandbox_root)
             import pytest
@@ -415,12 +415,15 @@ def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float) -> tup
     return "killed", elapsed
 
 
-def run_tests(python: str, tests: list[str], env: dict[str, str], timeout: float) -> tuple[str, float]:
+def run_tests(
+    python: str, tests: list[str], env: dict[str, str], timeout: float, log: str = os.devnull
+) -> tuple[str, float]:
     start = time.perf_counter()
     try:
-        proc = subprocess.run(
-            [python, *PYTEST, *tests], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
-        )
+        with open(log, "w") as output:
+            proc = subprocess.run(
+                [python, *PYTEST, *tests], env=env, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, timeout=timeout
+            )
     except subprocess.TimeoutExpired:
         return "timeout", time.perf_counter() - start
     elapsed = time.perf_counter() - start
@@ -569,10 +572,10 @@ def main(argv: list[str] | None = None) -> int:
         if fork:
             _preload()
 
-        def run(tests: list[str], timeout: float) -> tuple[str, float]:
+        def run(tests: list[str], timeout: float, log: str = os.devnull) -> tuple[str, float]:
             if fork:
-                return run_tests_forked(str(sandbox.root), tests, timeout)
-            return run_tests(args.python, tests, sandbox.env, timeout)
+                return run_tests_forked(str(sandbox.root), tests, timeout, log)
+            return run_tests(args.python, tests, sandbox.env, timeout, log)
 
         total = sum(len(m) for _, _, m, _ in plan)
         bar = tqdm(total=total, unit="mutant", file=sys.stderr) if tqdm else None
@@ -580,9 +583,13 @@ def main(argv: list[str] | None = None) -> int:
             rel = str(path.relative_to(ROOT))
             copy_path = sandbox.copy_of(rel)
             original = path.read_text()
-            status, baseline = run(tests, 3600)
+            baseline_log = sandbox.root / "baseline.log"
+            status, baseline = run(tests, 3600, str(baseline_log))
             if status != "survived":
-                sys.exit(f"mutate: the unmutated tests for {rel} do not pass ({status}): {' '.join(tests)}")
+                # pytest's own summary says which test failed; a stale editable install (whose metadata
+                # still names an old version) has been the cause before.
+                tail = "\n".join(baseline_log.read_text(errors="replace").splitlines()[-25:])
+                sys.exit(f"mutate: the unmutated tests for {rel} do not pass ({status}): {' '.join(tests)}\n{tail}")
             timeout = args.timeout or 3 * baseline + 10
             source = _Source(original)
             try:
