@@ -1,0 +1,40 @@
+"""What every tlm package shares: argument checks, all-or-nothing writes, progress bars.
+
+Standard library only. Names load on first use (PEP 562), so ``from tlm_core.checks import check_int``
+costs the checks alone; ``tlm_core.tensors`` (index and dtype checks) imports torch and is meant for the
+packages that have it; ``tlm_core.progress`` imports tqdm only when a bar shows.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_HOMES = {
+    "atomic_file": "tlm_core.atomic",
+    "atomic_write": "tlm_core.atomic",
+    "read_dir_files": "tlm_core.atomic",
+    "remove_leftovers": "tlm_core.atomic",
+    "replace_dir": "tlm_core.atomic",
+    "check_bool": "tlm_core.checks",
+    "check_choice": "tlm_core.checks",
+    "check_int": "tlm_core.checks",
+    "check_number": "tlm_core.checks",
+    "check_positive_int": "tlm_core.checks",
+    "short_repr": "tlm_core.checks",
+    "progress_bar": "tlm_core.progress",
+}
+
+__all__ = ["__version__", *sorted(_HOMES)]
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'tlm_core' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

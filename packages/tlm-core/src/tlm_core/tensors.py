@@ -1,0 +1,45 @@
+"""Checks and names for tensors, shared by the packages that depend on torch (this module imports it)."""
+
+import torch
+from torch import Tensor
+
+__all__ = ["DTYPES", "as_index_tensor", "dtype_from_name"]
+
+#: The floating dtypes tlm accepts by name (command lines, configs, checkpoints).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def dtype_from_name(name: str, what: str = "dtype") -> torch.dtype:
+    """``torch.float32`` for ``"float32"`` (and the other :data:`DTYPES`); a clear error otherwise."""
+    try:
+        return DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def as_index_tensor(name: str, t: object, high: int, bound_name: str) -> Tensor:
+    """``t`` as int64 indices, each in ``[0, high)``; any integer dtype is accepted, never read as a mask.
+
+    int64 for every integer dtype: indexing reads uint8 as a mask, and min/max do not exist for the
+    unsigned types np.memmap of a token file gives. The range is checked here on CPU tensors; on an
+    accelerator, or inside ``torch.compile``, by a device-side assert, so no forward waits for the device.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+    ids = t if t.dtype == torch.int64 else t.long()
+    if ids.numel() == 0 or ids.device.type == "meta":
+        return ids
+    if torch.compiler.is_compiling() or ids.device.type != "cpu":
+        torch._assert_async(((ids >= 0) & (ids < high)).all(), f"{name} must lie in [0, {bound_name}={high})")
+    else:
+        low, top = int(ids.min()), int(ids.max())
+        if low < 0 or top >= high:
+            raise ValueError(f"{name} must lie in [0, {bound_name}={high}), got values in [{low}, {top}]")
+    return ids

@@ -1,0 +1,229 @@
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from tlm_core import atomic
+from tlm_core.atomic import atomic_file, atomic_write, read_dir_files, remove_leftovers, replace_dir
+
+
+def _run(code: str, *args: str, umask: int | None = None) -> subprocess.CompletedProcess:
+    prefix = f"import os\nos.umask({umask})\n" if umask is not None else ""
+    return subprocess.run([sys.executable, "-c", prefix + textwrap.dedent(code), *args], capture_output=True, text=True)
+
+
+def test_write_bytes_text_and_callable(tmp_path):
+    atomic_write(tmp_path / "a", b"\x00\x01")
+    atomic_write(tmp_path / "b", "héllo")
+    atomic_write(tmp_path / "c", lambda f: f.write(b"xyz"))
+    assert (tmp_path / "a").read_bytes() == b"\x00\x01"
+    assert (tmp_path / "b").read_text(encoding="utf-8") == "héllo"
+    assert (tmp_path / "c").read_bytes() == b"xyz"
+    assert sorted(os.listdir(tmp_path)) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(("umask", "file_mode", "dir_mode"), [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_new_files_and_folders_honour_the_umask(tmp_path, umask, file_mode, dir_mode):
+    code = """
+    import sys, os
+    from tlm_core.atomic import atomic_write, replace_dir
+    atomic_write(sys.argv[1] + "/f", b"x")
+    replace_dir(sys.argv[1] + "/d", lambda p: (p / "g").write_bytes(b"y"))
+    """
+    result = _run(code, str(tmp_path), umask=umask)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "f").stat().st_mode & 0o777 == file_mode
+    assert (tmp_path / "d").stat().st_mode & 0o777 == dir_mode
+
+
+def test_a_failing_writer_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "t"
+    target.write_bytes(b"old")
+
+    def fail(f):
+        f.write(b"partial")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(target, fail)
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["t"]
+
+
+def test_a_symlink_at_the_target_is_replaced_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    (tmp_path / "t").symlink_to(victim)
+    atomic_write(tmp_path / "t", b"new")
+    assert victim.read_bytes() == b"keep"
+    assert not (tmp_path / "t").is_symlink() and (tmp_path / "t").read_bytes() == b"new"
+
+
+def test_a_folder_is_not_a_file_target(tmp_path):
+    with pytest.raises(IsADirectoryError):
+        with atomic_file(tmp_path):
+            pass
+
+
+def test_sigkill_while_writing_leaves_old_or_new_never_a_mix(tmp_path):
+    target = tmp_path / "t"
+    target.write_bytes(b"A" * 4_000_000)
+    code = """
+    import sys
+    from tlm_core.atomic import atomic_write
+    i = 0
+    while True:
+        i += 1
+        atomic_write(sys.argv[1], bytes([65 + i % 26]) * 4_000_000)
+    """
+    for delay in (0.05, 0.2, 0.4, 0.7):
+        proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(target)])
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        data = target.read_bytes()
+        assert len(data) == 4_000_000 and data == data[:1] * len(data)
+    # The killed writers' temporary files: removed as leftovers once their processes are gone.
+    removed = remove_leftovers(tmp_path, "t")
+    assert os.listdir(tmp_path) == ["t"]
+    assert all(p.name.startswith(".t.") for p in removed)
+
+
+def test_remove_leftovers_keeps_a_live_writers_temporary(tmp_path):
+    live = tmp_path / f".t.{os.getpid()}-{'0' * 16}.tmp"
+    dead = tmp_path / f".t.{2**22 + 12345}-{'1' * 16}.tmp"
+    other = tmp_path / ".t.not-a-temp"
+    for p in (live, dead, other):
+        p.write_bytes(b"")
+    (tmp_path / f".u.{2**22 + 12345}-{'2' * 16}.old").mkdir()
+    assert remove_leftovers(tmp_path, "t") == [dead]
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, f".u.{2**22 + 12345}-{'2' * 16}.old"])
+    assert len(remove_leftovers(tmp_path)) == 1  # the .u folder, whatever its name
+    assert remove_leftovers(tmp_path / "missing") == []
+
+
+def _version(n: int):
+    def fill(folder: Path) -> None:
+        for name in ("a", "b", "c"):
+            (folder / name).write_text(f"{n}\n" * 1000)
+
+    return fill
+
+
+def test_replace_dir_replaces_everything_and_keeps_nothing_old(tmp_path):
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+    (target / "stale").write_text("from an older version")
+    replace_dir(target, _version(2))
+    assert sorted(os.listdir(target)) == ["a", "b", "c"]
+    assert read_dir_files(target, ["a", "b", "c"])["b"] == b"2\n" * 1000
+    assert os.listdir(tmp_path) == ["d"]
+
+
+def test_replace_dir_failure_leaves_the_old_folder(tmp_path):
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+
+    def fail(folder):
+        (folder / "a").write_text("half")
+        raise OSError("no space left")
+
+    with pytest.raises(OSError, match="no space"):
+        replace_dir(target, fail)
+    assert read_dir_files(target, ["a"])["a"] == b"1\n" * 1000
+    assert os.listdir(tmp_path) == ["d"]
+
+
+def test_replace_dir_refuses_a_file_and_replaces_a_symlink_without_following_it(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        replace_dir(tmp_path / "f", _version(1))
+    elsewhere = tmp_path / "elsewhere"
+    replace_dir(elsewhere, _version(7))
+    (tmp_path / "link").symlink_to(elsewhere)
+    replace_dir(tmp_path / "link", _version(8))
+    assert not (tmp_path / "link").is_symlink()
+    assert read_dir_files(elsewhere, ["a"])["a"] == b"7\n" * 1000
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_readers_never_see_a_mix_or_a_missing_folder_while_writers_replace_it(tmp_path, monkeypatch, exchange):
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    target = tmp_path / "d"
+    replace_dir(target, _version(0))
+    stop, problems = threading.Event(), []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                files = read_dir_files(target, ["a", "b", "c"])
+            except FileNotFoundError as err:
+                if exchange:  # an exchange never leaves the path missing
+                    problems.append(err)
+                continue
+            if len(set(files.values())) != 1:
+                problems.append(files)
+
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    for thread in readers:
+        thread.start()
+    for n in range(1, 60):
+        replace_dir(target, _version(n))
+    stop.set()
+    for thread in readers:
+        thread.join()
+    assert problems == []
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_concurrent_writers_each_leave_one_complete_version(tmp_path):
+    target = tmp_path / "d"
+    code = """
+    import sys
+    from pathlib import Path
+    from tlm_core.atomic import replace_dir
+    n = int(sys.argv[2])
+    for i in range(30):
+        replace_dir(sys.argv[1], lambda p: [(p / x).write_text(f"{n}-{i}") for x in "abc"])
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(target), str(n)]) for n in range(3)]
+    assert [p.wait() for p in procs] == [0, 0, 0]
+    files = read_dir_files(target, ["a", "b", "c"])
+    assert len(set(files.values())) == 1
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+@pytest.mark.parametrize("step", ["filled", "swapped"])
+def test_sigkill_inside_replace_dir_leaves_old_or_new_and_leftovers_are_removed(tmp_path, step):
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+    code = f"""
+    import os, signal, sys
+    from pathlib import Path
+    from tlm_core import atomic
+    atomic.after_step = lambda s: os.kill(os.getpid(), signal.SIGKILL) if s == {step!r} else None
+    atomic.replace_dir(sys.argv[1], lambda p: [(p / x).write_text("2") for x in "abc"])
+    """
+    assert _run(code, str(target)).returncode == -signal.SIGKILL
+    files = read_dir_files(target, ["a", "b", "c"])
+    assert files in ({name: b"1\n" * 1000 for name in "abc"}, {name: b"2" for name in "abc"})
+    remove_leftovers(tmp_path)
+    assert os.listdir(tmp_path) == ["d"]
+
+
+def test_read_dir_files_optional_and_missing(tmp_path):
+    replace_dir(tmp_path / "d", _version(3))
+    got = read_dir_files(tmp_path / "d", ["a"], optional=["nope", "b"])
+    assert set(got) == {"a", "b"}
+    with pytest.raises(FileNotFoundError, match="missing from the folder"):
+        read_dir_files(tmp_path / "d", ["nope"])
+    with pytest.raises(NotADirectoryError):
+        read_dir_files(tmp_path / "d" / "a", ["x"])
