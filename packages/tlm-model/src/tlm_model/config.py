@@ -9,6 +9,22 @@ from tlm_rope import LAYOUTS
 from tlm_rope.scaling import check_scaling
 
 
+#: Upper bounds on the sizes a config may claim: each is many times what any released model uses
+#: (Llama 3.1 405B: 126 layers, d_model 16,384, d_ff 53,248, 128K context), and together they keep a
+#: lying config.json or checkpoint header from asking for terabytes (RoPE tables are sized by
+#: context_length) before the file's own tensors are checked against it.
+LIMITS = {
+    "vocab_size": 1 << 24,
+    "context_length": 1 << 20,
+    "d_model": 1 << 18,
+    "num_layers": 1 << 10,
+    "num_heads": 1 << 12,
+    "d_ff": 1 << 20,
+    "num_kv_heads": 1 << 12,
+    "head_dim": 1 << 12,
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build a :class:`~tlm_model.TransformerLM`.
@@ -42,11 +58,13 @@ class ModelConfig:
         # from config.json or built for accounting is checked before any module exists.
         for field in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             check_positive_int(f"ModelConfig.{field}", getattr(self, field))
+            _check_limit(field, getattr(self, field))
         check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, inclusive=False)
         check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0, inclusive=True)
         for field in ("num_kv_heads", "head_dim"):
             if getattr(self, field) is not None:
                 check_positive_int(f"ModelConfig.{field}", getattr(self, field))
+                _check_limit(field, getattr(self, field))
         if not isinstance(self.tie_word_embeddings, bool):
             raise TypeError(
                 f"ModelConfig.tie_word_embeddings must be a bool, got {type(self.tie_word_embeddings).__name__}"
@@ -99,6 +117,11 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; expected a subset of {sorted(names)}")
         return cls(**data)
+
+
+def _check_limit(field: str, value: int) -> None:
+    if value > LIMITS[field]:
+        raise ValueError(f"ModelConfig.{field} must be <= {LIMITS[field]:,} (tlm's limit), got {value:,}")
 
 
 def _gpt2(d_model: int, num_layers: int, num_heads: int, d_ff: int | None = None) -> ModelConfig:
