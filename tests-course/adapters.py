@@ -21,7 +21,7 @@ from torch import Tensor
 from tlm_attention import CausalMultiHeadSelfAttention, scaled_dot_product_attention, softmax
 from tlm_ffn import SwiGLU, silu
 from tlm_linear import Embedding, Linear
-from tlm_model import TransformerBlock, TransformerLM, cross_entropy
+from tlm_model import ModelConfig, TransformerBlock, TransformerLM, cross_entropy
 from tlm_norm import RMSNorm
 from tlm_optim import AdamW, clip_grad_norm_, cosine_lr
 from tlm_rope import RotaryPositionalEmbedding
@@ -137,16 +137,12 @@ def run_transformer_block(
     weights: dict[str, Tensor],
     in_features: Float[Tensor, " batch sequence_length d_model"],
 ) -> Float[Tensor, " batch sequence_length d_model"]:
-    block = TransformerBlock(
-        d_model,
-        num_heads,
-        d_ff,
-        max_seq_len,
-        theta,
-        attention_backend="reference",
-        fused=False,
-        **_placed(weights["ln1.weight"]),
-    )
+    # The block reads its sizes from a ModelConfig; the vocabulary and depth do not matter to one block.
+    config = ModelConfig(
+        vocab_size=1, context_length=max_seq_len, d_model=d_model, num_layers=1, num_heads=num_heads, d_ff=d_ff,
+        rope_theta=theta,
+    )  # fmt: skip
+    block = TransformerBlock(config, attention_backend="reference", fused=False, **_placed(weights["ln1.weight"]))
     block.load_state_dict(weights)
     return block(in_features)
 
@@ -163,18 +159,8 @@ def run_transformer_lm(
     in_indices: Int[Tensor, " batch_size sequence_length"],
 ) -> Float[Tensor, " batch_size sequence_length vocab_size"]:
     placed = _placed(weights["ln_final.weight"] if "ln_final.weight" in weights else next(iter(weights.values())))
-    model = TransformerLM(
-        vocab_size,
-        context_length,
-        d_model,
-        num_layers,
-        num_heads,
-        d_ff,
-        rope_theta,
-        attention_backend="reference",
-        fused=False,
-        **placed,
-    )
+    config = ModelConfig(vocab_size, context_length, d_model, num_layers, num_heads, d_ff, rope_theta)
+    model = TransformerLM(config, attention_backend="reference", fused=False, **placed)
     model.load_state_dict(weights)
     return model(in_indices)
 

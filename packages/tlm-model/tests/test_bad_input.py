@@ -28,13 +28,19 @@ from tlm_model import ModelConfig, TransformerBlock, TransformerLM, chunked_cros
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
 
+
+def block_config(d_model, num_heads, d_ff, max_seq_len=16, theta=10_000.0, **fields):
+    # One block's sizes as a ModelConfig; a block uses neither the vocabulary nor the depth.
+    return ModelConfig(1, max_seq_len, d_model, 1, num_heads, d_ff, rope_theta=theta, **fields)
+
+
 CFG = ModelConfig(vocab_size=11, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=24)
 U16 = torch.uint16
 DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "reliability.md"
 
 
 def lm(**options) -> TransformerLM:
-    return TransformerLM.from_config(CFG, **options)
+    return TransformerLM(CFG, **options)
 
 
 def ids(*shape: int) -> torch.Tensor:
@@ -50,7 +56,7 @@ def mha(**options) -> CausalMultiHeadSelfAttention:
 
 
 def block() -> TransformerBlock:
-    return TransformerBlock(16, 2, 24, 8, 10_000.0)
+    return TransformerBlock(block_config(16, 2, 24, max_seq_len=8))
 
 
 def qkv(queries: int = 3, keys: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -191,10 +197,14 @@ RAISES = [
            ValueError, "ModelConfig: d_model / num_heads must be even for RoPE, got 3"),
     Raises("mha-heads-not-dividing", lambda: CausalMultiHeadSelfAttention(10, 3), ValueError,
            "d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
-    Raises("block-heads-not-dividing", lambda: TransformerBlock(10, 3, 8, 8, 10_000.0), ValueError,
-           "d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
-    Raises("lm-heads-not-dividing", lambda: TransformerLM(11, 8, 10, 1, 3, 8), ValueError,
+    Raises("config-heads-not-dividing", lambda: ModelConfig(11, 8, 10, 1, 3, 8), ValueError,
            "ModelConfig.d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
+    Raises("lm-not-a-config", lambda: TransformerLM(11, 8, 10, 1, 3, 8), TypeError,
+           "__init__() takes 2 positional arguments but 7 were given"),
+    Raises("lm-dict-config", lambda: TransformerLM(CFG.to_dict()), TypeError,
+           "config must be a ModelConfig, got dict"),
+    Raises("block-dict-config", lambda: TransformerBlock(CFG.to_dict()), TypeError,
+           "config must be a ModelConfig, got dict"),
     Raises("config-unknown-field", lambda: ModelConfig.from_dict({**CFG.to_dict(), "dropout": 0.1}), ValueError,
            "unknown ModelConfig fields ['dropout']; expected a subset of"),
     # positions
@@ -219,12 +229,6 @@ RAISES = [
            lambda: KVCache(1, 2, 4, 8).update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 2, 8)), ValueError,
            "keys and values must have shape (batch, heads, new, d_head) = (1, 2, new, 8), got (1, 2, 1, 8) and "
            "(1, 2, 2, 8)"),
-    Raises("block-rope-and-sizes", lambda: TransformerBlock(16, 2, 24, 8, 10_000.0, rope=rope()), ValueError,
-           "give TransformerBlock either rope or max_seq_len and theta, not both: the rope's own max_seq_len=8, "
-           "theta=10000.0 would silently win over max_seq_len=8, theta=10000.0"),
-    Raises("block-no-rope-no-sizes", lambda: TransformerBlock(16, 2, 24), ValueError,
-           "TransformerBlock needs either max_seq_len and theta (to build its RoPE) or rope, got max_seq_len=None, "
-           "theta=None, rope=None"),
     Raises("mha-unknown-backend", lambda: mha(attention_backend="flash"), ValueError,
            "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
     Raises("causal-attention-unknown-backend",
@@ -251,7 +255,7 @@ RAISES = [
 
 
 def _two_layers() -> TransformerLM:
-    return TransformerLM.from_config(dataclasses.replace(CFG, num_layers=2))
+    return TransformerLM(dataclasses.replace(CFG, num_layers=2))
 
 
 def _cached_step(positions: torch.Tensor) -> torch.Tensor:

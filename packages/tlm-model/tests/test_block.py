@@ -1,8 +1,13 @@
 import pytest
 import torch
 
-from tlm_model import TransformerBlock
+from tlm_model import ModelConfig, TransformerBlock
 from tlm_rope import RotaryPositionalEmbedding
+
+
+def block_config(d_model, num_heads, d_ff, max_seq_len=16, theta=10_000.0, **fields):
+    # One block's sizes as a ModelConfig; a block uses neither the vocabulary nor the depth.
+    return ModelConfig(1, max_seq_len, d_model, 1, num_heads, d_ff, rope_theta=theta, **fields)
 
 
 def randomized(block):
@@ -14,20 +19,20 @@ def randomized(block):
 
 
 def test_state_dict_keys(course_block_keys):
-    block = TransformerBlock(16, 4, 48, 32, 10_000.0)
+    block = TransformerBlock(block_config(16, 4, 48, max_seq_len=32))
     assert set(block.state_dict()) == course_block_keys
 
 
 @pytest.mark.parametrize("lead", [(), (3,)])
 def test_matches_float64_rederivation(lead, device, block_reference):
-    block = randomized(TransformerBlock(32, 4, 96, 64, 10_000.0, device=device))
+    block = randomized(TransformerBlock(block_config(32, 4, 96, max_seq_len=64), device=device))
     x = torch.randn(*lead, 12, 32, device=device)
     expected = block_reference(block.state_dict(), x, 4, 10_000.0)
     torch.testing.assert_close(block(x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_token_positions_are_forwarded(block_reference):
-    block = randomized(TransformerBlock(16, 2, 40, 64, 500.0))
+    block = randomized(TransformerBlock(block_config(16, 2, 40, max_seq_len=64, theta=500.0)))
     x = torch.randn(2, 5, 16)
     positions = torch.tensor([[3, 4, 5, 6, 7], [10, 20, 30, 40, 50]])
     expected = torch.stack([block_reference(block.state_dict(), x[b], 2, 500.0, positions[b]) for b in range(2)])
@@ -36,34 +41,31 @@ def test_token_positions_are_forwarded(block_reference):
 
 def test_shared_rope_is_used():
     rope = RotaryPositionalEmbedding(10_000.0, 4, 16)
-    block = TransformerBlock(16, 4, 32, rope=rope)
+    block = TransformerBlock(block_config(16, 4, 32), rope=rope)
     assert block.attn.rope is rope
 
 
-@pytest.mark.parametrize("sizes", [dict(max_seq_len=16), dict(theta=500.0), dict(max_seq_len=32, theta=500.0)])
-def test_rope_together_with_its_sizes_is_refused(sizes):
-    # The rope's own table would silently win over max_seq_len/theta: one source of truth.
-    with pytest.raises(ValueError, match="either rope or max_seq_len and theta, not both"):
-        TransformerBlock(16, 4, 32, rope=RotaryPositionalEmbedding(10_000.0, 4, 16), **sizes)
-
-
-@pytest.mark.parametrize("sizes", [dict(), dict(max_seq_len=16), dict(theta=500.0)])
-def test_without_rope_both_sizes_are_required(sizes):
-    with pytest.raises(ValueError, match="needs either max_seq_len and theta"):
-        TransformerBlock(16, 4, 32, **sizes)
-
-
-def test_block_builds_its_rope_from_its_sizes():
-    block = TransformerBlock(16, 4, 32, 24, 500.0)
+def test_block_builds_its_rope_from_its_config():
+    block = TransformerBlock(block_config(16, 4, 32, max_seq_len=24, theta=500.0, rope_layout="half"))
     rope = block.attn.rope
     assert isinstance(rope, RotaryPositionalEmbedding)
-    assert (rope.theta, rope.d_k, rope.max_seq_len) == (500.0, 4, 24)
+    assert (rope.theta, rope.d_k, rope.max_seq_len, rope.layout) == (500.0, 4, 24, "half")
+
+
+def test_block_config_fields_reach_the_modules():
+    config = block_config(24, 6, 40, norm_eps=1e-3, num_kv_heads=2, head_dim=6)
+    block = TransformerBlock(config, fused=False)
+    assert (block.attn.num_heads, block.attn.num_kv_heads, block.attn.d_head) == (6, 2, 6)
+    assert block.ln1.eps == block.ln2.eps == 1e-3
+    assert tuple(block.ffn.w1.weight.shape) == (40, 24)
+    with pytest.raises(TypeError, match="config must be a ModelConfig, got dict"):
+        TransformerBlock(config.to_dict())
 
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="d_model must be divisible by num_heads"):
-        TransformerBlock(30, 4, 64, 16, 10_000.0)
-    with pytest.raises(ValueError, match="d_k must be even"):
-        TransformerBlock(12, 4, 64, 16, 10_000.0)
-    with pytest.raises(ValueError, match="theta must be a finite number > 0"):
-        TransformerBlock(16, 4, 64, 16, 0.0)
+        TransformerBlock(block_config(30, 4, 64))
+    with pytest.raises(ValueError, match="d_model / num_heads must be even for RoPE"):
+        TransformerBlock(block_config(12, 4, 64))
+    with pytest.raises(ValueError, match="rope_theta must be a finite number > 0"):
+        TransformerBlock(block_config(16, 4, 64, theta=0.0))

@@ -41,7 +41,7 @@ def raw_header(path) -> tuple[dict, int]:
 
 
 def test_round_trip_gives_bit_identical_logits(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path)
     loaded = load_checkpoint(tmp_path)
     assert loaded.config == CFG
@@ -52,14 +52,14 @@ def test_round_trip_gives_bit_identical_logits(tmp_path):
 def test_build_options_are_not_saved_but_can_be_passed(tmp_path):
     # fused/unfused projections hold the same weights in another layout: the checkpoint loads
     # into either. Bit-identical logits need the same layout; another agrees to float32 rounding.
-    model = trained_looking(TransformerLM.from_config(CFG, fused=False))
+    model = trained_looking(TransformerLM(CFG, fused=False))
     save_checkpoint(model, tmp_path)
     assert torch.equal(load_checkpoint(tmp_path, fused=False)(tokens()), model(tokens()))
     torch.testing.assert_close(load_checkpoint(tmp_path, fused=True)(tokens()), model(tokens()), rtol=1e-5, atol=1e-6)
 
 
 def test_round_trip_keeps_every_tensor_exactly(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path)
     loaded = load_checkpoint(tmp_path).state_dict()
     for key, value in model.state_dict().items():
@@ -68,7 +68,7 @@ def test_round_trip_keeps_every_tensor_exactly(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_round_trip(tmp_path, dtype):
-    model = trained_looking(TransformerLM.from_config(CFG)).to(dtype)
+    model = trained_looking(TransformerLM(CFG)).to(dtype)
     save_checkpoint(model, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16" if dtype == torch.bfloat16 else "F16"}
@@ -79,7 +79,7 @@ def test_low_precision_round_trip(tmp_path, dtype):
 
 
 def test_dtype_and_device_on_load(tmp_path, device):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path)
     loaded = load_checkpoint(tmp_path, dtype=torch.float64, device=device)
     assert all(p.dtype == torch.float64 and p.device.type == device.type for p in loaded.parameters())
@@ -89,7 +89,7 @@ def test_dtype_and_device_on_load(tmp_path, device):
 
 
 def test_the_file_is_a_safetensors_file_holding_weights_config_and_hash(tmp_path, course_lm_keys):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     returned = save_checkpoint(model, tmp_path / "new" / "dir")  # parents are created
     assert returned == tmp_path / "new" / "dir"
     assert [p.name for p in returned.iterdir()] == ["model.safetensors"]  # one file: nothing to pair up
@@ -113,14 +113,14 @@ def test_the_file_is_a_safetensors_file_holding_weights_config_and_hash(tmp_path
 
 
 def test_saves_to_a_named_file(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     assert save_checkpoint(model, tmp_path / "step-10.safetensors") == tmp_path / "step-10.safetensors"
     assert [p.name for p in tmp_path.iterdir()] == ["step-10.safetensors"]
     assert torch.equal(load_checkpoint(tmp_path / "step-10.safetensors")(tokens()), model(tokens()))
 
 
 def test_saves_from_a_compiled_model_under_plain_keys(tmp_path, course_lm_keys):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(torch.compile(model), tmp_path)  # wrapping alone; nothing is compiled
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
         assert set(f.keys()) == course_lm_keys(CFG.num_layers)
@@ -128,7 +128,7 @@ def test_saves_from_a_compiled_model_under_plain_keys(tmp_path, course_lm_keys):
 
 
 def test_saves_a_compile_for_inference_model_like_a_plain_one(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path / "plain")
     save_checkpoint(compile_for_inference(model), tmp_path / "inference")  # nothing compiles until a call
     save_checkpoint(torch.compile(compile_for_inference(model)), tmp_path / "both")
@@ -139,7 +139,7 @@ def test_saves_a_compile_for_inference_model_like_a_plain_one(tmp_path):
 
 def test_tensors_sharing_storage_are_saved(tmp_path):
     # Tied embeddings are the usual case: one tensor under two names; the reload must still match.
-    model = TransformerLM.from_config(CFG)
+    model = TransformerLM(CFG)
     with torch.no_grad():
         model.lm_head.weight = model.token_embeddings.weight
     save_checkpoint(model, tmp_path)
@@ -149,7 +149,7 @@ def test_tensors_sharing_storage_are_saved(tmp_path):
 
 
 def test_saving_leaves_the_model_untouched(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     before = {k: (v.clone(), v._version) for k, v in model.state_dict().items()}
     save_checkpoint(model, tmp_path)
     for key, value in model.state_dict().items():
@@ -157,22 +157,22 @@ def test_saving_leaves_the_model_untouched(tmp_path):
 
 
 def test_overwrites_an_existing_checkpoint(tmp_path):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
-    second = trained_looking(TransformerLM.from_config(CFG))
+    save_checkpoint(TransformerLM(CFG), tmp_path)
+    second = trained_looking(TransformerLM(CFG))
     save_checkpoint(second, tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]  # no temporary file left
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), second(tokens()))
 
 
 def test_loads_the_0_1_0_layout(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     write_legacy(tmp_path, model)
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
 
 
 def test_saving_over_the_0_1_0_layout_removes_its_config(tmp_path):
-    write_legacy(tmp_path, TransformerLM.from_config(CFG))
-    model = trained_looking(TransformerLM.from_config(CFG))
+    write_legacy(tmp_path, TransformerLM(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path)
     # tlm 0.1.0 would pair a left-over config.json with weights it does not describe.
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
@@ -181,13 +181,13 @@ def test_saving_over_the_0_1_0_layout_removes_its_config(tmp_path):
 
 def test_a_config_json_that_tlm_did_not_write_is_kept(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    save_checkpoint(TransformerLM(CFG), tmp_path)
     assert (tmp_path / "config.json").read_text() == '{"model_type": "llama"}'
 
 
 def test_an_embedded_config_wins_over_a_stale_config_json(tmp_path):
     # What a kill between the rename and the removal of the old config.json leaves on disk.
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"format": 1, **CFG.to_dict(), "d_model": 64, "d_ff": 160}))
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
@@ -201,7 +201,7 @@ def test_no_symlink_is_followed_on_write(tmp_path):
     # The names 0.1.0 wrote through, and the target itself.
     for name in ("model.safetensors", "config.json.tmp", "model.safetensors.tmp"):
         (ckpt / name).symlink_to(outside)
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, ckpt)
     assert outside.read_bytes() == b"precious"
     assert not (ckpt / "model.safetensors").is_symlink()
@@ -209,7 +209,7 @@ def test_no_symlink_is_followed_on_write(tmp_path):
 
 
 def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path, monkeypatch):
-    old = trained_looking(TransformerLM.from_config(CFG))
+    old = trained_looking(TransformerLM(CFG))
     save_checkpoint(old, tmp_path)
     import tlm_model.checkpoint as checkpoint
 
@@ -219,13 +219,13 @@ def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path,
 
     monkeypatch.setattr(checkpoint, "_after_step", fail)
     with pytest.raises(OSError, match="No space left on device"):
-        save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+        save_checkpoint(TransformerLM(CFG), tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), old(tokens()))
 
 
 def test_a_state_dict_file_loads_with_a_config(tmp_path):
-    model = trained_looking(TransformerLM.from_config(CFG))
+    model = trained_looking(TransformerLM(CFG))
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "weights.safetensors"))
     for name in ("weights.pt", "weights.safetensors"):
@@ -233,12 +233,12 @@ def test_a_state_dict_file_loads_with_a_config(tmp_path):
 
 
 def test_matching_config_is_accepted(tmp_path):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    save_checkpoint(TransformerLM(CFG), tmp_path)
     assert load_checkpoint(tmp_path, config=ModelConfig(**CFG.to_dict())).config == CFG
 
 
 def test_mismatched_config_names_every_differing_field(tmp_path):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    save_checkpoint(TransformerLM(CFG), tmp_path)
     requested = ModelConfig(**{**CFG.to_dict(), "d_model": 64, "d_ff": 160, "rope_theta": 10_000.0})
     expected = (
         f"checkpoint config mismatch in {tmp_path / 'model.safetensors'}: "
@@ -252,7 +252,7 @@ def test_mismatched_config_names_every_differing_field(tmp_path):
 
 
 def test_config_must_be_a_model_config(tmp_path):
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    save_checkpoint(TransformerLM(CFG), tmp_path)
     with pytest.raises(TypeError, match="config must be a ModelConfig or None, got dict"):
         load_checkpoint(tmp_path, config=CFG.to_dict())
 
@@ -264,7 +264,7 @@ def test_save_rejects_what_is_not_a_transformer_lm(tmp_path):
 
 def test_save_rejects_a_model_on_the_meta_device(tmp_path):
     with pytest.raises(ValueError, match="is on the meta device"):
-        save_checkpoint(TransformerLM.from_config(CFG, device="meta"), tmp_path)
+        save_checkpoint(TransformerLM(CFG, device="meta"), tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -280,7 +280,7 @@ def test_missing_weights_name_the_path(tmp_path):
 
 
 def test_0_1_0_layout_without_config_json_names_it(tmp_path):
-    write_legacy(tmp_path, TransformerLM.from_config(CFG))
+    write_legacy(tmp_path, TransformerLM(CFG))
     (tmp_path / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="carries no config and config.json is missing") as info:
         load_checkpoint(tmp_path)
@@ -300,7 +300,7 @@ def test_0_1_0_layout_without_config_json_names_it(tmp_path):
     ids=["not-json", "not-an-object", "no-format", "future-format", "unknown-field", "invalid-config"],
 )
 def test_malformed_0_1_0_config_is_a_value_error_naming_the_file(tmp_path, content, message):
-    write_legacy(tmp_path, TransformerLM.from_config(CFG))
+    write_legacy(tmp_path, TransformerLM(CFG))
     (tmp_path / "config.json").write_text(content)
     with pytest.raises(ValueError) as info:
         load_checkpoint(tmp_path)
@@ -308,13 +308,13 @@ def test_malformed_0_1_0_config_is_a_value_error_naming_the_file(tmp_path, conte
 
 
 def test_wrongly_typed_config_field_is_a_type_error(tmp_path):
-    write_legacy(tmp_path, TransformerLM.from_config(CFG), {"format": 1, **CFG.to_dict(), "d_model": "32"})
+    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "d_model": "32"})
     with pytest.raises(TypeError, match="ModelConfig.d_model must be an int, got str"):
         load_checkpoint(tmp_path)
 
 
 def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path):
-    model = TransformerLM.from_config(CFG)
+    model = TransformerLM(CFG)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     state["lm_head.weight"] = torch.zeros(5, CFG.d_model)
     del state["layers.1.ln2.weight"]
@@ -332,24 +332,19 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path
 
 def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, monkeypatch):
     # 10¹² × 32 float32 embeddings would be 128 TB: the header check must come first.
-    write_legacy(tmp_path, TransformerLM.from_config(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})
-    built, original = [], TransformerLM.from_config.__func__
-
-    def spy(cls, config, **kwargs):
-        built.append(kwargs)
-        return original(cls, config, **kwargs)
-
-    monkeypatch.setattr(TransformerLM, "from_config", classmethod(spy))
-    with pytest.raises(ValueError, match=r"token_embeddings.weight has shape \[97, 32\], the config needs"):
+    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})
+    built = []
+    monkeypatch.setattr(TransformerLM, "__init__", lambda self, *a, **k: built.append(k))
+    with pytest.raises(ValueError, match=r"vocab_size must be <= 16,777,216 \(tlm's limit\), got 1,000,000,000,000"):
         load_checkpoint(tmp_path)
-    assert built == [{"device": "meta"}]  # only the allocation-free shape model was built
+    assert built == []  # refused by the config's limits before any model, even a meta one, was built
 
 
 def test_a_consistent_file_whose_config_disagrees_with_its_tensors_is_refused(tmp_path):
     # Written with a valid hash, so only the shape check can catch it.
     import tlm_model.checkpoint as checkpoint
 
-    save_checkpoint(TransformerLM.from_config(CFG), tmp_path)
+    save_checkpoint(TransformerLM(CFG), tmp_path)
     path = tmp_path / "model.safetensors"
     header, n = raw_header(path)
     data = path.read_bytes()[8 + n :]
@@ -362,7 +357,7 @@ def test_a_consistent_file_whose_config_disagrees_with_its_tensors_is_refused(tm
 
 
 def test_mixed_dtypes_need_an_explicit_dtype(tmp_path):
-    model = TransformerLM.from_config(CFG)
+    model = TransformerLM(CFG)
     model.lm_head.to(torch.bfloat16)
     save_checkpoint(model, tmp_path)
     with pytest.raises(ValueError, match=r"several dtypes \['torch.bfloat16', 'torch.float32'\]; pass dtype="):
@@ -371,7 +366,7 @@ def test_mixed_dtypes_need_an_explicit_dtype(tmp_path):
 
 
 def test_a_plain_state_dict_needs_a_config(tmp_path):
-    torch.save(TransformerLM.from_config(CFG).state_dict(), tmp_path / "weights.pt")
+    torch.save(TransformerLM(CFG).state_dict(), tmp_path / "weights.pt")
     with pytest.raises(ValueError, match="weights.pt is a plain state dict that carries no config; pass config="):
         load_checkpoint(tmp_path / "weights.pt")
 

@@ -16,7 +16,7 @@ TINY = ModelConfig(vocab_size=7, context_length=4, d_model=4, num_layers=1, num_
 @pytest.fixture
 def saved(tmp_path):
     torch.manual_seed(0)
-    save_checkpoint(TransformerLM.from_config(TINY), tmp_path)
+    save_checkpoint(TransformerLM(TINY), tmp_path)
     path = tmp_path / "model.safetensors"
     return path, path.read_bytes()
 

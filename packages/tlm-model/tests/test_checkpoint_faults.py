@@ -39,7 +39,7 @@ signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks
 
 def build(seed, config):
     torch.manual_seed(seed)
-    model = TransformerLM.from_config(config)
+    model = TransformerLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln" in name:
@@ -81,7 +81,7 @@ for line in sys.stdin:
 def build(seed: int, config: ModelConfig) -> TransformerLM:
     """The model a saving process builds from ``seed`` (same recipe, same torch: the same weights)."""
     torch.manual_seed(seed)
-    model = TransformerLM.from_config(config)
+    model = TransformerLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln" in name:

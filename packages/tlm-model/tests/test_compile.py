@@ -18,7 +18,7 @@ def fresh_dynamo():
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_traces_as_one_graph(backend, fused):
-    model = TransformerLM.from_config(CFG, attention_backend=backend, fused=fused).eval()
+    model = TransformerLM(CFG, attention_backend=backend, fused=fused).eval()
     ids = torch.randint(0, CFG.vocab_size, (2, 10))
     explanation = torch._dynamo.explain(model)(ids)
     assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
@@ -26,7 +26,7 @@ def test_forward_traces_as_one_graph(backend, fused):
 
 
 def test_fullgraph_compile_matches_eager_and_trains():
-    model = TransformerLM.from_config(CFG)
+    model = TransformerLM(CFG)
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # dynamo tracing, no C++ build
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-6)
@@ -35,7 +35,7 @@ def test_fullgraph_compile_matches_eager_and_trains():
 
 
 def test_cached_decoding_does_not_recompile_every_token():
-    model = TransformerLM.from_config(CFG).eval()
+    model = TransformerLM(CFG).eval()
     compilations = []
 
     def counting_backend(graph_module, example_inputs):
@@ -55,7 +55,7 @@ def test_cached_decoding_does_not_recompile_every_token():
 def test_a_compiled_cached_step_that_fails_leaves_the_caches_as_they_were():
     # Dynamo applies the caches' new lengths only after the whole graph ran, so a device-side
     # assert failing half-way changes no length; the refused ids and positions show it.
-    model = TransformerLM.from_config(CFG).eval()
+    model = TransformerLM(CFG).eval()
     compiled = torch.compile(model, fullgraph=True, backend="eager")  # dynamo's side effects, no C++ build
     ids = torch.randint(0, CFG.vocab_size, (1, 8))
     with torch.no_grad():

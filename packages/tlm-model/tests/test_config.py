@@ -51,7 +51,7 @@ BASE = dict(vocab_size=100, context_length=16, d_model=32, num_layers=2, num_hea
         (dict(vocab_size=0), ValueError, "vocab_size must be positive, got 0"),
         (dict(d_ff=64.0), TypeError, "d_ff must be an int, got float"),
         (dict(rope_theta=-1.0), ValueError, "rope_theta must be a finite number > 0, got -1.0"),
-        (dict(norm_eps="x"), TypeError, "norm_eps must be a float, got str"),
+        (dict(norm_eps="x"), TypeError, "norm_eps must be a number, got str"),
     ],
 )
 def test_validation(change, exc, match):

@@ -17,7 +17,7 @@ CFG = ModelConfig(vocab_size=61, context_length=40, d_model=32, num_layers=2, nu
 
 @pytest.fixture
 def model():
-    return TransformerLM.from_config(CFG).eval()
+    return TransformerLM(CFG).eval()
 
 
 def _float64_lm_logits(model, ids, lm_reference):
@@ -27,7 +27,7 @@ def _float64_lm_logits(model, ids, lm_reference):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_decoding_right_after_a_one_token_prompt_continues_rope_positions(backend, lm_reference, record_error):
     # After a one-token prefill the cache holds 1 token, so the next token sits at position 1, not 0.
-    model = TransformerLM.from_config(CFG, attention_backend=backend).eval()
+    model = TransformerLM(CFG, attention_backend=backend).eval()
     ids = torch.randint(0, CFG.vocab_size, (2, 4))
     expected = _float64_lm_logits(model, ids, lm_reference)
     with torch.no_grad():
@@ -49,7 +49,7 @@ def test_greedy_generation_from_a_one_token_prompt_matches_uncached_decoding(mod
 def _sharp_model(vocab=8):
     """A model whose next-token distribution is far from uniform, so that temperature matters."""
     cfg = ModelConfig(vocab_size=vocab, context_length=8, d_model=16, num_layers=1, num_heads=2, d_ff=32)
-    model = TransformerLM.from_config(cfg).eval()
+    model = TransformerLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(0.5)  # logits of a few units: neither flat nor one-hot
     return model
@@ -198,10 +198,24 @@ def test_filtered_sampling_never_draws_a_dropped_token():
     assert set(out[:, -1].tolist()) == allowed
 
 
-def test_on_token_is_called_once_per_new_token(model):
+def test_on_token_receives_each_new_token_as_it_comes(model):
     seen = []
-    generate(model, torch.randint(0, CFG.vocab_size, (1, 3)), 5, temperature=0, on_token=seen.append)
-    assert seen == [1, 2, 3, 4, 5]
+    out = generate(model, torch.randint(0, CFG.vocab_size, (2, 3)), 5, temperature=0, on_token=seen.append)
+    assert torch.equal(torch.stack(seen, dim=1), out[:, 3:])
+    one = []
+    out = generate(model, torch.randint(0, CFG.vocab_size, (3,)), 4, temperature=0, on_token=one.append)
+    assert [t.shape for t in one] == [()] * 4 and [int(t) for t in one] == out[3:].tolist()
+
+
+def test_on_token_returning_true_stops_generation(model):
+    calls = []
+
+    def stop_at_third(ids):
+        calls.append(ids)
+        return len(calls) == 3
+
+    out = generate(model, torch.randint(0, CFG.vocab_size, (1, 3)), 10, temperature=0, on_token=stop_at_third)
+    assert out.shape == (1, 6) and len(calls) == 3
 
 
 def test_generate_does_not_modify_the_prompt(model):
@@ -211,31 +225,51 @@ def test_generate_does_not_modify_the_prompt(model):
     assert torch.equal(prompt, before)
 
 
-def test_prompt_that_exactly_fills_the_context_is_accepted(model):
-    out = generate(model, torch.randint(0, CFG.vocab_size, (1, 35)), 5, temperature=0)
-    assert out.shape == (1, 40)
-    with pytest.raises(ValueError, match="exceeds the model's context_length 40"):
-        generate(model, torch.randint(0, CFG.vocab_size, (1, 36)), 5, temperature=0)
+def greedy_sliding_reference(model, prompt, n):
+    """The documented window rule, recomputed without a cache: the model sees tokens[start:]; once that is
+    longer than the context, start jumps so that the newest context - context // 4 tokens remain."""
+    context = model.config.context_length
+    keep = context - max(1, context // 4)
+    tokens = prompt.tolist()
+    start = 0 if len(tokens) <= context else len(tokens) - keep
+    with torch.no_grad():
+        for _ in range(n):
+            if len(tokens) - start > context:
+                start = len(tokens) - keep
+            tokens.append(int(model(torch.tensor([tokens[start:]]))[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize(("prompt_len", "new"), [(35, 5), (36, 5), (40, 1), (10, 75), (52, 30)])
+def test_generation_longer_than_the_context_slides_the_window(model, prompt_len, new):
+    prompt = torch.randint(0, CFG.vocab_size, (prompt_len,))
+    out = generate(model, prompt, new, temperature=0)
+    assert out.shape == (prompt_len + new,)
+    assert out.tolist() == greedy_sliding_reference(model, prompt, new)
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, exc, match",
     [
-        (dict(temperature=float("nan")), "temperature must be a number >= 0"),
-        (dict(top_k=True), "top_k must be a positive int or None, got True"),
-        (dict(top_k=2.0), "top_k must be a positive int or None, got 2.0"),
-        (dict(top_p=0.0), r"top_p must be in \(0, 1\] or None, got 0.0"),
-        (dict(top_p=-0.1), r"top_p must be in \(0, 1\] or None, got -0.1"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0, got nan"),
+        (dict(temperature=float("inf")), ValueError, "temperature must be a finite number >= 0, got inf"),
+        (dict(top_k=True), TypeError, r"top_k must be an int, got bool \(True\)"),
+        (dict(top_k=2.0), TypeError, r"top_k must be an int, got float \(2.0\)"),
+        (dict(top_p=0.0), ValueError, r"top_p must be a finite number in \(0, 1\], got 0.0"),
+        (dict(top_p=-0.1), ValueError, r"top_p must be a finite number in \(0, 1\], got -0.1"),
+        (dict(eos_token_id=True), TypeError, "eos_token_id must be a token id, a non-empty sequence of them"),
+        (dict(eos_token_id=[]), TypeError, "eos_token_id must be a token id, a non-empty sequence of them"),
+        (dict(eos_token_id=[1, -2]), ValueError, r"eos_token_id must be in \[0, 60\], got -2"),
     ],
 )
-def test_more_bad_sampling_arguments(model, kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_more_bad_sampling_arguments(model, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
         generate(model, torch.randint(0, CFG.vocab_size, (1, 4)), 3, **kwargs)
 
 
 @pytest.mark.parametrize("bad", [True, 2.0, "3"])
 def test_max_new_tokens_must_be_an_int(model, bad):
-    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+    with pytest.raises(TypeError, match="max_new_tokens must be an int"):
         generate(model, torch.randint(0, CFG.vocab_size, (1, 4)), bad)
 
 
@@ -246,8 +280,8 @@ def test_empty_and_scalar_prompts_are_refused(model, prompt):
 
 
 @pytest.mark.parametrize("bad", ["hot", None, [1.0]])
-def test_temperature_of_the_wrong_type_is_a_value_error(model, bad):
-    with pytest.raises(ValueError, match="temperature must be a number >= 0"):
+def test_temperature_of_the_wrong_type_is_a_type_error(model, bad):
+    with pytest.raises(TypeError, match="temperature must be a number, got"):
         generate(model, torch.randint(0, CFG.vocab_size, (1, 4)), 3, temperature=bad)
 
 

@@ -122,7 +122,7 @@ def test_llama3_scaling_is_applied_over_a_full_context(tmp_path, record_error):
     hf.save_pretrained(tmp_path)
     model = TransformerLM.from_hf(tmp_path)
     assert model.config.rope_scaling == LLAMA3
-    unscaled = TransformerLM.from_config(dataclasses.replace(model.config, rope_scaling=None))
+    unscaled = TransformerLM(dataclasses.replace(model.config, rope_scaling=None))
     unscaled.load_state_dict(model.state_dict())
     ids = torch.randint(0, 512, (1, 256))
     with torch.no_grad():

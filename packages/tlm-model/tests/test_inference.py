@@ -9,7 +9,7 @@ CFG = ModelConfig(vocab_size=61, context_length=40, d_model=32, num_layers=2, nu
 def test_compiled_inference_matches_eager_prefill_and_greedy_decoding():
     # A real inductor compile (C++), so this test takes several seconds.
     torch.manual_seed(0)
-    model = TransformerLM.from_config(CFG).eval()
+    model = TransformerLM(CFG).eval()
     fast = compile_for_inference(model)
     assert fast.config == model.config
     prompt = torch.randint(0, CFG.vocab_size, (2, 4))

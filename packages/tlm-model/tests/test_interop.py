@@ -7,14 +7,14 @@ CFG = ModelConfig(vocab_size=31, context_length=8, d_model=24, num_layers=2, num
 
 
 def test_round_trip_is_the_identity():
-    sd = TransformerLM.from_config(CFG).state_dict()
+    sd = TransformerLM(CFG).state_dict()
     back = from_hf_llama_state_dict(to_hf_llama_state_dict(sd, CFG), CFG)
     assert set(back) == set(sd)
     assert all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 def test_rows_move_from_interleaved_to_rotate_half_pairs():
-    sd = TransformerLM.from_config(CFG).state_dict()
+    sd = TransformerLM(CFG).state_dict()
     hf = to_hf_llama_state_dict(sd, CFG)
     q, q_hf = sd["layers.0.attn.q_proj.weight"], hf["model.layers.0.self_attn.q_proj.weight"]
     d_head = CFG.d_head

@@ -42,13 +42,13 @@ def test_bad_fields_are_refused(changes, error, match):
 
 
 def test_head_dim_frees_d_model():
-    model = TransformerLM(**{**SMALL, "d_model": 26}, head_dim=8)
+    model = TransformerLM(ModelConfig(**{**SMALL, "d_model": 26}, head_dim=8))
     assert model(torch.randint(0, 50, (2, 5))).shape == (2, 5, 50)
 
 
 def test_tied_embeddings_are_one_parameter_through_save_and_load(tmp_path):
-    tied = TransformerLM(**SMALL, tie_word_embeddings=True)
-    untied = TransformerLM(**SMALL)
+    tied = TransformerLM(ModelConfig(**SMALL, tie_word_embeddings=True))
+    untied = TransformerLM(ModelConfig(**SMALL))
     assert tied.lm_head.weight is tied.token_embeddings.weight
     assert tied.num_parameters() == untied.num_parameters() - SMALL["vocab_size"] * SMALL["d_model"]
     assert "lm_head.weight" not in tied.state_dict()
@@ -64,8 +64,8 @@ def test_tied_embeddings_are_one_parameter_through_save_and_load(tmp_path):
 
 
 def test_tied_model_refuses_a_different_head():
-    tied = TransformerLM(**SMALL, tie_word_embeddings=True)
-    state = TransformerLM(**SMALL).state_dict()
+    tied = TransformerLM(ModelConfig(**SMALL, tie_word_embeddings=True))
+    state = TransformerLM(ModelConfig(**SMALL)).state_dict()
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         tied.load_state_dict(state)
     state["lm_head.weight"] = state["token_embeddings.weight"].clone()  # equal: that is a tied checkpoint
@@ -74,7 +74,7 @@ def test_tied_model_refuses_a_different_head():
 
 
 def test_tied_reset_keeps_one_parameter():
-    tied = TransformerLM(**SMALL, tie_word_embeddings=True, device="meta")
+    tied = TransformerLM(ModelConfig(**SMALL, tie_word_embeddings=True), device="meta")
     tied.to_empty(device="cpu")
     tied.reset_parameters()
     assert tied.lm_head.weight is tied.token_embeddings.weight
@@ -82,7 +82,7 @@ def test_tied_reset_keeps_one_parameter():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path):
-    model = TransformerLM(**SMALL, num_kv_heads=2, head_dim=8, fused=fused)
+    model = TransformerLM(ModelConfig(**SMALL, num_kv_heads=2, head_dim=8), fused=fused)
     caches = model.new_kv_cache(2)
     assert caches[0].keys.shape == (2, 2, 16, 8)
     ids = torch.randint(0, 50, (2, 9))
@@ -96,7 +96,7 @@ def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path
 
 def test_rope_scaling_round_trips_through_a_checkpoint(tmp_path):
     scaling = {"rope_type": "linear", "factor": 2.0}
-    model = TransformerLM(**SMALL, rope_scaling=scaling)
+    model = TransformerLM(ModelConfig(**SMALL, rope_scaling=scaling))
     scaling["factor"] = 3.0  # the config keeps its own copy
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert model.rope.scaling == {"rope_type": "linear", "factor": 2.0}
@@ -113,8 +113,8 @@ def test_bad_rope_scaling_is_refused():
 
 
 def test_rope_layout_round_trips_and_is_checked(tmp_path):
-    model = TransformerLM(**SMALL, rope_layout="half")
+    model = TransformerLM(ModelConfig(**SMALL, rope_layout="half"))
     save_checkpoint(model, tmp_path)
     assert load_checkpoint(tmp_path).rope.layout == "half"
-    with pytest.raises(ValueError, match=r"rope_layout must be one of \('interleaved', 'half'\), got 'neox'"):
+    with pytest.raises(ValueError, match=r"rope_layout must be one of \['half', 'interleaved'\], got 'neox'"):
         ModelConfig(**SMALL, rope_layout="neox")

@@ -6,7 +6,6 @@ from torch.func import functional_call
 
 from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerLM
-from tlm_model.cli import main
 
 SMALL = ModelConfig(vocab_size=97, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=80, rope_theta=1000.0)
 
@@ -26,13 +25,13 @@ def randomized(model):
 
 def test_state_dict_keys(course_lm_keys):
     cfg = ModelConfig(vocab_size=11, context_length=8, d_model=8, num_layers=2, num_heads=2, d_ff=16)
-    assert set(TransformerLM.from_config(cfg).state_dict()) == course_lm_keys(2)
+    assert set(TransformerLM(cfg).state_dict()) == course_lm_keys(2)
 
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_float64_rederivation(backend, fused, device, lm_reference):
-    model = randomized(TransformerLM.from_config(SMALL, device=device, attention_backend=backend, fused=fused))
+    model = randomized(TransformerLM(SMALL, device=device, attention_backend=backend, fused=fused))
     ids = torch.randint(0, SMALL.vocab_size, (3, SMALL.context_length), device=device)
     logits = model(ids)
     assert logits.shape == (3, SMALL.context_length, SMALL.vocab_size)
@@ -41,7 +40,7 @@ def test_matches_float64_rederivation(backend, fused, device, lm_reference):
 
 
 def test_explicit_positions(lm_reference):
-    model = randomized(TransformerLM.from_config(SMALL))
+    model = randomized(TransformerLM(SMALL))
     ids = torch.randint(0, SMALL.vocab_size, (2, 6))
     positions = torch.arange(10, 16)
     expected = lm_reference(model.state_dict(), ids, SMALL, positions)
@@ -50,7 +49,7 @@ def test_explicit_positions(lm_reference):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_and_batch_rows_independent(backend):
-    model = TransformerLM.from_config(SMALL, attention_backend=backend)
+    model = TransformerLM(SMALL, attention_backend=backend)
     ids = torch.randint(0, SMALL.vocab_size, (2, 16))
     changed = ids.clone()
     changed[0, 9:] = (changed[0, 9:] + 1) % SMALL.vocab_size
@@ -61,10 +60,10 @@ def test_causal_and_batch_rows_independent(backend):
 
 
 def test_loads_checkpoint_saved_from_compiled_model():
-    source = TransformerLM.from_config(SMALL)
+    source = TransformerLM(SMALL)
     compiled_sd = torch.compile(source).state_dict()  # wrapping alone prefixes the keys
     assert all(k.startswith("_orig_mod.") for k in compiled_sd)
-    target = TransformerLM.from_config(SMALL)
+    target = TransformerLM(SMALL)
     target.load_state_dict(compiled_sd)
     ids = torch.randint(0, SMALL.vocab_size, (1, 8))
     torch.testing.assert_close(target(ids), source(ids), rtol=0, atol=0)
@@ -72,10 +71,10 @@ def test_loads_checkpoint_saved_from_compiled_model():
 
 
 def test_missing_key_is_an_error():
-    sd = TransformerLM.from_config(SMALL).state_dict()
+    sd = TransformerLM(SMALL).state_dict()
     del sd["layers.1.ln2.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"layers.1.ln2.weight\""):
-        TransformerLM.from_config(SMALL).load_state_dict(sd)
+        TransformerLM(SMALL).load_state_dict(sd)
 
 
 @pytest.mark.parametrize("name", ["course-tinystories", "gpt2-small", "gpt2-medium", "gpt2-large", "gpt2-xl"])
@@ -92,10 +91,10 @@ def test_gpt2_xl_parameter_count():
 
 
 def test_meta_to_empty_then_reset_gives_a_working_model():
-    model = TransformerLM.from_config(SMALL, device="meta")
+    model = TransformerLM(SMALL, device="meta")
     model.to_empty(device="cpu")
     model.reset_parameters()
-    fresh = TransformerLM.from_config(SMALL)
+    fresh = TransformerLM(SMALL)
     # The shared RoPE table is rebuilt, however many layers hold it.
     for layer in model.layers:
         torch.testing.assert_close(layer.attn.rope.cos, fresh.rope.cos, rtol=0, atol=0)
@@ -104,13 +103,13 @@ def test_meta_to_empty_then_reset_gives_a_working_model():
 
 
 def test_one_rope_table_shared_by_all_layers():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     assert all(layer.attn.rope is model.rope for layer in model.layers)
     assert model.rope.max_seq_len == SMALL.context_length
 
 
 def test_bfloat16_model_keeps_float32_rope_and_runs():
-    model = TransformerLM.from_config(SMALL).to(torch.bfloat16)
+    model = TransformerLM(SMALL).to(torch.bfloat16)
     assert model.rope.cos.dtype == torch.float32
     logits = model(torch.randint(0, SMALL.vocab_size, (2, 10)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
@@ -118,7 +117,7 @@ def test_bfloat16_model_keeps_float32_rope_and_runs():
 
 def test_gradcheck_two_layer_lm():
     cfg = ModelConfig(vocab_size=7, context_length=4, d_model=8, num_layers=2, num_heads=2, d_ff=8)
-    model = randomized(TransformerLM.from_config(cfg, dtype=torch.float64))
+    model = randomized(TransformerLM(cfg, dtype=torch.float64))
     ids = torch.tensor([[1, 6, 0, 3]])
     params = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
     names = list(params)  # the fused parameters (qkv_proj, w13) are checked as they are stored
@@ -142,48 +141,26 @@ def test_gradcheck_two_layer_lm():
 )
 def test_bad_input(ids, exc, match):
     with pytest.raises(exc, match=match):
-        TransformerLM.from_config(SMALL)(ids)
+        TransformerLM(SMALL)(ids)
 
 
 def test_from_config_type_check():
     with pytest.raises(TypeError, match="config must be a ModelConfig, got dict"):
-        TransformerLM.from_config(SMALL.to_dict())
-
-
-def test_cli_info_json(capsys):
-    assert main(["info", "--preset", "gpt2-xl", "--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
-    assert report["parameters"] == closed_form_parameters(ModelConfig.from_preset("gpt2-xl"))
-    assert (report["d_model"], report["num_layers"], report["d_head"]) == (1600, 48, 64)
-
-
-def test_cli_info_table_and_listing(capsys):
-    assert main(["info", "--preset", "course-tinystories"]) == 0
-    table = capsys.readouterr().out
-    assert f"{closed_form_parameters(ModelConfig.from_preset('course-tinystories')):,}" in table
-    assert main(["info"]) == 0
-    listing = capsys.readouterr().out
-    assert all(name in listing for name in ("course-tinystories", "gpt2-small", "gpt2-xl"))
-
-
-def test_cli_rejects_unknown_preset(capsys):
-    with pytest.raises(SystemExit):
-        main(["info", "--preset", "gpt3"])
-    assert "invalid choice: 'gpt3'" in capsys.readouterr().err
+        TransformerLM(SMALL.to_dict())
 
 
 def test_attention_backend_switch_and_validation():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     assert model.attention_backend == "auto"
     model.attention_backend = "reference"
     assert all(layer.attn.attention_backend == "reference" for layer in model.layers)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        TransformerLM.from_config(SMALL, attention_backend="flash")
+        TransformerLM(SMALL, attention_backend="flash")
 
 
 def test_fused_and_plain_models_share_checkpoints():
-    fused = randomized(TransformerLM.from_config(SMALL, fused=True))
-    plain = TransformerLM.from_config(SMALL, fused=False)
+    fused = randomized(TransformerLM(SMALL, fused=True))
+    plain = TransformerLM(SMALL, fused=False)
     plain.load_state_dict(fused.state_dict())
     assert set(plain.state_dict()) == set(fused.state_dict())
     ids = torch.randint(0, SMALL.vocab_size, (2, 9))
@@ -191,7 +168,7 @@ def test_fused_and_plain_models_share_checkpoints():
 
 
 def test_attention_backend_getter_reports_every_layer():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     model.layers[1].attn.attention_backend = "blockwise"
     with pytest.raises(
         ValueError, match=r"the layers use different attention backends: \['auto', 'blockwise', 'auto'\]"
@@ -206,7 +183,7 @@ def test_attention_backend_getter_reports_every_layer():
 
 
 def test_rope_is_built_once_and_handed_to_every_layer():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     assert all(layer.attn.rope is model.rope for layer in model.layers)
     assert (model.rope.max_seq_len, model.rope.theta, model.rope.d_k) == (24, 1000.0, 8)
 
@@ -218,7 +195,7 @@ class Boom(Exception):
 @pytest.mark.parametrize("exception", [Boom, KeyboardInterrupt])
 @pytest.mark.parametrize("failing_layer", [0, 1, 2])
 def test_a_failed_cached_step_leaves_every_cache_as_it_was(exception, failing_layer):
-    model = TransformerLM.from_config(SMALL).eval()
+    model = TransformerLM(SMALL).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 9))
     with torch.no_grad():
         full = model(ids)  # no cache: the independent reference for every step
@@ -239,7 +216,7 @@ def test_a_failed_cached_step_leaves_every_cache_as_it_was(exception, failing_la
 
 
 def test_positions_with_a_cache_come_from_the_cache():
-    model = TransformerLM.from_config(SMALL).eval()
+    model = TransformerLM(SMALL).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 7))
     with torch.no_grad():
         full = model(ids)
@@ -254,7 +231,7 @@ def test_positions_with_a_cache_come_from_the_cache():
 
 
 def test_caches_of_different_lengths_are_refused():
-    model = TransformerLM.from_config(SMALL).eval()
+    model = TransformerLM(SMALL).eval()
     cache = model.new_kv_cache(1)
     cache[1].update(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
     with pytest.raises(ValueError, match=r"the layers' KV caches disagree on their length: \[0, 2, 0\]"):
@@ -266,7 +243,7 @@ INTEGER_DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.i
 
 @pytest.mark.parametrize("dtype", INTEGER_DTYPES)
 def test_every_integer_dtype_works_as_ids_and_positions(dtype):
-    model = TransformerLM.from_config(SMALL).eval()
+    model = TransformerLM(SMALL).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 6))
     positions = torch.tensor([3, 4, 9, 10, 11, 20])
     with torch.no_grad():
@@ -280,7 +257,7 @@ def test_every_integer_dtype_works_as_ids_and_positions(dtype):
 @pytest.mark.parametrize("bad", [[[-1, 3]], [[3, 97]]])
 def test_out_of_range_ids_are_refused_under_torch_compile(bad):
     torch._dynamo.reset()
-    compiled = torch.compile(TransformerLM.from_config(SMALL).eval(), backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(TransformerLM(SMALL).eval(), backend="aot_eager", fullgraph=True)
     with torch.no_grad():
         compiled(torch.tensor([[1, 96]]))
         with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, num_embeddings=97\)"):
@@ -293,7 +270,7 @@ def test_model_pickles_and_saves_whole(fused):
     import io
     import pickle
 
-    model = TransformerLM.from_config(SMALL, fused=fused, attention_backend="blockwise")
+    model = TransformerLM(SMALL, fused=fused, attention_backend="blockwise")
     ids = torch.randint(0, SMALL.vocab_size, (2, 5))
     buffer = io.BytesIO()
     torch.save(model, buffer)
@@ -307,7 +284,7 @@ def test_model_pickles_and_saves_whole(fused):
 def test_forward_never_syncs_with_the_device(device):
     if device.type != "cuda":
         pytest.skip("a device-to-host sync only exists on an accelerator; run with TLM_TEST_DEVICE=cuda")
-    model = TransformerLM.from_config(SMALL, device=device).eval()
+    model = TransformerLM(SMALL, device=device).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 6), device=device)
     positions = torch.arange(6, device=device)
     with torch.no_grad():

@@ -39,7 +39,7 @@ MODES = {
 
 def build(cfg, seed, dtype, backend):
     torch.manual_seed(seed)
-    model = TransformerLM.from_config(cfg, attention_backend=backend)
+    model = TransformerLM(cfg, attention_backend=backend)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "ln" in name:  # RMSNorm gains start at 1; make them matter
@@ -56,7 +56,7 @@ def test_logits_stay_within_bound_of_float64(mode, backend, config, seed, record
     param_dtype, autocast_dtype, bound = MODES[mode]
     model = build(cfg, seed, param_dtype, backend)
     # The reference: tlm's own attention with separate q/k/v projections, in float64.
-    reference = TransformerLM.from_config(cfg, dtype=torch.float64, attention_backend="reference", fused=False)
+    reference = TransformerLM(cfg, dtype=torch.float64, attention_backend="reference", fused=False)
     reference.load_state_dict(model.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=torch.Generator().manual_seed(seed))
 
@@ -78,8 +78,8 @@ def test_logits_stay_within_bound_of_float64(mode, backend, config, seed, record
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rope_tables_stay_float32_after_model_cast(dtype):
     cfg = CONFIGS["2-layer-d64"]
-    reference = TransformerLM.from_config(cfg)
-    model = TransformerLM.from_config(cfg).to(dtype)
+    reference = TransformerLM(cfg)
+    model = TransformerLM(cfg).to(dtype)
     assert all(p.dtype == dtype for p in model.parameters())
     # One shared table, float32 and identical to a freshly built float32 model's, for every
     # position up to context_length.

@@ -44,7 +44,7 @@ def lm_cases(draw):
 
 def build(cfg, options, dtype, seed, device):
     torch.manual_seed(seed)  # parameters are drawn from the global generator
-    return TransformerLM.from_config(cfg, device=device, dtype=dtype, **options)
+    return TransformerLM(cfg, device=device, dtype=dtype, **options)
 
 
 @fixture_ok

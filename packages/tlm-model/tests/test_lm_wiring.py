@@ -15,6 +15,12 @@ from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerBlock, TransformerLM
 from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
 
+
+def block_config(d_model, num_heads, d_ff, max_seq_len=16, theta=10_000.0, **fields):
+    # One block's sizes as a ModelConfig; a block uses neither the vocabulary nor the depth.
+    return ModelConfig(1, max_seq_len, d_model, 1, num_heads, d_ff, rope_theta=theta, **fields)
+
+
 SMALL = ModelConfig(vocab_size=53, context_length=24, d_model=32, num_layers=2, num_heads=4, d_ff=48)
 
 
@@ -32,7 +38,7 @@ def _randomized(model):
 def test_norm_eps_reaches_every_norm_of_the_lm(norm_eps, fused, lm_reference, record_error):
     # With eps comparable to mean(x²) a norm that ignores eps is off by far more than rounding.
     cfg = ModelConfig(**{**SMALL.to_dict(), "norm_eps": norm_eps})
-    model = _randomized(TransformerLM.from_config(cfg, fused=fused)).double()
+    model = _randomized(TransformerLM(cfg, fused=fused)).double()
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         got = model(ids)
@@ -45,7 +51,7 @@ def test_norm_eps_reaches_every_norm_of_the_lm(norm_eps, fused, lm_reference, re
 
 
 def test_norm_eps_reaches_every_norm_of_the_block(block_reference):
-    block = _randomized(TransformerBlock(32, 4, 48, 16, 10_000.0, norm_eps=1.5)).double()
+    block = _randomized(TransformerBlock(block_config(32, 4, 48, norm_eps=1.5))).double()
     x = torch.randn(2, 7, 32, dtype=torch.float64)
     with torch.no_grad():
         got = block(x)
@@ -57,7 +63,7 @@ def test_norm_eps_reaches_every_norm_of_the_block(block_reference):
 def test_norm_eps_matches_hf_llama_rms_norm_eps():
     transformers = pytest.importorskip("transformers")
     cfg = ModelConfig(**{**SMALL.to_dict(), "norm_eps": 0.7})
-    model = _randomized(TransformerLM.from_config(cfg)).double().eval()
+    model = _randomized(TransformerLM(cfg)).double().eval()
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_llama_config_kwargs(cfg))).double().eval()
     hf.load_state_dict(to_hf_llama_state_dict(model.state_dict(), cfg))
     ids = torch.randint(0, cfg.vocab_size, (2, 11))
@@ -68,7 +74,7 @@ def test_norm_eps_matches_hf_llama_rms_norm_eps():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_backend_getter_reports_the_backend_in_use(backend):
-    model = TransformerLM.from_config(SMALL, attention_backend=backend)
+    model = TransformerLM(SMALL, attention_backend=backend)
     assert model.attention_backend == backend
     other = next(b for b in BACKENDS if b != backend)
     model.attention_backend = other
@@ -76,7 +82,7 @@ def test_attention_backend_getter_reports_the_backend_in_use(backend):
 
 
 def test_attention_backend_setter_reaches_every_layer():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     model.attention_backend = "blockwise"
     assert [layer.attn.attention_backend for layer in model.layers] == ["blockwise"] * SMALL.num_layers
     with pytest.raises(ValueError):
@@ -95,7 +101,7 @@ def test_every_projection_has_the_course_initialisation(fused):
     # N(0, 2 / (d_in + d_out)) truncated at ±3σ (CS336 §1.4.1).
     d_model, d_ff = 256, 512
     cfg = ModelConfig(vocab_size=64, context_length=8, d_model=d_model, num_layers=1, num_heads=4, d_ff=d_ff)
-    sd = TransformerLM.from_config(cfg, fused=fused).state_dict()
+    sd = TransformerLM(cfg, fused=fused).state_dict()
     for key in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.output_proj", "ffn.w1", "ffn.w3", "ffn.w2"):
         w = sd[f"layers.0.{key}.weight"]
         sigma = math.sqrt(2.0 / (w.shape[0] + w.shape[1]))
@@ -110,7 +116,7 @@ def test_every_projection_has_the_course_initialisation(fused):
 
 def test_reset_parameters_redraws_the_fused_weights_with_the_same_statistics():
     cfg = ModelConfig(vocab_size=64, context_length=8, d_model=256, num_layers=1, num_heads=4, d_ff=512)
-    model = TransformerLM.from_config(cfg, fused=True)
+    model = TransformerLM(cfg, fused=True)
     before = model.state_dict()["layers.0.attn.q_proj.weight"].clone()
     model.reset_parameters()
     after = model.state_dict()["layers.0.attn.q_proj.weight"]
@@ -119,7 +125,7 @@ def test_reset_parameters_redraws_the_fused_weights_with_the_same_statistics():
 
 
 def test_scalar_and_empty_id_tensors_are_refused_by_the_lm():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     with pytest.raises(ValueError, match="in_indices must have shape"):
         model(torch.tensor(3))
     for empty in (torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
@@ -130,7 +136,7 @@ def test_scalar_and_empty_id_tensors_are_refused_by_the_lm():
 
 
 def test_one_dimensional_ids_give_one_dimensional_logits(lm_reference):
-    model = TransformerLM.from_config(SMALL).double()
+    model = TransformerLM(SMALL).double()
     ids = torch.randint(0, SMALL.vocab_size, (6,))
     with torch.no_grad():
         got = model(ids)
@@ -139,7 +145,7 @@ def test_one_dimensional_ids_give_one_dimensional_logits(lm_reference):
 
 
 def test_context_length_is_the_limit_with_and_without_a_cache():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     with torch.no_grad():
         model(torch.zeros(1, SMALL.context_length, dtype=torch.long))  # exactly full: fine
         with pytest.raises(ValueError, match="in_indices has 25 tokens but the model's context_length is 24"):
@@ -152,13 +158,13 @@ def test_context_length_is_the_limit_with_and_without_a_cache():
 
 
 def test_kv_cache_list_must_have_one_cache_per_layer():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     with pytest.raises(ValueError, match=r"kv_cache must hold one KVCache per layer \(2\), got 1"):
         model(torch.zeros(1, 3, dtype=torch.long), kv_cache=model.new_kv_cache(1)[:1])
 
 
 def test_new_kv_cache_capacity_dtype_and_device():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     caches = model.new_kv_cache(3)
     assert len(caches) == SMALL.num_layers and len({id(c) for c in caches}) == SMALL.num_layers
     assert all(c.keys.shape == (3, 4, SMALL.context_length, 8) and c.keys.dtype == torch.float32 for c in caches)
@@ -169,7 +175,7 @@ def test_new_kv_cache_capacity_dtype_and_device():
 
 
 def test_loss_equals_cross_entropy_of_the_forward():
-    model = TransformerLM.from_config(SMALL).double()
+    model = TransformerLM(SMALL).double()
     ids = torch.randint(0, SMALL.vocab_size, (2, 10))
     targets = torch.randint(0, SMALL.vocab_size, (2, 10))
     expected = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
@@ -180,13 +186,13 @@ def test_loss_equals_cross_entropy_of_the_forward():
 
 def test_num_parameters_is_the_sum_of_every_parameter():
     cfg = SMALL
-    model = TransformerLM.from_config(cfg)
+    model = TransformerLM(cfg)
     d, f, v, layers = cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.num_layers
     assert model.num_parameters() == 2 * v * d + d + layers * (4 * d * d + 3 * d * f + 2 * d)
 
 
 def test_norm_eps_defaults_to_the_course_value():
-    model = TransformerLM(vocab_size=11, context_length=4, d_model=8, num_layers=2, num_heads=2, d_ff=16)
+    model = TransformerLM(ModelConfig(vocab_size=11, context_length=4, d_model=8, num_layers=2, num_heads=2, d_ff=16))
     assert model.config.norm_eps == 1e-5
     # Rename-proof: read eps from every RMSNorm module, whatever the attribute path.
     norms = [m for m in model.modules() if type(m).__name__ == "RMSNorm"]

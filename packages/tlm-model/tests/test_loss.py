@@ -29,7 +29,7 @@ def test_gradcheck():
 
 
 def test_model_loss_matches_full_logits(device):
-    model = TransformerLM.from_config(SMALL, device=device)
+    model = TransformerLM(SMALL, device=device)
     ids = torch.randint(0, SMALL.vocab_size, (3, 16), device=device)
     targets = torch.randint(0, SMALL.vocab_size, (3, 16), device=device)
     loss = model.loss(ids, targets, chunk_size=10)
@@ -42,7 +42,7 @@ def test_model_loss_matches_full_logits(device):
 
 
 def test_no_gradient_needed():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     ids = torch.randint(0, SMALL.vocab_size, (1, 8))
     with torch.no_grad():
         loss = model.loss(ids, ids)
@@ -50,7 +50,7 @@ def test_no_gradient_needed():
 
 
 def test_bad_input():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     ids = torch.randint(0, SMALL.vocab_size, (2, 8))
     with pytest.raises(ValueError, match=r"targets must be a tensor shaped like in_indices \(2, 8\), got \(2, 7\)"):
         model.loss(ids, ids[:, :7])

@@ -10,7 +10,9 @@ from tlm_train import EvalBatches, evaluate
 
 
 def test_matches_token_weighted_torch_loss(record_error):
-    model = TransformerLM(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64).train()
+    model = TransformerLM(
+        ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
+    ).train()
     data = np.random.default_rng(0).integers(0, 50, size=300)
     batches = EvalBatches(data, 4, 16)  # 18 windows: batches of 4, 4, 4, 4, 2
     with torch.no_grad():

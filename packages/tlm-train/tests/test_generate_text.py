@@ -27,7 +27,9 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    model = TransformerLM(vocab_size=300, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    model = TransformerLM(
+        ModelConfig(vocab_size=300, context_length=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+    )
     path = tmp_path_factory.mktemp("ckpt")
     save_checkpoint(model, path)
     return path, model.eval()

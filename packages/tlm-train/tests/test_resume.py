@@ -16,7 +16,7 @@ DATA = np.random.default_rng(0).integers(0, 64, size=2000).astype(np.uint16)
 
 def _parts(seed):
     torch.manual_seed(seed)
-    model = TransformerLM(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+    model = TransformerLM(ModelConfig(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64))
     opt = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = CosineSchedule(opt, 3e-3, 3e-4, 3, STEPS)
     sampler = BatchSampler(DATA, 4, 16, seed=seed)

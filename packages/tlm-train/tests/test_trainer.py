@@ -26,7 +26,9 @@ VOCAB, SEQ = 40, 12
 
 def _model(seed: int = 0) -> TransformerLM:
     torch.manual_seed(seed)
-    return TransformerLM(VOCAB, SEQ, 32, 2, 2, 64, fused=False)
+    return TransformerLM(
+        ModelConfig(vocab_size=VOCAB, context_length=SEQ, d_model=32, num_layers=2, num_heads=2, d_ff=64), fused=False
+    )
 
 
 def _batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

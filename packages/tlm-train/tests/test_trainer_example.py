@@ -22,7 +22,9 @@ def test_custom_loop_from_the_public_parts(tmp_path) -> None:
 
     tokens = np.tile(np.arange(64, dtype=np.uint16), 200)  # any 1-D token array or np.memmap
     train, val = tokens[:11_000], tokens[11_000:]
-    model = TransformerLM(vocab_size=64, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
+    model = TransformerLM(
+        ModelConfig(vocab_size=64, context_length=32, d_model=64, num_layers=2, num_heads=2, d_ff=128)
+    )
     loss_fn = LanguageModelLoss(model)  # wrap this in DDP / fully_shard to scale out
     optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     schedule = CosineSchedule(optimizer, 3e-3, 3e-4, warmup_iters=5, cosine_cycle_iters=60)

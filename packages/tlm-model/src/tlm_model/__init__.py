@@ -1,4 +1,5 @@
-"""The composition layer of tlm: pre-norm Transformer block, Transformer LM and presets."""
+"""The composition layer of tlm: ModelConfig and its presets, the pre-norm Transformer block, the LM,
+its loss, generation, the model file and HF Llama interop."""
 
 from tlm_model.block import TransformerBlock
 from tlm_model.checkpoint import load_checkpoint, save_checkpoint
@@ -6,11 +7,11 @@ from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.cross_entropy import cross_entropy
 from tlm_model.generate import generate
 from tlm_model.inference import InferenceModel, compile_for_inference
-from tlm_model.interop import save_hf
-from tlm_model.lm import TransformerLM
+from tlm_model.interop import from_hf, save_hf
+from tlm_model.lm import TransformerLM, unwrap
 from tlm_model.loss import chunked_cross_entropy
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "PRESETS",
@@ -22,8 +23,10 @@ __all__ = [
     "chunked_cross_entropy",
     "compile_for_inference",
     "cross_entropy",
+    "from_hf",
     "generate",
     "load_checkpoint",
     "save_checkpoint",
     "save_hf",
+    "unwrap",
 ]

@@ -1,7 +1,7 @@
 """Analytic resource accounting for a :class:`~tlm_model.ModelConfig` (CS336 ``transformer_accounting``).
 
-Everything here is computed from the config alone, with no model built. What each number
-includes:
+Shapes come from the model itself, built on the meta device (no memory, no initialisation), so a new
+config field or module changes the report without an edit here. What each number includes:
 
 - **Parameters** per component, exact: they equal ``numel()`` summed over a built model.
 - **Memory**: parameters at 4 / 2 / 2 bytes (float32 / bfloat16 / float16), and float32 training
@@ -19,9 +19,15 @@ includes:
 """
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from tlm_core.checks import check_positive_int
 from tlm_model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tlm_model.lm import TransformerLM
 
 #: Bytes per element of the parameter dtypes reported.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -134,7 +140,61 @@ class Accounting:
         total = sum(flops.values())
         return {name: value / total for name, value in flops.items()}
 
-    def to_dict(self) -> dict:
+    def to_text(self, name: str = "") -> str:
+        """The report as the tables ``tlm accounting --preset NAME`` prints."""
+        cfg = self.config
+        title = f"{name}: " if name else ""
+        lines = [
+            f"{title}{cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, d_ff {cfg.d_ff}, "
+            f"vocab {cfg.vocab_size}; batch {self.batch_size} × seq {self.seq_len}",
+            "",
+            "Parameters",
+        ]
+        for component, count in self.params.items():
+            lines.append(f"  {component:<20} {count:>15,}  {100 * count / self.params_total:6.2f}%")
+        lines.append(f"  {'total':<20} {self.params_total:>15,}")
+        lines += [
+            "",
+            "Memory (parameters only; activations excluded)",
+            "  "
+            + ", ".join(
+                f"{dtype} {human(self.param_bytes(dtype), 'B')}" for dtype in ("float32", "bfloat16", "float16")
+            ),
+            "  float32 training state (params + grads + AdamW m, v = 16 B/param): "
+            + human(self.training_state_bytes, "B"),
+            "",
+            "Forward matmul FLOPs (2·m·n·p each)     full QKᵀ (seed)    share     causal (i ≥ j)    share",
+        ]
+        full, causal = self.component_flops, self.component_flops_causal
+        shares, causal_shares = self.shares(), self.shares(causal=True)
+        for component, label in COMPONENTS.items():
+            lines.append(
+                f"  {label:<36} {human(full[component], 'FLOP'):>16} {100 * shares[component]:7.2f}%  "
+                f"{human(causal[component], 'FLOP'):>16} {100 * causal_shares[component]:7.2f}%"
+            )
+        lines.append(
+            f"  {'total':<36} {human(self.forward_flops, 'FLOP'):>16}           "
+            f"{human(self.forward_flops_causal, 'FLOP'):>16}"
+        )
+        lines += ["", "Every matrix multiply of one forward pass"]
+        for mm in self.matmuls:
+            lines.append(f"  {mm.name:<13} {mm.shapes:<28} × {mm.count:<6} {mm.flops:>22,} FLOP")
+        lines += ["", "Elementwise work (estimate; not in the matmul totals)"]
+        for part, flops in self.elementwise_flops.items():
+            lines.append(f"  {part:<12} {human(flops, 'FLOP'):>16}")
+        lines.append(
+            f"  {'total':<12} {human(self.elementwise_flops_total, 'FLOP'):>16}  "
+            f"({100 * self.elementwise_flops_total / self.forward_flops:.2f}% of the matmul FLOPs)"
+        )
+        lines += [
+            "",
+            f"Training: backward ≈ 2 × forward = {human(2 * self.forward_flops, 'FLOP')}; "
+            f"one step ≈ {human(self.training_flops, 'FLOP')} = {human(self.training_flops / self.tokens, 'FLOP')} "
+            f"per token",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
         return {
             "config": self.config.to_dict(),
             "batch_size": self.batch_size,
@@ -165,46 +225,70 @@ class Accounting:
         }
 
 
+def shape_model(config: ModelConfig) -> "TransformerLM":
+    """``config``'s model on the meta device, unfused (one parameter per course state-dict key): every
+    shape, no memory. The accounting reads shapes from it instead of re-deriving them from the config."""
+    from tlm_model.lm import TransformerLM  # lm imports nothing from here; imported late for a light import
+
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    return TransformerLM(config, fused=False, device="meta")
+
+
+def _component(name: str) -> str:
+    # "layers.3.attn.q_proj.weight" -> "attn_q_proj"; "token_embeddings.weight" -> "token_embeddings"
+    parts = name.removesuffix(".weight").split(".")
+    return "_".join(parts[2:] if parts[0] == "layers" else parts)
+
+
 def count_parameters(config: ModelConfig) -> dict[str, int]:
-    """Parameters per component, summed over layers."""
-    d, layers = config.d_model, config.num_layers
-    q_width, kv_width = config.num_heads * config.d_head, config.kv_heads * config.d_head
-    return {
-        "token_embeddings": config.vocab_size * d,
-        "attn_q_proj": layers * q_width * d,
-        "attn_k_proj": layers * kv_width * d,
-        "attn_v_proj": layers * kv_width * d,
-        "attn_output_proj": layers * d * q_width,
-        "ffn_w1": layers * config.d_ff * d,
-        "ffn_w2": layers * d * config.d_ff,
-        "ffn_w3": layers * config.d_ff * d,
-        "ln1": layers * d,
-        "ln2": layers * d,
-        "ln_final": d,
-        # A tied head is the token embedding itself: one parameter, counted once (there).
-        "lm_head": 0 if config.tie_word_embeddings else config.vocab_size * d,
-    }
+    """Parameters per component, summed over layers, counted on the model itself (a tied head is the
+    embedding: one parameter, counted once, there)."""
+    counts = dict.fromkeys(PARAMETER_COMPONENTS, 0)
+    for name, parameter in shape_model(config).named_parameters():
+        counts[_component(name)] += parameter.numel()
+    return counts
+
+
+#: Components of :func:`count_parameters`, in report order.
+PARAMETER_COMPONENTS = (
+    "token_embeddings", "attn_q_proj", "attn_k_proj", "attn_v_proj", "attn_output_proj",
+    "ffn_w1", "ffn_w2", "ffn_w3", "ln1", "ln2", "ln_final", "lm_head",
+)  # fmt: skip
+
+# Which report component each weight's matmul belongs to, and its label in the matmul table.
+_MATMULS = {
+    "attn_q_proj": ("attn_qkv_proj", "q_proj"),
+    "attn_k_proj": ("attn_qkv_proj", "k_proj"),
+    "attn_v_proj": ("attn_qkv_proj", "v_proj"),
+    "attn_output_proj": ("attn_output_proj", "output_proj"),
+    "ffn_w1": ("ffn", "ffn.w1"),
+    "ffn_w3": ("ffn", "ffn.w3"),
+    "ffn_w2": ("ffn", "ffn.w2"),
+    "lm_head": ("lm_head", "lm_head"),
+}
 
 
 def forward_matmuls(config: ModelConfig, batch_size: int, seq_len: int) -> tuple[MatMul, ...]:
-    """Every matrix multiply of one forward pass, as tlm's reference path computes it."""
-    d, d_ff, heads, layers = config.d_model, config.d_ff, config.num_heads, config.num_layers
-    tokens, dh = batch_size * seq_len, config.d_head
-    q_width, kv_width = heads * dh, config.kv_heads * dh
+    """Every matrix multiply of one forward pass, as tlm's reference path computes it: one per weight
+    of the model (shapes read from its modules) and attention's two per head."""
+    model = shape_model(config)
+    tokens, layers = batch_size * seq_len, config.num_layers
+    block = model.layers[0]
+    weights = {_component(f"layers.0.{name}"): w for name, w in block.named_parameters() if w.ndim == 2}
+    # The LM head is the embedding matrix when tied: the matmul happens either way.
+    weights["lm_head"] = model.lm_head.weight
+    attention = block.attn
     # Grouped-query attention: every query head still scores against (a shared) key head.
-    per_head = batch_size * heads * layers
-    return (
-        MatMul("q_proj", "attn_qkv_proj", tokens, d, q_width, layers),
-        MatMul("k_proj", "attn_qkv_proj", tokens, d, kv_width, layers),
-        MatMul("v_proj", "attn_qkv_proj", tokens, d, kv_width, layers),
-        MatMul("Q Kᵀ", "attn_scores", seq_len, dh, seq_len, per_head),
-        MatMul("softmax(·) V", "attn_values", seq_len, seq_len, dh, per_head),
-        MatMul("output_proj", "attn_output_proj", tokens, q_width, d, layers),
-        MatMul("ffn.w1", "ffn", tokens, d, d_ff, layers),
-        MatMul("ffn.w3", "ffn", tokens, d, d_ff, layers),
-        MatMul("ffn.w2", "ffn", tokens, d_ff, d, layers),
-        MatMul("lm_head", "lm_head", tokens, d, config.vocab_size, 1),
-    )
+    per_head, d_head = batch_size * attention.num_heads * layers, attention.d_head
+    out = []
+    for component, (group, label) in _MATMULS.items():
+        rows, cols = weights[component].shape  # (out_features, in_features)
+        out.append(MatMul(label, group, tokens, cols, rows, 1 if component == "lm_head" else layers))
+        if component == "attn_v_proj":
+            out.append(MatMul("Q Kᵀ", "attn_scores", seq_len, d_head, seq_len, per_head))
+            out.append(MatMul("softmax(·) V", "attn_values", seq_len, seq_len, d_head, per_head))
+    return tuple(out)
 
 
 def elementwise_estimate(config: ModelConfig, batch_size: int, seq_len: int) -> dict[str, int]:
@@ -225,11 +309,8 @@ def account(config: ModelConfig, batch_size: int = 1, seq_len: int | None = None
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
     seq_len = config.context_length if seq_len is None else seq_len
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("seq_len", seq_len)
     # A causal kernel needs only the seq·(seq+1)/2 query-key pairs with key ≤ query.
     pairs = seq_len * (seq_len + 1) // 2
     causal = 2 * pairs * config.d_head * batch_size * config.num_heads * config.num_layers
@@ -242,3 +323,31 @@ def account(config: ModelConfig, batch_size: int = 1, seq_len: int | None = None
         causal_attention_flops={"attn_scores": causal, "attn_values": causal},
         elementwise_flops=elementwise_estimate(config, batch_size, seq_len),
     )
+
+
+def human(n: float, unit: str = "") -> str:
+    """1.234e12 -> '1.234 T' + unit (decimal prefixes)."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= factor:
+            return f"{n / factor:.3f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def compare_text(reports: Sequence[tuple[str, Accounting]]) -> str:
+    """Each component's share of forward FLOPs, one column per (name, report): ``tlm accounting --compare``."""
+    width = max(14, *(len(name) + 2 for name, _ in reports))
+    header = f"{'share of forward FLOPs':<36}" + "".join(f"{name:>{width}}" for name, _ in reports)
+    lines = [header]
+    for component, label in COMPONENTS.items():
+        lines.append(f"{label:<36}" + "".join(f"{100 * r.shares()[component]:>{width - 1}.2f}%" for _, r in reports))
+    lines.append(
+        f"{'forward FLOPs (full QKᵀ)':<36}" + "".join(f"{human(r.forward_flops, 'F'):>{width}}" for _, r in reports)
+    )
+    lines.append(
+        f"{'forward FLOPs (causal)':<36}"
+        + "".join(f"{human(r.forward_flops_causal, 'F'):>{width}}" for _, r in reports)
+    )
+    lines.append(f"{'parameters':<36}" + "".join(f"{r.params_total / 1e6:>{width - 2},.1f} M" for _, r in reports))
+    seqs = sorted({r.seq_len for _, r in reports})
+    lines.append(f"(batch {reports[0][1].batch_size} × seq {', '.join(map(str, seqs))})")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from tlm_model.config import ModelConfig
-from tlm_model.lm import TransformerLM
+from tlm_model.lm import COMPILED_PREFIX, TransformerLM, unwrap
 
 FORMAT_VERSION = 2
 LEGACY_FORMAT_VERSION = 1
@@ -77,36 +77,29 @@ def _step(name: str) -> None:
 # Saving
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The TransformerLM inside a ``torch.compile`` wrapper or a :func:`compile_for_inference` model."""
-    from tlm_model.inference import InferenceModel
-
-    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
-        if isinstance(model, InferenceModel):
-            model = model.model
-            continue
-        inner = getattr(model, "_orig_mod", None)  # what torch.compile wraps
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model
-
-
-def save_checkpoint(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+def save_checkpoint(
+    model: nn.Module, path: str | os.PathLike[str], *, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> Path:
     """Write ``model``'s weights and config to ``path`` all-or-nothing; return the path.
 
     ``path`` is a folder (created if needed; the file is ``<path>/model.safetensors``) or, when it
     ends in ``.safetensors``, the file itself. ``model`` is a TransformerLM, a ``torch.compile``d
     one or the result of :func:`compile_for_inference`; the file holds the plain course keys.
+    ``state_dict``, when given, is written instead of ``model.state_dict()`` (a full state dict
+    gathered from sharded ranks, say); it must fit ``model.config``.
     An existing checkpoint is replaced in one rename; a ``config.json`` of the 0.1.0 layout beside
     it is removed afterwards (the new file carries its own config).
     """
-    inner = _unwrap(model)
+    inner = unwrap(model)
     if not isinstance(inner, TransformerLM):
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     path = Path(path)
     directory, target = (path.parent, path) if path.suffix == ".safetensors" else (path, path / WEIGHTS_NAME)
-    tensors = _cpu_tensors(inner.state_dict())
+    state = inner.state_dict() if state_dict is None else dict(state_dict)
+    if state_dict is not None:
+        entries = {k: _Entry(v.dtype, tuple(v.shape), 0, 0) for k, v in state.items()}
+        _check_fits(inner.config, entries, Path("state_dict"), "the model's config")
+    tensors = _cpu_tensors(state)
     config = json.dumps(inner.config.to_dict(), sort_keys=True)
     header = _header(tensors, {"format": "pt", "tlm_format": str(FORMAT_VERSION), "tlm_config": config})
     digest = _digest(header, (tensors[name] for name in _order(tensors)))
@@ -325,7 +318,7 @@ def load_checkpoint(
     names the file. ``dtype`` defaults to the dtype the weights were saved in, so a model reloads
     bit for bit; ``device`` defaults to torch's default device.
 
-    ``options`` (e.g. ``fused=``, ``attention_backend=``) go to ``TransformerLM.from_config``. They
+    ``options`` (e.g. ``fused=``, ``attention_backend=``) go to ``TransformerLM``. They
     are not saved: they change how the model computes, not what it is.
     """
     if config is not None and not isinstance(config, ModelConfig):
@@ -346,7 +339,7 @@ def load_checkpoint(
         _check_same(saved, config, weights)
     if dtype is None:
         dtype = _saved_dtype(state, weights)
-    model = TransformerLM.from_config(saved, device=device, dtype=dtype, **options)
+    model = TransformerLM(saved, device=device, dtype=dtype, **options)
     model.load_state_dict(state, strict=True)
     return model
 
@@ -431,7 +424,7 @@ def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfi
         raise ValueError(f"{path} is not a readable torch.save file: {str(err).splitlines()[0]}") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ValueError(f"{path} must hold a state dict (names to tensors), got {type(state).__name__}")
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}
+    state = {k.removeprefix(COMPILED_PREFIX): v for k, v in state.items()}
     entries = {k: _Entry(v.dtype, tuple(v.shape), 0, 0) for k, v in state.items()}
     _check_fits(config, entries, path, "config=")
     return config, state
@@ -439,7 +432,7 @@ def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfi
 
 def _check_fits(config: ModelConfig, entries: Mapping[str, _Entry], path: Path, source: str) -> None:
     # A meta-device model has every shape and allocates nothing, however large the config.
-    expected = {k: tuple(v.shape) for k, v in TransformerLM.from_config(config, device="meta").state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in TransformerLM(config, device="meta").state_dict().items()}
     problems = []
     if missing := sorted(set(expected) - set(entries)):
         problems.append(f"missing tensors {missing}")
@@ -470,3 +463,30 @@ def _saved_dtype(state: dict[str, torch.Tensor], path: Path) -> torch.dtype:
         names = sorted(str(d) for d in dtypes)
         raise ValueError(f"{path} holds tensors of several dtypes {names}; pass dtype= to choose one")
     return dtypes.pop() if dtypes else torch.get_default_dtype()
+
+
+def read_digest(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 that the header of a tlm model file records (its header alone is read, not checked
+    against the tensors: :func:`load_checkpoint` does that). ``path`` is the file or its folder."""
+    path = Path(path)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    with open(weights, "rb") as f:
+        header, _, _ = _read_header(f, weights)
+    digest = header.get("__metadata__", {}).get("tlm_sha256")
+    if not isinstance(digest, str):
+        raise ValueError(f"{weights} is not a tlm model file: its header records no tlm_sha256")
+    return digest
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and the state dict of a tlm model file (or its folder), checked like
+    :func:`load_checkpoint` checks them (tensor table against the config, SHA-256), without building a model."""
+    path = Path(path)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    if not weights.is_file():
+        raise FileNotFoundError(errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME}", str(weights))
+    with open(weights, "rb") as f:
+        header, _, _ = _read_header(f, weights)
+    if not _TLM_KEYS & set(header.get("__metadata__", {})):
+        raise ValueError(f"{weights} is not a tlm model file (no tlm metadata); read it with load_checkpoint(config=)")
+    return _load_safetensors(weights, None)

@@ -4,10 +4,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from tlm_model._checks import check_number, check_positive_int
+from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
 from tlm_rope import LAYOUTS
 from tlm_rope.scaling import check_scaling
-
 
 #: Upper bounds on the sizes a config may claim: each is many times what any released model uses
 #: (Llama 3.1 405B: 126 layers, d_model 16,384, d_ff 53,248, 128K context), and together they keep a
@@ -59,23 +58,19 @@ class ModelConfig:
         for field in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
             check_positive_int(f"ModelConfig.{field}", getattr(self, field))
             _check_limit(field, getattr(self, field))
-        check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, inclusive=False)
-        check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0, inclusive=True)
+        check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, low_open=True)
+        check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0)
         for field in ("num_kv_heads", "head_dim"):
             if getattr(self, field) is not None:
                 check_positive_int(f"ModelConfig.{field}", getattr(self, field))
                 _check_limit(field, getattr(self, field))
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise TypeError(
-                f"ModelConfig.tie_word_embeddings must be a bool, got {type(self.tie_word_embeddings).__name__}"
-            )
+        check_bool("ModelConfig.tie_word_embeddings", self.tie_word_embeddings)
         try:
             # A private copy: the caller's dict may change later, a frozen config must not.
             object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
         except (TypeError, ValueError) as err:
             raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
-        if self.rope_layout not in LAYOUTS:
-            raise ValueError(f"ModelConfig.rope_layout must be one of {LAYOUTS}, got {self.rope_layout!r}")
+        check_choice("ModelConfig.rope_layout", self.rope_layout, LAYOUTS)
         if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
@@ -107,8 +102,10 @@ class ModelConfig:
         except KeyError:
             raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}") from None
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    def to_dict(self, *, drop_none: bool = False) -> dict[str, Any]:
+        """The fields as a dict; ``drop_none`` leaves out fields at None (TOML has no null)."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if v is not None} if drop_none else data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -117,6 +114,9 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown ModelConfig fields {unknown}; expected a subset of {sorted(names)}")
         return cls(**data)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
 def _check_limit(field: str, value: int) -> None:
@@ -138,6 +138,8 @@ def _gpt2(d_model: int, num_layers: int, num_heads: int, d_ff: int | None = None
 
 
 PRESETS: dict[str, ModelConfig] = {
+    # The default of `tlm train`: ~1.1 M parameters, trains on a laptop CPU in minutes.
+    "tiny": ModelConfig(vocab_size=1_024, context_length=128, d_model=128, num_layers=4, num_heads=4, d_ff=384),
     # The TinyStories model the course trains in assignment 1.
     "course-tinystories": ModelConfig(
         vocab_size=10_000, context_length=256, d_model=512, num_layers=4, num_heads=16, d_ff=1344

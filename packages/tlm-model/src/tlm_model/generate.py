@@ -1,12 +1,13 @@
 """Autoregressive generation with a KV cache: the prompt is processed once, then one token a step."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from jaxtyping import Int, Integer
 from torch import Tensor
 
-from tlm_model._checks import as_index_tensor
+from tlm_core.checks import check_int, check_number, check_positive_int
+from tlm_core.tensors import as_index_tensor
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
@@ -24,6 +25,14 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
     return logits
 
 
+def _window(context_length: int) -> tuple[int, int]:
+    """(tokens kept, tokens dropped) when a full window slides: a quarter of the context is dropped, so
+    the cache is rebuilt once every context_length // 4 tokens and each token still sees at least
+    three quarters of the context."""
+    shift = max(1, context_length // 4)
+    return context_length - shift, shift
+
+
 @torch.no_grad()
 def generate(
     model: TransformerLM | InferenceModel,
@@ -33,18 +42,26 @@ def generate(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
-    on_token: Callable[[int], None] | None = None,
+    on_token: Callable[[Tensor], bool | None] | None = None,
 ) -> Int[Tensor, "... total"]:
     """Continue ``prompt_ids`` (shape (prompt,) or (batch, prompt)) by up to ``max_new_tokens`` tokens.
 
     ``temperature=0`` decodes greedily; otherwise tokens are sampled from softmax(logits /
     temperature), restricted to the ``top_k`` most likely and to the smallest set whose probability
-    reaches ``top_p``. A row that emits ``eos_token_id`` stops (it is padded with that id while
-    other rows go on); generation ends when every row has stopped. ``on_token(step)`` is called
-    after each new token (the CLI draws its progress bar with it). Returns prompt + new tokens as
-    int64, whatever integer dtype the prompt had.
+    reaches ``top_p``. A row that emits one of ``eos_token_id`` (an id or several) stops (it is padded
+    with the first of them while other rows go on); generation ends when every row has stopped.
+    ``on_token(ids)`` is called with each step's new token ids (int64, shape (batch,), or () for a 1-D
+    prompt); if it returns True, generation ends there (a caller's stop string, say). Returns prompt +
+    new tokens as int64, whatever integer dtype the prompt had.
+
+    **Longer than the context.** The model sees at most ``context_length`` tokens. A prompt longer
+    than that keeps its newest tokens, and when the window is full it slides: the KV cache is rebuilt
+    from the newest ``context_length - context_length // 4`` tokens, so each new token is predicted from
+    at least three quarters of a full context and the rebuild costs one prefill every
+    ``context_length // 4`` tokens. Within the context nothing slides and the result is exact.
+
     ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] == 0:
@@ -52,45 +69,58 @@ def generate(
             "prompt_ids must be a non-empty tensor of shape (prompt,) or (batch, prompt), got "
             + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
         )
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not (isinstance(temperature, (int, float)) and temperature >= 0):
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_int("max_new_tokens", max_new_tokens, low=0)
+    check_number("temperature", temperature, low=0.0)
+    if top_k is not None:
+        check_positive_int("top_k", top_k)
+    if top_p is not None:
+        check_number("top_p", top_p, low=0.0, high=1.0, low_open=True)
+    vocab, context = model.config.vocab_size, model.config.context_length
+    eos = _eos_ids(eos_token_id, vocab)
     squeeze = prompt_ids.ndim == 1
     # int64 whatever the prompt's integer dtype (a uint16 memmap, say): new ids may not fit in it.
-    ids = as_index_tensor("prompt_ids", prompt_ids, model.config.vocab_size, "vocab_size")
+    ids = as_index_tensor("prompt_ids", prompt_ids, vocab, "vocab_size")
     ids = ids.unsqueeze(0) if squeeze else ids
-    total = ids.shape[1] + max_new_tokens
-    if total > model.config.context_length:
-        raise ValueError(
-            f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"context_length {model.config.context_length}"
-        )
     if max_new_tokens == 0:
         return (ids.squeeze(0) if squeeze else ids).clone()
+    keep, _ = _window(context)
+    capacity = min(ids.shape[1] + max_new_tokens, context)
 
-    cache = model.new_kv_cache(ids.shape[0], capacity=total)
-    logits = model(ids, kv_cache=cache)[:, -1]
+    def prefill(tokens: Tensor) -> tuple[list, Tensor]:
+        cache = model.new_kv_cache(tokens.shape[0], capacity=capacity)
+        return cache, model(tokens, kv_cache=cache)[:, -1]
+
+    cache, logits = prefill(ids if ids.shape[1] <= capacity else ids[:, -keep:])
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     out = [ids]
+    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     for step in range(max_new_tokens):
         if temperature == 0:
             token = logits.argmax(-1)
         else:
             filtered = _filter_logits(logits.float() / temperature, top_k, top_p)
             token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
-        if eos_token_id is not None:
-            token = torch.where(finished, eos_token_id, token)
-            finished |= token == eos_token_id
+        if eos_tensor is not None:
+            token = torch.where(finished, eos_tensor[0], token)
+            finished |= torch.isin(token, eos_tensor)
         out.append(token.unsqueeze(1))
-        if on_token is not None:
-            on_token(step + 1)
-        if step + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+        stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
+        if stop or step + 1 == max_new_tokens or (eos_tensor is not None and bool(finished.all())):
             break
-        logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
+        if cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
+            cache, logits = prefill(torch.cat(out, dim=1)[:, -keep:])
+        else:
+            logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
     result = torch.cat(out, dim=1)
     return result.squeeze(0) if squeeze else result
+
+
+def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int] | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool) else eos_token_id
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or not ids:
+        raise TypeError(f"eos_token_id must be a token id, a non-empty sequence of them, or None, got {eos_token_id!r}")
+    for i in ids:
+        check_int("eos_token_id", i, low=0, high=vocab - 1)
+    return list(ids)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from tlm_model import checkpoint as _ckpt
 from tlm_model.config import ModelConfig
-from tlm_model.lm import TransformerLM
+from tlm_model.lm import TransformerLM, unwrap
 from tlm_rope import SCALINGS
 
 _BLOCK = {  # tlm key inside a layer -> HF key inside a layer
@@ -244,7 +244,7 @@ def from_hf(
     ``rope_layout="interleaved"`` (the default) reorders each head's q/k rows into tlm's pairing;
     ``"half"`` keeps HF's rows and rotates rotate-half pairs. ``dtype`` defaults to the dtype the
     weights are stored in; ``options`` (``fused=``,
-    ``attention_backend=``) go to :meth:`TransformerLM.from_config`. Tensors tlm would not use
+    ``attention_backend=``) go to :class:`TransformerLM`. Tensors tlm would not use
     (biases, extra buffers) are refused by name.
     """
     directory = Path(directory)
@@ -273,7 +273,7 @@ def from_hf(
         if len(dtypes) != 1:
             raise ValueError(f"{directory} mixes dtypes {sorted(map(str, dtypes))}; pass dtype=")
         dtype = dtypes.pop()
-    model = TransformerLM.from_config(config, device=device, dtype=dtype, **options)
+    model = TransformerLM(config, device=device, dtype=dtype, **options)
     model.load_state_dict(from_hf_llama_state_dict(state, config), strict=True)
     return model
 
@@ -293,7 +293,7 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
 
     Each file is written all-or-nothing (a fresh temporary name beside it, fsync, one rename).
     """
-    inner = _ckpt._unwrap(model)
+    inner = unwrap(model)
     if not isinstance(inner, TransformerLM):
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     config = inner.config

@@ -8,13 +8,13 @@ from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
-from tlm_model.block import TransformerBlock
+from tlm_model.block import TransformerBlock, build_rope
 from tlm_model.config import ModelConfig
 from tlm_model.loss import chunked_cross_entropy
 from tlm_norm import RMSNorm
-from tlm_rope import RotaryPositionalEmbedding
 
-_COMPILED_PREFIX = "_orig_mod."
+#: What ``torch.compile`` puts before every state-dict key of the module it wraps.
+COMPILED_PREFIX = "_orig_mod."
 
 
 def _strip_compiled_prefix(
@@ -23,7 +23,7 @@ def _strip_compiled_prefix(
     # torch.compile wraps a model in an OptimizedModule whose state-dict keys all start with
     # "_orig_mod."; checkpoints saved from it should load into the plain model unchanged.
     # load_state_dict hands hooks its own copy of the dict, so the caller's dict is untouched.
-    marked = prefix + _COMPILED_PREFIX
+    marked = prefix + COMPILED_PREFIX
     for key in [k for k in state_dict if k.startswith(marked)]:
         state_dict[prefix + key[len(marked) :]] = state_dict.pop(key)
 
@@ -49,13 +49,14 @@ def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: st
 class TransformerLM(nn.Module):
     """token embedding → ``num_layers`` pre-norm blocks → final RMSNorm → LM head.
 
-    ``forward`` returns unnormalised next-token logits (batch, seq, vocab). All layers share one
-    RoPE table sized ``context_length``. State-dict keys: ``token_embeddings.weight``,
+    Built from one :class:`ModelConfig` (``TransformerLM(config)``, or ``from_preset(name)``), kept as
+    ``model.config``. ``forward`` returns unnormalised next-token logits (batch, seq, vocab). All layers
+    share one RoPE table sized ``context_length``. State-dict keys: ``token_embeddings.weight``,
     ``layers.{i}.<block keys>``, ``ln_final.weight``, ``lm_head.weight``; checkpoints saved from a
     ``torch.compile``d model (keys prefixed ``_orig_mod.``) load as they are. With
     ``tie_word_embeddings=True`` ``lm_head.weight`` *is* ``token_embeddings.weight`` (one
     parameter); state dicts then leave out ``lm_head.weight`` and loading restores the tie.
-    ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size.
+    The config's ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size.
 
     Build on ``device="meta"`` to get shapes and parameter counts without allocating; then
     ``to_empty(device=...)`` and ``reset_parameters()`` to materialise it.
@@ -70,67 +71,33 @@ class TransformerLM(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        context_length: int,
-        d_model: int,
-        num_layers: int,
-        num_heads: int,
-        d_ff: int,
-        rope_theta: float = 10_000.0,
+        config: ModelConfig,
         *,
-        norm_eps: float = 1e-5,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        tie_word_embeddings: bool = False,
-        rope_scaling: dict[str, Any] | None = None,
-        rope_layout: str = "interleaved",
         attention_backend: str = "auto",
         fused: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(
+                f"config must be a ModelConfig, got {type(config).__name__} (TransformerLM(ModelConfig(vocab_size=..., "
+                "...)), or TransformerLM.from_preset(name))"
+            )
         resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
-        self.config = ModelConfig(
-            vocab_size=vocab_size,
-            context_length=context_length,
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            d_ff=d_ff,
-            rope_theta=rope_theta,
-            norm_eps=norm_eps,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            tie_word_embeddings=tie_word_embeddings,
-            rope_scaling=rope_scaling,
-            rope_layout=rope_layout,
-        )
-        cfg = self.config
-        self.token_embeddings = Embedding(vocab_size, d_model, device=device, dtype=dtype)
-        self.rope = RotaryPositionalEmbedding(
-            rope_theta, cfg.d_head, context_length, device=device, scaling=cfg.rope_scaling, layout=cfg.rope_layout
-        )
+        self.config = config
+        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        self.rope = build_rope(config, device)
         self.layers = nn.ModuleList(
             TransformerBlock(
-                d_model,
-                num_heads,
-                d_ff,
-                norm_eps=norm_eps,
-                rope=self.rope,
-                attention_backend=attention_backend,
-                fused=fused,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                device=device,
-                dtype=dtype,
+                config, rope=self.rope, attention_backend=attention_backend, fused=fused, device=device, dtype=dtype
             )
-            for _ in range(num_layers)
+            for _ in range(config.num_layers)
         )
-        self.ln_final = RMSNorm(d_model, eps=norm_eps, device=device, dtype=dtype)
-        self.lm_head = Linear(d_model, vocab_size, device=device, dtype=dtype)
+        self.ln_final = RMSNorm(config.d_model, eps=config.norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         self.register_load_state_dict_pre_hook(_strip_compiled_prefix)
-        if tie_word_embeddings:
+        if config.tie_word_embeddings:
             # (vocab, d_model) both ways: one Parameter, so an optimizer and a save see it once.
             self.lm_head.weight = self.token_embeddings.weight
             self.register_state_dict_post_hook(_drop_tied_head)
@@ -145,13 +112,6 @@ class TransformerLM(nn.Module):
         return self
 
     @classmethod
-    def from_config(cls, config: ModelConfig, **kwargs: Any) -> "TransformerLM":
-        """Build from a :class:`ModelConfig`; ``kwargs`` are the keyword-only options above."""
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
-        return cls(**config.to_dict(), **kwargs)
-
-    @classmethod
     def from_hf(cls, directory: Any, **kwargs: Any) -> "TransformerLM":
         """Load an HF Llama folder (``config.json`` + safetensors); see :func:`tlm_model.interop.from_hf`."""
         from tlm_model.interop import from_hf  # interop builds TransformerLMs: imported late, no cycle
@@ -160,7 +120,8 @@ class TransformerLM(nn.Module):
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
-        return cls.from_config(ModelConfig.from_preset(name), **kwargs)
+        """``TransformerLM(ModelConfig.from_preset(name), **kwargs)``."""
+        return cls(ModelConfig.from_preset(name), **kwargs)
 
     @property
     def attention_backend(self) -> str:
@@ -284,3 +245,22 @@ class TransformerLM(nn.Module):
             )
         hidden = self.hidden_states(in_indices)
         return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside the wrappers tlm and torch put around a model: ``torch.compile``'s
+    (``_orig_mod``), :func:`~tlm_model.compile_for_inference`'s and DDP's (``module``)."""
+    from tlm_model.inference import InferenceModel  # inference imports this module
+
+    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
+        if isinstance(model, TransformerLM):
+            break
+        if isinstance(model, InferenceModel):
+            model = model.model
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model

@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from tlm_model._checks import as_index_tensor
+from tlm_core.tensors import as_index_tensor
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

@@ -1,35 +1,51 @@
-"""Training checkpoints: model, optimizer, iteration and any extra state, in one file that cannot half-exist.
+"""Training checkpoints: one format for the training state, step folders for runs, the course's API on top.
 
-The file is ``torch.save`` of plain containers and tensors only, so it loads with
-``torch.load(weights_only=True)`` (no code runs at load). A SHA-256 digest over every tensor's
-bytes and every other value is stored inside, so a bit flip that the zip container would not
-notice is refused at load. Saving to a path writes a fresh, uniquely named temporary file in the
-same folder (``O_EXCL``: a pre-existing file or symlink at that name is never followed), fsyncs
-it, renames it over the target in one step and fsyncs the folder: a reader, or a process killed
-at any moment, sees the old checkpoint or the new one, never a mix or a truncated file.
+**The training state** (``train_state.pt``) is ``torch.save`` of plain containers and tensors only, so it
+loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and a
+SHA-256 over every tensor's bytes and every other value, so a bit flip the zip container would not
+notice is refused. :func:`save_train_state` writes it all-or-nothing (``tlm_core.atomic``).
+
+**A step folder** (``RUN/checkpoints/step_00000100/``) holds the model in tlm-model's own file
+(``model.safetensors``: weights, ``ModelConfig`` and their SHA-256, the same file ``tlm generate`` reads)
+and ``train_state.pt`` (optimizer, schedule, sampler, RNG, step, world size), which also records the
+model file's SHA-256, so a model file from another step is refused. The folder is built under a
+temporary name and renamed into place: it appears complete or not at all. :class:`CheckpointManager`
+lists, loads, prunes and cleans step folders.
+
+**The course's** ``save_checkpoint(model, optimizer, iteration, out)`` / ``load_checkpoint(src, model,
+optimizer)`` write and read one training-state file that also holds the model's state dict (any
+``nn.Module``), through the same serialiser.
 """
 
+import dataclasses
 import hashlib
 import io
 import os
-import tempfile
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tlm_train._checks import check_int
+from tlm_core.atomic import atomic_file, remove_leftovers, replace_dir, temp_path
+from tlm_core.checks import check_int
+from tlm_model import ModelConfig, unwrap
+from tlm_model import save_checkpoint as save_model_file
+from tlm_model.checkpoint import WEIGHTS_NAME, read_digest
+from tlm_model.checkpoint import read_checkpoint as read_model_file
+from tlm_train.rng import rng_state, set_rng_state
 
-FORMAT = "tlm-train-checkpoint/1"
-_KEYS = {"format", "iteration", "model", "optimizer", "extra", "digest"}
+FORMAT = "tlm-train-state/1"
+STATE_NAME = "train_state.pt"
 # io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
 Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
 
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    # torch.compile wraps the real module; its state dict keys carry an "_orig_mod." prefix.
-    return getattr(model, "_orig_mod", model)
+# ---------------------------------------------------------------------------------------------
+# The training-state format
 
 
 def _digest(value: Any) -> str:
@@ -66,30 +82,29 @@ def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
         )
 
 
-def save_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out: Source, **extra: Any
-) -> None:
-    """Write ``model``'s and ``optimizer``'s state, ``iteration`` and ``extra`` to ``out`` (a path or a binary file).
+def _name(src: Source) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return os.fspath(src)
+    return str(getattr(src, "name", f"<{type(src).__name__}>"))
 
-    ``extra`` is for what a bit-exact resume needs besides the two state dicts, for instance
-    ``rng=rng_state()``, ``scheduler=scheduler.state_dict()``, ``sampler=sampler.state_dict()``;
-    its values must be tensors, numbers, strings, None or containers of them.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    check_int("iteration", iteration, low=0)
-    payload: dict[str, Any] = {
-        "format": FORMAT,
-        "iteration": iteration,
-        "model": _unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "extra": dict(extra),
-    }
+
+def save_train_state(out: Source, state: dict[str, Any]) -> None:
+    """Write ``state`` (plain containers, numbers, strings and tensors; ``step`` required) to ``out``, a
+    path (written all-or-nothing) or a binary file, with the format tag and a SHA-256 of everything."""
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError(f"state must be a dict with a 'step', got {type(state).__name__}")
+    if {"format", "digest"} & set(state):
+        raise ValueError("state must not set 'format' or 'digest': the file's own fields")
+    payload = {"format": FORMAT, **state}
     payload["digest"] = _digest(payload)
     if isinstance(out, (str, os.PathLike)):
-        _save_atomically(payload, Path(os.fspath(out)))
+        path = Path(os.fspath(out))
+        if path.is_dir():
+            raise IsADirectoryError(f"out must be a file path, got the folder {path}")
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
+        with atomic_file(path) as handle:
+            torch.save(payload, handle)
     elif hasattr(out, "write"):
         torch.save(payload, cast(IO[bytes], out))
         if hasattr(out, "flush"):
@@ -98,57 +113,11 @@ def save_checkpoint(
         raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
 
 
-def _save_atomically(payload: dict[str, Any], path: Path) -> None:
-    if path.is_dir():
-        raise ValueError(f"out must be a file path, got the directory {path}")
-    folder = path.parent
-    if not folder.is_dir():
-        raise FileNotFoundError(f"cannot save {path}: the folder {folder} does not exist")
-    # mkstemp opens with O_CREAT | O_EXCL (| O_NOFOLLOW): a fresh name each call, so concurrent
-    # saves never share a temporary file, and an existing symlink there is never written through.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a checkpoint is an ordinary file
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_folder(folder)
-
-
-def _fsync_folder(folder: Path) -> None:
-    # The rename is durable only once the folder's entry is on disk.
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # pragma: no cover - platforms without directory fds (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover - file systems that refuse fsync on folders
-        pass
-    finally:
-        os.close(fd)
-
-
-def _name(src: Source) -> str:
-    if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)
-    return str(getattr(src, "name", f"<{type(src).__name__}>"))
-
-
-def read_checkpoint(src: Source) -> dict[str, Any]:
-    """The checked contents of a checkpoint: ``format``, ``iteration``, ``model``, ``optimizer``, ``extra``.
+def load_train_state(src: Source) -> dict[str, Any]:
+    """The checked contents of a training-state file (without ``format`` and ``digest``).
 
     Loads on the CPU with ``weights_only=True``; a truncated, corrupted or foreign file raises
-    ``ValueError`` naming it.
-    """
+    ``ValueError`` naming it."""
     name = _name(src)
     if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
         raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
@@ -156,14 +125,48 @@ def read_checkpoint(src: Source) -> dict[str, Any]:
         payload = torch.load(cast("str | os.PathLike[str] | IO[bytes]", src), map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
-    except Exception as error:
-        raise ValueError(f"{name} is not a readable checkpoint (truncated or corrupt?): {error}") from error
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT or set(payload) != _KEYS:
+    except Exception as error:  # torch raises several types for a bad file
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{name} is not a readable checkpoint (truncated or corrupt?): {first[:200]}") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "digest" not in payload:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise ValueError(f"{name} is not a {FORMAT} file (found format {found!r})")
     stored = payload.pop("digest")
-    if _digest(payload) != stored:
+    try:
+        digest = _digest(payload)
+    except (TypeError, ValueError):
+        digest = None
+    if digest != stored:
         raise ValueError(f"{name} is corrupt: its contents do not match the SHA-256 digest stored with them")
+    payload.pop("format")
+    return payload
+
+
+# ---------------------------------------------------------------------------------------------
+# The course's API (run_save_checkpoint / run_load_checkpoint): any module, one file
+
+
+def save_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, iteration: int, out: Source, **extra: Any
+) -> None:
+    """Write ``model``'s and ``optimizer``'s state, ``iteration`` and ``extra`` to ``out`` (a path or a binary
+    file) in the training-state format. ``extra`` holds what a bit-exact resume needs besides the two state
+    dicts (``rng=rng_state()``, ``scheduler=...``); its values must be tensors, numbers, strings, None or
+    containers of them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    check_int("iteration", iteration, low=0)
+    state = {"step": iteration, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+    save_train_state(out, {**state, "extra": dict(extra)})
+
+
+def read_checkpoint(src: Source) -> dict[str, Any]:
+    """The checked contents of a :func:`save_checkpoint` file: ``step``, ``model``, ``optimizer``, ``extra``."""
+    payload = load_train_state(src)
+    if "model" not in payload or "optimizer" not in payload:
+        raise ValueError(f"{_name(src)} holds no model state: it is a step folder's {STATE_NAME}, not a checkpoint file")
     return payload
 
 
@@ -179,7 +182,7 @@ def load_checkpoint(src: Source, model: nn.Module, optimizer: torch.optim.Optimi
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     payload = read_checkpoint(src)
-    name, model = _name(src), _unwrap(model)
+    name, model = _name(src), unwrap(model)
     _check_fits(name, payload["model"], model.state_dict())
     saved_groups, groups = payload["optimizer"].get("param_groups", []), optimizer.param_groups
     saved_sizes, sizes = [len(g["params"]) for g in saved_groups], [len(g["params"]) for g in groups]
@@ -187,7 +190,7 @@ def load_checkpoint(src: Source, model: nn.Module, optimizer: torch.optim.Optimi
         raise ValueError(f"{name}: the optimizer has parameter groups of sizes {sizes}, the checkpoint {saved_sizes}")
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
-    return payload["iteration"]
+    return int(payload["step"])
 
 
 def _check_fits(name: str, saved: dict[str, Tensor], current: dict[str, Tensor]) -> None:
@@ -201,3 +204,266 @@ def _check_fits(name: str, saved: dict[str, Tensor], current: dict[str, Tensor])
     ]
     if wrong:
         raise ValueError(f"{name} does not fit the model: shapes differ ({'; '.join(wrong[:5])})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Capturing and restoring a (possibly sharded) model and optimizer
+
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _is_plain(model: nn.Module) -> bool:
+    # One process and unsharded parameters: the module's own state dicts are already complete (and this
+    # path also handles layouts torch.distributed.checkpoint cannot name, such as fused projections).
+    from torch.distributed.tensor import DTensor
+
+    return not _distributed() and not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def capture_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    step: int,
+    scheduler: Any = None,
+    sampler: Any = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Everything a bit-exact resume needs, as plain tensors and containers: the full model and
+    optimizer state dicts (gathered from all ranks when sharded; every rank must call this, rank 0
+    gets the data), the scheduler's step, the sampler's state, the RNG states and the world size."""
+    if _is_plain(model):
+        model_state, optim_state = model.state_dict(), _named_optimizer_state(model, optimizer)
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
+    return {
+        "step": step,
+        "model": model_state,
+        "optimizer": optim_state,
+        "scheduler": None if scheduler is None else {"last_epoch": int(scheduler.last_epoch)},
+        "sampler": None if sampler is None else sampler.state_dict(),
+        "rng": rng_state(),
+        "world_size": dist.get_world_size() if _distributed() else 1,
+        **extra,
+    }
+
+
+def restore_state(
+    state: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    scheduler: Any = None,
+    sampler: Any = None,
+) -> int:
+    """Load what :func:`capture_state` saved into the (possibly wrapped or sharded) model and optimizer,
+    on any number of ranks; every rank passes the full ``state``. Returns the step.
+
+    The optimizer's hyperparameters (lr, betas, eps, weight decay) are *not* taken from the state: the
+    optimizer keeps the ones it was built with, so a resumed run applies its current settings. The
+    schedule likewise keeps its own settings and takes only the step count."""
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    if _is_plain(model):
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state["optimizer"]))
+    else:
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=True),
+        )
+    for group, settings in zip(optimizer.param_groups, hyper, strict=True):
+        group.update(settings)
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.last_epoch = int(state["scheduler"]["last_epoch"])
+        lrs = scheduler.get_lr()
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = lrs
+    if sampler is not None and state.get("sampler") is not None:
+        sampler.load_state_dict(state["sampler"])
+    if state.get("rng") is not None:
+        set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    try:
+        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    except KeyError:
+        raise ValueError("optimizer holds a parameter that is not in model; pass the model it optimizes") from None
+
+
+def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name, the layout torch.distributed.checkpoint's full
+    state dicts use, so that a checkpoint from one process loads under DDP/FSDP2 and back."""
+    names = _parameter_names(model, optimizer)
+    saved = optimizer.state_dict()
+    return {
+        "state": {names[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+
+
+def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+    if unknown := sorted(set(state["state"]) - set(index)):
+        raise ValueError(f"checkpoint holds optimizer state for parameters the model lacks: {unknown[:5]}")
+    saved = [sorted(g["params"]) for g in state["param_groups"]]
+    current = [sorted(g) for g in _group_names(model, optimizer)]
+    if saved != current:
+        raise ValueError(
+            "the checkpoint's optimizer groups hold other parameters than this optimizer's (sizes "
+            f"{[len(g) for g in saved]} saved, {[len(g) for g in current]} now; was decay_norms changed?)"
+        )
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = {id(p): name for name, p in model.named_parameters()}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+# ---------------------------------------------------------------------------------------------
+# Step folders
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A verified step folder: its model file and its training state (``state["model"]`` is the model's
+    state dict read from ``model.safetensors``)."""
+
+    step: int
+    path: Path
+    config: ModelConfig
+    state: dict[str, Any]
+
+
+class CheckpointManager:
+    """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``.
+
+    :meth:`save` writes a folder all-or-nothing; :meth:`load` verifies both files (their SHA-256s and
+    that they belong together); :meth:`load_latest` returns the newest folder that verifies, passing
+    over (and reporting) damaged ones; :meth:`prune` keeps the ``keep`` newest complete folders and never
+    the newest one; :meth:`remove_leftovers` deletes what killed writers left behind.
+    """
+
+    PATTERN = re.compile(r"step_(\d{8,})")
+
+    def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
+        self.directory = Path(directory)
+        self.keep = check_int("keep", keep, low=1)
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}"
+
+    def steps(self) -> list[int]:
+        """Steps whose folder is complete (both files present), oldest first. Verification is :meth:`load`'s."""
+        try:
+            entries = list(os.scandir(self.directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = []
+        for entry in entries:
+            match = self.PATTERN.fullmatch(entry.name)
+            if match and entry.is_dir(follow_symlinks=False):
+                if os.path.isfile(os.path.join(entry.path, WEIGHTS_NAME)) and os.path.isfile(
+                    os.path.join(entry.path, STATE_NAME)
+                ):
+                    found.append(int(match.group(1)))
+        return sorted(found)
+
+    def all_steps(self) -> list[int]:
+        """Every step folder, complete or not (a damaged copy, a folder missing a file)."""
+        try:
+            names = os.listdir(self.directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(int(m.group(1)) for m in map(self.PATTERN.fullmatch, names) if m)
+
+    def save(self, model: nn.Module, state: dict[str, Any], *, model_state: dict[str, Tensor] | None = None) -> Path:
+        """Write ``state`` (from :func:`capture_state`: its ``model`` entry, or ``model_state``, is the
+        model's full state dict) as the folder of ``state["step"]``; returns it."""
+        step = check_int("state['step']", state.get("step"), low=0)
+        weights = state["model"] if model_state is None else model_state
+        rest = {k: v for k, v in state.items() if k != "model"}
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+        def fill(folder: Path) -> None:
+            save_model_file(model, folder, state_dict=weights)
+            save_train_state(folder / STATE_NAME, {**rest, "model_sha256": read_digest(folder)})
+
+        return replace_dir(self.path(step), fill)
+
+    def load(self, step: int) -> Checkpoint:
+        """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong."""
+        folder = self.path(step)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no checkpoint folder for step {step}: {folder}")
+        state = load_train_state(folder / STATE_NAME)
+        config, weights = read_model_file(folder)  # verifies the model file's SHA-256
+        if state.get("model_sha256") != read_digest(folder):
+            raise ValueError(f"{folder}: {STATE_NAME} belongs to another model file (its recorded SHA-256 differs)")
+        if state.get("step") != step:
+            raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
+        state["model"] = weights
+        return Checkpoint(step, folder, config, state)
+
+    def load_latest(self, on_damaged: Callable[[int, Exception], None] | None = None) -> Checkpoint | None:
+        """The newest step folder that verifies, or None when there is none. ``on_damaged(step, error)`` is
+        told about each newer folder passed over. A folder removed while this reads (a concurrent prune)
+        is not damage: the listing is read again."""
+        for _ in range(10):
+            listed = self.steps()
+            for step in reversed(listed):
+                try:
+                    return self.load(step)
+                except FileNotFoundError:
+                    break  # pruned under us: list again
+                except (ValueError, OSError, RuntimeError) as err:
+                    if on_damaged is not None:
+                        on_damaged(step, err)
+            else:
+                if self.steps() == listed:
+                    return None
+        return None
+
+    def prune(self) -> list[int]:
+        """Delete all but the ``keep`` newest complete folders (never the newest); returns the steps removed."""
+        removed = self.steps()[: -self.keep]
+        for step in removed:
+            _remove_folder(self.path(step))
+        return removed
+
+    def remove_after(self, step: int) -> list[int]:
+        """Delete every step folder after ``step`` (a resume from ``step`` abandons them); returns them."""
+        removed = [s for s in self.all_steps() if s > step]
+        for s in removed:
+            _remove_folder(self.path(s))
+        return removed
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete the temporary folders of saves that were killed (never a live writer's)."""
+        return remove_leftovers(self.directory)
+
+
+def _remove_folder(folder: Path) -> None:
+    import shutil
+
+    # Renamed away first, so a reader never sees a half-deleted step folder under its real name.
+    doomed = temp_path(folder, "old")
+    try:
+        os.rename(folder, doomed)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)

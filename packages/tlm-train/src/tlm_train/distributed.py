@@ -55,7 +55,7 @@ def build_model(config: ModelConfig, device: torch.device | str, *, seed: int) -
     weights itself, with no broadcast, and a single process draws the same weights too."""
     # Unfused projections: one parameter per course state-dict key, which is what lets
     # torch.distributed.checkpoint name every parameter and its optimizer state.
-    model = TransformerLM.from_config(config, device="meta", fused=False)
+    model = TransformerLM(config, device="meta", fused=False)
     model.to_empty(device=device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -306,7 +306,7 @@ def _sample(
     model_config: Any, manager: CheckpointManager, step: int, data: Dataset, config: TrainConfig, info: DistInfo
 ) -> str:
     # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
-    model = TransformerLM.from_config(model_config)
+    model = TransformerLM(model_config)
     model.load_state_dict(manager.load(step)["model"])
     model.eval()
     tokenizer = data.tokenizer

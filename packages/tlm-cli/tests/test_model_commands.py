@@ -23,7 +23,7 @@ SMALL = ModelConfig(vocab_size=50, context_length=16, d_model=16, num_layers=1, 
 def small(tmp_path_factory):
     """(model, checkpoint folder) of a SMALL model."""
     torch.manual_seed(3)
-    model = TransformerLM.from_config(SMALL).eval()
+    model = TransformerLM(SMALL).eval()
     return model, save_checkpoint(model, tmp_path_factory.mktemp("small"))
 
 
@@ -164,7 +164,7 @@ def test_generate_greedy_matches_the_library(capsys):
 
 def make_trained(seed=2):
     torch.manual_seed(seed)
-    return TransformerLM.from_config(SMALL).eval()
+    return TransformerLM(SMALL).eval()
 
 
 @pytest.mark.parametrize("kind", ["folder", "file", "pt", "plain-safetensors"])
@@ -253,7 +253,7 @@ def test_generate_from_a_missing_checkpoint(capsys, tmp_path):
 
 
 def test_generate_from_a_corrupt_checkpoint(capsys, tmp_path):
-    save_checkpoint(TransformerLM.from_config(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path)
+    save_checkpoint(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path)
     data = bytearray((tmp_path / "model.safetensors").read_bytes())
     data[-1] ^= 0x10
     (tmp_path / "model.safetensors").write_bytes(bytes(data))
@@ -263,13 +263,13 @@ def test_generate_from_a_corrupt_checkpoint(capsys, tmp_path):
 
 
 def test_generate_from_a_mismatched_checkpoint(capsys, tmp_path):
-    save_checkpoint(TransformerLM.from_config(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path)
+    save_checkpoint(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path)
     expected = f"checkpoint config mismatch in {tmp_path / 'model.safetensors'}: vocab_size is 11"
     fails(capsys, ckpt_args(tmp_path, "--preset", TINY), expected)
 
 
 def test_generate_from_a_state_dict_without_a_preset(capsys, tmp_path):
-    torch.save(TransformerLM.from_config(ModelConfig(11, 8, 8, 1, 2, 8)).state_dict(), tmp_path / "w.pt")
+    torch.save(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)).state_dict(), tmp_path / "w.pt")
     fails(capsys, ckpt_args(tmp_path / "w.pt"), "w.pt is a plain state dict that carries no config")
     fails(capsys, ckpt_args(tmp_path / "w.pt", "--preset", TINY), "w.pt does not match config=: ")
 

@@ -53,7 +53,7 @@ def _saved_bytes(model: TransformerLM, ids: torch.Tensor) -> int:
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
 def test_one_process_matches_measured_bytes(config: ModelConfig, activation_checkpointing: bool) -> None:
-    model = TransformerLM.from_config(config, fused=False)
+    model = TransformerLM(config, fused=False)
     if activation_checkpointing:
         for block in model.layers:
             checkpoint(block)

@@ -1,0 +1,37 @@
+"""`tlm info`: presets and their parameter counts, against the closed form."""
+
+import json
+
+import pytest
+
+from tlm_cli.main import main
+from tlm_model import ModelConfig
+
+
+def closed_form_parameters(cfg: ModelConfig) -> int:
+    per_layer = 4 * cfg.d_model**2 + 3 * cfg.d_model * cfg.d_ff + 2 * cfg.d_model
+    return 2 * cfg.vocab_size * cfg.d_model + cfg.num_layers * per_layer + cfg.d_model
+
+
+def test_cli_info_json(capsys):
+    assert main(["info", "--preset", "gpt2-xl", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["parameters"] == closed_form_parameters(ModelConfig.from_preset("gpt2-xl"))
+    assert (report["d_model"], report["num_layers"], report["d_head"]) == (1600, 48, 64)
+
+
+def test_cli_info_table_and_listing(capsys):
+    assert main(["info", "--preset", "course-tinystories"]) == 0
+    table = capsys.readouterr().out
+    assert f"{closed_form_parameters(ModelConfig.from_preset('course-tinystories')):,}" in table
+    assert main(["info"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("course-tinystories", "gpt2-small", "gpt2-xl"))
+
+
+def test_cli_rejects_unknown_preset(capsys):
+    with pytest.raises(SystemExit):
+        main(["info", "--preset", "gpt3"])
+    assert "invalid choice: 'gpt3'" in capsys.readouterr().err
+
+
