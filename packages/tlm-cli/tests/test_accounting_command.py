@@ -58,5 +58,3 @@ def test_cli_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["accounting"])
     assert "one of the arguments --preset --compare is required" in capsys.readouterr().err
-
-

@@ -33,5 +33,3 @@ def test_cli_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--preset", "gpt3"])
     assert "invalid choice: 'gpt3'" in capsys.readouterr().err
-
-

@@ -21,12 +21,13 @@ config field or module changes the report without an edit here. What each number
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tlm_core.checks import check_positive_int
 from tlm_model.config import ModelConfig
 
 if TYPE_CHECKING:
+    from tlm_model.block import TransformerBlock
     from tlm_model.lm import TransformerLM
 
 #: Bytes per element of the parameter dtypes reported.
@@ -274,16 +275,16 @@ def forward_matmuls(config: ModelConfig, batch_size: int, seq_len: int) -> tuple
     of the model (shapes read from its modules) and attention's two per head."""
     model = shape_model(config)
     tokens, layers = batch_size * seq_len, config.num_layers
-    block = model.layers[0]
+    block = cast("TransformerBlock", model.layers[0])
     weights = {_component(f"layers.0.{name}"): w for name, w in block.named_parameters() if w.ndim == 2}
     # The LM head is the embedding matrix when tied: the matmul happens either way.
     weights["lm_head"] = model.lm_head.weight
     attention = block.attn
     # Grouped-query attention: every query head still scores against (a shared) key head.
-    per_head, d_head = batch_size * attention.num_heads * layers, attention.d_head
+    per_head, d_head = batch_size * int(attention.num_heads) * layers, int(attention.d_head)
     out = []
     for component, (group, label) in _MATMULS.items():
-        rows, cols = weights[component].shape  # (out_features, in_features)
+        rows, cols = (int(n) for n in weights[component].shape)  # (out_features, in_features)
         out.append(MatMul(label, group, tokens, cols, rows, 1 if component == "lm_head" else layers))
         if component == "attn_v_proj":
             out.append(MatMul("Q Kᵀ", "attn_scores", seq_len, d_head, seq_len, per_head))

@@ -490,3 +490,16 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str
     if not _TLM_KEYS & set(header.get("__metadata__", {})):
         raise ValueError(f"{weights} is not a tlm model file (no tlm metadata); read it with load_checkpoint(config=)")
     return _load_safetensors(weights, None)
+
+
+def read_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """The config a tlm model file (or its folder) records, from its header alone (fast; the tensors and
+    their SHA-256 are :func:`load_checkpoint`'s to check)."""
+    path = Path(path)
+    weights = path / WEIGHTS_NAME if path.is_dir() else path
+    with open(weights, "rb") as f:
+        header, _, _ = _read_header(f, weights)
+    meta = header.get("__metadata__", {})
+    if not _TLM_KEYS & set(meta):
+        raise ValueError(f"{weights} is not a tlm model file: its header records no config")
+    return _embedded_config(meta, weights)

@@ -12,7 +12,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
-from tlm_train._checks import check_int
+from tlm_core.checks import check_int
 
 TokenArray = np.ndarray | Tensor
 Batch = tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]
@@ -46,7 +46,11 @@ def windows(dataset: TokenArray, starts: Int[Tensor, " batch"], context_length: 
         rows = torch.from_numpy(np.asarray(dataset[offsets.numpy()]).astype(np.int64, copy=False))
     else:
         rows = dataset[offsets.to(dataset.device)].to(torch.int64)
-    rows = rows.to(device)
+    if torch.device(device).type == "cuda":
+        # Pinned host memory and an asynchronous copy: the loop draws the next batch while the GPU works.
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    else:
+        rows = rows.to(device)
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

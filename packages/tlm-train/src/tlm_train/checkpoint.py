@@ -166,7 +166,9 @@ def read_checkpoint(src: Source) -> dict[str, Any]:
     """The checked contents of a :func:`save_checkpoint` file: ``step``, ``model``, ``optimizer``, ``extra``."""
     payload = load_train_state(src)
     if "model" not in payload or "optimizer" not in payload:
-        raise ValueError(f"{_name(src)} holds no model state: it is a step folder's {STATE_NAME}, not a checkpoint file")
+        raise ValueError(
+            f"{_name(src)} holds no model state: it is a step folder's {STATE_NAME}, not a checkpoint file"
+        )
     return payload
 
 

@@ -216,4 +216,6 @@ def _check_device(name: str) -> None:
     try:
         torch.device(name)
     except (RuntimeError, TypeError):
-        raise ValueError(f"TrainConfig.device must be a torch device such as cpu, cuda or cuda:1, got {name!r}") from None
+        raise ValueError(
+            f"TrainConfig.device must be a torch device such as cpu, cuda or cuda:1, got {name!r}"
+        ) from None

@@ -12,8 +12,9 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from tlm_core.checks import check_choice
 from tlm_model import ModelConfig, TransformerLM
-from tlm_train.trainer import LanguageModelLoss
+from tlm_train.step import LanguageModelLoss
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,7 @@ def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpoin
     keeps 1/N of the parameters, gradients and optimizer state). ``model`` keeps its parameters
     (sharded as DTensors under FSDP2), so build the optimizer from it and take state dicts from it.
     """
-    if mode not in ("none", "ddp", "fsdp"):
-        raise ValueError(f"mode must be 'none', 'ddp' or 'fsdp', got {mode!r}")
+    check_choice("mode", mode, ("none", "ddp", "fsdp"))
     if mode != "none" and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"distributed mode {mode!r} needs a process group: launch with torchrun (or call "
@@ -94,3 +94,14 @@ def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpoin
             fully_shard(block)
         fully_shard(loss_module)
     return loss_module
+
+
+def parameter_groups(model: nn.Module, weight_decay: float, *, decay_norms: bool = False) -> list[dict]:
+    """AdamW parameter groups: matrices (projections, embeddings) decayed by ``weight_decay``, and 1-D
+    parameters (RMSNorm gains) not decayed unless ``decay_norms``: decay pulls a gain towards 0, which
+    scales its layer's output down rather than regularising anything (nanoGPT and most LLM recipes
+    exempt them). A group with no parameters is left out."""
+    matrices = [p for p in model.parameters() if p.requires_grad and (p.ndim >= 2 or decay_norms)]
+    vectors = [p for p in model.parameters() if p.requires_grad and p.ndim < 2 and not decay_norms]
+    groups = [{"params": matrices, "weight_decay": weight_decay}]
+    return groups + ([{"params": vectors, "weight_decay": 0.0}] if vectors else [])

@@ -1,4 +1,5 @@
-"""Per-rank training memory under DDP and FSDP2: parameters, gradients, AdamW state, activations.
+"""Per-rank training memory under DDP and FSDP2, as :func:`tlm_train.wrap_model` wraps a model:
+parameters, gradients, AdamW state, activations.
 
 - **DDP** keeps a full replica on every rank: parameters, gradients and AdamW's two moments
   are all ``4 × P`` bytes each in float32 (16 B/parameter in all), whatever the number of ranks
@@ -23,8 +24,11 @@
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tlm_core.checks import check_choice, check_int
+from tlm_model.accounting import human, shape_model
 from tlm_model.config import ModelConfig
 
 MODES = ("ddp", "fsdp")
@@ -37,16 +41,14 @@ def shard_rows(rows: int, world_size: int, rank: int) -> int:
     return max(0, min(chunk, rows - rank * chunk))
 
 
-BLOCK_PARAMETERS = ("q_proj", "k_proj", "v_proj", "output_proj", "ln1", "w1", "w3", "w2", "ln2")
-
-
-def parameter_shapes(config: ModelConfig) -> list[tuple[int, ...]]:
-    """Every parameter's shape, in the model's order (unfused projections)."""
-    d, f, v = config.d_model, config.d_ff, config.vocab_size
-    q, kv = config.num_heads * config.d_head, config.kv_heads * config.d_head
-    block = [(q, d), (kv, d), (kv, d), (d, q), (d,), (f, d), (f, d), (d, f), (d,)]
-    head = [] if config.tie_word_embeddings else [(v, d)]  # a tied head is the embedding
-    return [(v, d), *block * config.num_layers, (d,), *head]
+def parameter_shapes(config: ModelConfig) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(the shapes of one block's parameters, the shapes of the rest: the root module's), read from the
+    model built unfused on the meta device, as :func:`tlm_train.build_model` builds it."""
+    model = shape_model(config)
+    block = [tuple(p.shape) for p in model.layers[0].parameters()]
+    in_blocks = {id(p) for layer in model.layers for p in layer.parameters()}
+    root = [tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks]  # a tied head is the embedding
+    return block, root
 
 
 @dataclass(frozen=True)
@@ -102,27 +104,24 @@ def train_memory(
 ) -> TrainMemory:
     """Training memory of ``rank`` when ``batch_size`` sequences of ``seq_len`` tokens (the
     context length by default) run on each rank, under ``mode`` (``"ddp"`` or ``"fsdp"``)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    for name, value, low in (("world_size", world_size, 1), ("rank", rank, 0), ("batch_size", batch_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    check_choice("mode", mode, MODES)
+    check_int("world_size", world_size, low=1)
+    check_int("rank", rank, low=0)
+    check_int("batch_size", batch_size, low=1)
     if rank >= world_size:
         raise ValueError(f"rank must be < world_size={world_size}, got {rank}")
     seq_len = config.context_length if seq_len is None else seq_len
-    shapes = parameter_shapes(config)
+    block_shapes, root_shapes = parameter_shapes(config)
+    shapes = block_shapes * config.num_layers + root_shapes
     if mode == "ddp":
         local = sum(math.prod(s) for s in shapes)
         gathered = 0
     else:
         local = sum(shard_rows(s[0], world_size, rank) * math.prod(s[1:]) for s in shapes)
-        per_block = len(BLOCK_PARAMETERS)
-        end = 1 + per_block * config.num_layers
-        block = sum(math.prod(s) for s in shapes[1 : 1 + per_block])
-        # The root: the embedding, the final norm and (unless tied to the embedding) the LM head.
-        root = sum(math.prod(s) for s in [shapes[0], *shapes[end:]])
-        # The root stays gathered for the whole step (FSDP2 reshards it only after backward).
-        gathered = (root + block) * _F32 if world_size > 1 else 0
+        block = sum(math.prod(s) for s in block_shapes)
+        # The root (the embedding, the final norm and, unless tied, the LM head) stays gathered for the
+        # whole step (FSDP2 reshards it only after backward); one block is gathered at a time beside it.
+        gathered = (sum(math.prod(s) for s in root_shapes) + block) * _F32 if world_size > 1 else 0
     tokens = batch_size * seq_len
     rope = seq_len * config.d_head * _F32  # the RoPE cos and sin tables, saved by the blocks
     return TrainMemory(
@@ -140,3 +139,30 @@ def train_memory(
         recomputed=tokens * block_activation_bytes_per_token(config) + rope if activation_checkpointing else 0,
         activation_checkpointing=activation_checkpointing,
     )
+
+
+def memory_table(memory: Sequence[TrainMemory]) -> str:
+    """One column per :class:`TrainMemory` (e.g. DDP and FSDP2 for the same rank): what ``tlm accounting
+    --world-size N`` prints."""
+    first = memory[0]
+    checkpointing = "with" if first.activation_checkpointing else "without"
+    lines = [
+        f"Training memory per rank (rank {first.rank} of {first.world_size}, {first.tokens:,} tokens per rank and "
+        f"micro-batch, float32, AdamW, {checkpointing} activation checkpointing):",
+        f"  {'':<28}" + "".join(f"{m.mode.upper():>14}" for m in memory),
+    ]
+    rows = [
+        ("parameters", "parameters"),
+        ("gradients", "gradients"),
+        ("AdamW state (m, v)", "optimizer"),
+        ("gathered (FSDP2 unshard)", "gathered"),
+        ("activations kept", "activations"),
+        ("recomputed (one block)", "recomputed"),
+    ]
+    for label, field in rows:
+        lines.append(f"  {label:<28}" + "".join(f"{human(getattr(m, field), 'B'):>14}" for m in memory))
+    lines.append(f"  {'total':<28}" + "".join(f"{human(m.total, 'B'):>14}" for m in memory))
+    lines.append(
+        f"  {'activations per token':<28}" + "".join(f"{human(m.activations_per_token, 'B'):>14}" for m in memory)
+    )
+    return "\n".join(lines)

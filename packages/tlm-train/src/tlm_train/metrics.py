@@ -10,12 +10,10 @@ from typing import Any
 
 import torch
 
+from tlm_core.atomic import atomic_write
 from tlm_model import ModelConfig
 from tlm_model.accounting import account
-from tlm_train.atomic import atomic_write_text
 
-METRICS_NAME = "metrics.jsonl"
-PLOT_NAME = "loss.png"
 #: Fields that measure the machine, not the run: they differ between a run and its resumed twin.
 TIMING_FIELDS = ("tokens_per_s", "mfu", "time_s")
 
@@ -28,6 +26,7 @@ class MetricsLog:
         self.path = Path(path)
 
     def append(self, record: dict[str, Any]) -> None:
+        # One write of one whole line: a kill leaves at most a cut last line, which read() drops.
         with self.path.open("a", encoding="utf-8") as file:
             file.write(json.dumps(record, allow_nan=True) + "\n")
 
@@ -44,8 +43,8 @@ class MetricsLog:
 
     def truncate(self, step: int) -> None:
         """Keep only the records of steps <= ``step`` (written all-or-nothing)."""
-        kept = [r for r in self.read() if r["step"] <= step]
-        atomic_write_text(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+        kept = [r for r in self.read() if isinstance(r, dict) and r.get("step", step + 1) <= step]
+        atomic_write(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
@@ -95,8 +94,6 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
     ax.legend()
     fig.tight_layout()
     png_path = Path(png_path)
-    tmp = png_path.with_name(f".{png_path.name}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp)
+    atomic_write(png_path, lambda file: fig.savefig(file, format="png"))
     plt.close(fig)
-    os.replace(tmp, png_path)
     return png_path

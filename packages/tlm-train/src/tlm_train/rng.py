@@ -50,3 +50,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed every global RNG a run touches (torch on every device, numpy's legacy one, Python's)."""
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    np.random.seed(seed)  # noqa: NPY002 - the legacy global state is the one scripts rely on
+    random.seed(seed)

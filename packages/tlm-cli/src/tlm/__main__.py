@@ -1,0 +1,7 @@
+"""``python -m tlm ...`` runs the ``tlm`` command, as ``torchrun -m tlm train ...`` does on every rank."""
+
+import sys
+
+from tlm_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,8 @@
+"""The ``tlm`` command: one module per subcommand (``info``, ``accounting``, ``generate``, ``eval``,
+``convert``, ``tokenizer``, ``train``), each a thin layer over the library packages."""
+
+from tlm_cli.main import main
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "main"]

@@ -1,0 +1,99 @@
+"""``tlm convert``: between tlm checkpoints and Hugging Face Llama folders, tokenizer included.
+
+``--to-hf X --out DIR`` writes ``config.json``, ``model.safetensors``, ``generation_config.json`` (with
+``<|endoftext|>`` as end of sequence when the tokenizer has it) and the tokenizer (``tokenizer.json``,
+``tokenizer_config.json``), all as one unit: ``AutoModelForCausalLM``, ``AutoTokenizer`` and
+``pipeline("text-generation")`` read DIR as it is. ``--from-hf DIR --out OUT`` writes a tlm model
+folder (``OUT/model.safetensors``, and ``OUT/tokenizer/`` when tlm can reproduce the HF tokenizer)
+that every tlm command and ``tlm train --init-from`` read.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from tlm_cli.args import UserError, check_output, description, dtype_choices
+from tlm_cli.loading import load_tokenizer
+from tlm_core.tensors import dtype_from_name
+from tlm_model import save_checkpoint, save_hf
+from tlm_model.accounting import human
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "convert",
+        help="convert between a tlm checkpoint and an HF Llama folder (tokenizer included)",
+        description=description(__doc__),
+    )
+    direction = parser.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from-hf", metavar="DIR", help="an HF Llama model folder")
+    direction.add_argument(
+        "--to-hf", metavar="PATH", help="a run folder, step folder or model file (the run's newest checkpoint)"
+    )
+    parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced as a whole)")
+    parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own)")
+    parser.add_argument(
+        "--dtype", choices=dtype_choices(), default=None, help="convert the weights (default: as stored)"
+    )
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.set_defaults(run=run)
+
+
+def hf_files(tokenizer: Any) -> dict[str, bytes]:
+    """The tokenizer's files for an HF folder, and a generation config that ends at ``<|endoftext|>``."""
+    files: dict[str, bytes] = {}
+    generation: dict[str, Any] = {"do_sample": False}
+    if tokenizer is not None:
+        files.update(tokenizer.hf_files())
+        if END_OF_TEXT in tokenizer.special_tokens:
+            eos = tokenizer.encode(END_OF_TEXT)[0]
+            generation.update(eos_token_id=eos, pad_token_id=eos, bos_token_id=eos)
+    files["generation_config.json"] = (json.dumps(generation, indent=2) + "\n").encode()
+    return files
+
+
+def run(args: argparse.Namespace) -> int:
+    from tlm_train import artifacts
+
+    source = args.from_hf if args.from_hf is not None else args.to_hf
+    check_output(args.out, source, args.tokenizer)
+    dtype = dtype_from_name(args.dtype) if args.dtype else None
+    if args.from_hf is not None:
+        artifact = artifacts.resolve(args.from_hf)
+        if artifact.kind != "hf":
+            raise UserError(
+                f"--from-hf {args.from_hf} is a tlm {artifact.describe()}, not an HF folder (no config.json)"
+            )
+        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        tokenizer = load_tokenizer(args.tokenizer, artifact)
+        out = Path(args.out)
+        save_checkpoint(model, out)
+        if tokenizer is not None:
+            tokenizer.save(out / "tokenizer")
+        source_kind, target = "HF Llama folder", "tlm model folder"
+    else:
+        artifact = artifacts.resolve(args.to_hf)
+        if artifact.kind == "hf":
+            raise UserError(f"--to-hf {args.to_hf} is already an HF folder; to read it into tlm: tlm convert --from-hf")
+        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        tokenizer = load_tokenizer(args.tokenizer, artifact)
+        save_hf(model, args.out, extra_files=hf_files(tokenizer))
+        source_kind, target = f"tlm {artifact.describe()}", "HF Llama folder"
+    report = {
+        "from": source,
+        "out": args.out,
+        "parameters": model.num_parameters(),
+        "tokenizer": tokenizer is not None,
+        "config": model.config.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        with_tokenizer = " with its tokenizer" if tokenizer is not None else " (no tokenizer)"
+        print(
+            f"{source_kind} {source} -> {target} {args.out}{with_tokenizer} ({human(report['parameters'])} parameters)"
+        )
+    return 0

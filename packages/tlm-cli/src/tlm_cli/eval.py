@@ -1,0 +1,138 @@
+"""``tlm eval``: a checkpoint's loss, perplexity and bits per byte on held-out text or tokens.
+
+The file is cut into windows of the model's context (or ``--context-length``), each predicted from
+the tokens before it in its window; every token after a window's first is scored once. Bits per byte
+divide the summed loss by the UTF-8 bytes the scored tokens stand for (special tokens count none), so
+they compare across tokenizers. Forward passes only: no gradient is ever computed.
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tlm_cli.args import UserError, description, dtype_choices, positive_int, say
+from tlm_cli.args import device as parse_device
+from tlm_cli.loading import add_model_arguments, load_model
+from tlm_core.progress import progress_bar
+from tlm_core.tensors import dtype_from_name
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "eval",
+        help="loss, perplexity and bits per byte of a checkpoint on a text or token file",
+        description=description(__doc__),
+    )
+    add_model_arguments(parser)
+    parser.add_argument(
+        "--data",
+        required=True,
+        metavar="FILE",
+        help="UTF-8 text (encoded with the tokenizer), or token ids (.npy, or raw .bin/.u16/.u32)",
+    )
+    parser.add_argument(
+        "--token-dtype", choices=("uint16", "uint32"), default="uint16", help="the id type of a raw token file (.bin)"
+    )
+    parser.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="windows per forward pass")
+    parser.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="window length (default: the model's context length)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="evaluate only the first N tokens of the file",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device to run on")
+    parser.add_argument(
+        "--dtype",
+        choices=dtype_choices(),
+        default=None,
+        help="compute in this dtype (default: the checkpoint's; bfloat16/float16 via autocast)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> np.ndarray:
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    if path.suffix == ".npy":
+        try:
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise UserError(f"--data {path} is not a readable .npy file: {err}") from None
+    elif path.suffix in (".bin", ".u16", ".u32"):
+        ids = np.memmap(path, dtype=np.dtype(token_dtype).newbyteorder("<"), mode="r")
+    else:
+        if tokenizer is None:
+            raise UserError(f"--data {path} is text, and the checkpoint has no tokenizer: give --tokenizer DIR")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise UserError(f"--data {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+        return np.asarray(tokenizer.encode(text), dtype=np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise UserError(f"--data {path} must hold a 1-D array of integer token ids, got {ids.dtype} {ids.shape}")
+    return ids
+
+
+def _token_bytes(tokenizer: Any, vocab: int) -> torch.Tensor | None:
+    """The UTF-8 length of each id's text (special tokens: 0, they stand for no text)."""
+    if tokenizer is None:
+        return None
+    specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
+    table = tokenizer.vocab
+    return torch.tensor([0 if i in specials else len(table.get(i, b"")) for i in range(vocab)], dtype=torch.int64)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tlm_train import EvalBatches, evaluate
+
+    device = parse_device(args.device)
+    model, tokenizer, artifact = load_model(args, device)
+    ids = _tokens(Path(args.data), tokenizer, args.token_dtype)
+    if args.max_tokens is not None:
+        ids = ids[: args.max_tokens]
+    vocab, context = model.config.vocab_size, args.context_length or model.config.context_length
+    if context > model.config.context_length:
+        raise UserError(f"--context-length {context} exceeds the model's context length {model.config.context_length}")
+    if len(ids) < 2:
+        raise UserError(f"--data {args.data} holds {len(ids)} tokens; evaluation needs at least 2")
+    context = min(context, len(ids) - 1)
+    top = int(ids.max())
+    if int(ids.min()) < 0 or top >= vocab:
+        raise UserError(f"--data {args.data} holds token ids up to {top}, outside the model's vocabulary [0, {vocab})")
+    batches = EvalBatches(ids, args.batch_size, context, device)
+    # Autocast for reduced precision; float32/float64 weights were already converted by --dtype.
+    autocast = dtype_from_name(args.dtype) if args.dtype in ("bfloat16", "float16") else None
+    with progress_bar(False if args.quiet else None, total=len(batches), unit="batch", desc="evaluating") as bar:
+        result = evaluate(
+            model, _counted(batches, bar), autocast_dtype=autocast, token_bytes=_token_bytes(tokenizer, vocab)
+        )
+    report = {"checkpoint": str(artifact.path), "data": args.data, "context_length": context, **result.to_dict()}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    bpb = "n/a (no tokenizer)" if result.bits_per_byte is None else f"{result.bits_per_byte:.4f}"
+    print(f"tokens {result.tokens:,}  loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  bits/byte {bpb}")
+    if not math.isfinite(result.loss):
+        say("the loss is not finite: the checkpoint's weights or the data are not what they should be")
+    return 0
+
+
+def _counted(batches: Any, bar: Any) -> Any:
+    for batch in batches:
+        yield batch
+        bar.update()

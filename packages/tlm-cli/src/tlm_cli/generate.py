@@ -1,0 +1,215 @@
+"""``tlm generate``: continue a prompt with a model, printing the text as it comes.
+
+With a tokenizer (the checkpoint's own, or ``--tokenizer``) the prompt is text and the output is text,
+decoded incrementally so that a character split across tokens prints whole; without one, ids in and
+ids out. Generation ends at ``--max-new-tokens``, at ``--eos-id``, or at any ``--stop`` text (by default
+the tokenizer's ``<|endoftext|>``); the stop text itself is not printed. A generation longer than the
+model's context slides its window (see ``tlm_model.generate``).
+"""
+
+import argparse
+import codecs
+import json
+import sys
+from typing import Any
+
+import torch
+
+from tlm_cli.args import UserError, description, dtype_choices, positive_int, temperature, top_p
+from tlm_cli.args import device as parse_device
+from tlm_cli.loading import add_model_arguments, load_model, load_tokenizer
+from tlm_core.progress import progress_bar
+from tlm_model import PRESETS, TransformerLM, compile_for_inference, generate
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="continue a prompt (KV-cached decoding, text streamed as it comes)",
+        description=description(__doc__),
+    )
+    add_model_arguments(parser, required=False)
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), help="random weights of this shape instead of --checkpoint"
+    )
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", metavar='"ID ID ..."', help="the prompt's token ids")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=100, metavar="N", help="new tokens at most")
+    parser.add_argument("--temperature", type=temperature, default=1.0, help="0 decodes greedily")
+    parser.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K likeliest")
+    parser.add_argument("--top-p", type=top_p, default=None, metavar="P", help="nucleus sampling, in (0, 1]")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help=f"end when this text appears (repeatable; default {END_OF_TEXT} when the tokenizer has "
+        "it; --stop '' for none)",
+    )
+    parser.add_argument(
+        "--eos-id",
+        default=None,
+        metavar="ID",
+        help="end when this token is generated: an id, or a special token such as <|endoftext|>",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
+    parser.add_argument("--device", default="cpu", help="torch device to run on")
+    parser.add_argument(
+        "--dtype",
+        choices=dtype_choices(),
+        default=None,
+        help="weights' dtype (default: the checkpoint's; float32 for random weights)",
+    )
+    parser.add_argument("--compile", action="store_true", help="compile_for_inference first (faster long runs on CPU)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(run=run)
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(tok) for tok in text.replace(",", " ").split()]
+    except ValueError:
+        raise UserError(f"--prompt-ids must be integers separated by spaces or commas, got {text!r}") from None
+    if not ids:
+        raise UserError("--prompt-ids is empty; give at least one token id")
+    return ids
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> tuple[TransformerLM, Any]:
+    if args.checkpoint is None:
+        if args.preset is None:
+            raise UserError("generate needs --checkpoint PATH (or --preset NAME for random weights)")
+        from tlm_core.tensors import dtype_from_name
+
+        torch.manual_seed(args.seed)
+        dtype = dtype_from_name(args.dtype) if args.dtype else None
+        model = TransformerLM.from_preset(args.preset, device=device, dtype=dtype).eval()
+        return model, load_tokenizer(args.tokenizer, None)
+    if args.preset is not None:
+        raise UserError("--preset builds random weights; a --checkpoint carries its own shape: give one of them")
+    model, tokenizer, _ = load_model(args, device)
+    return model, tokenizer
+
+
+def _eos(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[int] | None:
+    if args.eos_id is None:
+        return None
+    text = args.eos_id
+    if text.lstrip("-").isdigit():
+        eos = int(text)
+    elif tokenizer is not None and text in tokenizer.special_tokens:
+        eos = tokenizer.encode(text)[0]
+    else:
+        raise UserError(f"--eos-id must be a token id or one of the tokenizer's special tokens, got {text!r}")
+    if not 0 <= eos < vocab:
+        raise UserError(f"--eos-id must be in [0, {vocab}) for this model's vocabulary, got {eos}")
+    return [eos]
+
+
+class _Stream:
+    """Prints the continuation as it comes: text through an incremental UTF-8 decoder (a character
+    split across tokens prints once whole), held back by the length of the longest stop text so that
+    a stop text split across tokens is found before any of it is printed."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], out: Any) -> None:
+        self.tokenizer, self.stops, self.out = tokenizer, [s for s in stops if s], out
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.pending, self.text = "", ""
+        self.ids: list[int] = []
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.stopped = False
+
+    def add(self, ids: torch.Tensor) -> bool:
+        token = int(ids)
+        self.ids.append(token)
+        if self.tokenizer is None:
+            self._emit(f"{token} ")
+            return False
+        self.pending += self.decoder.decode(self.tokenizer.decode_bytes([token]))
+        for stop in self.stops:
+            at = self.pending.find(stop)
+            if at >= 0:
+                self._emit(self.pending[:at])
+                self.pending, self.stopped = "", True
+                return True
+        if len(self.pending) > self.hold:
+            cut = len(self.pending) - self.hold
+            self._emit(self.pending[:cut])
+            self.pending = self.pending[cut:]
+        return False
+
+    def close(self) -> None:
+        if self.tokenizer is not None and not self.stopped:
+            self._emit(self.pending + self.decoder.decode(b"", final=True))
+        if self.out is not None:
+            self.out.write("\n")
+            self.out.flush()
+
+    def _emit(self, text: str) -> None:
+        self.text += text
+        if self.out is not None and text:
+            self.out.write(text)
+            self.out.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    device = parse_device(args.device)
+    model, tokenizer = _model(args, device)
+    vocab = model.config.vocab_size
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise UserError(
+                "--prompt needs a tokenizer: this checkpoint has none; give --tokenizer DIR or --prompt-ids"
+            )
+        prompt = tokenizer.encode(args.prompt)
+        if not prompt:
+            raise UserError("--prompt is empty; give some text")
+    else:
+        prompt = _ids(args.prompt_ids)
+    if bad := [i for i in prompt if not 0 <= i < vocab]:
+        raise UserError(f"--prompt-ids must be in [0, {vocab}) for this model's vocabulary, got {bad[:5]}")
+    eos = _eos(args, tokenizer, vocab)
+    stops = (
+        args.stop
+        if args.stop is not None
+        else ([END_OF_TEXT] if tokenizer and END_OF_TEXT in tokenizer.special_tokens else [])
+    )
+    if tokenizer is None and any(stops):
+        raise UserError("--stop TEXT needs a tokenizer to see text; use --eos-id ID with token ids")
+    if tokenizer is not None:
+        # A stop text that is one special token ends generation at that token: no need to decode it.
+        special = [tokenizer.encode(s)[0] for s in stops if s in tokenizer.special_tokens]
+        eos = (eos or []) + [i for i in special if i < vocab] or None
+    if args.compile:
+        model = compile_for_inference(model)  # type: ignore[assignment]
+    stream = _Stream(tokenizer, stops, None if args.json else sys.stdout)
+    show = False if args.quiet else (None if not sys.stdout.isatty() or args.json else False)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    with progress_bar(show, total=args.max_new_tokens, unit="tok", desc="generating") as bar:
+
+        def on_token(ids: torch.Tensor) -> bool:
+            bar.update()
+            return stream.add(ids)
+
+        try:
+            out = generate(
+                model,
+                torch.tensor(prompt, device=device),
+                args.max_new_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                top_p=args.top_p,
+                eos_token_id=eos,
+                generator=generator,
+                on_token=on_token,
+            )
+        finally:
+            stream.close()
+    if args.json:
+        new = out[len(prompt) :].tolist()
+        print(json.dumps({"prompt_ids": prompt, "ids": new, "text": stream.text if tokenizer is not None else None}))
+    return 0

@@ -1,0 +1,77 @@
+"""``tlm info``: the presets, one preset, or what an artifact (run, step, model file, HF folder) holds."""
+
+import argparse
+import json
+from typing import Any
+
+from tlm_model import PRESETS, ModelConfig
+from tlm_model.accounting import shape_model
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "info",
+        help="describe the presets, one preset, or a run, checkpoint or HF folder",
+        description="Without arguments: every preset with its parameter count.",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--preset", choices=sorted(PRESETS), help="describe this preset")
+    which.add_argument(
+        "--checkpoint", metavar="PATH", help="describe a run folder, step folder, model file or HF folder"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=run)
+
+
+def _count(config: ModelConfig) -> int:
+    return sum(p.numel() for p in shape_model(config).parameters())  # meta device: shapes, no memory
+
+
+def describe(config: ModelConfig) -> dict[str, Any]:
+    return {**config.to_dict(), "d_head": config.d_head, "parameters": _count(config)}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        return _artifact(args)
+    if args.preset is None:
+        if args.json:
+            print(json.dumps({name: {"preset": name, **describe(cfg)} for name, cfg in PRESETS.items()}))
+            return 0
+        width = max(map(len, PRESETS))
+        for name, cfg in PRESETS.items():
+            print(f"{name:<{width}}  {_count(cfg):>14,} parameters  ({cfg.num_layers} layers, d_model {cfg.d_model})")
+        return 0
+    described = {"preset": args.preset, **describe(ModelConfig.from_preset(args.preset))}
+    _print(described, args.json)
+    return 0
+
+
+def _print(described: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(described))
+        return
+    params = described["parameters"]
+    rows = [(k, v) for k, v in described.items() if k != "parameters"]
+    rows.append(("parameters", f"{params:,} ({params / 1e9:.3f} B)"))
+    rows.append(("float32 weights", f"{4 * params / 1e9:.2f} GB ({4 * params / 2**30:.2f} GiB)"))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+
+
+def _artifact(args: argparse.Namespace) -> int:
+    from tlm_train import artifacts
+
+    artifact = artifacts.resolve(args.checkpoint)
+    described: dict[str, Any] = {"path": str(artifact.path), "kind": artifact.describe()}
+    if artifact.run is not None:
+        steps = artifact.run.checkpoints().steps()
+        described["run"] = str(artifact.run.path)
+        described["steps"] = ", ".join(map(str, steps)) if not args.json else steps
+    if artifact.kind != "hf":
+        described["step"] = artifacts.model_file(artifact)[1]
+    described["tokenizer"] = str(artifact.tokenizer_path) if artifact.tokenizer_path is not None else None
+    described.update(describe(artifacts.model_config(artifact)))
+    _print(described, args.json)
+    return 0

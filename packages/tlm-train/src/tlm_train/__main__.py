@@ -1,5 +1,0 @@
-import sys
-
-from tlm_train.cli import main
-
-sys.exit(main())

@@ -1,0 +1,155 @@
+"""Any artifact a user points a command at: a run folder, a step folder, a model file, an HF Llama folder.
+
+``tlm generate/eval/convert --checkpoint X`` and ``tlm train --init-from X`` all go through
+:func:`resolve`, then :func:`load_model` and :func:`load_tokenizer`:
+
+| X | model | tokenizer |
+|---|---|---|
+| a run folder | its newest step that verifies (older ones when newer are damaged) | ``RUN/tokenizer/`` |
+| a step folder ``RUN/checkpoints/step_N`` | its ``model.safetensors`` | the run's |
+| a folder holding ``model.safetensors`` | that file | ``tokenizer/`` or ``tokenizer.json`` beside it |
+| a ``.safetensors`` file | the file | as for its folder |
+| an HF Llama folder (``config.json``) | ``tlm_model.from_hf`` | its ``tokenizer.json`` when tlm can read it |
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tlm_model import ModelConfig, TransformerLM
+from tlm_model.checkpoint import WEIGHTS_NAME, read_config
+from tlm_train.checkpoint import CheckpointManager
+from tlm_train.run_dir import CHECKPOINT_DIR, TOKENIZER_DIR, RunDir
+
+KINDS = ("run", "step", "model", "hf")
+HF_CONFIG = "config.json"
+HF_TOKENIZER = "tokenizer.json"
+
+
+@dataclass(frozen=True)
+class Artifact:
+    kind: str  # one of KINDS
+    path: Path  # what the user gave
+    model_path: Path  # the model file's folder (run: its checkpoints/ folder; hf: the HF folder)
+    tokenizer_path: Path | None  # a folder (or tokenizer.json) that may hold a tokenizer
+    run: RunDir | None = None
+
+    def describe(self) -> str:
+        return {"run": "run folder", "step": "step folder", "model": "model file", "hf": "HF Llama folder"}[self.kind]
+
+
+def resolve(path: str | os.PathLike[str]) -> Artifact:
+    """What ``path`` is; ``FileNotFoundError``/``ValueError`` with one line when it is none of the kinds."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"{path} is not a model file (.safetensors), a run folder, a step folder or an HF folder")
+        return Artifact("model", path, path, _tokenizer_near(path.parent))
+    if path.name == CHECKPOINT_DIR and RunDir.is_run(path.parent):
+        path = path.parent
+    if RunDir.is_run(path):
+        return Artifact("run", path, path / CHECKPOINT_DIR, path / TOKENIZER_DIR, RunDir(path))
+    if (path / WEIGHTS_NAME).is_file():
+        run = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
+        if run is not None and RunDir.is_run(run):
+            return Artifact("step", path, path, run / TOKENIZER_DIR, RunDir(run))
+        return Artifact("model", path, path, _tokenizer_near(path))
+    if (path / HF_CONFIG).is_file():
+        return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
+    raise ValueError(
+        f"{path} is not a tlm run folder, step folder or model folder (no {WEIGHTS_NAME}), nor an HF Llama folder "
+        f"(no {HF_CONFIG})"
+    )
+
+
+def _tokenizer_near(folder: Path) -> Path | None:
+    for candidate in (folder / TOKENIZER_DIR, folder / HF_TOKENIZER):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def model_file(artifact: Artifact) -> tuple[Path, int | None]:
+    """The model file to read and the step it is from (None outside a run): for a run, its newest
+    complete step (:func:`load_model` falls back to older ones if that one does not verify)."""
+    if artifact.kind == "hf":
+        raise ValueError(f"{artifact.path} is an HF folder: it has no tlm model file (tlm convert --from-hf makes one)")
+    if artifact.kind != "run":
+        return artifact.model_path, _step_of(artifact.model_path) if artifact.kind == "step" else None
+    steps = CheckpointManager(artifact.model_path).steps()
+    if not steps:
+        raise ValueError(f"{artifact.path} has no complete checkpoint yet (nothing in {artifact.model_path})")
+    return CheckpointManager(artifact.model_path).path(steps[-1]), steps[-1]
+
+
+def _step_of(folder: Path) -> int | None:
+    match = CheckpointManager.PATTERN.fullmatch(folder.name)
+    return int(match.group(1)) if match else None
+
+
+def model_config(artifact: Artifact) -> ModelConfig:
+    """The config of the model ``artifact`` holds, read from its header or ``config.json`` (no weights)."""
+    if artifact.kind == "hf":
+        import json
+
+        from tlm_model.interop import config_from_hf
+
+        try:
+            return config_from_hf(json.loads((artifact.path / HF_CONFIG).read_text(encoding="utf-8")))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{artifact.path / HF_CONFIG} is not valid JSON ({err})") from None
+    path, _ = model_file(artifact)
+    return read_config(path)
+
+
+def load_model(
+    artifact: Artifact,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    on_damaged: Callable[[int, Exception], None] | None = None,
+    **options: Any,
+) -> tuple[TransformerLM, int | None]:
+    """The model ``artifact`` holds (verified) and its step (None outside a run)."""
+    if artifact.kind == "hf":
+        from tlm_model import from_hf
+
+        return from_hf(artifact.path, device=device, dtype=dtype, **options), None
+    from tlm_model import load_checkpoint
+
+    path, step = model_file(artifact)
+    if artifact.kind != "run":
+        return load_checkpoint(path, device=device, dtype=dtype, **options), step
+    manager = CheckpointManager(artifact.model_path)
+    for step in reversed(manager.steps()):
+        try:
+            return load_checkpoint(manager.path(step), device=device, dtype=dtype, **options), step
+        except (ValueError, OSError) as err:  # damaged: say so and take the step before
+            if on_damaged is not None:
+                on_damaged(step, err)
+    raise ValueError(f"{artifact.path}: every checkpoint is damaged; none can be read")
+
+
+def load_tokenizer(artifact: Artifact) -> Any:
+    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has none tlm can read; an HF tokenizer
+    tlm cannot reproduce exactly (another pre-tokenizer, say) is None with the reason in ``.reason``."""
+    if artifact.tokenizer_path is None or not artifact.tokenizer_path.exists():
+        return None
+    from tlm_tokenizer import Tokenizer
+
+    if artifact.kind == "hf" or artifact.tokenizer_path.name == HF_TOKENIZER:
+        try:
+            return Tokenizer.from_hf(artifact.tokenizer_path)
+        except ValueError as err:
+            raise UnreadableTokenizer(str(err)) from None
+    return Tokenizer.load(artifact.tokenizer_path)
+
+
+class UnreadableTokenizer(ValueError):
+    """The artifact has a tokenizer, but not one tlm can reproduce exactly."""

@@ -1,0 +1,130 @@
+"""A run's data: the default corpus (no download), text files encoded with the run's tokenizer (trained
+here, or given), or a file of token ids; split into training and validation tokens.
+
+What a run derives from text (``RUN/tokenizer/`` and ``RUN/data/``) is written once, each as one unit,
+so a resumed run reads exactly the tokens the first one trained on.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tlm_core.atomic import replace_dir
+from tlm_train.config import TrainConfig
+from tlm_train.run_dir import RunDir
+
+SEPARATOR = "<|endoftext|>"
+TOKEN_SUFFIXES = (".npy", ".bin", ".u16", ".u32")
+TRAIN_TOKENS, VAL_TOKENS, INFO = "train.npy", "val.npy", "info.json"
+
+
+def default_corpus() -> str:
+    """About 0.5 MB of English prose that every CPython ships: the help topics of ``pydoc``
+    (``pydoc_data.topics``), one document per topic, separated by ``<|endoftext|>``."""
+    from pydoc_data.topics import topics
+
+    return SEPARATOR.join(topics[name] for name in sorted(topics))
+
+
+@dataclass
+class Dataset:
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    vocab_size: int  # ids lie in [0, vocab_size)
+    tokenizer: Any = None  # a tlm_tokenizer.Tokenizer, or None for token ids without one
+
+
+def is_token_file(path: str | os.PathLike[str]) -> bool:
+    return Path(path).suffix in TOKEN_SUFFIXES
+
+
+def check_data_paths(data: list[str]) -> None:
+    """What ``--data`` may be, checked before anything is written: existing files, text or one token file."""
+    for name in data:
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"--data {name}: no such file")
+    tokens = [name for name in data if is_token_file(name)]
+    if tokens and len(data) > 1:
+        raise ValueError(
+            f"--data takes text files, or one token-id file ({', '.join(TOKEN_SUFFIXES)}), got {len(tokens)} token "
+            f"file(s) among {len(data)}: {data[:3]}"
+        )
+
+
+def prepare_data(config: TrainConfig, run: RunDir, *, tokenizer: Any = None, is_main: bool = True) -> Dataset:
+    """The run's tokens. ``tokenizer`` is the one the run must use (from ``--init-from`` or ``--tokenizer``),
+    None to train one on text data. On the main rank this may train a tokenizer and encode text into the
+    run folder; other ranks call it after a barrier and read what the main rank wrote."""
+    if config.data and is_token_file(config.data[0]):
+        if is_main and tokenizer is not None and not run.has_tokenizer():
+            tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
+        return _token_file(config, tokenizer)
+    if is_main and not (run.data_dir / VAL_TOKENS).is_file():
+        _encode_text(config, run, tokenizer)
+    tokenizer = run.tokenizer()
+    train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
+    val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
+    return Dataset(train, val, tokenizer.vocab_size, tokenizer)
+
+
+def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
+    path = Path(config.data[0])
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such token file (a run on token ids reads them from there)")
+    if path.suffix == ".npy":
+        try:
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError) as err:
+            raise ValueError(f"--data {path} is not a readable .npy file: {err}") from None
+    else:
+        tokens = np.memmap(path, dtype=np.dtype(config.token_dtype).newbyteorder("<"), mode="r")
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(f"--data {path} must hold a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}")
+    vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
+    low, top = (int(tokens.min()), int(tokens.max())) if len(tokens) else (0, 0)
+    if low < 0 or top >= vocab:
+        source = "the tokenizer's vocabulary" if tokenizer is not None else "--vocab-size"
+        raise ValueError(f"--data {path} holds token ids in [{low}, {top}], outside [0, {vocab}) ({source})")
+    split = len(tokens) - max(1, round(len(tokens) * config.val_fraction))
+    return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
+
+
+def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    run.path.mkdir(parents=True, exist_ok=True)
+    if config.data:
+        texts = [Path(name).read_bytes().decode("utf-8", errors="replace") for name in config.data]
+    else:
+        texts = [default_corpus()]
+    if tokenizer is None and config.tokenizer is not None:
+        tokenizer = Tokenizer.load(config.tokenizer)
+    if tokenizer is None:
+        corpus = run.path / ".corpus.txt"
+        corpus.write_text(SEPARATOR.join(texts), encoding="utf-8")
+        try:
+            vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
+        finally:
+            corpus.unlink(missing_ok=True)
+        tokenizer = Tokenizer(vocab, merges, special_tokens=list(config.special_tokens))
+    # Documents are joined by the end-of-text token where the tokenizer has one (as its training text was).
+    text = (SEPARATOR if SEPARATOR in tokenizer.special_tokens else "\n\n").join(texts)
+    tokenizer.save(run.tokenizer_dir)
+    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
+    if len(ids) < 4:
+        raise ValueError(
+            f"--data holds {len(ids)} tokens; a run needs text enough for a training and a validation split"
+        )
+    split = len(ids) - max(1, round(len(ids) * config.val_fraction))
+
+    def fill(folder: Path) -> None:
+        np.save(folder / TRAIN_TOKENS, ids[:split])
+        np.save(folder / VAL_TOKENS, ids[split:])
+        info = {"tokens": len(ids), "train": int(split), "val": int(len(ids) - split), "sources": config.data}
+        (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
+
+    replace_dir(run.data_dir, fill)

@@ -1,0 +1,565 @@
+"""``train(config)``: the training loop as a recipe (torchtitan and torchtune's shape).
+
+:class:`Recipe` reads top to bottom: :meth:`~Recipe.setup` (run folder and lock, data, model, optimizer,
+schedule, sampler, resume), then per step :meth:`~Recipe.train_step`, :meth:`~Recipe.maybe_log`,
+:meth:`~Recipe.maybe_evaluate` and :meth:`~Recipe.maybe_checkpoint`, then :meth:`~Recipe.finish` (loss
+curve, sample). The same code runs in one process and under ``torchrun`` (``distributed`` = ``"ddp"`` or
+``"fsdp"``); rank 0 writes every file. The step's loss is read from the device only on logging steps,
+and the next batch is drawn while the device works on the current one.
+
+**Resume** (``resume=True``) continues the newest checkpoint that verifies. Settings that shape the run
+(model, data, tokenizer, seed) must equal the saved ones or the resume is refused before anything is
+written; the others (learning rate and schedule, steps, intervals, ...) apply from the resumed step on,
+and ``train.toml`` is rewritten to say so. Nothing in the run folder changes until the checkpoint has
+been read back whole.
+"""
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from tlm_core.progress import progress_bar
+from tlm_model import ModelConfig, TransformerLM, generate, unwrap
+from tlm_optim import AdamW, CosineSchedule
+from tlm_train import artifacts
+from tlm_train.batch import BatchSampler, EvalBatches
+from tlm_train.checkpoint import Checkpoint, capture_state, restore_state
+from tlm_train.config import TrainConfig
+from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
+from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
+from tlm_train.evaluate import evaluate
+from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
+from tlm_train.rng import seed_everything
+from tlm_train.run_dir import RunDir, RunLock
+from tlm_train.step import NonFiniteLossError, StepStats, train_step
+
+#: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
+FIXED_ON_RESUME = (
+    "data", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from", "preset",
+    "model", "seed", "decay_norms",
+)  # fmt: skip
+
+
+class ResumeError(ValueError):
+    """A resume asked for something the run cannot honour; nothing was written."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    step: int  # the last completed step
+    val_losses: list[tuple[int, float]]  # (step, validation loss), this process's evaluations
+    sample: str | None  # decoded text (or ids) generated at the end on rank 0; None when stopped early
+    interrupted: bool  # stopped by SIGINT/SIGTERM after writing a checkpoint
+    checkpoint: Path | None  # the newest checkpoint written
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a setting: ``min_lr`` -> ``--min-lr``."""
+    return "--" + name.replace("_", "-")
+
+
+def train(
+    config: TrainConfig,
+    *,
+    resume: bool = False,
+    resume_from: int | None = None,
+    log: Callable[[str], None] | None = None,
+    progress: bool | None = None,
+) -> RunResult:
+    """Run ``config`` to its last step (or until SIGINT/SIGTERM, which checkpoint and return).
+
+    ``resume`` continues ``config.out_dir`` from its newest checkpoint that verifies (``resume_from``: from
+    that step, abandoning later ones); without it, a folder that already holds checkpoints is refused.
+    ``log`` receives one line per evaluation and event (rank 0 only); ``progress`` shows a tqdm bar
+    (``None``: only on a terminal). Raises :class:`~tlm_train.NonFiniteLossError` when the loss or the
+    gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss.
+    """
+    info = init_distributed(config.device)
+    owns_group = info.world_size > 1
+    try:
+        recipe = Recipe(config, info, resume=resume, resume_from=resume_from, log=log, progress=progress)
+        with recipe:
+            return recipe.run()
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Recipe:
+    """One training run; use as a context manager (it holds the run folder's lock) and call :meth:`run`."""
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        info: DistInfo,
+        *,
+        resume: bool = False,
+        resume_from: int | None = None,
+        log: Callable[[str], None] | None = None,
+        progress: bool | None = None,
+    ) -> None:
+        self.config, self.info = config, info
+        self.resume, self.resume_from = resume or resume_from is not None, resume_from
+        self.say = (log or (lambda line: None)) if info.is_main else (lambda line: None)
+        self.progress = progress
+        self.run_dir = RunDir(config.out_dir)
+        self._exit = contextlib.ExitStack()
+        self.val_losses: list[tuple[int, float]] = []
+        self.last_checkpoint: Path | None = None
+        self._prune_pending = False
+
+    def __enter__(self) -> "Recipe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._exit.close()
+
+    # ------------------------------------------------------------------------------------- setup
+
+    def setup(self) -> None:
+        config, info = self.config, self.info
+        _check_runtime(config, info, resume=self.resume)
+        if info.is_main:
+            self._lock = self._exit.enter_context(_held(self.run_dir))
+        saved = self._check_resume() if self.resume else None
+        if not self.resume:
+            self._check_fresh()
+        if config.deterministic:
+            torch.use_deterministic_algorithms(True, warn_only=info.device.type != "cpu")
+        seed_everything(config.seed)
+
+        source, source_tokenizer = self._init_source()
+        if info.is_main:
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True)
+        barrier()
+        if not info.is_main:
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
+        self.data = data
+        self.model_config = self._model_config(data, source)
+        if saved is not None and saved.model_config(self.model_config.vocab_size) != self.model_config:
+            raise ResumeError(f"{self.run_dir.path}: the model this run would build differs from its saved [model]")
+
+        self.model = build_model(self.model_config, info.device, seed=config.seed)
+        if source is not None and not self.resume:
+            self.model.load_state_dict(source.state_dict())
+        self.loss_module = wrap_model(
+            self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
+        )
+        if config.compile:
+            for block in self.model.layers:
+                block.compile()
+        self.optimizer = AdamW(
+            parameter_groups(self.model, config.weight_decay, decay_norms=config.decay_norms),
+            lr=config.lr,
+            betas=(config.beta1, config.beta2),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+        )
+        self.steps = config.total_steps()
+        self.scheduler = CosineSchedule(
+            self.optimizer,
+            max_learning_rate=config.lr,
+            min_learning_rate=config.final_min_lr,
+            warmup_iters=min(config.warmup_steps, self.steps),
+            cosine_cycle_iters=self.steps,
+        )
+        self.scaler = torch.amp.GradScaler(info.device.type) if config.dtype == "float16" else None
+        self.autocast = None if config.dtype == "float32" else getattr(torch, config.dtype)
+        # Each rank draws its disjoint share of every global micro-batch from the same seeded stream,
+        # so the batches (and the weights, up to float reassociation) do not depend on world_size.
+        micro = config.batch_size // config.grad_accum
+        context = self.model_config.context_length
+        self.sampler = BatchSampler(
+            data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
+            world_size=info.world_size,
+        )  # fmt: skip
+        # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
+        self.val_batches = EvalBatches(data.val, micro, context, info.device, max_batches=config.eval_batches)
+        self.metrics = MetricsLog(self.run_dir.metrics_path)
+        self.start = self._restore() if self.resume else 0
+        if self.start > self.steps:
+            raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
+        self._commit(saved)
+
+    def _check_fresh(self) -> None:
+        if self.run_dir.checkpoints().all_steps():
+            raise ValueError(
+                f"--out-dir {self.run_dir.path} already holds a run: continue it with --resume {self.run_dir.path}, or "
+                "choose another --out-dir"
+            )
+
+    def _check_resume(self) -> TrainConfig:
+        """The saved settings; refuses a change to any of FIXED_ON_RESUME (before anything is written)."""
+        saved = self.run_dir.read_config(out_dir=self.config.out_dir)
+        changed = [name for name in FIXED_ON_RESUME if getattr(saved, name) != getattr(self.config, name)]
+        if changed:
+            name = changed[0]
+            if name == "model":
+                fields = sorted(
+                    k for k in {*saved.model, *self.config.model} if saved.model.get(k) != self.config.model.get(k)
+                )
+                name, have, want = fields[0], saved.model.get(fields[0]), self.config.model.get(fields[0])
+            else:
+                have, want = getattr(saved, name), getattr(self.config, name)
+            raise ResumeError(
+                f"--resume {self.run_dir.path}: {flag(name)} {want!r} differs from the run's {have!r}; a run keeps its "
+                "model, data, tokenizer and seed (start a new run with --init-from to fine-tune it)"
+            )
+        self.applied = {
+            f.name: (getattr(saved, f.name), getattr(self.config, f.name))
+            for f in dataclasses.fields(TrainConfig)
+            if getattr(saved, f.name) != getattr(self.config, f.name)
+        }
+        return saved
+
+    def _init_source(self) -> tuple[TransformerLM | None, Any]:
+        """The model and tokenizer ``init_from`` names (None, None without it). The tokenizer comes from
+        there when tlm can read the one it has, else from ``--tokenizer``."""
+        config = self.config
+        tokenizer = None
+        if config.tokenizer is not None:
+            from tlm_tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.load(config.tokenizer)
+        if config.init_from is None:
+            return None, tokenizer
+        artifact = artifacts.resolve(config.init_from)
+        if self.resume:  # the weights come from the run's own checkpoint; only the tokenizer is wanted here
+            model = None
+        else:
+            model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
+        try:
+            own = artifacts.load_tokenizer(artifact)
+        except artifacts.UnreadableTokenizer as err:
+            own = None
+            if tokenizer is None and not (config.data and is_token_file(config.data[0])):
+                raise ValueError(
+                    f"--init-from {config.init_from}: its tokenizer is not one tlm can reproduce ({err}); give "
+                    "--tokenizer DIR, or token-id data"
+                ) from None
+        if own is not None and tokenizer is not None:
+            self.say(f"--tokenizer {config.tokenizer} is used; the tokenizer of --init-from is not")
+        return model, tokenizer if tokenizer is not None else own
+
+    def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
+        config = self.config
+        if config.init_from is None:
+            return config.model_config(data.vocab_size)
+        # A fine-tune keeps the model's shape, vocabulary included (an HF model's may exceed its tokenizer's).
+        shape = source.config if source is not None else config.model_config()
+        if data.vocab_size > shape.vocab_size:
+            raise ValueError(
+                f"--init-from {config.init_from}: the data's ids reach {data.vocab_size - 1}, beyond the model's "
+                f"vocab_size {shape.vocab_size}"
+            )
+        for name, value in config.model.items():
+            if getattr(shape, name) != value:
+                raise ValueError(
+                    f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
+                    "fine-tune keeps the model's shape"
+                )
+        return dataclasses.replace(shape, rope_layout="interleaved")
+
+    def _restore(self) -> int:
+        manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
+        if self.resume_from is not None:
+            checkpoint = manager.load(self.resume_from)
+        else:
+            if not manager.all_steps():
+                self.say(f"no checkpoint in {manager.directory} yet: starting from step 0")
+                return 0
+            latest = manager.load_latest(on_damaged=self._damaged)
+            if latest is None:
+                raise ResumeError(
+                    f"--resume {self.run_dir.path}: every checkpoint in {manager.directory} is damaged; none can be "
+                    "read back, so nothing was resumed"
+                )
+            checkpoint = latest
+        self._resumed = checkpoint
+        return self._load(checkpoint)
+
+    def _load(self, checkpoint: Checkpoint) -> int:
+        state = checkpoint.state
+        step = restore_state(state, self.model, self.optimizer, scheduler=self.scheduler, sampler=self.sampler)
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        saved_ranks = state.get("world_size", 1)
+        note = (
+            f" (saved with {saved_ranks} ranks, now {self.info.world_size})"
+            if saved_ranks != self.info.world_size
+            else ""
+        )
+        self.say(f"resumed from step {step}{note}")
+        return step
+
+    def _damaged(self, step: int, error: Exception) -> None:
+        self.say(f"checkpoint of step {step} is damaged ({str(error).splitlines()[0][:160]}): taking the one before")
+
+    def _commit(self, saved: TrainConfig | None) -> None:
+        """The first writes of a run, made once everything above has been checked and read."""
+        if not self.info.is_main:
+            return
+        manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
+        manager.remove_leftovers()
+        if self.resume:
+            if removed := manager.remove_after(self.start):
+                self.say(f"removed the checkpoints after step {self.start} (steps {removed}): this run replaces them")
+            changes = {k: v for k, v in getattr(self, "applied", {}).items() if k != "out_dir"}
+            if changes:
+                self.say("settings changed from the resumed step on: " + ", ".join(
+                    f"{flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()))  # fmt: skip
+        self.metrics.truncate(self.start if self.start else -1)  # the file reads as if the run never stopped
+        if self.resume and getattr(self, "applied", None):
+            self.metrics.append(
+                {"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}}
+            )
+        # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
+        # the shape --init-from gave), so a resume or `--config train.toml` builds the same model.
+        self.run_dir.write_config(self.config.replace(model=self.model_config.to_dict(drop_none=True)))
+        self._lock.record()
+
+    # ---------------------------------------------------------------------------------- the loop
+
+    def run(self) -> RunResult:
+        self.setup()
+        config, info = self.config, self.info
+        tokens_per_step = config.batch_size * self.model_config.context_length
+        self.flops_per_token = training_flops_per_token(self.model_config, self.model_config.context_length)
+        self.peak = config.peak_flops or measure_gemm_flops(info.device)
+        self.tokens_per_step = tokens_per_step
+        if self.start == 0:
+            self.maybe_evaluate(0, force=True)
+        step, interrupted = self.start, False
+        show = self.progress if info.is_main else False  # None: only on a terminal
+        bar = progress_bar(show, total=self.steps, initial=self.start, unit="step")
+        self._mark = (time.perf_counter(), self.start)
+        with _stop_requests() as requested:
+            batches = self._draw()
+            for step in range(self.start + 1, self.steps + 1):
+                stats = self.train_step(step, batches)
+                sampler_state = self.sampler.state_dict()  # before the next draw: what a resume at `step` needs
+                if step < self.steps:
+                    batches = self._draw()  # drawn while the device still works on this step
+                logged = self.maybe_log(step, stats, bar)
+                if self._prune_pending and (logged or info.device.type == "cpu"):
+                    self._prune()  # the step after the save gave a finite loss: older checkpoints can go
+                self.maybe_evaluate(step)
+                # Ranks must agree on the step they stop at: compared where the step syncs anyway.
+                stop = requested() if info.world_size == 1 else (logged and self._any_rank(requested()))
+                self.maybe_checkpoint(step, sampler_state, force=stop)
+                if stop:
+                    interrupted = True
+                    self.say(
+                        f"stopped at step {step}: checkpoint {self.last_checkpoint}; continue with --resume "
+                        f"{self.run_dir.path}"
+                    )
+                    break
+        bar.close()
+        return self.finish(step, interrupted)
+
+    def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [next(self.sampler) for _ in range(self.config.grad_accum)]
+
+    def train_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
+        config = self.config
+        try:
+            return train_step(
+                self.loss_module,
+                self.optimizer,
+                batches,
+                scheduler=self.scheduler,
+                max_grad_norm=config.grad_clip,
+                autocast_dtype=self.autocast,
+                scaler=self.scaler,
+            )
+        except NonFiniteLossError as err:
+            raise NonFiniteLossError(f"step {step}: {err}; {self._good_checkpoint(step)}") from None
+
+    def _good_checkpoint(self, failed: int) -> str:
+        # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
+        # weights that give a non-finite loss; one of an earlier step was followed by a finite step.
+        good = [s for s in self.run_dir.checkpoints().steps() if s <= failed - 2]
+        if not good:
+            return "no checkpoint holds weights that gave a finite loss"
+        path = self.run_dir.checkpoints().path(good[-1])
+        return f"the newest checkpoint whose weights gave a finite loss is step {good[-1]}: tlm train --resume {path}"
+
+    def maybe_log(self, step: int, stats: StepStats, bar: Any) -> bool:
+        """Read the step's numbers from the device and record them, on logging steps only."""
+        config = self.config
+        if not (step % config.log_interval == 0 or step % config.eval_interval == 0 or step == self.steps):
+            bar.update()
+            return False
+        loss, grad_norm = float(stats.loss), float(stats.grad_norm)  # the one host sync of a logged step
+        began, since = self._mark
+        seconds = max(time.perf_counter() - began, 1e-9)
+        rate = self.tokens_per_step * (step - since) / seconds
+        self._mark = (time.perf_counter(), step)
+        self._record = {
+            "step": step,
+            "tokens": step * self.tokens_per_step,
+            "train_loss": loss,
+            "lr": stats.lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": rate,
+            "mfu": self.flops_per_token * rate / (self.peak * self.info.world_size),
+        }
+        bar.set_postfix(loss=f"{loss:.3f}", lr=f"{stats.lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
+        bar.update()
+        if self.info.is_main and step % config.eval_interval and step != self.steps:
+            self.metrics.append(self._record)
+        return True
+
+    def maybe_evaluate(self, step: int, *, force: bool = False) -> None:
+        if not (force or step % self.config.eval_interval == 0 or step == self.steps):
+            return
+        loss = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast).loss
+        self.val_losses.append((step, loss))
+        if step == 0:
+            self.say(f"step 0: validation loss {loss:.4f} (ln(vocab) = {math.log(self.model_config.vocab_size):.4f})")
+            if self.info.is_main:
+                self.metrics.append({"step": 0, "tokens": 0, "val_loss": loss})
+            return
+        record = {**self._record, "val_loss": loss}
+        self.say(f"step {step}: validation loss {loss:.4f}, train loss {record['train_loss']:.4f}")
+        if self.info.is_main:
+            self.metrics.append(record)
+
+    def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
+        if not (force or step % self.config.checkpoint_interval == 0 or step == self.steps):
+            return
+        state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
+        state["sampler"] = sampler_state
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        if self.info.is_main:
+            weights = state["model"]
+            if not all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point()):
+                raise NonFiniteLossError(
+                    f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
+                )
+            manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
+            self.last_checkpoint = manager.save(unwrap(self.model), state)
+            self._prune_pending = True
+        barrier()
+
+    def _prune(self) -> None:
+        if self.info.is_main:
+            self.run_dir.checkpoints(self.config.keep_checkpoints).prune()
+        self._prune_pending = False
+
+    def _any_rank(self, flag_: bool) -> bool:
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return flag_
+        value = torch.tensor([int(flag_)], device=self.info.device if self.info.device.type == "cuda" else "cpu")
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    # ---------------------------------------------------------------------------------- the end
+
+    def finish(self, step: int, interrupted: bool) -> RunResult:
+        sample = None
+        if self._prune_pending:
+            self._prune()  # the run ended; its last checkpoint is the newest and stays
+        if self.info.is_main:
+            if plot_loss_curve(self.run_dir.metrics_path, self.run_dir.plot_path) is None:
+                self.say("matplotlib is not installed: no loss.png (pip install matplotlib)")
+            if not interrupted and self.config.sample_tokens > 0 and self.last_checkpoint is not None:
+                sample = self._sample()
+        barrier()
+        return RunResult(self.run_dir.path, step, self.val_losses, sample, interrupted, self.last_checkpoint)
+
+    def _sample(self) -> str:
+        # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
+        from tlm_model import load_checkpoint
+
+        model = load_checkpoint(cast(Path, self.last_checkpoint)).eval()
+        tokenizer, config = self.data.tokenizer, self.config
+        if tokenizer is not None:
+            prompt = tokenizer.encode(config.sample_prompt) or [0]
+            eos = [tokenizer.encode(SEPARATOR)[0]] if SEPARATOR in tokenizer.special_tokens else None
+        else:
+            prompt, eos = [int(self.data.val[0])], None
+        out = generate(
+            model,
+            torch.tensor(prompt),
+            config.sample_tokens,
+            temperature=config.sample_temperature,
+            top_k=50,
+            eos_token_id=eos,
+            generator=torch.Generator().manual_seed(config.seed),
+        ).tolist()
+        return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
+
+
+@contextlib.contextmanager
+def _held(run_dir: RunDir) -> Iterator[RunLock]:
+    with run_dir.lock() as held:
+        yield held
+
+
+def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
+    """What the machine must offer, checked before anything is written."""
+    device = info.device
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {config.device}: this torch has no CUDA device (torch.cuda.is_available() is False)"
+        )
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {config.device}: MPS is not available")
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(f"--device {config.device}: tlm train runs on cpu, cuda, mps or xpu")
+    if info.world_size > 1 and config.distributed == "none":
+        raise ValueError("launched by torchrun with several ranks: choose --distributed ddp or fsdp")
+    if config.distributed != "none" and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"--distributed {config.distributed} needs several processes: launch with torchrun")
+    micro = config.batch_size // config.grad_accum
+    if micro % info.world_size:
+        raise ValueError(
+            f"--batch-size {config.batch_size} with --grad-accum {config.grad_accum} gives micro-batches of {micro}, "
+            f"which do not divide among {info.world_size} ranks"
+        )
+    if config.data and not resume:  # a resumed run reads the tokens it saved, not the text again
+        check_data_paths(config.data)
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
+        raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
+    if config.init_from is not None and not Path(config.init_from).exists():
+        raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
+    if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
+        raise ValueError(f"--token-dtype {config.token_dtype}")
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[Callable[[], bool]]:
+    """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping its workers) ask the loop to checkpoint
+    and return at the end of the current step; a second SIGINT interrupts at once."""
+    requested = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal requested
+        if requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested = True
+
+    try:
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = {}
+    try:
+        yield lambda: requested
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

@@ -1,0 +1,140 @@
+"""The run folder: one place that every command reads and ``tlm train`` writes (ARCHITECTURE.md).
+
+```
+RUN/train.toml  tokenizer/  data/{train.npy,val.npy,info.json}  metrics.jsonl  loss.png
+    checkpoints/step_N/{model.safetensors,train_state.pt}  .lock
+```
+
+:class:`RunDir` names the paths and reads them; :meth:`RunDir.lock` keeps a second process from
+training into the same folder (``flock``: the kernel frees it when the holder dies, so a stale lock
+from a killed run never blocks the next one).
+"""
+
+import contextlib
+import errno
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tlm_core.atomic import atomic_write
+from tlm_train.checkpoint import CheckpointManager
+from tlm_train.config import CONFIG_NAME, TrainConfig
+
+TOKENIZER_DIR = "tokenizer"
+DATA_DIR = "data"
+CHECKPOINT_DIR = "checkpoints"
+METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "loss.png"
+LOCK_NAME = ".lock"
+
+
+class RunInUseError(RuntimeError):
+    """Another live process holds the run folder's lock."""
+
+
+class RunDir:
+    """The paths of a run folder and the readers of what is in it."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    config_path = property(lambda self: self.path / CONFIG_NAME)
+    tokenizer_dir = property(lambda self: self.path / TOKENIZER_DIR)
+    data_dir = property(lambda self: self.path / DATA_DIR)
+    checkpoints_dir = property(lambda self: self.path / CHECKPOINT_DIR)
+    metrics_path = property(lambda self: self.path / METRICS_NAME)
+    plot_path = property(lambda self: self.path / PLOT_NAME)
+    lock_path = property(lambda self: self.path / LOCK_NAME)
+
+    @staticmethod
+    def is_run(path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` is a folder that ``tlm train`` wrote (its ``train.toml`` or ``checkpoints/``)."""
+        path = Path(path)
+        return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / CHECKPOINT_DIR).is_dir())
+
+    def checkpoints(self, keep: int = 2) -> CheckpointManager:
+        return CheckpointManager(self.checkpoints_dir, keep=keep)
+
+    def read_config(self, **overrides: Any) -> TrainConfig:
+        if not self.config_path.is_file():
+            raise FileNotFoundError(
+                errno.ENOENT, f"no {CONFIG_NAME} here, so it is not a tlm train run", str(self.path)
+            )
+        return TrainConfig.from_toml(self.config_path, **overrides)
+
+    def write_config(self, config: TrainConfig) -> None:
+        atomic_write(self.config_path, config.to_toml())
+
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer_dir.is_dir()
+
+    def tokenizer(self) -> Any:
+        """The run's ``tlm_tokenizer.Tokenizer``, or None when it trained on token ids without one."""
+        if not self.has_tokenizer():
+            return None
+        from tlm_tokenizer import Tokenizer
+
+        return Tokenizer.load(self.tokenizer_dir)
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator["RunLock"]:
+        """Hold the run folder's lock for the ``with`` block; :class:`RunInUseError` when a live process has it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        held = RunLock(self.lock_path)
+        try:
+            yield held
+        finally:
+            held.release()
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``RUN/.lock``. The file keeps who holds it (pid, host), for the message a
+    second process gets; the kernel releases the lock when the holder exits, however it exits."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            _flock(self._fd)
+        except BlockingIOError:
+            holder = _read_holder(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            raise RunInUseError(
+                f"{path.parent} is in use by another tlm train ({holder}); wait for it to finish, or choose another "
+                "--out-dir"
+            ) from None
+
+    def record(self) -> None:
+        """Write this process into the lock file (after the run is known to go ahead)."""
+        assert self._fd is not None
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text, 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+
+def _flock(fd: int) -> None:
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks here; one writer is the user's job
+        return
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        data = json.loads(os.pread(fd, 200, 0) or b"{}")
+        return f"pid {data['pid']} on {data['host']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not recorded itself yet"
