@@ -19,35 +19,45 @@ import numpy as np
 import pytest
 import torch
 
+from tlm_train import RunDir
 from tlm_train.metrics import TIMING_FIELDS
 
 pytestmark = pytest.mark.slow
 
 STEPS = 6
 ATOL = 1e-5
-FLAGS = [
-    "--vocab-size", "48", "--context-length", "16", "--d-model", "32", "--num-layers", "2", "--num-heads", "2",
-    "--d-ff", "64", "--batch-size", "8", "--grad-accum", "2", "--steps", str(STEPS), "--warmup-steps", "2",
-    "--eval-interval", "3", "--eval-batches", "2", "--checkpoint-interval", "2", "--keep-checkpoints", "10",
-    "--seed", "3", "--peak-flops", "1e9", "--quiet",
-]  # fmt: skip
+SETTINGS = dict(
+    vocab_size=48, batch_size=8, grad_accum=2, steps=STEPS, warmup_steps=2, eval_interval=3, eval_batches=2,
+    checkpoint_interval=2, keep_checkpoints=10, seed=3, peak_flops=1e9, sample_tokens=0,
+    model={"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64},
+)  # fmt: skip
+SCRIPT = """
+import json, sys
+from tlm_train import TrainConfig, train
+settings = json.loads(sys.argv[1])
+resume = settings.pop("resume", False)
+train(TrainConfig(**settings), resume=resume)
+"""
 
 
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
-def _train(tokens: Path, out: Path, *extra: str, nproc: int = 1) -> None:
+def _train(tokens: Path, out: Path, nproc: int = 1, **changes) -> None:
+    script = out.parent / "train_script.py"
+    script.write_text(SCRIPT)
     launcher = [sys.executable]
     if nproc > 1:  # torchrun itself, as a user would launch it
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, "-m", "tlm_train", "train", "--data", str(tokens), "--out-dir", str(out), *FLAGS, *extra]
-    done = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    settings = {**SETTINGS, "data": [str(tokens)], "out_dir": str(out), **changes}
+    done = subprocess.run([*launcher, str(script), json.dumps(settings)], env=_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
 
 def _weights(run: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    return torch.load(run / "checkpoints" / f"step_{step:08d}.pt", weights_only=True)["model"]
+    return RunDir(run).checkpoints().load(step).state["model"]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -82,13 +92,13 @@ def single(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp") / "run"
-    _train(tokens, out, "--distributed", "fsdp", "--activation-checkpointing", nproc=2)
+    _train(tokens, out, nproc=2, distributed="fsdp", activation_checkpointing=True)
     return out
 
 
 def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp_path: Path, record_error) -> None:
     out = tmp_path / "run"
-    _train(tokens, out, "--distributed", "ddp", nproc=2)
+    _train(tokens, out, nproc=2, distributed="ddp")
     got, want = _weights(out), _weights(single)
     record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got), _flat(want))
     assert _max_error(got, want) <= ATOL
@@ -109,10 +119,10 @@ def test_two_process_fsdp2_resume_is_bit_identical(tokens: Path, fsdp: Path, tmp
     # A crash after the step-2 checkpoint: later checkpoints never written, metrics written past it.
     out = tmp_path / "run"
     shutil.copytree(fsdp, out)
-    for path in (out / "checkpoints").glob("step_*.pt"):
-        if int(path.stem.split("_")[1]) > 2:
-            path.unlink()
-    _train(tokens, out, "--resume", str(out), nproc=2)
+    for step in RunDir(out).checkpoints().steps():
+        if step > 2:
+            shutil.rmtree(RunDir(out).checkpoints().path(step))
+    _train(tokens, out, nproc=2, distributed="fsdp", activation_checkpointing=True, resume=True)
     got, want = _weights(out), _weights(fsdp)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert _metrics(out) == _metrics(fsdp)
@@ -121,8 +131,8 @@ def test_two_process_fsdp2_resume_is_bit_identical(tokens: Path, fsdp: Path, tmp
 def test_two_rank_checkpoint_resumes_on_one_rank(tokens: Path, fsdp: Path, single: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(fsdp, out)
-    for path in (out / "checkpoints").glob("step_*.pt"):
-        if int(path.stem.split("_")[1]) > 4:
-            path.unlink()
-    _train(tokens, out, "--resume", str(out), "--distributed", "none")
+    for step in RunDir(out).checkpoints().steps():
+        if step > 4:
+            shutil.rmtree(RunDir(out).checkpoints().path(step))
+    _train(tokens, out, distributed="none", activation_checkpointing=True, resume=True)
     assert _max_error(_weights(out), _weights(single)) <= ATOL

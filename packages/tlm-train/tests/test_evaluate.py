@@ -1,32 +1,62 @@
-"""evaluate against F.cross_entropy over the same fixed windows."""
+"""evaluate against F.cross_entropy over the same fixed windows; forward passes only; bits per byte."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tlm_model import TransformerLM
-from tlm_train import EvalBatches, evaluate
+from tlm_model import ModelConfig, TransformerLM
+from tlm_train import EvalBatches, LanguageModelLoss, evaluate
 
 
-def test_matches_token_weighted_torch_loss(record_error):
-    model = TransformerLM(
-        ModelConfig(vocab_size=50, context_length=16, d_model=32, num_layers=1, num_heads=2, d_ff=64)
-    ).train()
+def _model():
+    torch.manual_seed(0)
+    return TransformerLM(ModelConfig(50, 16, 32, 1, 2, 64)).train()
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "LanguageModelLoss"])
+def test_matches_token_weighted_torch_loss(record_error, wrapped):
+    model = _model()
     data = np.random.default_rng(0).integers(0, 50, size=300)
     batches = EvalBatches(data, 4, 16)  # 18 windows: batches of 4, 4, 4, 4, 2
     with torch.no_grad():
         xs = torch.cat([x for x, _ in batches])
         ys = torch.cat([y for _, y in batches])
-        expected = F.cross_entropy(model(xs).flatten(0, 1).double(), ys.flatten())
-    ours = evaluate(model, batches)
-    assert model.training
-    record_error("evaluate vs F.cross_entropy over all windows", torch.tensor(ours), expected)
-    assert ours == pytest.approx(expected.item(), rel=1e-5)
+        expected = F.cross_entropy(model(xs).flatten(0, 1).double(), ys.flatten(), reduction="sum")
+    result = evaluate(LanguageModelLoss(model) if wrapped else model, batches)
+    assert model.training  # the mode is restored
+    record_error("evaluate vs F.cross_entropy over all windows", torch.tensor(result.nats), expected)
+    assert result.tokens == ys.numel() == 18 * 16
+    assert result.nats == pytest.approx(expected.item(), rel=1e-6)
+    assert result.loss == pytest.approx(expected.item() / ys.numel(), rel=1e-6)
+    assert result.perplexity == pytest.approx(math.exp(result.loss))
+
+
+def test_no_gradient_is_computed_or_kept():
+    model = _model()
+    data = np.random.default_rng(1).integers(0, 50, size=100)
+    evaluate(model, EvalBatches(data, 2, 16))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.is_grad_enabled()  # no_grad ends with the call
+
+
+def test_bits_per_byte_divide_the_nats_by_the_bytes_the_targets_stand_for():
+    model = _model()
+    data = np.random.default_rng(2).integers(0, 50, size=80)
+    token_bytes = torch.arange(50) % 4  # token i stands for i % 4 bytes (0 for "special" ones)
+    batches = EvalBatches(data, 3, 16)
+    result = evaluate(model, batches, token_bytes=token_bytes)
+    targets = torch.cat([y for _, y in batches])
+    assert result.bytes == int((targets % 4).sum())
+    assert result.bits_per_byte == pytest.approx(result.nats / math.log(2) / result.bytes)
+    assert evaluate(model, batches).bits_per_byte is None
+    assert set(result.to_dict()) == {"tokens", "loss", "perplexity", "bits_per_byte", "bytes"}
 
 
 def test_refuses_empty_and_non_module():
-    with pytest.raises(ValueError, match="at least one batch"):
-        evaluate(torch.nn.Linear(2, 2), [])
-    with pytest.raises(TypeError, match="model"):
+    with pytest.raises(ValueError, match="at least one"):
+        evaluate(_model(), [])
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         evaluate("model", [])

@@ -1,6 +1,7 @@
-"""train_memory against measured tensor bytes: parameters, gradients and AdamW moments summed over
-the tensors each rank really holds (1 process; 2 gloo processes under DDP and FSDP2), and the
-activations autograd really saves (saved-tensor hooks), with and without activation checkpointing."""
+"""train_memory against measured tensor bytes: parameters, gradients and AdamW moments summed over the
+tensors each rank really holds (1 process; 2 gloo processes with the model wrapped by tlm_train.wrap_model
+under DDP and FSDP2, exactly as tlm train wraps it), and the activations autograd really saves
+(saved-tensor hooks), with and without activation checkpointing."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import torch
 from torch.distributed._composable import checkpoint
 
 from tlm_model import ModelConfig, TransformerLM
-from tlm_model.train_memory import shard_rows, train_memory
+from tlm_train.memory import memory_table, shard_rows, train_memory
 
 CONFIGS = [
     ModelConfig(vocab_size=96, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160),
@@ -90,7 +91,7 @@ _SCRIPT = textwrap.dedent(
     out = {}
     for mode in ("ddp", "fsdp"):
         torch.manual_seed(0)
-        model = TransformerLM.from_config(config, fused=False)
+        model = TransformerLM(config, fused=False)
         if mode == "fsdp":
             for block in model.layers:
                 fully_shard(block)
@@ -151,6 +152,13 @@ def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(config: ModelConfig, tmp_p
     # FSDP2 really shards: the two ranks together hold one copy.
     single = train_memory(config, mode="ddp")
     assert results[0]["fsdp"]["parameters"] + results[1]["fsdp"]["parameters"] == single.parameters
+
+
+def test_the_table_shows_each_mode_side_by_side() -> None:
+    memory = [train_memory(CONFIGS[0], mode=mode, world_size=4) for mode in ("ddp", "fsdp")]
+    table = memory_table(memory)
+    assert "rank 0 of 4" in table and table.splitlines()[1].split() == ["DDP", "FSDP"]
+    assert len(table.splitlines()) == 2 + 6 + 2
 
 
 def test_bad_arguments() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tlm_model import TransformerLM, cross_entropy
+from tlm_model import ModelConfig, TransformerLM, cross_entropy
 from tlm_optim import AdamW, CosineSchedule, clip_grad_norm_
 from tlm_train import BatchSampler, load_checkpoint, read_checkpoint, rng_state, save_checkpoint, set_rng_state
 

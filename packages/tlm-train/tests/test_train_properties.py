@@ -48,5 +48,5 @@ def test_extra_state_round_trips(extra, iteration):
     save_checkpoint(model, opt, iteration, buffer, tree=extra, tensor=torch.arange(3))
     buffer.seek(0)
     loaded = read_checkpoint(buffer)
-    assert loaded["iteration"] == iteration and loaded["extra"]["tree"] == extra
+    assert loaded["step"] == iteration and loaded["extra"]["tree"] == extra
     assert torch.equal(loaded["extra"]["tensor"], torch.arange(3))

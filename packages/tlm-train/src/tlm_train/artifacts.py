@@ -55,17 +55,28 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
         path = path.parent
     if RunDir.is_run(path):
         return Artifact("run", path, path / CHECKPOINT_DIR, path / TOKENIZER_DIR, RunDir(path))
+    if (path / HF_CONFIG).is_file() and not _tlm_legacy_config(path / HF_CONFIG):
+        return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
     if (path / WEIGHTS_NAME).is_file():
         run = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
         if run is not None and RunDir.is_run(run):
             return Artifact("step", path, path, run / TOKENIZER_DIR, RunDir(run))
         return Artifact("model", path, path, _tokenizer_near(path))
-    if (path / HF_CONFIG).is_file():
-        return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
     raise ValueError(
         f"{path} is not a tlm run folder, step folder or model folder (no {WEIGHTS_NAME}), nor an HF Llama folder "
         f"(no {HF_CONFIG})"
     )
+
+
+def _tlm_legacy_config(path: Path) -> bool:
+    """Whether a config.json is tlm-model 0.1.0's (it carries a "format" field), not an HF model's."""
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "format" in data and "model_type" not in data
 
 
 def _tokenizer_near(folder: Path) -> Path | None:

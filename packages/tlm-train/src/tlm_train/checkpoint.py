@@ -2,8 +2,9 @@
 
 **The training state** (``train_state.pt``) is ``torch.save`` of plain containers and tensors only, so it
 loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and a
-SHA-256 over every tensor's bytes and every other value, so a bit flip the zip container would not
-notice is refused. :func:`save_train_state` writes it all-or-nothing (``tlm_core.atomic``).
+SHA-256 over every tensor's bytes and every other value, and ends with a one-line trailer holding the
+SHA-256 of every byte before it (torch's zip reader ignores it): a flipped bit anywhere in the file, zip
+headers and padding included, is refused. :func:`save_train_state` writes it all-or-nothing.
 
 **A step folder** (``RUN/checkpoints/step_00000100/``) holds the model in tlm-model's own file
 (``model.safetensors``: weights, ``ModelConfig`` and their SHA-256, the same file ``tlm generate`` reads)
@@ -40,6 +41,8 @@ from tlm_model.checkpoint import read_checkpoint as read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
 FORMAT = "tlm-train-state/1"
+_TRAILER = b"\n#tlm-train-state sha256 "
+_TRAILER_SIZE = len(_TRAILER) + 64 + 1
 STATE_NAME = "train_state.pt"
 # io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
 Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
@@ -97,6 +100,12 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
         raise ValueError("state must not set 'format' or 'digest': the file's own fields")
     payload = {"format": FORMAT, **state}
     payload["digest"] = _digest(payload)
+    if not isinstance(out, (str, os.PathLike)) and not hasattr(out, "write"):
+        raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    data += _TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n"
     if isinstance(out, (str, os.PathLike)):
         path = Path(os.fspath(out))
         if path.is_dir():
@@ -104,13 +113,11 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
         if not path.parent.is_dir():
             raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
         with atomic_file(path) as handle:
-            torch.save(payload, handle)
-    elif hasattr(out, "write"):
-        torch.save(payload, cast(IO[bytes], out))
+            handle.write(data)
+    else:
+        cast(IO[bytes], out).write(data)
         if hasattr(out, "flush"):
             out.flush()
-    else:
-        raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
 
 
 def load_train_state(src: Source) -> dict[str, Any]:
@@ -121,8 +128,14 @@ def load_train_state(src: Source) -> dict[str, Any]:
     name = _name(src)
     if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
         raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
+    data = Path(os.fspath(src)).read_bytes() if isinstance(src, (str, os.PathLike)) else cast(IO[bytes], src).read()
+    body, trailer = data[:-_TRAILER_SIZE], data[-_TRAILER_SIZE:]
+    if not (trailer.startswith(_TRAILER) and trailer.endswith(b"\n")):
+        raise ValueError(f"{name} is not a {FORMAT} file (truncated, or written by something else: no SHA-256 trailer)")
+    if hashlib.sha256(body).hexdigest().encode() != trailer[len(_TRAILER) : -1]:
+        raise ValueError(f"{name} is corrupt: its bytes do not match the SHA-256 recorded at its end")
     try:
-        payload = torch.load(cast("str | os.PathLike[str] | IO[bytes]", src), map_location="cpu", weights_only=True)
+        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
     except (FileNotFoundError, IsADirectoryError, PermissionError):
         raise
     except Exception as error:  # torch raises several types for a bad file

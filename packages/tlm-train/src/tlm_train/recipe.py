@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tlm_core.progress import progress_bar
-from tlm_model import ModelConfig, TransformerLM, generate, unwrap
+from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
@@ -45,8 +45,8 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
-    "data", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from", "preset",
-    "model", "seed", "decay_norms",
+    "data", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from", "seed",
+    "decay_norms",
 )  # fmt: skip
 
 
@@ -146,9 +146,13 @@ class Recipe:
         if not info.is_main:
             data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
         self.data = data
-        self.model_config = self._model_config(data, source)
-        if saved is not None and saved.model_config(self.model_config.vocab_size) != self.model_config:
-            raise ResumeError(f"{self.run_dir.path}: the model this run would build differs from its saved [model]")
+        # A resumed run builds the model its train.toml records (checked against the request above).
+        self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
+        if data.vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"the data's token ids reach {data.vocab_size - 1}, beyond the model's vocab_size "
+                f"{self.model_config.vocab_size}"
+            )
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and not self.resume:
@@ -200,28 +204,34 @@ class Recipe:
             )
 
     def _check_resume(self) -> TrainConfig:
-        """The saved settings; refuses a change to any of FIXED_ON_RESUME (before anything is written)."""
+        """The saved settings; refuses a change to the model or to any of FIXED_ON_RESUME (before anything
+        is written) and records the others, which apply from the resumed step on."""
         saved = self.run_dir.read_config(out_dir=self.config.out_dir)
-        changed = [name for name in FIXED_ON_RESUME if getattr(saved, name) != getattr(self.config, name)]
-        if changed:
-            name = changed[0]
-            if name == "model":
-                fields = sorted(
-                    k for k in {*saved.model, *self.config.model} if saved.model.get(k) != self.config.model.get(k)
-                )
-                name, have, want = fields[0], saved.model.get(fields[0]), self.config.model.get(fields[0])
-            else:
-                have, want = getattr(saved, name), getattr(self.config, name)
-            raise ResumeError(
-                f"--resume {self.run_dir.path}: {flag(name)} {want!r} differs from the run's {have!r}; a run keeps its "
-                "model, data, tokenizer and seed (start a new run with --init-from to fine-tune it)"
-            )
+        for name in FIXED_ON_RESUME:
+            if getattr(saved, name) != getattr(self.config, name):
+                self._refuse(name, getattr(saved, name), getattr(self.config, name))
+        # The model: the saved [model] table is the resolved one; the request is a preset with fields over it
+        # (for a fine-tune, the saved shape with fields over it). Compared field by field.
+        have = saved.model_config()
+        base = have.to_dict() if self.config.init_from is not None else PRESETS[self.config.preset].to_dict()
+        want = {**base, "vocab_size": have.vocab_size, **self.config.model}
+        for name, value in want.items():
+            if value != getattr(have, name):
+                self._refuse("preset" if saved.preset != self.config.preset else name, getattr(have, name), value)
         self.applied = {
             f.name: (getattr(saved, f.name), getattr(self.config, f.name))
             for f in dataclasses.fields(TrainConfig)
-            if getattr(saved, f.name) != getattr(self.config, f.name)
+            if f.name not in ("model", "preset") and getattr(saved, f.name) != getattr(self.config, f.name)
         }
         return saved
+
+    def _refuse(self, name: str, have: Any, want: Any) -> None:
+        if name == "preset":
+            have, want = "the run's model", self.config.preset
+        raise ResumeError(
+            f"--resume {self.run_dir.path}: {flag(name)} {want!r} differs from the run's {have!r}; a run keeps its "
+            "model, data, tokenizer and seed (start a new run with --init-from to fine-tune it)"
+        )
 
     def _init_source(self) -> tuple[TransformerLM | None, Any]:
         """The model and tokenizer ``init_from`` names (None, None without it). The tokenizer comes from
@@ -257,12 +267,7 @@ class Recipe:
         if config.init_from is None:
             return config.model_config(data.vocab_size)
         # A fine-tune keeps the model's shape, vocabulary included (an HF model's may exceed its tokenizer's).
-        shape = source.config if source is not None else config.model_config()
-        if data.vocab_size > shape.vocab_size:
-            raise ValueError(
-                f"--init-from {config.init_from}: the data's ids reach {data.vocab_size - 1}, beyond the model's "
-                f"vocab_size {shape.vocab_size}"
-            )
+        shape = cast(TransformerLM, source).config
         for name, value in config.model.items():
             if getattr(shape, name) != value:
                 raise ValueError(

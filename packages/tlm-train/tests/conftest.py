@@ -1,0 +1,69 @@
+"""Fixtures for tlm-train's tests: a small token file, fast training settings, and folder snapshots."""
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+#: A model that trains in well under a second a step on a CPU.
+TINY_MODEL = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
+FAST = {"batch_size": 4, "eval_batches": 2, "peak_flops": 1e9, "warmup_steps": 1, "sample_tokens": 8}
+
+
+@pytest.fixture
+def tokens(tmp_path: Path) -> Path:
+    """2,000 token ids in [0, 32) as a .npy file (a repeating pattern: a model can learn it)."""
+    path = tmp_path / "tokens.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.tile(rng.integers(0, 32, 50), 40).astype(np.uint16))
+    return path
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, tokens: Path):
+    """``make_config(**settings)``: a TrainConfig of the tiny model on ``tokens`` into ``tmp_path/run``."""
+    from tlm_train import TrainConfig
+
+    def make(**settings):
+        base = {"out_dir": str(tmp_path / "run"), "data": [str(tokens)], "vocab_size": 32, "steps": 4,
+                "model": dict(TINY_MODEL), **FAST}  # fmt: skip
+        return TrainConfig(**{**base, **settings})
+
+    return make
+
+
+@pytest.fixture
+def snapshot():
+    """``snapshot(folder)``: every file's path, mode and SHA-256 under ``folder`` (to prove nothing changed)."""
+
+    def take(folder: Path) -> dict[str, tuple[int, str]]:
+        out = {}
+        for root, _, files in os.walk(folder):
+            for name in files:
+                path = Path(root) / name
+                out[str(path.relative_to(folder))] = (
+                    path.stat().st_mode,
+                    hashlib.sha256(path.read_bytes()).hexdigest(),
+                )
+        return out
+
+    return take
+
+
+@pytest.fixture
+def python():
+    """``python(code, *args, **popen)``: run ``code`` in a fresh interpreter with one thread (a subprocess)."""
+
+    def start(code: str, *args: str, wait: bool = True, **kwargs):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+        command = [sys.executable, "-c", textwrap.dedent(code), *args]
+        if wait:
+            return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, **kwargs)
+        return subprocess.Popen(command, env=env, **kwargs)
+
+    return start

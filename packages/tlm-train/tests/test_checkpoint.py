@@ -1,0 +1,389 @@
+"""The training-state format (train_state.pt), the course's save_checkpoint / load_checkpoint over it, and
+step folders (CheckpointManager): round trips, all-or-nothing writes, refusal of damaged or mixed files."""
+
+import io
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from tlm_optim import AdamW, CosineSchedule
+from tlm_train import load_checkpoint, read_checkpoint, rng_state, save_checkpoint
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+def _same_state(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+@pytest.mark.parametrize("kind", ["path", "str", "file"])
+def test_round_trip(tmp_path, kind):
+    model, opt = _trained(0)
+    fresh_model, fresh_opt = _trained(1)
+    sched = CosineSchedule(opt, 1e-2, 1e-3, 2, 10)
+    target = {"path": tmp_path / "ck.pt", "str": str(tmp_path / "ck.pt"), "file": io.BytesIO()}[kind]
+    save_checkpoint(model, opt, 17, target, scheduler=sched.state_dict(), rng=rng_state(), note="x")
+    if kind == "file":
+        target.seek(0)
+    assert load_checkpoint(target, fresh_model, fresh_opt) == 17
+    assert _same_state(model.state_dict(), fresh_model.state_dict())
+    assert _same_state(opt.state_dict(), fresh_opt.state_dict())
+    if kind == "file":
+        target.seek(0)
+    extra = read_checkpoint(target)["extra"]
+    assert extra["note"] == "x" and extra["scheduler"]["last_epoch"] == sched.last_epoch
+
+
+def test_works_with_torch_optimizers(tmp_path):
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    save_checkpoint(model, opt, 1, tmp_path / "sgd.pt")
+    other = nn.Linear(3, 2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    assert load_checkpoint(tmp_path / "sgd.pt", other, other_opt) == 1
+    assert _same_state(opt.state_dict(), other_opt.state_dict())
+
+
+def test_file_is_a_plain_weights_only_torch_file(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(model, opt, 3, tmp_path / "ck.pt", rng=rng_state())
+    payload = torch.load(tmp_path / "ck.pt", weights_only=True)
+    assert payload["step"] == 3 and payload["format"] == "tlm-train-state/1"
+    assert set(payload["model"]) == set(model.state_dict())
+
+
+def test_no_temporary_files_left_and_old_file_replaced(tmp_path):
+    model, opt = _trained()
+    for i in range(3):
+        save_checkpoint(model, opt, i, tmp_path / "ck.pt")
+    assert os.listdir(tmp_path) == ["ck.pt"]
+    assert read_checkpoint(tmp_path / "ck.pt")["step"] == 2
+
+
+def test_failed_save_keeps_the_old_checkpoint(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(model, opt, 1, tmp_path / "ck.pt")
+    with pytest.raises(TypeError, match=r"extra\]\['bad'\]|extra'\]\['bad'\]"):
+        save_checkpoint(model, opt, 2, tmp_path / "ck.pt", bad=object())
+    assert read_checkpoint(tmp_path / "ck.pt")["step"] == 1
+    assert os.listdir(tmp_path) == ["ck.pt"]
+
+
+def test_error_while_writing_removes_the_temporary_file(tmp_path, monkeypatch):
+    model, opt = _trained()
+    save_checkpoint(model, opt, 1, tmp_path / "ck.pt")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        save_checkpoint(model, opt, 2, tmp_path / "ck.pt")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path) == ["ck.pt"]
+    assert read_checkpoint(tmp_path / "ck.pt")["step"] == 1
+
+
+def test_symlink_at_the_temporary_name_is_not_followed(tmp_path, monkeypatch):
+    import tlm_core.atomic
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    trap = tmp_path / f".ck.pt.{os.getpid()}-{'a' * 16}.tmp"
+    trap.symlink_to(victim)
+    names = iter(["a" * 16, "b" * 16])
+    monkeypatch.setattr(tlm_core.atomic.secrets, "token_hex", lambda n: next(names))
+    model, opt = _trained()
+    save_checkpoint(model, opt, 1, tmp_path / "ck.pt")
+    assert victim.read_text() == "keep me" and trap.is_symlink()
+    assert read_checkpoint(tmp_path / "ck.pt")["step"] == 1
+
+
+def test_truncated_file_refused_with_its_name(tmp_path):
+    model, opt = _trained()
+    path = tmp_path / "ck.pt"
+    save_checkpoint(model, opt, 1, path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="ck.pt is not a tlm-train-state/1 file .truncated"):
+        load_checkpoint(path, model, opt)
+
+
+def test_bit_flip_refused_with_its_name(tmp_path):
+    model, opt = _trained()
+    path = tmp_path / "ck.pt"
+    save_checkpoint(model, opt, 1, path)
+    reference = torch.load(path, weights_only=True)["model"]["0.weight"]
+    data = bytearray(path.read_bytes())
+    # Flip one bit inside the stored bytes of the first weight matrix (found by its content).
+    at = bytes(data).find(reference.numpy().tobytes())
+    assert at > 0
+    data[at + 5] ^= 0x04
+    path.write_bytes(bytes(data))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="ck.pt is corrupt: its bytes do not match the SHA-256"):
+        load_checkpoint(path, model, opt)
+    assert _same_state(before, model.state_dict())
+
+
+def test_foreign_file_refused(tmp_path):
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
+    model, opt = _trained()
+    with pytest.raises(ValueError, match="other.pt is not a tlm-train-state/1 file"):
+        load_checkpoint(tmp_path / "other.pt", model, opt)
+
+
+def test_mismatched_model_or_optimizer_leaves_both_untouched(tmp_path):
+    model, opt = _trained()
+    save_checkpoint(model, opt, 1, tmp_path / "ck.pt")
+    other = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    other_opt = AdamW(other.parameters())
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="shapes differ"):
+        load_checkpoint(tmp_path / "ck.pt", other, other_opt)
+    assert _same_state(before, other.state_dict())
+    same_model, _ = _trained(2)
+    split_opt = AdamW([{"params": list(same_model.parameters())[:2]}, {"params": list(same_model.parameters())[2:]}])
+    before = {k: v.clone() for k, v in same_model.state_dict().items()}
+    with pytest.raises(ValueError, match="parameter groups"):
+        load_checkpoint(tmp_path / "ck.pt", same_model, split_opt)
+    assert _same_state(before, same_model.state_dict())
+
+
+def test_compiled_model_saves_under_plain_keys(tmp_path):
+    model, opt = _trained()
+
+    class Wrapper(nn.Module):  # what torch.compile returns: the real module under _orig_mod
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    save_checkpoint(Wrapper(model), opt, 1, tmp_path / "ck.pt")
+    assert set(read_checkpoint(tmp_path / "ck.pt")["model"]) == set(model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda m, o, p: save_checkpoint("model", o, 1, p), TypeError, "model must be"),
+        (lambda m, o, p: save_checkpoint(m, "opt", 1, p), TypeError, "optimizer must be"),
+        (lambda m, o, p: save_checkpoint(m, o, -1, p), ValueError, "iteration"),
+        (lambda m, o, p: save_checkpoint(m, o, 1.0, p), TypeError, "iteration"),
+        (lambda m, o, p: save_checkpoint(m, o, 1, 42), TypeError, "out must be"),
+        (lambda m, o, p: save_checkpoint(m, o, 1, p.parent), IsADirectoryError, "folder"),
+        (lambda m, o, p: save_checkpoint(m, o, 1, p.parent / "nope" / "ck.pt"), FileNotFoundError, "nope"),
+        (lambda m, o, p: load_checkpoint(42, m, o), TypeError, "src must be"),
+        (lambda m, o, p: load_checkpoint(p, m, None), TypeError, "optimizer must be"),
+    ],
+)
+def test_bad_arguments(tmp_path, call, error, match):
+    model, opt = _trained()
+    with pytest.raises(error, match=match):
+        call(model, opt, tmp_path / "ck.pt")
+
+
+# ---------------------------------------------------------------------------------------------
+# Step folders: model.safetensors (tlm-model's file) + train_state.pt
+
+
+def _lm_state(seed=0):
+    from tlm_model import ModelConfig, TransformerLM
+
+    torch.manual_seed(seed)
+    model = TransformerLM(ModelConfig(48, 8, 16, 1, 2, 24), fused=False)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    model.loss(torch.randint(0, 48, (2, 8)), torch.randint(0, 48, (2, 8))).backward()
+    opt.step()
+    return model, opt
+
+
+def _save(manager, step, seed=0):
+    from tlm_train import capture_state
+
+    model, opt = _lm_state(seed)
+    return manager.save(model, capture_state(model, opt, step=step))
+
+
+def test_a_step_folder_holds_the_model_file_and_the_training_state(tmp_path):
+    from tlm_model import load_checkpoint as load_model
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "checkpoints", keep=3)
+    path = _save(manager, 7)
+    assert sorted(os.listdir(path)) == ["model.safetensors", "train_state.pt"]
+    model, _ = _lm_state(0)
+    assert _same_state(load_model(path).state_dict(), model.state_dict())  # the file tlm generate reads
+    loaded = manager.load(7)
+    assert loaded.step == 7 and _same_state(loaded.state["model"], model.state_dict())
+    assert loaded.config == model.config
+    assert (
+        oct(path.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+        and (path / "train_state.pt").stat().st_mode & 0o777 == 0o666 & ~_umask()
+    )
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "train_state.pt"])
+def test_a_flipped_bit_anywhere_in_a_step_folder_is_refused(tmp_path, name):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _save(manager, 1)
+    path = manager.path(1) / name
+    data = bytearray(path.read_bytes())
+    for at in range(0, len(data), max(1, len(data) // 40)):  # 40 positions spread over the file
+        flipped = bytearray(data)
+        flipped[at] ^= 0x10
+        path.write_bytes(bytes(flipped))
+        with pytest.raises((ValueError, RuntimeError, OSError)):
+            manager.load(1)
+    path.write_bytes(bytes(data))
+    assert manager.load(1).step == 1
+
+
+def test_a_model_file_from_another_step_is_refused(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _save(manager, 1, seed=0)
+    _save(manager, 2, seed=1)
+    shutil.copy(manager.path(2) / "model.safetensors", manager.path(1) / "model.safetensors")
+    with pytest.raises(ValueError, match="belongs to another model file"):
+        manager.load(1)
+
+
+def test_load_latest_passes_over_damaged_folders_and_says_so(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    (manager.path(3) / "train_state.pt").write_bytes(b"not a checkpoint")
+    (manager.path(2) / "model.safetensors").write_bytes(b"\x00" * 64)
+    told = []
+    assert manager.load_latest(on_damaged=lambda step, err: told.append(step)).step == 1
+    assert told == [3, 2]
+    for step in (1,):
+        (manager.path(step) / "model.safetensors").unlink()  # incomplete: not listed at all
+    assert manager.steps() == [2, 3] and manager.load_latest() is None
+
+
+def test_prune_keeps_the_newest_and_removes_leftovers_of_killed_saves(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    leftover = tmp_path / f".step_00000004.{2**22 + 7}-{'c' * 16}.tmp"  # a save whose process died
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half")
+    assert manager.prune() == [1] and manager.steps() == [2, 3]
+    assert manager.remove_leftovers() == [leftover] and sorted(os.listdir(tmp_path)) == [
+        "step_00000002",
+        "step_00000003",
+    ]
+    single = CheckpointManager(tmp_path, keep=1)
+    single.prune()
+    assert single.steps() == [3]  # never the newest
+
+
+def test_a_reader_never_misses_a_checkpoint_while_a_writer_saves_and_prunes(tmp_path):
+    from tlm_train import CheckpointManager
+
+    writer, reader = CheckpointManager(tmp_path, keep=1), CheckpointManager(tmp_path, keep=1)
+    _save(writer, 0)
+    stop, misses = threading.Event(), []
+
+    def read():
+        while not stop.is_set():
+            if reader.load_latest() is None:
+                misses.append(1)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    for step in range(1, 25):
+        _save(writer, step)
+        writer.prune()
+    stop.set()
+    thread.join()
+    assert misses == [] and writer.steps() == [24]
+
+
+def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    for step in (1, 2, 3):
+        _save(manager, step)
+    (manager.path(3) / "train_state.pt").unlink()
+    assert manager.remove_after(1) == [2, 3] and manager.all_steps() == [1]
+
+
+def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, python):
+    import random
+    import signal
+    import time
+
+    from tlm_train import CheckpointManager
+
+    code = """
+    import sys, torch
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_optim import AdamW
+    from tlm_train import CheckpointManager, capture_state
+    manager = CheckpointManager(sys.argv[1], keep=2)
+    model = TransformerLM(ModelConfig(512, 8, 256, 2, 4, 512), fused=False)
+    opt = AdamW(model.parameters())
+    step = int(sys.argv[2])
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+        manager.save(model, capture_state(model, opt, step=step))
+        manager.prune()
+        print(step, flush=True)
+    """
+    rng, done = random.Random(7), 0
+    for _ in range(4):
+        child = python(code, str(tmp_path), str(done), wait=False, stdout=__import__("subprocess").PIPE, text=True)
+        try:
+            done = int(child.stdout.readline())
+            time.sleep(rng.uniform(0.0, 0.5))
+        finally:
+            child.send_signal(signal.SIGKILL)
+            rest = child.communicate()[0]
+        done = max([done, *map(int, rest.split())])
+        latest = CheckpointManager(tmp_path).load_latest()
+        assert latest is not None and latest.step in (done, done + 1)
+        assert all(bool((t == latest.step).all()) for t in latest.state["model"].values())
+        done = latest.step
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.remove_leftovers()
+    assert all(name.startswith("step_") for name in os.listdir(tmp_path))

@@ -1,0 +1,98 @@
+"""TrainConfig: TOML written by a library and read back equal (any string, the [model] table), every range
+checked up front, the model resolved from a preset and [model] fields."""
+
+import pytest
+
+from tlm_model import PRESETS, ModelConfig
+from tlm_train import TrainConfig
+
+
+def test_toml_round_trips_any_string_and_the_model_table(tmp_path) -> None:
+    config = TrainConfig(
+        data=["a b.txt", 'q"uote.txt', "back\\slash.txt"],
+        sample_prompt="ACT I.\r\n\t\x01 ünïcödé \u2028 '''\"\"\"",  # control characters and TOML's own quotes
+        lr=1e-4, max_tokens=1000, compile=True, preset="course-tinystories",
+        model={"num_kv_heads": 4, "tie_word_embeddings": True, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    )  # fmt: skip
+    path = tmp_path / "c.toml"
+    path.write_text(config.to_toml(), encoding="utf-8")
+    assert TrainConfig.from_toml(path) == config
+    assert "[model]" in path.read_text() and "[model.rope_scaling]" in path.read_text()
+    assert TrainConfig.from_toml(path, steps=7).steps == 7
+    # Flags override the file's [model] table field by field.
+    assert TrainConfig.from_toml(path, model={"d_ff": 999}).model == {**config.model, "d_ff": 999}
+
+
+def test_none_fields_are_left_out_and_read_back_as_none(tmp_path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(TrainConfig().to_toml())
+    assert "min_lr" not in path.read_text() and TrainConfig.from_toml(path).min_lr is None
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz = 3\n", r"unknown training settings \['stepz'\]"),
+        ("steps = [\n", "is not valid TOML"),
+        ("[model]\ndropout = 0.1\n", r"TrainConfig.model has unknown fields \['dropout'\]"),
+        ("[model]\nd_model = 30\nnum_heads = 4\n", "d_model must be divisible by num_heads"),
+        ('steps = "3"\n', r"TrainConfig.steps must be an int, got str \('3'\)"),
+    ],
+)
+def test_bad_files_name_the_file_and_the_setting(tmp_path, text, message) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises((TypeError, ValueError), match=message) as info:
+        TrainConfig.from_toml(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        ({"steps": 0}, ValueError, "TrainConfig.steps must be positive, got 0"),
+        ({"steps": True}, TypeError, "TrainConfig.steps must be an int, got bool"),
+        ({"warmup_steps": -1}, ValueError, "TrainConfig.warmup_steps must be >= 0"),
+        ({"lr": 0.0}, ValueError, "TrainConfig.lr must be a finite number > 0"),
+        ({"lr": float("nan")}, ValueError, "TrainConfig.lr must be a finite number > 0, got nan"),
+        ({"lr": 1e30}, ValueError, "lr × weight_decay must be < 1"),
+        ({"lr": 0.01, "min_lr": 0.1}, ValueError, r"TrainConfig.min_lr must be a finite number in \[0, 0.01\]"),
+        ({"beta2": 1.0}, ValueError, r"TrainConfig.beta2 must be a finite number in \[0, 1\)"),
+        ({"eps": 0}, ValueError, "TrainConfig.eps must be a finite number > 0"),
+        ({"weight_decay": -0.1}, ValueError, "TrainConfig.weight_decay must be a finite number >= 0"),
+        ({"grad_clip": float("inf")}, ValueError, "TrainConfig.grad_clip must be a finite number"),
+        ({"val_fraction": 1.0}, ValueError, r"TrainConfig.val_fraction must be a finite number in \(0, 1\)"),
+        ({"sample_temperature": -1}, ValueError, "TrainConfig.sample_temperature must be a finite number >= 0"),
+        ({"peak_flops": 0}, ValueError, "TrainConfig.peak_flops must be a finite number > 0"),
+        ({"max_tokens": 0}, ValueError, "TrainConfig.max_tokens must be positive"),
+        ({"distributed": "zero3"}, ValueError, "TrainConfig.distributed must be one of"),
+        ({"dtype": "float8"}, ValueError, "TrainConfig.dtype must be one of"),
+        ({"preset": "gpt5"}, ValueError, "TrainConfig.preset must be one of"),
+        ({"token_dtype": "int8"}, ValueError, "TrainConfig.token_dtype must be one of"),
+        ({"device": "quantum"}, ValueError, "TrainConfig.device must be a torch device"),
+        ({"compile": 1}, TypeError, "TrainConfig.compile must be a bool"),
+        ({"data": [3]}, TypeError, "TrainConfig.data must be a list of non-empty strings"),
+        ({"special_tokens": "<|endoftext|>"}, TypeError, "TrainConfig.special_tokens must be a list"),
+        ({"model": []}, TypeError, "TrainConfig.model must be a table"),
+        ({"model": {"num_layers": 0}}, ValueError, "TrainConfig.model: ModelConfig.num_layers must be positive"),
+        ({"batch_size": 6, "grad_accum": 4}, ValueError, "must split evenly into grad_accum"),
+    ],
+)
+def test_every_range_is_checked_up_front(settings, error, message) -> None:
+    with pytest.raises(error, match=message):
+        TrainConfig(**settings)
+
+
+def test_the_model_is_the_preset_with_model_fields_over_it_and_the_tokenizers_vocabulary() -> None:
+    config = TrainConfig(preset="course-tinystories", model={"num_layers": 2, "num_kv_heads": 8})
+    model = config.model_config(vocab_size=777)
+    assert model == ModelConfig.from_dict({**PRESETS["course-tinystories"].to_dict(), "num_layers": 2,
+                                           "num_kv_heads": 8, "vocab_size": 777})  # fmt: skip
+    assert TrainConfig().model_config() == PRESETS["tiny"]
+    with pytest.raises(ValueError, match="model.vocab_size is 500 but the tokenizer/data has 777 ids"):
+        TrainConfig(model={"vocab_size": 500}).model_config(vocab_size=777)
+
+
+def test_total_steps_from_a_token_budget() -> None:
+    assert TrainConfig(steps=5).total_steps() == 5
+    assert TrainConfig(max_tokens=10_000, batch_size=8).total_steps() == 10  # 8 × 128 tokens a step

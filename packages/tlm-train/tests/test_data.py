@@ -1,0 +1,58 @@
+"""A run's data: the default corpus, text encoded once into RUN/data, token files checked."""
+
+import numpy as np
+import pytest
+
+from tlm_train import RunDir, TrainConfig, default_corpus
+from tlm_train.data import check_data_paths, prepare_data
+
+
+def test_default_corpus_needs_no_download() -> None:
+    text = default_corpus()
+    assert len(text) > 300_000 and text.count("<|endoftext|>") > 50
+
+
+def test_text_is_encoded_once_with_the_tokenizer_trained_here(tmp_path) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text(default_corpus()[:20_000], encoding="utf-8")
+    config = TrainConfig(data=[str(text)], vocab_size=300, out_dir=str(tmp_path / "run"))
+    run = RunDir(tmp_path / "run")
+    data = prepare_data(config, run)
+    tokens = np.concatenate([data.train, data.val])
+    assert data.tokenizer.decode(tokens.tolist()) == text.read_text()
+    assert len(data.val) == round(len(tokens) * 0.1) and data.vocab_size == 300
+    before = (run.data_dir / "train.npy").stat().st_mtime_ns
+    prepare_data(config, run)  # a resumed run reads what is there
+    assert (run.data_dir / "train.npy").stat().st_mtime_ns == before
+
+
+def test_data_paths_are_checked(tmp_path) -> None:
+    (tmp_path / "a.npy").write_bytes(b"")
+    (tmp_path / "b.txt").write_text("x")
+    with pytest.raises(FileNotFoundError, match="--data /nonexistent: no such file"):
+        check_data_paths(["/nonexistent"])
+    with pytest.raises(ValueError, match="text files, or one token-id file"):
+        check_data_paths([str(tmp_path / "a.npy"), str(tmp_path / "b.txt")])
+    check_data_paths([str(tmp_path / "b.txt"), str(tmp_path / "b.txt")])
+
+
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.zeros((4, 4), dtype=np.uint16), "must hold a 1-D array of integer token ids"),
+        (np.zeros(10, dtype=np.float32), "must hold a 1-D array of integer token ids"),
+        (np.array([1, 2, 99], dtype=np.int64), r"holds token ids in \[1, 99\], outside \[0, 32\)"),
+        (np.array([-1, 2, 3], dtype=np.int64), r"holds token ids in \[-1, 3\]"),
+    ],
+)
+def test_token_files_must_hold_ids_of_the_vocabulary(tmp_path, array, message) -> None:
+    np.save(tmp_path / "t.npy", array)
+    config = TrainConfig(data=[str(tmp_path / "t.npy")], vocab_size=32)
+    with pytest.raises(ValueError, match=message):
+        prepare_data(config, RunDir(tmp_path / "run"))
+
+
+def test_a_pickled_npy_is_refused(tmp_path) -> None:
+    np.save(tmp_path / "t.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="is not a readable .npy file"):
+        prepare_data(TrainConfig(data=[str(tmp_path / "t.npy")]), RunDir(tmp_path / "run"))

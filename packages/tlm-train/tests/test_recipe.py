@@ -1,0 +1,211 @@
+"""train(config) end to end in-process: text → tokenizer → model → run folder → sample; the model's shape from
+the [model] table; fine-tuning with init_from; the non-finite stop; checks made before anything is written."""
+
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_train import NonFiniteLossError, RunDir, TrainConfig, default_corpus, train
+from tlm_train.metrics import TIMING_FIELDS
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_config) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(default_corpus()[:30_000], encoding="utf-8")
+    config = make_config(data=[str(text)], vocab_size=300, eval_interval=2, checkpoint_interval=2)
+    result = train(config)
+    run = tmp_path / "run"
+    saved = TrainConfig.from_toml(run / "train.toml")
+    # train.toml records what ran: the model resolved field by field (vocabulary from the tokenizer).
+    assert saved == config.replace(model=config.model_config(300).to_dict(drop_none=True))
+    assert RunDir(run).tokenizer().vocab_size == 300 and (run / "loss.png").stat().st_size > 0
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (run / "data").iterdir()) == ["info.json", "train.npy", "val.npy"]
+    records = _records(run)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    fields = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
+    assert all(fields <= set(r) for r in records[1:])
+    assert [s for s, _ in result.val_losses] == [0, 2, 4]
+    # An untrained model is close to uniform over the vocabulary.
+    assert abs(result.val_losses[0][1] - math.log(300)) < 0.5
+    assert isinstance(result.sample, str) and result.sample
+    assert not result.interrupted and result.step == 4
+    assert load_checkpoint(run / "checkpoints" / "step_00000004").config.vocab_size == 300
+
+
+def test_model_fields_as_settings_train_a_gqa_tied_model_and_the_checkpoint_says_so(make_config, tmp_path) -> None:
+    config = make_config(model={**make_config().model, "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": True})
+    train(config)
+    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000004")
+    assert (model.config.num_heads, model.config.kv_heads, model.config.tie_word_embeddings) == (4, 2, True)
+    assert model.lm_head.weight is model.token_embeddings.weight
+    assert model.state_dict()["layers.0.attn.k_proj.weight"].shape == (2 * 8, 32)  # 2 kv heads of d_head 8
+
+
+def test_the_same_seed_gives_the_same_run_and_seeds_every_rng(make_config, tmp_path) -> None:
+    a = train(make_config(out_dir=str(tmp_path / "a")))
+    first = (random.random(), np.random.random(), torch.rand(1).item())  # noqa: NPY002
+    b = train(make_config(out_dir=str(tmp_path / "b")))
+    second = (random.random(), np.random.random(), torch.rand(1).item())  # noqa: NPY002
+    assert first == second  # seed_everything(seed) reached Python's, numpy's and torch's RNGs alike
+    assert a.val_losses == b.val_losses
+    drop = lambda r: {k: v for k, v in r.items() if k not in TIMING_FIELDS}  # noqa: E731
+    assert [drop(r) for r in _records(tmp_path / "a")] == [drop(r) for r in _records(tmp_path / "b")]
+
+
+def test_nan_loss_names_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_path, make_config) -> None:
+    # lr 1e6 (no decay) throws the weights far out after a few steps; the loss then stops being finite.
+    config = make_config(lr=1.0e6, min_lr=0.0, warmup_steps=0, weight_decay=0.0, checkpoint_interval=1,
+                         keep_checkpoints=1, steps=30, grad_clip=0.0)  # fmt: skip
+    with pytest.raises(NonFiniteLossError) as info:
+        train(config)
+    message = str(info.value)
+    failed = int(message.split()[1].rstrip(":"))
+    manager = RunDir(tmp_path / "run").checkpoints()
+    if "no checkpoint holds weights" in message:
+        assert failed <= 2
+        return
+    good = int(message.split("finite loss is step ")[1].split(":")[0])
+    assert good <= failed - 2 and good in manager.steps()  # pruning waited for a finite step after each save
+    # The named checkpoint really gives a finite loss on the training data.
+    model = load_checkpoint(manager.path(good))
+    ids = torch.from_numpy(np.load(config.data[0])[:17].astype(np.int64))
+    assert math.isfinite(float(model.loss(ids[None, :-1], ids[None, 1:])))
+
+
+def test_non_finite_weights_are_never_saved(tmp_path, make_config, monkeypatch) -> None:
+    import tlm_train.recipe as recipe
+
+    original = recipe.capture_state
+
+    def poisoned(*args, **kwargs):
+        state = original(*args, **kwargs)
+        if kwargs["step"] == 3:
+            state["model"]["ln_final.weight"] = torch.full_like(state["model"]["ln_final.weight"], float("nan"))
+        return state
+
+    monkeypatch.setattr(recipe, "capture_state", poisoned)
+    with pytest.raises(NonFiniteLossError, match="step 3: the weights hold NaN or infinite values; .* step 2"):
+        train(make_config(checkpoint_interval=1, keep_checkpoints=3))
+    assert RunDir(tmp_path / "run").checkpoints().steps() == [1, 2]
+
+
+def test_an_existing_run_is_refused_without_resume(make_config) -> None:
+    config = make_config(steps=2)
+    train(config)
+    with pytest.raises(ValueError, match="already holds a run: continue it with --resume"):
+        train(config)
+    assert train(config, resume=True).step == 2  # nothing left to do
+
+
+@pytest.mark.parametrize(
+    ("settings", "error", "message"),
+    [
+        ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "cuda:99"}, ValueError, "--device cuda"),
+        ({"data": ["/nonexistent/x.npy"]}, FileNotFoundError, "no such file"),
+        ({"tokenizer": "/nonexistent/tok"}, FileNotFoundError, "--tokenizer /nonexistent/tok: no such folder"),
+        ({"init_from": "/nonexistent/run"}, FileNotFoundError, "--init-from /nonexistent/run"),
+        ({"distributed": "fsdp"}, ValueError, "--distributed fsdp needs several processes"),
+        ({"batch_size": 6, "grad_accum": 4}, ValueError, "must split evenly into grad_accum"),
+    ],
+)
+def test_bad_settings_are_refused_before_anything_is_written(tmp_path, make_config, settings, error, message) -> None:
+    with pytest.raises(error, match=message):
+        train(make_config(**settings))
+    assert not (tmp_path / "run").exists()
+
+
+def test_two_token_files_are_refused_not_read_as_text(tmp_path, make_config, tokens) -> None:
+    other = tmp_path / "more.npy"
+    np.save(other, np.zeros(100, dtype=np.uint16))
+    with pytest.raises(ValueError, match="one token-id file"):
+        train(make_config(data=[str(tokens), str(other)]))
+    assert not (tmp_path / "run").exists()
+
+
+def test_token_file_ids_must_fit_the_vocabulary(make_config) -> None:
+    with pytest.raises(ValueError, match=r"holds token ids in \[0, 31\], outside \[0, 16\) \(--vocab-size\)"):
+        train(make_config(vocab_size=16))
+
+
+def test_a_token_file_with_a_tokenizer_keeps_it_and_samples_text(tmp_path, make_config) -> None:
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(default_corpus()[:20_000], encoding="utf-8")
+    tokenizer = Tokenizer(*train_bpe(str(corpus), 300, ["<|endoftext|>"]), ["<|endoftext|>"])
+    tokenizer.save(tmp_path / "tok")
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.asarray(tokenizer.encode(corpus.read_text()), dtype=np.uint16))
+    result = train(make_config(data=[str(ids)], tokenizer=str(tmp_path / "tok"), vocab_size=300))
+    assert RunDir(tmp_path / "run").tokenizer().encode("the cat") == tokenizer.encode("the cat")
+    assert result.sample is not None and not result.sample.replace(" ", "").isdigit()  # text, not ids
+
+
+def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, make_config) -> None:
+    torch.manual_seed(5)
+    source = TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40, num_kv_heads=1, tie_word_embeddings=True))
+    save_checkpoint(source, tmp_path / "source")
+    config = make_config(init_from=str(tmp_path / "source"), steps=1, model={}, lr=1e-9, min_lr=0.0, warmup_steps=0)
+    result = train(config)
+    # Step 0's validation loss is the source model's own on the same windows.
+    from tlm_train import EvalBatches, evaluate
+
+    val = np.load(config.data[0], mmap_mode="r")
+    val = val[len(val) - max(1, round(len(val) * 0.1)) :]
+    expected = evaluate(source, EvalBatches(val, 4, 16, max_batches=2)).loss
+    assert result.val_losses[0][1] == pytest.approx(expected, rel=1e-6)
+    tuned = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000001")
+    assert tuned.config == source.config
+    assert TrainConfig.from_toml(tmp_path / "run" / "train.toml").model_config() == source.config
+
+
+def test_init_from_refuses_a_shape_change(tmp_path, make_config) -> None:
+    save_checkpoint(TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40)), tmp_path / "source")
+    with pytest.raises(ValueError, match="--d-model 32 differs from the --init-from model's 24"):
+        train(make_config(init_from=str(tmp_path / "source")))
+
+
+def test_bfloat16_autocast_trains_with_float32_weights(tmp_path, make_config) -> None:
+    result = train(make_config(dtype="bfloat16", steps=3))
+    assert all(math.isfinite(loss) for _, loss in result.val_losses)
+    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_float16_trains_with_loss_scaling_and_saves_the_scaler(tmp_path, make_config) -> None:
+    result = train(make_config(dtype="float16", steps=3))
+    assert all(math.isfinite(loss) for _, loss in result.val_losses)
+    state = RunDir(tmp_path / "run").checkpoints().load(3).state
+    assert state["scaler"]["scale"] > 0  # torch.amp.GradScaler's state, restored on resume
+
+
+@pytest.mark.slow
+def test_compile_trains_like_eager(tmp_path, make_config) -> None:
+    # --compile (torch.compile of each block, inductor on this device) must change speed, not results:
+    # the same seed gives the same losses as eager to float32 rounding, and the checkpoint keeps plain keys.
+    from torch._dynamo.utils import counters
+
+    runs, graphs = {}, {}
+    for compiled in (False, True):
+        out = tmp_path / f"run-{compiled}"
+        counters.clear()
+        result = train(make_config(out_dir=str(out), steps=3, compile=compiled))
+        graphs[compiled] = counters["stats"]["unique_graphs"]
+        losses = [r.get("train_loss") for r in _records(out)]
+        state = load_checkpoint(out / "checkpoints" / "step_00000003").state_dict()
+        runs[compiled] = (losses[1:], [loss for _, loss in result.val_losses], state)
+    (eager_train, eager_val, eager_state), (compiled_train, compiled_val, compiled_state) = runs[False], runs[True]
+    assert compiled_train == pytest.approx(eager_train, rel=1e-5, abs=0)
+    assert compiled_val == pytest.approx(eager_val, rel=1e-5, abs=0)
+    assert compiled_state.keys() == eager_state.keys()
+    assert graphs[False] == 0 and graphs[True] >= 1  # the flag really compiled something

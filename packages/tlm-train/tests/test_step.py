@@ -1,0 +1,116 @@
+"""One optimizer step against independent references: a hand-written torch loop (F.cross_entropy on full
+logits, torch's clip_grad_norm_ and AdamW); the non-finite stop; float16 loss scaling; parameter groups."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tlm_model import ModelConfig, TransformerLM
+from tlm_optim import AdamW
+from tlm_train import LanguageModelLoss, NonFiniteLossError, parameter_groups, train_step
+
+VOCAB, SEQ = 40, 12
+
+
+def _model(seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(ModelConfig(VOCAB, SEQ, 32, 2, 2, 64), fused=False)
+
+
+def _batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (rows, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def test_train_step_with_accumulation_equals_a_hand_written_torch_loop(record_error) -> None:
+    model, reference = _model(), _model()
+    # Independent reference: full logits + F.cross_entropy, torch's clipping and torch's AdamW.
+    # weight_decay=0 so that the course's and torch's decay orders agree, and eps=1e-30 because
+    # they place eps differently (√v + ε vs √v/√(1-β₂ᵗ) + ε), which for the tiny gradients of
+    # this model changes updates by up to ~ε/√v ≈ 1e-3 relative; with ε → 0 both are α_t·m/√v.
+    optimizer = AdamW(model.parameters(), lr=1e-2, eps=1e-30, weight_decay=0.0)
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-30, weight_decay=0.0)
+    loss_module = LanguageModelLoss(model)
+    for step in range(3):
+        inputs, targets = _batch(8, step)
+        micro = [(inputs[:4], targets[:4]), (inputs[4:], targets[4:])]
+        stats = train_step(loss_module, optimizer, micro, max_grad_norm=0.5)
+        torch_optimizer.zero_grad()
+        loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        torch_optimizer.step()
+        assert isinstance(stats.loss, torch.Tensor) and stats.loss.ndim == 0  # read only when the loop logs
+        assert float(stats.loss) == pytest.approx(loss.item(), rel=1e-6)
+        assert float(stats.grad_norm) == pytest.approx(norm.item(), rel=1e-5)
+        assert stats.lr == 1e-2
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        record_error("train_step x3 vs hand-written torch loop", got, want)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("where", ["weights", "lr"])
+def test_non_finite_loss_stops_before_the_update(where) -> None:
+    model = _model()
+    optimizer = AdamW(model.parameters(), lr=1e-2)
+    if where == "weights":
+        with torch.no_grad():
+            model.layers[0].ln1.weight[0] = float("nan")
+    else:  # a finite loss whose gradient overflows
+        with torch.no_grad():
+            model.lm_head.weight.mul_(1e37)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteLossError, match="stopped before the update"):
+        train_step(LanguageModelLoss(model), optimizer, [_batch(4, 0)])
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.nan_to_num(), before[key].nan_to_num()), key
+    assert not optimizer.state  # no step was taken
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_train_step_refuses_an_empty_batch_list() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="micro_batches must hold at least one"):
+        train_step(LanguageModelLoss(model), AdamW(model.parameters()), [])
+
+
+def test_float16_with_a_grad_scaler_matches_float32_steps_and_skips_overflow() -> None:
+    # float16 autocast underflows small gradients without loss scaling; torch.amp.GradScaler scales the loss
+    # up, unscales the gradients before clipping and skips a step whose gradients overflowed.
+    model, reference = _model(), _model()
+    opt, ref_opt = AdamW(model.parameters(), lr=1e-3), AdamW(reference.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    for step in range(3):
+        batch = [_batch(4, step)]
+        stats = train_step(LanguageModelLoss(model), opt, batch, max_grad_norm=1.0, autocast_dtype=torch.float16,
+                           scaler=scaler)  # fmt: skip
+        train_step(LanguageModelLoss(reference), ref_opt, batch, max_grad_norm=1.0)
+        assert torch.isfinite(stats.loss)
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, atol=5e-3, rtol=0)  # float16 matmuls: ~1e-3 relative
+    overflow = torch.amp.GradScaler("cpu", init_scale=2.0**120)  # so large that float16 gradients overflow
+    before = [p.clone() for p in model.parameters()]
+    train_step(LanguageModelLoss(model), opt, [_batch(4, 9)], autocast_dtype=torch.float16, scaler=overflow)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # skipped
+    assert overflow.get_scale() < 2.0**120  # and the scale came down
+
+
+def test_parameter_groups_exempt_norm_gains_from_weight_decay() -> None:
+    model = _model()
+    groups = parameter_groups(model, 0.1)
+    decayed, exempt = groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
+    assert {names[id(p)].rsplit(".", 2)[-2] for p in exempt["params"]} == {"ln1", "ln2", "ln_final"}
+    assert all(p.ndim == 2 for p in decayed["params"])
+    assert len(decayed["params"]) + len(exempt["params"]) == len(list(model.parameters()))
+    (everything,) = parameter_groups(model, 0.1, decay_norms=True)
+    assert len(everything["params"]) == len(list(model.parameters()))
+    # A gain under decay shrinks; exempt, an AdamW step with a zero gradient leaves it where it is.
+    optimizer = AdamW(groups, lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    gain, head = model.ln_final.weight.detach().clone(), model.lm_head.weight.detach().clone()
+    optimizer.step()
+    assert torch.equal(model.ln_final.weight, gain)
+    torch.testing.assert_close(model.lm_head.weight, head * (1 - 0.5 * 0.1))  # decoupled decay: θ(1 - αλ)
