@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from tlm_cli.main import main
 from tlm_model import ModelConfig
-from tlm_model.cli import main
-from tlm_model.train_memory import train_memory
+from tlm_train.memory import train_memory
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])

@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
+from tlm_cli.main import main
 from tlm_model import load_checkpoint
-from tlm_model.cli import main
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,19 +35,20 @@ def test_round_trip_through_the_command_keeps_hf_logits(tie, tmp_path, capsys):
         torch.testing.assert_close(model(ids), ref, rtol=1e-5, atol=1e-5)
     assert main(["convert", "--to-hf", str(tmp_path / "tlm"), "--out", str(tmp_path / "back")]) == 0
     assert "-> HF Llama folder" in capsys.readouterr().out
+    assert json.loads((tmp_path / "back" / "generation_config.json").read_text())["do_sample"] is False
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)
 
 
 def test_unsupported_config_is_one_line_naming_the_key(tmp_path, capsys):
-    random_hf(False).save_pretrained(tmp_path)
+    random_hf(False).save_pretrained(tmp_path / "hf")
     capsys.readouterr()  # transformers' own progress bars
-    config = json.loads((tmp_path / "config.json").read_text())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["sliding_window"] = 32
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     with pytest.raises(SystemExit) as exit_info:
-        main(["convert", "--from-hf", str(tmp_path), "--out", str(tmp_path / "out")])
+        main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("tlm: error:") and "sliding_window=32" in err and len(err.splitlines()) == 1
@@ -69,3 +70,47 @@ def test_user_errors_exit_2_without_traceback(argv, tmp_path, monkeypatch, capsy
         main(argv)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.startswith("tlm: error:")
+
+
+def test_a_run_exports_with_its_tokenizer_and_an_end_of_text_eos(run, tmp_path, capsys):
+    assert main(["convert", "--to-hf", str(run), "--out", str(tmp_path / "hf"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokenizer"] is True
+    from tlm_train import RunDir
+
+    tokenizer = RunDir(run).tokenizer()
+    (eot,) = tokenizer.encode("<|endoftext|>")
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert generation.eos_token_id == eot
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert auto("Hello, world")["input_ids"] == tokenizer.encode("Hello, world")
+    assert auto.eos_token == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_an_output_equal_to_or_around_the_input_is_refused_and_the_input_survives(run, tmp_path, fails, where):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    out = {"same": copy, "inside": copy / "hf", "around": tmp_path}[where]
+    before = sorted(p.relative_to(copy) for p in copy.rglob("*"))
+    fails(["convert", "--to-hf", str(copy), "--out", str(out)], "would overwrite the input")
+    assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == before
+
+
+def test_from_hf_writes_a_model_folder_every_command_reads(tmp_path, capsys):
+    random_hf(False).save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tlm")]) == 0
+    assert "(no tokenizer)" in capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(tmp_path / "tlm"), "--prompt-ids", "1 2", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    assert len(capsys.readouterr().out.split()) == 3
+    assert main(["generate", "--checkpoint", str(tmp_path / "hf"), "--prompt-ids", "1 2", "--max-new-tokens", "3",
+                 "--temperature", "0"]) == 0  # an HF folder works directly too  # fmt: skip
+
+
+def test_the_directions_are_checked(run, tmp_path, fails, capsys):
+    random_hf(False).save_pretrained(tmp_path / "hf")
+    capsys.readouterr()  # transformers' own progress bars
+    fails(["convert", "--to-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "x")], "is already an HF folder")
+    fails(["convert", "--from-hf", str(run), "--out", str(tmp_path / "x")], "is a tlm run folder, not an HF folder")

@@ -33,3 +33,13 @@ def test_cli_rejects_unknown_preset(capsys):
     with pytest.raises(SystemExit):
         main(["info", "--preset", "gpt3"])
     assert "invalid choice: 'gpt3'" in capsys.readouterr().err
+
+
+def test_info_describes_a_run_and_a_step(run, capsys):
+    assert main(["info", "--checkpoint", str(run), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["kind"] == "run folder" and described["steps"] == [12, 24] and described["step"] == 24
+    assert described["d_model"] == 32 and described["tokenizer"].endswith("tokenizer")
+    assert main(["info", "--checkpoint", str(run / "checkpoints" / "step_00000012")]) == 0
+    table = capsys.readouterr().out
+    assert "step folder" in table and "12" in table

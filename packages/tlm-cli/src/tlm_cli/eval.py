@@ -101,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
     from tlm_train import EvalBatches, evaluate
 
     device = parse_device(args.device)
+    if not Path(args.data).is_file():  # the cheap checks before the model loads
+        raise FileNotFoundError(f"--data {args.data}: no such file")
     model, tokenizer, artifact = load_model(args, device)
     ids = _tokens(Path(args.data), tokenizer, args.token_dtype)
     if args.max_tokens is not None:

@@ -44,9 +44,7 @@ def load_model(
 
     dtype = dtype_from_name(args.dtype, "--dtype") if getattr(args, "dtype", None) else None
     artifact = artifacts.resolve(args.checkpoint)
-    model, step = artifacts.load_model(artifact, device=device, dtype=dtype, on_damaged=damaged)
-    if artifact.kind == "run":
-        say(f"{artifact.path}: step {step}")
+    model, _ = artifacts.load_model(artifact, device=device, dtype=dtype, on_damaged=damaged)
     tokenizer = load_tokenizer(args.tokenizer, artifact)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(

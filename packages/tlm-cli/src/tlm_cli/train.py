@@ -115,7 +115,7 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _add(parser: argparse.ArgumentParser, name: str, annotation: Any, default: str, help_text: str, dest: str) -> None:
+def _add(parser: Any, name: str, annotation: Any, default: str, help_text: str, dest: str) -> None:
     kind, is_list = _flag_type(annotation)
     flag = "--" + name.replace("_", "-")
     common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{help_text} (default: {default})"}

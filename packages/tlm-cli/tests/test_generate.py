@@ -1,0 +1,155 @@
+"""``tlm generate``: the library's tokens from every kind of checkpoint, text streamed as it comes, stop texts,
+a window that slides past the context, and one-line errors."""
+
+import io
+import json
+import sys
+
+import pytest
+import torch
+
+from tlm_cli.main import main
+from tlm_model import ModelConfig, TransformerLM, generate, load_checkpoint, save_checkpoint
+from tlm_train import RunDir
+
+
+def library(model, prompt, n, **kwargs):
+    return generate(model, torch.tensor(prompt), n, temperature=0, **kwargs)[len(prompt) :].tolist()
+
+
+def test_greedy_from_a_preset_matches_the_library(capsys):
+    assert main(["generate", "--preset", "tiny", "--prompt-ids", "5 6 7", "--max-new-tokens", "6",
+                 "--temperature", "0", "--seed", "1"]) == 0  # fmt: skip
+    captured = capsys.readouterr()
+    torch.manual_seed(1)
+    expected = library(TransformerLM.from_preset("tiny").eval(), [5, 6, 7], 6)
+    assert captured.out.split() == [str(t) for t in expected]
+    assert captured.err == ""  # stderr is not a terminal here: no progress bar
+
+
+@pytest.mark.parametrize("kind", ["run", "step", "folder", "file"])
+def test_text_from_every_kind_of_checkpoint_is_the_librarys(run, capsys, kind):
+    manager = RunDir(run).checkpoints()
+    step = manager.path(manager.steps()[-1])
+    path = {"run": run, "step": step, "folder": step, "file": step / "model.safetensors"}[kind]
+    argv = ["generate", "--checkpoint", str(path), "--prompt", "The ", "--max-new-tokens", "12", "--temperature", "0"]
+    if kind in ("folder", "file"):
+        argv += ["--tokenizer", str(run / "tokenizer")]
+    assert main([*argv, "--stop", ""]) == 0
+    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(step).eval()
+    ids = tokenizer.encode("The ")
+    assert capsys.readouterr().out == tokenizer.decode(library(model, ids, 12)) + "\n"
+
+
+class Recorder(io.StringIO):
+    """stdout that records each write: streaming means many writes, each as a token arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+
+def test_text_is_printed_as_it_is_generated_and_multibyte_characters_print_whole(run, monkeypatch):
+    out = Recorder()
+    monkeypatch.setattr(sys, "stdout", out)
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "é", "--max-new-tokens", "20", "--temperature", "0",
+                 "--stop", ""]) == 0  # fmt: skip
+    pieces = [w for w in out.writes if w]
+    assert len(pieces) >= 5  # token by token, not once at the end
+    assert all("\ufffd" not in p or p == "\ufffd" for p in pieces)
+    assert "".join(pieces) == out.getvalue()
+
+
+def test_stop_text_ends_generation_and_is_not_printed(run, capsys):
+    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(RunDir(run).checkpoints().path(24)).eval()
+    ids = tokenizer.encode("The ")
+    full = tokenizer.decode(library(model, ids, 30))
+    stop = full[5:8]  # a stop text from the middle of what greedy decoding writes (it may span tokens)
+    assert stop and stop in full
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "30", "--temperature", "0"]
+    assert main([*argv, "--stop", stop, "--stop", "never-appears"]) == 0
+    assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
+
+
+def test_end_of_text_stops_by_default_and_eos_id_takes_the_special_token(run, capsys, monkeypatch):
+    import tlm_cli.generate as command
+
+    (eot,) = RunDir(run).tokenizer().encode("<|endoftext|>")
+    real = command.load_model
+
+    def eot_first(*args, **kwargs):  # the run's model, with <|endoftext|> made the certain next token
+        model, tokenizer, artifact = real(*args, **kwargs)
+        model.lm_head.register_forward_hook(lambda module, inputs, out: out.index_fill(-1, torch.tensor([eot]), 1e4))
+        return model, tokenizer, artifact
+
+    monkeypatch.setattr(command, "load_model", eot_first)
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "5", "--temperature", "0"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "\n"  # stopped at <|endoftext|>, which is not printed
+    assert main([*argv, "--stop", "", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == [eot] * 5  # no stop: it goes on
+    assert main([*argv, "--stop", "", "--eos-id", "<|endoftext|>", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == [eot]
+
+
+def test_a_generation_longer_than_the_context_slides_instead_of_failing(small_checkpoint, capsys):
+    model, path = small_checkpoint  # context 16
+    prompt = list(range(1, 15))
+    assert main(["generate", "--checkpoint", str(path), "--prompt-ids", " ".join(map(str, prompt)),
+                 "--max-new-tokens", "40", "--temperature", "0", "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["ids"] == library(model, prompt, 40)
+
+
+def test_device_and_dtype(small_checkpoint, capsys):
+    model, path = small_checkpoint
+    argv = ["generate", "--checkpoint", str(path), "--prompt-ids", "3 4", "--max-new-tokens", "5"]
+    assert main([*argv, "--temperature", "0", "--device", "cpu", "--dtype", "float64"]) == 0
+    assert capsys.readouterr().out.split() == [str(t) for t in library(model.double(), [3, 4], 5)]
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--prompt-ids", "a b"], "--prompt-ids must be integers separated by spaces or commas, got 'a b'"),
+        (["--prompt-ids", ""], "--prompt-ids is empty; give at least one token id"),
+        (["--prompt-ids", "5 -1"], "--prompt-ids must be in [0, 50) for this model's vocabulary, got [-1]"),
+        (["--prompt-ids", "50 3 99999"], "got [50, 99999]"),
+        (["--prompt-ids", "1", "--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+        (["--prompt-ids", "1", "--temperature", "inf"], "--temperature: must be a finite number >= 0"),
+        (["--prompt-ids", "1", "--top-p", "0"], "--top-p: must be a number in (0, 1], got '0'"),
+        (["--prompt-ids", "1", "--top-k", "0"], "--top-k: must be a positive integer, got 0"),
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be a positive integer, got 0"),
+        (["--prompt-ids", "1", "--eos-id", "-1"], "--eos-id must be in [0, 50) for this model's vocabulary, got -1"),
+        (["--prompt-ids", "1", "--eos-id", "eot"], "--eos-id must be a token id or one of the tokenizer's special"),
+        (["--prompt-ids", "1", "--eos-id", "50"], "--eos-id must be in [0, 50) for this model's vocabulary, got 50"),
+        (["--prompt-ids", "1", "--stop", "x"], "--stop TEXT needs a tokenizer"),
+        (["--prompt", "hi"], "--prompt needs a tokenizer"),
+        (["--prompt-ids", "1", "--dtype", "float8"], "--dtype: invalid choice: 'float8'"),
+        (["--prompt-ids", "1", "--device", "quantum"], "--device must be a torch device such as cpu, cuda or cuda:1"),
+        (["--prompt-ids", "1", "--preset", "tiny"], "--preset builds random weights; a --checkpoint carries"),
+    ],
+)
+def test_argument_errors_are_one_line(small_checkpoint, fails, extra, fragment):
+    fails(["generate", "--checkpoint", str(small_checkpoint[1]), "--max-new-tokens", "3", *extra], fragment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_a_missing_cuda_device_is_one_line(small_checkpoint, fails):
+    argv = ["generate", "--checkpoint", str(small_checkpoint[1]), "--prompt-ids", "1", "--device", "cuda"]
+    fails(argv, "--device cuda: this torch has no CUDA device")
+
+
+def test_missing_damaged_and_foreign_checkpoints_are_one_line(tmp_path, fails):
+    argv = ["--prompt-ids", "1", "--max-new-tokens", "2", "--quiet"]
+    fails(["generate", "--checkpoint", str(tmp_path / "nowhere"), *argv], "no such file or folder")
+    fails(["generate", "--checkpoint", str(tmp_path), *argv], "is not a tlm run folder, step folder or model folder")
+    fails(["generate", *argv], "generate needs --checkpoint PATH (or --preset NAME for random weights)")
+    save_checkpoint(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path / "m")
+    data = bytearray((tmp_path / "m" / "model.safetensors").read_bytes())
+    data[-1] ^= 0x10
+    (tmp_path / "m" / "model.safetensors").write_bytes(bytes(data))
+    fails(["generate", "--checkpoint", str(tmp_path / "m"), *argv], "model.safetensors is corrupt")

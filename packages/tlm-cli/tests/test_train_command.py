@@ -1,0 +1,112 @@
+"""``tlm train``: flags for every setting and every model field, one-line errors before anything is written,
+resume refusals that leave the run untouched."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tlm_cli.main import main
+from tlm_model import load_checkpoint
+from tlm_train import RunDir, TrainConfig
+
+SMALL = ["--context-length", "16", "--d-model", "32", "--num-layers", "1", "--num-heads", "4", "--d-ff", "48",
+         "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e9", "--warmup-steps", "1",
+         "--sample-tokens", "4", "--steps", "2"]  # fmt: skip
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    path = tmp_path / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, 32, 2000).astype(np.uint16))
+    return path
+
+
+def test_gqa_and_tied_embeddings_from_flags_and_the_checkpoint_says_so(tmp_path, tokens, capsys):
+    out = tmp_path / "run"
+    argv = [
+        "train",
+        "--data",
+        str(tokens),
+        "--vocab-size",
+        "32",
+        "--out-dir",
+        str(out),
+        *SMALL,
+        "--num-kv-heads",
+        "2",
+        "--tie-word-embeddings",
+        "--rope-scaling",
+        '{"rope_type": "linear", "factor": 2.0}',
+    ]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("sample: ") and "step 0: validation loss" in captured.err
+    model = load_checkpoint(RunDir(out).checkpoints().path(2))
+    assert (model.config.kv_heads, model.config.tie_word_embeddings) == (2, True)
+    assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    saved = TrainConfig.from_toml(out / "train.toml")
+    assert saved.model["num_kv_heads"] == 2 and saved.model["tie_word_embeddings"] is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "--steps must be positive, got 0"),
+        (["--lr", "1e30"], "--lr × weight_decay must be < 1"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--sample-temperature", "-1"], "--sample-temperature must be a finite number >= 0, got -1"),
+        (["--device", "quantum"], "--device must be a torch device such as cpu, cuda or cuda:1, got 'quantum'"),
+        (["--d-model", "30"], "--d-model must be divisible by num_heads"),
+        (["--num-kv-heads", "3"], "--num-kv-heads must divide num_heads"),
+        (["--rope-scaling", "[1]"], "--rope-scaling: must be a JSON object"),
+        (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: not a tlm train run folder"),
+        (["--config", "/nonexistent/c.toml"], "--config /nonexistent/c.toml: no such file"),
+        (["--data", "/nonexistent/x.npy"], "--data /nonexistent/x.npy: no such file"),
+        (["--data", "{tokens}", "{tokens}"], "one token-id file"),
+        (["--tokenizer", "/nonexistent/tok"], "--tokenizer /nonexistent/tok: no such folder"),
+    ]
+    + (
+        [(["--device", "cuda"], "--device cuda: this torch has no CUDA device")]
+        if not torch.cuda.is_available()
+        else []
+    ),
+)
+def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, tokens, fails, argv, message):
+    out = tmp_path / "run"
+    argv = [a.format(tokens=tokens) for a in argv]
+    fails(["train", "--out-dir", str(out), "--quiet", *SMALL, *argv], message)
+    assert not out.exists()
+
+
+def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untouched(tmp_path, tokens, fails):
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]) == 0
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    fails(["train", "--resume", str(out), "--d-model", "64", "--quiet"], "--d-model 64 differs from the run's 32")
+    fails(["train", "--resume", str(out), "--config", "x.toml"], "--config does not apply")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # A change the run can honour: four more steps with another floor; train.toml records it.
+    assert main(["train", "--resume", str(out), "--steps", "4", "--min-lr", "1e-4", "--quiet"]) == 0
+    saved = TrainConfig.from_toml(out / "train.toml")
+    assert (saved.steps, saved.min_lr) == (4, 1e-4) and RunDir(out).checkpoints().steps()[-1] == 4
+
+
+def test_resume_from_a_step_folder(tmp_path, tokens):
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]
+    assert main([*argv, "--checkpoint-interval", "1", "--keep-checkpoints", "5"]) == 0
+    assert main(["train", "--resume", str(RunDir(out).checkpoints().path(1)), "--quiet"]) == 0
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "train_loss" in line] == [1, 2]
+
+
+def test_a_diverging_run_stops_with_one_line_and_exit_1(tmp_path, tokens, capsys):
+    argv = ["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(tmp_path / "run"), "--quiet", *SMALL,
+            "--lr", "1e6", "--weight-decay", "0", "--grad-clip", "0", "--warmup-steps", "0", "--steps", "40",
+            "--checkpoint-interval", "1"]  # fmt: skip
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tlm: error: step ") and "Traceback" not in err
+    assert "training loss is" in err or "the weights hold NaN" in err
