@@ -455,6 +455,7 @@ class Recipe:
                     f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
                 )
             manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
+            manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
             self.last_checkpoint = manager.save(unwrap(self.model), state)
             self._prune_pending = True
         barrier()
