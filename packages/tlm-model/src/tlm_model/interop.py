@@ -9,7 +9,9 @@ written directly, and anything tlm cannot represent is refused by name, never dr
 
 A folder is read as untrusted input: every file is confined to it (``tlm_model._folder``), every
 config value is type- and range-checked by its HF key, and the tensor table (names, shapes, dtypes)
-is checked against the config before a byte of weights is allocated.
+is checked against the config before a byte of weights is allocated. An export replaces the folder
+as one unit (``tlm_core.atomic.replace_dir``), so a kill or a concurrent reader sees the old export or
+the new one, never new weights beside an old config or stale shards beside new weights.
 """
 
 import contextlib
@@ -18,14 +20,17 @@ import errno
 import io
 import json
 import os
+import re
+import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tlm_core.atomic import remove_leftovers, replace_dir
 from tlm_core.checks import check_bool, check_int, check_number, short_repr
 from tlm_model import _folder
 from tlm_model import checkpoint as _ckpt
@@ -142,6 +147,16 @@ _INTS = {
 }
 _OTHER_KEYS = frozenset({"rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling"})
 _SUPPORTED_ROPE_TYPES = ("default", *SCALINGS)
+
+#: Test seam: called with the name of each step of save_hf's folder build as it completes (tests kill
+#: the process there): "weights-written", "config-written", "extra-written" (after each extra file).
+#: tlm_core.atomic.after_step reports the steps of the swap itself.
+_after_step: Callable[[str], None] | None = None
+
+
+def _step(name: str) -> None:
+    if _after_step is not None:
+        _after_step(name)
 
 
 def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelConfig:
@@ -391,16 +406,72 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     ]
 
 
-def save_hf(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write ``model`` as an HF Llama folder (``config.json`` + ``model.safetensors``) that
-    ``transformers.AutoModelForCausalLM.from_pretrained`` loads with the same logits.
+# ---------------------------------------------------------------------------------------------
+# Export
 
-    Each file is written all-or-nothing (a fresh temporary name beside it, fsync, one rename).
+#: What an HF model export holds: transformers' save_pretrained (weights, index, shards, the config,
+#: the generation config) and a tokenizer's save_pretrained. save_hf replaces a folder that holds only
+#: these (and the extra_files it is given), so that it never wipes a user's unrelated files.
+_EXPORT_NAMES = frozenset(
+    {
+        CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, GENERATION_CONFIG_NAME, "pytorch_model.bin",
+        "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    }
+)  # fmt: skip
+_EXPORT_PATTERN = re.compile(
+    r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin"
+    r"|\.model\.safetensors\.\d+-[0-9a-f]{16}\.tmp"  # a temporary file of tlm-model 0.2.0's save_hf
+)
+#: Files save_hf writes, or that transformers would read as weights: no extra file may take these names.
+_RESERVED = frozenset({CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json"})
+_RESERVED_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin", re.IGNORECASE)
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def hf_generation_config(
+    eos_token_id: int | Sequence[int], *, bos_token_id: int | None = None, pad_token_id: int | None = None
+) -> dict[str, Any]:
+    """The content of an HF ``generation_config.json`` for these token ids, as a dict that
+    ``transformers.GenerationConfig`` reads. ``eos_token_id`` is one id or several (any of them ends
+    generation). Give it to :func:`save_hf` as
+    ``extra_files={"generation_config.json": json.dumps(payload).encode()}``."""
+    if isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
+        if not eos_token_id:
+            raise ValueError("eos_token_id must be a token id or a non-empty list of them, got []")
+        eos: int | list[int] = [check_int(f"eos_token_id[{i}]", t, low=0) for i, t in enumerate(eos_token_id)]
+    else:
+        eos = check_int("eos_token_id", eos_token_id, low=0)
+    payload: dict[str, Any] = {"eos_token_id": eos}
+    if bos_token_id is not None:
+        payload["bos_token_id"] = check_int("bos_token_id", bos_token_id, low=0)
+    if pad_token_id is not None:
+        payload["pad_token_id"] = check_int("pad_token_id", pad_token_id, low=0)
+    return payload
+
+
+def save_hf(
+    model: nn.Module, directory: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
+) -> Path:
+    """Write ``model`` as an HF Llama folder (``config.json`` + ``model.safetensors``, plus
+    ``extra_files``: name -> bytes, e.g. ``tokenizer.json``, ``tokenizer_config.json``,
+    ``generation_config.json`` from :func:`hf_generation_config`) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads with the same logits. Returns the folder.
+
+    The folder is replaced as one unit (``tlm_core.atomic.replace_dir``): built complete under a
+    temporary name beside it, then swapped in, so a kill at any moment, or a reader meanwhile, sees the
+    previous export or this one, never a mix, and no file of an older export (an index, stale shards)
+    survives. A folder that holds anything an HF model export would not (a user's own files, a
+    subfolder, a symlink) is refused, not replaced; so is ``directory`` itself being a symlink.
+    Extra file names must be plain names that do not clash with the files this writes or that HF reads
+    as weights; a ``generation_config.json`` must hold token ids inside the model's vocabulary.
+    Temporary folders that killed exports left beside ``directory`` are removed.
     """
     inner = _ckpt._unwrap(model)
     if not isinstance(inner, TransformerLM):
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     config = inner.config
+    extra = _check_extra_files(extra_files, config)
     tensors = _ckpt._cpu_tensors(to_hf_llama_state_dict(inner.state_dict(), config))
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     hf = {
@@ -412,24 +483,85 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     header = _ckpt._header(tensors, {"format": "pt"})
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    weights = [struct.pack("<Q", len(blob)) + blob] + [_ckpt._bytes(tensors[name]) for name in _ckpt._order(tensors)]
+    config_json = json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    chunks = [struct.pack("<Q", len(blob)) + blob] + [_ckpt._bytes(tensors[name]) for name in _ckpt._order(tensors)]
-    _write_atomically(directory / WEIGHTS_NAME, chunks)
-    _write_atomically(directory / CONFIG_NAME, [json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"])
+    _check_replaceable(directory, set(extra))
+    remove_leftovers(directory.parent, directory.name)
+
+    def fill(folder: Path) -> None:
+        _write_new(folder / WEIGHTS_NAME, weights)
+        _step("weights-written")
+        _write_new(folder / CONFIG_NAME, [config_json])
+        _step("config-written")
+        for name, data in extra.items():
+            _write_new(folder / name, [data])
+            _step("extra-written")
+
+    replace_dir(directory, fill)
     return directory
 
 
-def _write_atomically(target: Path, chunks: list[Any]) -> None:
-    tmp = _ckpt._create_temp(target.parent)
+def _check_extra_files(extra_files: Mapping[str, bytes] | None, config: ModelConfig) -> dict[str, bytes]:
+    if extra_files is None:
+        return {}
+    if not isinstance(extra_files, Mapping):
+        raise TypeError(f"extra_files must be a mapping of file names to bytes, got {type(extra_files).__name__}")
+    out = {}
+    for name, data in extra_files.items():
+        _folder.check_name(name, "extra_files key")
+        if name.lower() in _RESERVED or _RESERVED_PATTERN.fullmatch(name):
+            raise ValueError(
+                f"extra_files key must not be a file save_hf writes or HF reads as weights, got {short_repr(name)}"
+            )
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"extra_files[{short_repr(name)}] must be bytes, got {type(data).__name__} (encode text)")
+        out[name] = bytes(data)
+    if GENERATION_CONFIG_NAME in out:
+        _check_generation_config(out[GENERATION_CONFIG_NAME], config.vocab_size)
+    return out
+
+
+def _check_generation_config(data: bytes, vocab_size: int) -> None:
+    where = f"extra_files[{GENERATION_CONFIG_NAME!r}]"
+    payload = _ckpt._parse_json_object(data, where)
+    for key in _TOKEN_ID_KEYS:
+        value = payload.get(key)
+        for i, token in enumerate(value if isinstance(value, list) else [] if value is None else [value]):
+            name = f"{where} {key}" + (f"[{i}]" if isinstance(value, list) else "")
+            check_int(name, token, low=0, high=vocab_size - 1)
+
+
+def _check_replaceable(directory: Path, extra_names: set[str]) -> None:
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _ckpt._fsync_folder(target.parent)
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise ValueError(
+            f"directory must be a folder, got a symlink ({directory}); save_hf replaces the folder itself "
+            f"and never follows a link: give the folder it points to"
+        )
+    if not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, "directory must be a folder (or not exist), got a file", str(directory))
+    with os.scandir(directory) as entries:
+        foreign = sorted(
+            entry.name
+            for entry in entries
+            if not entry.is_file(follow_symlinks=False)
+            or not (entry.name in _EXPORT_NAMES or entry.name in extra_names or _EXPORT_PATTERN.fullmatch(entry.name))
+        )
+    if foreign:
+        raise ValueError(
+            f"directory {directory} holds {_ckpt._names(foreign)}, which an HF model export does not; save_hf "
+            f"replaces the whole folder, so it leaves this one alone (save into a new or empty folder)"
+        )
+
+
+def _write_new(path: Path, chunks: list[Any]) -> None:
+    # Inside the fresh temporary folder replace_dir made; it fsyncs the whole tree before the swap.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
