@@ -180,3 +180,37 @@ def test_a_valid_file_claiming_300000_layers_is_refused_before_anything_is_built
     monkeypatch.setattr(TransformerLM, "from_config", classmethod(lambda cls, *a, **k: built.append(k)))
     message = refused(path)
     assert message.endswith("ModelConfig.num_layers must be <= 1,024 (tlm's limit), got 300,000") and built == []
+
+
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        ({"context_length": 1e12}, TypeError, "ModelConfig.context_length must be an int, got float (1000000000000.0)"),
+        (
+            {"context_length": 10**12},
+            ValueError,
+            "context_length must be <= 1,048,576 (tlm's limit), got 1,000,000,000,000",
+        ),
+        ({"num_heads": None}, TypeError, "ModelConfig.num_heads must be an int, got NoneType (None)"),
+        ({"num_heads": 0}, ValueError, "ModelConfig.num_heads must be positive, got 0"),
+        ({"d_model": "x" * 10**6}, TypeError, "ModelConfig.d_model must be an int, got str ('xxxxxxxx"),
+        ({f"field_{i}": 0 for i in range(10**5)}, ValueError, "unknown ModelConfig fields ['field_0', 'field_1', "),
+    ],
+    ids=["float-context", "huge-context", "null-heads", "zero-heads", "megabyte-width", "100k-fields"],
+)
+def test_a_stored_config_of_the_wrong_type_or_size_is_one_short_line(saved, monkeypatch, changes, error, message):
+    # A consistent file (valid hash) whose stored config lies: refused from the config alone.
+    import tlm_model.checkpoint as checkpoint
+
+    path, good = saved
+    header, data = header_of(good)
+    header["__metadata__"]["tlm_config"] = json.dumps({**TINY.to_dict(), **changes})
+    header["__metadata__"]["tlm_sha256"] = checkpoint._digest(header, [data])
+    rewrite(path, header, data)
+    built = []
+    monkeypatch.setattr(TransformerLM, "from_config", classmethod(lambda cls, *a, **k: built.append(k)))
+    with pytest.raises(error) as info:
+        load_checkpoint(path.parent)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and message in text and len(text) < len(str(path)) + 400, text[:500]
+    assert built == []
