@@ -140,6 +140,16 @@ def test_a_subfolder_a_symlink_inside_or_a_symlinked_folder_is_left_alone(tmp_pa
     assert_holds(out, model(0))
 
 
+def test_the_current_folder_or_one_above_it_is_not_replaced(tmp_path, monkeypatch):
+    # Swapping the folder a process works in would leave it inside a deleted folder.
+    save_hf(model(0), tmp_path / "out")
+    monkeypatch.chdir(tmp_path / "out")
+    for directory in (".", "", "..", tmp_path):
+        with pytest.raises(ValueError, match="directory must not be the current folder or one above it, got "):
+            save_hf(model(1), directory)
+    assert_holds(tmp_path / "out", model(0))
+
+
 def test_names_an_export_writes_or_tokenizer_files_are_replaced(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -534,6 +534,10 @@ def _check_generation_config(data: bytes, vocab_size: int) -> None:
 
 
 def _check_replaceable(directory: Path, extra_names: set[str]) -> None:
+    here, target = Path(os.getcwd()), Path(os.path.realpath(directory))
+    if target == here or target in here.parents:
+        # The swap would leave this process inside the old folder, deleted right after.
+        raise ValueError(f"directory must not be the current folder or one above it, got {directory}")
     try:
         mode = os.lstat(directory).st_mode
     except FileNotFoundError:
