@@ -330,14 +330,44 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path
     )
 
 
-def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, monkeypatch):
-    # 10¹² × 32 float32 embeddings would be 128 TB: the header check must come first.
+@pytest.fixture
+def built(monkeypatch):
+    """The (num_layers, kwargs) of every TransformerLM built while the test runs."""
+    calls, original = [], TransformerLM.__init__
+
+    def spy(self, config, **kwargs):
+        calls.append((config.num_layers, kwargs))
+        original(self, config, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "__init__", spy)
+    return calls
+
+
+def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, built):
+    # 10¹² × 32 float32 embeddings would be 128 TB: ModelConfig's limits refuse it before any module exists.
     write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})
-    built = []
-    monkeypatch.setattr(TransformerLM, "__init__", lambda self, *a, **k: built.append(k))
-    with pytest.raises(ValueError, match=r"vocab_size must be <= 16,777,216 \(tlm's limit\), got 1,000,000,000,000"):
+    built.clear()
+    with pytest.raises(ValueError, match=r"config.json: ModelConfig.vocab_size must be <= 16,777,216"):
         load_checkpoint(tmp_path)
-    assert built == []  # refused by the config's limits before any model, even a meta one, was built
+    assert built == []
+
+
+def test_the_largest_config_is_checked_from_one_layer_on_the_meta_device(tmp_path, built):
+    # Inside every limit, yet 2²⁴ × 2¹⁸ embeddings alone are 16 TiB and 1,024 layers of modules take
+    # seconds to build even on the meta device: the names and shapes come from one meta layer, and the
+    # error lists a few of the 9,000 missing names, not all of them.
+    huge = {**CFG.to_dict(), "vocab_size": 2**24, "d_model": 2**18, "num_layers": 1024, "d_ff": 2**20}
+    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **huge})
+    built.clear()
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(tmp_path)
+    message = str(info.value)
+    # 9 tensors per layer + 3: 9,219 expected, 21 in the file; 4 of the 9,198 missing ones are named.
+    assert "missing tensors ['layers.10.attn.k_proj.weight', " in message and "] and 9,194 more;" in message
+    assert "layers.0.attn.k_proj.weight has shape [32, 32], the config needs [262144, 262144]" in message
+    assert message.endswith("; and 17 more tensors of another shape or dtype")
+    assert len(message) < 1000 and "\n" not in message
+    assert built == [(1, {"device": "meta"})]  # one layer, on the meta device: nothing allocated
 
 
 def test_a_consistent_file_whose_config_disagrees_with_its_tensors_is_refused(tmp_path):

@@ -118,3 +118,99 @@ def test_a_header_length_beyond_the_file_is_refused_before_reading(saved):
     path.write_bytes(struct.pack("<Q", 2**63) + good[8:])
     with pytest.raises(ValueError, match="is truncated or not a safetensors file: its header claims"):
         load_checkpoint(path.parent)
+
+
+def refused(path) -> str:
+    """The one-line ValueError that loading ``path``'s folder gives (and that it names the file)."""
+    with pytest.raises(ValueError) as info:
+        load_checkpoint(path.parent)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message, message[:300]
+    return message
+
+
+def test_a_header_listing_more_tensors_than_any_model_is_refused_while_parsing(saved):
+    # 70,000 zero-byte tensors tile zero bytes of data, so offsets alone cannot refuse them; parsing
+    # stops at the 65,537th entry instead of building them all and listing them in the error.
+    path, good = saved
+    header, data = header_of(good)
+    header.update({f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(70_000)})
+    rewrite(path, header, data)
+    message = refused(path)
+    assert message.endswith("is not a model tlm can read: its header lists more than 65,536 tensors")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda h: h.update({"x" * 10**6: {"dtype": "F17"}}), "header entry 'xxxxxxxx"),
+        # 2⁴⁰ to the 20,000th power is an 800,000-bit number: the size check stops multiplying early.
+        (lambda h: h["lm_head.weight"].update(shape=[2**40] * 20_000), "of shape [1099511627776, 1099511627776"),
+        (lambda h: h["__metadata__"].update(tlm_format="9" * 10**6), "has tlm_format '99999"),
+    ],
+    ids=["megabyte-name", "20k-huge-dims", "megabyte-format"],
+)
+def test_huge_values_in_a_header_make_a_short_message(saved, edit, message):
+    path, good = saved
+    header, data = header_of(good)
+    edit(header)
+    rewrite(path, header, data)
+    text = refused(path)
+    assert message in text and len(text) < len(str(path)) + 300, text[:400]
+
+
+def test_a_header_nested_too_deeply_is_refused(saved):
+    path = saved[0]
+    blob = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob)
+    assert refused(path).endswith("is corrupt: its safetensors header nests too deeply to be a tensor table")
+
+
+def test_a_valid_file_claiming_300000_layers_is_refused_before_anything_is_built(saved, monkeypatch):
+    # The file is consistent (its hash matches), only the config it carries is absurd: ModelConfig's
+    # limits refuse it before a single module is built, let alone 300,000 layers' worth on the meta device.
+    import tlm_model.checkpoint as checkpoint
+
+    path, good = saved
+    header, data = header_of(good)
+    header["__metadata__"]["tlm_config"] = json.dumps({**TINY.to_dict(), "num_layers": 300_000})
+    header["__metadata__"]["tlm_sha256"] = checkpoint._digest(header, [data])
+    rewrite(path, header, data)
+    built = []
+    monkeypatch.setattr(TransformerLM, "__init__", lambda self, *a, **k: built.append(k))
+    message = refused(path)
+    assert message.endswith("ModelConfig.num_layers must be <= 1,024 (tlm's limit), got 300,000") and built == []
+
+
+@pytest.mark.parametrize(
+    "changes, error, message",
+    [
+        ({"context_length": 1e12}, TypeError, "ModelConfig.context_length must be an int, got float (1000000000000.0)"),
+        (
+            {"context_length": 10**12},
+            ValueError,
+            "context_length must be <= 1,048,576 (tlm's limit), got 1,000,000,000,000",
+        ),
+        ({"num_heads": None}, TypeError, "ModelConfig.num_heads must be an int, got NoneType (None)"),
+        ({"num_heads": 0}, ValueError, "ModelConfig.num_heads must be positive, got 0"),
+        ({"d_model": "x" * 10**6}, TypeError, "ModelConfig.d_model must be an int, got str ('xxxxxxxx"),
+        ({f"field_{i}": 0 for i in range(10**5)}, ValueError, "unknown ModelConfig fields ['field_0', 'field_1', "),
+    ],
+    ids=["float-context", "huge-context", "null-heads", "zero-heads", "megabyte-width", "100k-fields"],
+)
+def test_a_stored_config_of_the_wrong_type_or_size_is_one_short_line(saved, monkeypatch, changes, error, message):
+    # A consistent file (valid hash) whose stored config lies: refused from the config alone.
+    import tlm_model.checkpoint as checkpoint
+
+    path, good = saved
+    header, data = header_of(good)
+    header["__metadata__"]["tlm_config"] = json.dumps({**TINY.to_dict(), **changes})
+    header["__metadata__"]["tlm_sha256"] = checkpoint._digest(header, [data])
+    rewrite(path, header, data)
+    built = []
+    monkeypatch.setattr(TransformerLM, "__init__", lambda self, *a, **k: built.append(k))
+    with pytest.raises(error) as info:
+        load_checkpoint(path.parent)
+    text = str(info.value)
+    assert text.startswith(f"{path}: ") and message in text and len(text) < len(str(path)) + 400, text[:500]
+    assert built == []

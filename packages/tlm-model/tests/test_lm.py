@@ -1,5 +1,3 @@
-import json
-
 import pytest
 import torch
 from torch.func import functional_call

@@ -18,6 +18,7 @@ from tlm_cli.loading import load_tokenizer
 from tlm_core.tensors import dtype_from_name
 from tlm_model import save_checkpoint, save_hf
 from tlm_model.accounting import human
+from tlm_model.interop import hf_generation_config
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -43,15 +44,18 @@ def add_parser(commands: Any) -> None:
 
 
 def hf_files(tokenizer: Any) -> dict[str, bytes]:
-    """The tokenizer's files for an HF folder, and a generation config that ends at ``<|endoftext|>``."""
+    """The tokenizer's files for an HF folder, and a generation config that ends at ``<|endoftext|>``.
+
+    Without an end-of-text token the generation config says so with explicit nulls: left out,
+    transformers would fall back to LlamaConfig's bos 1 and eos 2, which mean nothing to a tlm tokenizer."""
     files: dict[str, bytes] = {}
-    generation: dict[str, Any] = {"do_sample": False}
+    generation: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
         files.update(tokenizer.hf_files())
         if END_OF_TEXT in tokenizer.special_tokens:
-            eos = tokenizer.encode(END_OF_TEXT)[0]
-            generation.update(eos_token_id=eos, pad_token_id=eos, bos_token_id=eos)
-    files["generation_config.json"] = (json.dumps(generation, indent=2) + "\n").encode()
+            (eos,) = tokenizer.encode(END_OF_TEXT)
+            generation = hf_generation_config(eos, bos_token_id=eos, pad_token_id=eos)
+    files["generation_config.json"] = (json.dumps({**generation, "do_sample": False}, indent=2) + "\n").encode()
     return files
 
 

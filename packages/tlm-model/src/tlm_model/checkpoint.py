@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tlm_core.checks import short_repr
 from tlm_model.config import ModelConfig
 from tlm_model.lm import COMPILED_PREFIX, TransformerLM, unwrap
 
@@ -42,6 +43,13 @@ _TMP_PREFIX = "." + WEIGHTS_NAME + "."
 _TMP_SUFFIX = ".tmp"
 # safetensors refuses headers above 100 MB; so do we, before reading one.
 _MAX_HEADER = 100_000_000
+# More tensors than any model tlm can build (3 + 9 per layer x 1,024 layers = 9,219): a header that
+# claims more is refused while it is parsed, before a lying table of millions of entries fills memory.
+_MAX_TENSORS = 1 << 16
+# A config.json (or an HF index) larger than this is not one: the biggest real ones are well under 1 MB.
+_MAX_JSON_BYTES = 16 << 20
+# How many names an error message lists before it says how many more there are.
+_LISTED = 4
 _TLM_KEYS = frozenset({"tlm_format", "tlm_config", "tlm_sha256"})
 _CHUNK = 1 << 24
 # Never follow a symlink where the temporary file goes (O_NOFOLLOW is POSIX; O_EXCL alone already
@@ -240,12 +248,7 @@ def _read_header(f: io.BufferedReader, path: Path) -> tuple[dict[str, Any], dict
         raise ValueError(
             f"{path} is truncated or not a safetensors file: its header claims {n} bytes, the file holds {size - 8}"
         )
-    try:
-        header = json.loads(f.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is corrupt: its safetensors header is not valid JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} is corrupt: its safetensors header is a {type(header).__name__}, not an object")
+    header = _parse_header(f.read(n), path)
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError(f"{path} is corrupt: __metadata__ must map strings to strings")
@@ -260,26 +263,67 @@ def _read_header(f: io.BufferedReader, path: Path) -> tuple[dict[str, Any], dict
             if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in (*shape, begin, end)):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path} is corrupt: header entry {name!r} is not a valid tensor: {info!r}") from None
-        numel = 1
-        for d in shape:
+            raise ValueError(
+                f"{path} is corrupt: header entry {short_repr(name, 60)} is not a valid tensor: {short_repr(info)}"
+            ) from None
+        numel = 0 if 0 in shape else 1
+        for d in shape if numel else ():
             numel *= d
+            if numel > size:  # more elements than the file has bytes: refused below, before a giant product
+                break
         if end - begin != numel * dtype.itemsize:
             raise ValueError(
-                f"{path} is corrupt: tensor {name!r} of shape {list(shape)} and dtype {info['dtype']} needs "
-                f"{numel * dtype.itemsize} bytes, its offsets span {end - begin}"
+                f"{path} is corrupt: tensor {short_repr(name, 60)} of shape {short_repr(list(shape))} and dtype "
+                f"{info['dtype']} needs {_at_least(numel * dtype.itemsize, size)} bytes, its offsets span {end - begin}"
             )
         entries[name] = _Entry(dtype, shape, begin, end)
     data = size - 8 - n
     expected = 0
     for name in sorted(entries, key=lambda k: (entries[k].begin, entries[k].end)):
         if entries[name].begin != expected:
-            raise ValueError(f"{path} is corrupt: tensor {name!r} starts at byte {entries[name].begin}, not {expected}")
+            raise ValueError(
+                f"{path} is corrupt: tensor {short_repr(name, 60)} starts at byte {entries[name].begin}, not {expected}"
+            )
         expected = entries[name].end
     if expected != data:
         what = "truncated" if expected > data else "corrupt"
         raise ValueError(f"{path} is {what}: its header describes {expected} bytes of tensor data, the file has {data}")
     return header, entries, data
+
+
+def _at_least(count: int, size: int) -> str:
+    return str(count) if count <= size else f"more than {size}"
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _parse_header(raw: bytes, path: Path) -> dict[str, Any]:
+    objects = 0
+
+    def count(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        # Called once per JSON object as it is parsed: each tensor entry is one, plus the metadata
+        # and the header itself.
+        nonlocal objects
+        objects += 1
+        if objects > _MAX_TENSORS + 2:
+            raise _TooMany
+        return dict(pairs)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=count)
+    except _TooMany:
+        raise ValueError(
+            f"{path} is not a model tlm can read: its header lists more than {_MAX_TENSORS:,} tensors"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is corrupt: its safetensors header is not valid JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{path} is corrupt: its safetensors header nests too deeply to be a tensor table") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} is corrupt: its safetensors header is a {type(header).__name__}, not an object")
+    return header
 
 
 def _read_tensors(f: io.BufferedReader, entries: Mapping[str, _Entry]) -> dict[str, torch.Tensor]:
@@ -364,7 +408,7 @@ def _load_safetensors(path: Path, config: ModelConfig | None) -> tuple[ModelConf
         digest = _digest(header, (state[k] for k in sorted(state, key=lambda k: entries[k].begin)))
         if digest != meta.get("tlm_sha256"):
             raise ValueError(
-                f"{path} is corrupt: its content hash is {digest}, the file says {meta.get('tlm_sha256')!r}; "
+                f"{path} is corrupt: its content hash is {digest}, the file says {short_repr(meta.get('tlm_sha256'))}; "
                 f"it changed after it was written (bit flip, partial copy or edit)"
             )
     return saved, state
@@ -375,14 +419,14 @@ def _embedded_config(meta: Mapping[str, str], path: Path) -> ModelConfig:
         raise ValueError(f"{path} is corrupt: its metadata lacks {missing} (a tlm checkpoint has {sorted(_TLM_KEYS)})")
     version = meta["tlm_format"]
     if version != str(FORMAT_VERSION):
-        raise ValueError(f"{path} has tlm_format {version!r}; this tlm-model reads format {FORMAT_VERSION}")
+        raise ValueError(f"{path} has tlm_format {short_repr(version)}; this tlm-model reads format {FORMAT_VERSION}")
     return _parse_config(meta["tlm_config"], path, with_format=False)
 
 
 def _legacy_config(weights: Path, config: ModelConfig | None) -> tuple[ModelConfig, str]:
     config_path = weights.parent / CONFIG_NAME
     if weights.name == WEIGHTS_NAME and config_path.is_file():
-        return _parse_config(config_path.read_bytes(), config_path, with_format=True), str(config_path)
+        return _parse_config(_read_small(config_path), config_path, with_format=True), str(config_path)
     if config is not None:
         return config, "config="
     raise FileNotFoundError(
@@ -392,26 +436,64 @@ def _legacy_config(weights: Path, config: ModelConfig | None) -> tuple[ModelConf
     )
 
 
-def _parse_config(text: str | bytes, path: Path, *, with_format: bool) -> ModelConfig:
+def _read_small(path: Path, limit: int = _MAX_JSON_BYTES) -> bytes:
+    """The bytes of a JSON file that must be small (a config, an index); a larger one is refused unread."""
+    with open(path, "rb") as f:
+        return _read_small_file(f, path, limit)
+
+
+def _read_small_file(f: io.BufferedReader, path: Path, limit: int = _MAX_JSON_BYTES) -> bytes:
+    data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is over {limit:,} bytes: too large for a config or index file")
+    return data
+
+
+def _parse_json_object(text: str | bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; anything else is a one-line ValueError naming ``path``."""
     try:
         data: Any = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"{path} is not valid JSON: it nests too deeply") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _one_line(err: Exception, prefix: str, limit: int = 300) -> Exception:
+    """``err``'s type with ``prefix: message``, the message cut to one short line."""
+    text = " ".join(str(err).split())
+    if len(text) > limit:
+        text = f"{text[: limit - 20]}... ({len(text):,} chars)"
+    return type(err)(f"{prefix}: {text}")
+
+
+def _parse_config(text: str | bytes, path: Path, *, with_format: bool) -> ModelConfig:
+    data = _parse_json_object(text, path)
     if with_format:
         if "format" not in data:
             raise ValueError(f'{path} has no "format" field, so save_checkpoint did not write it')
         version = data.pop("format")
         if isinstance(version, bool) or version != LEGACY_FORMAT_VERSION:
             raise ValueError(
-                f'{path} has "format": {version!r}; a config.json beside the weights is checkpoint format '
+                f'{path} has "format": {short_repr(version)}; a config.json beside the weights is checkpoint format '
                 f"{LEGACY_FORMAT_VERSION} (tlm-model 0.1.0)"
             )
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    if unknown := sorted(set(data) - set(fields)):
+        raise ValueError(f"{path}: unknown ModelConfig fields {_names(unknown)}; expected a subset of {fields}")
     try:
         return ModelConfig.from_dict(data)
     except (TypeError, ValueError) as err:
-        raise type(err)(f"{path}: {err}") from err
+        raise _one_line(err, str(path)) from None
+
+
+def _names(items: list[str], limit: int = _LISTED) -> str:
+    """A list of names for an error message: the first ``limit``, each quoted short, then how many more."""
+    shown = "[" + ", ".join(short_repr(name, 60) for name in items[:limit]) + "]"
+    return shown if len(items) <= limit else f"{shown} and {len(items) - limit:,} more"
 
 
 def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -430,20 +512,55 @@ def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfi
     return config, state
 
 
-def _check_fits(config: ModelConfig, entries: Mapping[str, _Entry], path: Path, source: str) -> None:
-    # A meta-device model has every shape and allocates nothing, however large the config.
-    expected = {k: tuple(v.shape) for k, v in TransformerLM(config, device="meta").state_dict().items()}
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state-dict name of a model of ``config`` and its shape, read off a one-layer model on the
+    meta device: the layers are alike, so a 1,024-layer config costs one layer's modules, not 1,024."""
+    one = TransformerLM(dataclasses.replace(config, num_layers=1), device="meta")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, tensor in one.state_dict().items():
+        if name.startswith("layers.0."):
+            rest = name.removeprefix("layers.0.")
+            shapes.update((f"layers.{i}.{rest}", tuple(tensor.shape)) for i in range(config.num_layers))
+        else:
+            shapes[name] = tuple(tensor.shape)
+    return shapes
+
+
+def _table_problems(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[torch.dtype, tuple[int, ...]] | None],
+    needs: str,
+    *,
+    unexpected: str = "unexpected tensors",
+) -> list[str]:
+    """What keeps a tensor table (name -> (dtype, shape), or None where only the name is known) from
+    being ``expected`` (name -> shape): missing and unexpected names, other shapes, dtypes that are not
+    floating; every list cut short, so that a table of thousands of names makes a one-line message."""
     problems = []
-    if missing := sorted(set(expected) - set(entries)):
-        problems.append(f"missing tensors {missing}")
-    if unexpected := sorted(set(entries) - set(expected)):
-        problems.append(f"unexpected tensors {unexpected}")
-    for name in sorted(set(expected) & set(entries)):
-        if entries[name].shape != expected[name]:
-            problems.append(f"{name} has shape {list(entries[name].shape)}, the config needs {list(expected[name])}")
-        elif not entries[name].dtype.is_floating_point:
-            problems.append(f"{name} is {entries[name].dtype}, not a floating dtype")
-    if problems:
+    if missing := sorted(set(expected) - set(found)):
+        problems.append(f"missing tensors {_names(missing)}")
+    if extra := sorted(set(found) - set(expected)):
+        problems.append(f"{unexpected} {_names(extra)}")
+    wrong = []
+    for name in sorted(set(expected) & set(found)):
+        if (table := found[name]) is None:
+            continue
+        dtype, shape = table
+        if shape != expected[name]:
+            wrong.append(f"{name} has shape {short_repr(list(shape))}, {needs} needs {list(expected[name])}")
+        elif not dtype.is_floating_point:
+            wrong.append(f"{name} is {dtype}, not a floating dtype")
+    problems += wrong[:_LISTED]
+    if len(wrong) > _LISTED:
+        problems.append(f"and {len(wrong) - _LISTED:,} more tensors of another shape or dtype")
+    return problems
+
+
+def _check_fits(config: ModelConfig, entries: Mapping[str, _Entry], path: Path, source: str) -> None:
+    # Names and shapes come from the config alone (nothing of its size is built), so the table is
+    # checked before a byte of tensor data is allocated, however large the config claims to be.
+    found = {name: (entry.dtype, entry.shape) for name, entry in entries.items()}
+    if problems := _table_problems(_expected_shapes(config), found, "the config"):
         raise ValueError(f"{path} does not match {source}: " + "; ".join(problems))
 
 

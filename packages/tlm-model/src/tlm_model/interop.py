@@ -6,20 +6,35 @@ The architectures are the same except for RoPE's pairing: tlm rotates interleave
 q·k is unchanged because both move together. Nothing here imports transformers: the HF folder
 (``config.json`` + ``model.safetensors`` or a sharded ``model.safetensors.index.json``) is read and
 written directly, and anything tlm cannot represent is refused by name, never dropped.
+
+A folder is read as untrusted input: every file is confined to it (``tlm_model._folder``), every
+config value is type- and range-checked by its HF key, and the tensor table (names, shapes, dtypes)
+is checked against the config before a byte of weights is allocated. An export replaces the folder
+as one unit (``tlm_core.atomic.replace_dir``), so a kill or a concurrent reader sees the old export or
+the new one, never new weights beside an old config or stale shards beside new weights.
 """
 
+import contextlib
 import dataclasses
+import errno
+import io
 import json
 import os
+import re
+import stat
 import struct
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tlm_core.atomic import remove_leftovers, replace_dir
+from tlm_core.checks import check_bool, check_int, check_number, short_repr
+from tlm_model import _folder
 from tlm_model import checkpoint as _ckpt
-from tlm_model.config import ModelConfig
+from tlm_model.config import LIMITS, ModelConfig
 from tlm_model.lm import TransformerLM, unwrap
 from tlm_rope import SCALINGS
 
@@ -100,6 +115,7 @@ def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 #: config.json keys that say nothing about the computation (token ids, bookkeeping, init).
 _IGNORED = frozenset(
@@ -118,117 +134,137 @@ _FIXED = {
     "pretraining_tp": 1,
     "sliding_window": None,
 }
-_MAPPED = {
-    "vocab_size": "vocab_size",
-    "max_position_embeddings": "context_length",
-    "hidden_size": "d_model",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-    "intermediate_size": "d_ff",
-    "rms_norm_eps": "norm_eps",
-    "num_key_value_heads": "num_kv_heads",
-    "head_dim": "head_dim",
-    "tie_word_embeddings": "tie_word_embeddings",
+#: integer keys -> (ModelConfig field, whether null means "the default")
+_INTS = {
+    "vocab_size": ("vocab_size", False),
+    "max_position_embeddings": ("context_length", False),
+    "hidden_size": ("d_model", False),
+    "num_hidden_layers": ("num_layers", False),
+    "num_attention_heads": ("num_heads", False),
+    "intermediate_size": ("d_ff", False),
+    "num_key_value_heads": ("num_kv_heads", True),
+    "head_dim": ("head_dim", True),
 }
+_OTHER_KEYS = frozenset({"rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling"})
 _SUPPORTED_ROPE_TYPES = ("default", *SCALINGS)
 
+#: Test seam: called with the name of each step of save_hf's folder build as it completes (tests kill
+#: the process there): "weights-written", "config-written", "extra-written" (after each extra file).
+#: tlm_core.atomic.after_step reports the steps of the swap itself.
+_after_step: Callable[[str], None] | None = None
 
-def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+
+def _step(name: str) -> None:
+    if _after_step is not None:
+        _after_step(name)
+
+
+def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelConfig:
     """The :class:`ModelConfig` of an HF Llama ``config.json`` (as a dict); refuses, by key, any
-    setting tlm does not compute (biases, sliding window, RoPE scaling, another activation...)."""
+    setting tlm does not compute (biases, sliding window, RoPE scaling, another activation...) and
+    any value of the wrong type or out of range (``null`` heads, a float context length, 100,000
+    layers), before anything is built. ``source`` starts each error message (the file's path)."""
     if not isinstance(hf, dict):
         raise TypeError(f"hf must be a dict (a parsed config.json), got {type(hf).__name__}")
     model_type = hf.get("model_type", "llama")
     if model_type != "llama":
-        raise ValueError(f"config.json: model_type must be 'llama', got {model_type!r}")
+        raise ValueError(f"{source}: model_type must be 'llama', got {short_repr(model_type)}")
     if hf.get("architectures") not in (None, ["LlamaForCausalLM"]):
-        raise ValueError(f"config.json: architectures must be ['LlamaForCausalLM'], got {hf['architectures']!r}")
+        raise ValueError(f"{source}: architectures must be ['LlamaForCausalLM'], got {short_repr(hf['architectures'])}")
     problems = []
     for key, value in _FIXED.items():
         if key in hf and hf[key] != value:
-            problems.append(f"{key}={hf[key]!r} (tlm supports only {value!r})")
-    # transformers 5 writes rope_parameters; 4.x wrote rope_theta plus rope_scaling (type or rope_type).
-    rope = hf.get("rope_parameters")
-    if rope is None and hf.get("rope_scaling") is not None:
-        rope = dict(hf["rope_scaling"])
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
-    elif rope is not None and hf.get("rope_scaling") is not None:
-        problems.append("both rope_parameters and rope_scaling are set")
-    theta = hf.get("rope_theta")
-    scaling = None
-    if rope is not None:
-        if not isinstance(rope, dict):
-            problems.append(f"rope_parameters={rope!r} (expected a dict)")
-        else:
-            kind = rope.get("rope_type", "default")
-            if kind not in _SUPPORTED_ROPE_TYPES:
-                problems.append(f"rope_parameters.rope_type={kind!r} (supported: {_SUPPORTED_ROPE_TYPES})")
-            elif kind == "default" and (extra := sorted(set(rope) - {"rope_type", "rope_theta"})):
-                problems.append(f"rope_parameters keys {extra} with rope_type 'default'")
-            elif kind != "default":
-                scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-                scaling["rope_type"] = kind
-                if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings
-                    scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-            if theta is not None and rope.get("rope_theta", theta) != theta:
-                problems.append(
-                    f"rope_theta={theta!r} disagrees with rope_parameters.rope_theta={rope['rope_theta']!r}"
-                )
-            theta = rope.get("rope_theta", theta)
-    known = _IGNORED | set(_FIXED) | set(_MAPPED) | {"rope_parameters", "rope_theta", "rope_scaling"}
-    if unknown := sorted(set(hf) - known):
-        problems.append(f"unknown keys {unknown}")
+            problems.append(f"{key}={short_repr(hf[key])} (tlm supports only {value!r})")
+    rope, rope_problems = _rope_parameters(hf)
+    problems += rope_problems
+    if unknown := sorted(set(hf) - _IGNORED - set(_FIXED) - set(_INTS) - _OTHER_KEYS):
+        problems.append(f"unknown keys {_ckpt._names(unknown)}")
     if problems:
-        raise ValueError("config.json has settings tlm cannot compute: " + "; ".join(problems))
-    missing = sorted(k for k in ("vocab_size", "max_position_embeddings", "hidden_size", "num_hidden_layers",
-                                 "num_attention_heads", "intermediate_size") if k not in hf)  # fmt: skip
-    if missing:
-        raise ValueError(f"config.json lacks {missing}")
-    fields = {ours: hf[key] for key, ours in _MAPPED.items() if key in hf and hf[key] is not None}
-    fields.setdefault("norm_eps", 1e-6)  # LlamaConfig's default
+        raise ValueError(f"{source} has settings tlm cannot compute: " + "; ".join(problems))
+    required = [key for key, (_, nullable) in _INTS.items() if not nullable]
+    if missing := [key for key in required if key not in hf]:
+        raise ValueError(f"{source} lacks {missing}")
+    # Every value by its HF key, before any arithmetic on it (a null or zero head count must not
+    # reach a division) and before anything of the size it claims is built.
+    fields: dict[str, Any] = {}
+    for key, (field, nullable) in _INTS.items():
+        if key in hf and not (nullable and hf[key] is None):
+            fields[field] = check_int(f"{source}: {key}", hf[key], low=1, high=LIMITS[field])
+    fields["norm_eps"] = check_number(f"{source}: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), low=0.0)  # HF's default
+    # LlamaConfig's default (PretrainedConfig ties).
+    fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
     if theta is not None:
-        fields["rope_theta"] = theta
-    if scaling is not None:
-        fields["rope_scaling"] = scaling
+        fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
+    kind = rope.pop("rope_type", "default")
+    if kind != "default":
+        if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings
+            rope.setdefault("original_max_position_embeddings", fields["context_length"])
+        fields["rope_scaling"] = {"rope_type": kind, **_scaling_values(rope, kind, source)}
     # tlm stores the defaults as None, so a config that spells them out still equals the course's.
     if fields.get("num_kv_heads") == fields["num_heads"]:
         fields.pop("num_kv_heads")
-    if (
-        fields.get("head_dim") == fields["d_model"] // fields["num_heads"]
-        and fields["d_model"] % fields["num_heads"] == 0
-    ):
+    d_model, heads = fields["d_model"], fields["num_heads"]
+    if fields.get("head_dim") == d_model // heads and d_model % heads == 0:
         fields.pop("head_dim")
-    fields.setdefault("tie_word_embeddings", True)  # LlamaConfig's default (PretrainedConfig ties)
-    return ModelConfig(**fields)
+    try:
+        return ModelConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise _ckpt._one_line(err, source) from None
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    with open(path, "rb") as f:
-        _, entries, _ = _ckpt._read_header(f, path)
-        return _ckpt._read_tensors(f, entries)
+def _rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The RoPE settings as one dict (``rope_type``, ``rope_theta``, scaling keys), and what is wrong."""
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta plus rope_scaling (type or rope_type).
+    rope, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    if rope is not None and legacy is not None:
+        return {}, ["both rope_parameters and rope_scaling are set"]
+    key = "rope_parameters" if rope is not None else "rope_scaling"
+    rope = rope if rope is not None else legacy
+    if rope is None:
+        return {}, []
+    if not isinstance(rope, dict):
+        return {}, [f"{key}={short_repr(rope)} (expected a dict)"]
+    rope = dict(rope)
+    if key == "rope_scaling" and "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+    kind = rope.get("rope_type", "default")
+    if not isinstance(kind, str) or kind not in _SUPPORTED_ROPE_TYPES:
+        return {}, [f"{key}.rope_type={short_repr(kind)} (supported: {_SUPPORTED_ROPE_TYPES})"]
+    if kind == "default" and (extra := sorted(set(rope) - {"rope_type", "rope_theta"})):
+        return {}, [f"{key} keys {_ckpt._names(extra)} with rope_type 'default'"]
+    theta = hf.get("rope_theta")
+    if theta is not None and rope.get("rope_theta", theta) != theta:
+        return {}, [f"rope_theta={short_repr(theta)} disagrees with {key}.rope_theta={short_repr(rope['rope_theta'])}"]
+    return rope, []
+
+
+def _scaling_values(rope: dict[str, Any], kind: str, source: str) -> dict[str, Any]:
+    # The scaling's own keys by type (ModelConfig checks which keys a rope_type takes); a null or a
+    # string here would otherwise surface as a TypeError deep inside the RoPE table's arithmetic.
+    out = dict(rope)
+    required, optional = SCALINGS[kind]
+    for key in sorted((required | optional) & set(rope)):
+        name = f"{source}: rope_parameters.{key}"
+        if key == "original_max_position_embeddings":
+            out[key] = check_int(name, rope[key], low=1, high=LIMITS["context_length"])
+        elif key == "truncate":
+            out[key] = check_bool(name, rope[key])
+        else:
+            check_number(name, rope[key])
+    return out
+
+
+def _expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor an HF folder of ``config`` holds, from ``config`` alone."""
+    shapes = _ckpt._expected_shapes(config)
+    return {hf: shapes[ours] for ours, hf in _pairs(config)}
 
 
 def read_hf_state_dict(directory: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Every tensor of an HF folder: ``model.safetensors``, or the shards its index names."""
-    directory = Path(directory)
-    index = directory / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map")
-        state: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors = _read_safetensors(directory / shard)
-            if stray := sorted(k for k in tensors if weight_map.get(k) != shard):
-                raise ValueError(f"{directory / shard} holds tensors its index does not place there: {stray}")
-            state.update(tensors)
-        if absent := sorted(set(weight_map) - set(state)):
-            raise ValueError(f"{index} names tensors no shard holds: {absent}")
-        return state
-    if (directory / WEIGHTS_NAME).is_file():
-        return _read_safetensors(directory / WEIGHTS_NAME)
-    raise FileNotFoundError(f"{directory} has neither {WEIGHTS_NAME} nor {INDEX_NAME}")
+    """Every tensor of the HF folder ``directory`` (``model.safetensors``, or the shards its index
+    names), checked against its ``config.json`` first. See :func:`from_hf`."""
+    return _folder.read_consistently(Path(directory), _read_folder)[1]
 
 
 def from_hf(
@@ -242,32 +278,30 @@ def from_hf(
     """A :class:`TransformerLM` from an HF Llama folder (``config.json`` + safetensors, sharded or not).
 
     ``rope_layout="interleaved"`` (the default) reorders each head's q/k rows into tlm's pairing;
-    ``"half"`` keeps HF's rows and rotates rotate-half pairs. ``dtype`` defaults to the dtype the
-    weights are stored in; ``options`` (``fused=``,
-    ``attention_backend=``) go to :class:`TransformerLM`. Tensors tlm would not use
-    (biases, extra buffers) are refused by name.
+    ``"half"`` keeps HF's rows and rotates rotate-half pairs. ``dtype`` (a floating dtype) defaults to
+    the dtype the weights are stored in; ``options`` (``fused=``, ``attention_backend=``) go to
+    :class:`TransformerLM`.
+
+    Like transformers, a folder with both ``model.safetensors`` and an index reads the single file.
+    The folder is untrusted input: every file it names must lie inside it (a symlink may point into
+    the HF hub cache's ``blobs`` folder of the same repository, nothing else); every config value is
+    checked by its key; every tensor's name, shape and dtype is checked against the config before any
+    weights are allocated (tensors tlm would not use, such as biases, are refused by name); every
+    safetensors header is checked (offsets tile the data exactly). Each error is one line naming the
+    file. All files are read from one version of the folder, even while :func:`save_hf` replaces it.
     """
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {short_repr(dtype)}")
     directory = Path(directory)
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist: not an HF model folder")
-    try:
-        hf = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON ({err})") from None
-    config = dataclasses.replace(config_from_hf(hf), rope_layout=rope_layout)
-    state = read_hf_state_dict(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(errno.ENOENT, f"not an HF model folder (a folder with {CONFIG_NAME})", str(directory))
+    config, state = _folder.read_consistently(directory, lambda folder: _read_folder(folder, rope_layout))
     if config.tie_word_embeddings and "lm_head.weight" in state:
-        if not torch.equal(state["lm_head.weight"], state.get("model.embed_tokens.weight", state["lm_head.weight"])):
+        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             raise ValueError(
                 f"{directory}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
             )
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    names = {hf_key for _, hf_key in _pairs(config)}
-    if unused := sorted(set(state) - names):
-        raise ValueError(f"{directory}: tlm has no place for tensors {unused}")
-    if missing := sorted(names - set(state)):
-        raise ValueError(f"{directory}: missing tensors {missing}")
     dtypes = {t.dtype for t in state.values()}
     if dtype is None:
         if len(dtypes) != 1:
@@ -276,6 +310,91 @@ def from_hf(
     model = TransformerLM(config, device=device, dtype=dtype, **options)
     model.load_state_dict(from_hf_llama_state_dict(state, config), strict=True)
     return model
+
+
+def _read_folder(folder: _folder.Folder, rope_layout: str = "interleaved") -> tuple[ModelConfig, dict[str, Tensor]]:
+    config_path = folder.path / CONFIG_NAME
+    raw = folder.read(CONFIG_NAME, _ckpt._MAX_JSON_BYTES)
+    if raw is None:
+        raise FileNotFoundError(errno.ENOENT, f"not an HF model folder: it has no {CONFIG_NAME}", str(config_path))
+    config = config_from_hf(_ckpt._parse_json_object(raw, config_path), source=str(config_path))
+    config = dataclasses.replace(config, rope_layout=rope_layout)
+    expected = _expected_tensors(config)
+    with contextlib.ExitStack() as stack:
+        shards = _open_weights(folder, expected, config, stack)
+        found = {name: (path, entry) for path, _, entries in shards for name, entry in entries.items()}
+        where = shards[0][0] if len(shards) == 1 else folder.path
+        table = {name: (entry.dtype, entry.shape) for name, (_, entry) in found.items()}
+        if problems := _ckpt._table_problems(_with_tied_head(expected, config, table), table, CONFIG_NAME,
+                                             unexpected="tlm has no place for tensors"):  # fmt: skip
+            raise ValueError(f"{where} does not fit {config_path}: " + "; ".join(problems))
+        state: dict[str, Tensor] = {}
+        for path, handle, entries in shards:
+            try:
+                state.update(_ckpt._read_tensors(handle, entries))
+            except EOFError:
+                raise ValueError(f"{path} is truncated: it shrank while being read") from None
+    return config, state
+
+
+def _with_tied_head(
+    expected: dict[str, tuple[int, ...]], config: ModelConfig, found: Mapping[str, object]
+) -> dict[str, tuple[int, ...]]:
+    # A tied checkpoint may spell the head out (equal to the embedding; from_hf checks that).
+    if config.tie_word_embeddings and "lm_head.weight" in found:
+        return {**expected, "lm_head.weight": expected["model.embed_tokens.weight"]}
+    return expected
+
+
+def _open_weights(
+    folder: _folder.Folder, expected: dict[str, tuple[int, ...]], config: ModelConfig, stack: contextlib.ExitStack
+) -> list[tuple[Path, io.BufferedReader, dict[str, _ckpt._Entry]]]:
+    """(path, open file, header entries) of the single weights file, or of each shard the index names."""
+    single = folder.open(WEIGHTS_NAME)
+    if single is not None:  # transformers' precedence: the single file wins over an index beside it
+        handle = stack.enter_context(single)
+        path = folder.path / WEIGHTS_NAME
+        return [(path, handle, _ckpt._read_header(handle, path)[1])]
+    index_path = folder.path / INDEX_NAME
+    raw = folder.read(INDEX_NAME, _ckpt._MAX_JSON_BYTES)
+    if raw is None:
+        raise FileNotFoundError(
+            errno.ENOENT, f"not an HF model folder: no {WEIGHTS_NAME} nor {INDEX_NAME}", str(folder.path)
+        )
+    weight_map = _weight_map(raw, index_path)
+    # The index alone says which tensors the folder holds: a mismatch is refused before a shard is opened.
+    names_only = dict.fromkeys(weight_map)
+    if problems := _ckpt._table_problems(_with_tied_head(expected, config, names_only), names_only, CONFIG_NAME,
+                                         unexpected="tlm has no place for tensors"):  # fmt: skip
+        raise ValueError(f"{index_path} does not fit {folder.path / CONFIG_NAME}: " + "; ".join(problems))
+    by_shard: dict[str, set[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, set()).add(name)
+    shards = []
+    for shard in sorted(by_shard):
+        path = folder.path / shard
+        opened = folder.open(shard)
+        if opened is None:
+            raise FileNotFoundError(errno.ENOENT, f"{INDEX_NAME} names this shard; the folder lacks it", str(path))
+        handle = stack.enter_context(opened)
+        entries = _ckpt._read_header(handle, path)[1]
+        if stray := sorted(set(entries) - by_shard[shard]):
+            raise ValueError(f"{path} holds tensors its index does not place there: {_ckpt._names(stray)}")
+        if absent := sorted(by_shard[shard] - set(entries)):
+            raise ValueError(f"{index_path} places tensors in {shard} that it does not hold: {_ckpt._names(absent)}")
+        shards.append((path, handle, entries))
+    return shards
+
+
+def _weight_map(raw: bytes, path: Path) -> dict[str, str]:
+    weight_map = _ckpt._parse_json_object(raw, path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{path}: weight_map must be a JSON object (tensor name -> shard file), got {type(weight_map).__name__}"
+        )
+    for name, shard in weight_map.items():
+        _folder.check_name(shard, f"{path}: weight_map[{short_repr(name, 60)}]")
+    return weight_map
 
 
 def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
@@ -287,16 +406,72 @@ def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     ]
 
 
-def save_hf(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
-    """Write ``model`` as an HF Llama folder (``config.json`` + ``model.safetensors``) that
-    ``transformers.AutoModelForCausalLM.from_pretrained`` loads with the same logits.
+# ---------------------------------------------------------------------------------------------
+# Export
 
-    Each file is written all-or-nothing (a fresh temporary name beside it, fsync, one rename).
+#: What an HF model export holds: transformers' save_pretrained (weights, index, shards, the config,
+#: the generation config) and a tokenizer's save_pretrained. save_hf replaces a folder that holds only
+#: these (and the extra_files it is given), so that it never wipes a user's unrelated files.
+_EXPORT_NAMES = frozenset(
+    {
+        CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, GENERATION_CONFIG_NAME, "pytorch_model.bin",
+        "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    }
+)  # fmt: skip
+_EXPORT_PATTERN = re.compile(
+    r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin"
+    r"|\.model\.safetensors\.\d+-[0-9a-f]{16}\.tmp"  # a temporary file of tlm-model 0.2.0's save_hf
+)
+#: Files save_hf writes, or that transformers would read as weights: no extra file may take these names.
+_RESERVED = frozenset({CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json"})
+_RESERVED_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin", re.IGNORECASE)
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def hf_generation_config(
+    eos_token_id: int | Sequence[int], *, bos_token_id: int | None = None, pad_token_id: int | None = None
+) -> dict[str, Any]:
+    """The content of an HF ``generation_config.json`` for these token ids, as a dict that
+    ``transformers.GenerationConfig`` reads. ``eos_token_id`` is one id or several (any of them ends
+    generation). Give it to :func:`save_hf` as
+    ``extra_files={"generation_config.json": json.dumps(payload).encode()}``."""
+    if isinstance(eos_token_id, Sequence) and not isinstance(eos_token_id, (str, bytes)):
+        if not eos_token_id:
+            raise ValueError("eos_token_id must be a token id or a non-empty list of them, got []")
+        eos: int | list[int] = [check_int(f"eos_token_id[{i}]", t, low=0) for i, t in enumerate(eos_token_id)]
+    else:
+        eos = check_int("eos_token_id", eos_token_id, low=0)
+    payload: dict[str, Any] = {"eos_token_id": eos}
+    if bos_token_id is not None:
+        payload["bos_token_id"] = check_int("bos_token_id", bos_token_id, low=0)
+    if pad_token_id is not None:
+        payload["pad_token_id"] = check_int("pad_token_id", pad_token_id, low=0)
+    return payload
+
+
+def save_hf(
+    model: nn.Module, directory: str | os.PathLike[str], *, extra_files: Mapping[str, bytes] | None = None
+) -> Path:
+    """Write ``model`` as an HF Llama folder (``config.json`` + ``model.safetensors``, plus
+    ``extra_files``: name -> bytes, e.g. ``tokenizer.json``, ``tokenizer_config.json``,
+    ``generation_config.json`` from :func:`hf_generation_config`) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads with the same logits. Returns the folder.
+
+    The folder is replaced as one unit (``tlm_core.atomic.replace_dir``): built complete under a
+    temporary name beside it, then swapped in, so a kill at any moment, or a reader meanwhile, sees the
+    previous export or this one, never a mix, and no file of an older export (an index, stale shards)
+    survives. A folder that holds anything an HF model export would not (a user's own files, a
+    subfolder, a symlink) is refused, not replaced; so is ``directory`` itself being a symlink.
+    Extra file names must be plain names that do not clash with the files this writes or that HF reads
+    as weights; a ``generation_config.json`` must hold token ids inside the model's vocabulary.
+    Temporary folders that killed exports left beside ``directory`` are removed.
     """
     inner = unwrap(model)
     if not isinstance(inner, TransformerLM):
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     config = inner.config
+    extra = _check_extra_files(extra_files, config)
     tensors = _ckpt._cpu_tensors(to_hf_llama_state_dict(inner.state_dict(), config))
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     hf = {
@@ -308,24 +483,89 @@ def save_hf(model: nn.Module, directory: str | os.PathLike[str]) -> Path:
     header = _ckpt._header(tensors, {"format": "pt"})
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    weights = [struct.pack("<Q", len(blob)) + blob] + [_ckpt._bytes(tensors[name]) for name in _ckpt._order(tensors)]
+    config_json = json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"
+
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    chunks = [struct.pack("<Q", len(blob)) + blob] + [_ckpt._bytes(tensors[name]) for name in _ckpt._order(tensors)]
-    _write_atomically(directory / WEIGHTS_NAME, chunks)
-    _write_atomically(directory / CONFIG_NAME, [json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"])
+    _check_replaceable(directory, set(extra))
+    remove_leftovers(directory.parent, directory.name)
+
+    def fill(folder: Path) -> None:
+        _write_new(folder / WEIGHTS_NAME, weights)
+        _step("weights-written")
+        _write_new(folder / CONFIG_NAME, [config_json])
+        _step("config-written")
+        for name, data in extra.items():
+            _write_new(folder / name, [data])
+            _step("extra-written")
+
+    replace_dir(directory, fill)
     return directory
 
 
-def _write_atomically(target: Path, chunks: list[Any]) -> None:
-    tmp = _ckpt._create_temp(target.parent)
+def _check_extra_files(extra_files: Mapping[str, bytes] | None, config: ModelConfig) -> dict[str, bytes]:
+    if extra_files is None:
+        return {}
+    if not isinstance(extra_files, Mapping):
+        raise TypeError(f"extra_files must be a mapping of file names to bytes, got {type(extra_files).__name__}")
+    out = {}
+    for name, data in extra_files.items():
+        _folder.check_name(name, "extra_files key")
+        if name.lower() in _RESERVED or _RESERVED_PATTERN.fullmatch(name):
+            raise ValueError(
+                f"extra_files key must not be a file save_hf writes or HF reads as weights, got {short_repr(name)}"
+            )
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"extra_files[{short_repr(name)}] must be bytes, got {type(data).__name__} (encode text)")
+        out[name] = bytes(data)
+    if GENERATION_CONFIG_NAME in out:
+        _check_generation_config(out[GENERATION_CONFIG_NAME], config.vocab_size)
+    return out
+
+
+def _check_generation_config(data: bytes, vocab_size: int) -> None:
+    where = f"extra_files[{GENERATION_CONFIG_NAME!r}]"
+    payload = _ckpt._parse_json_object(data, where)
+    for key in _TOKEN_ID_KEYS:
+        value = payload.get(key)
+        for i, token in enumerate(value if isinstance(value, list) else [] if value is None else [value]):
+            name = f"{where} {key}" + (f"[{i}]" if isinstance(value, list) else "")
+            check_int(name, token, low=0, high=vocab_size - 1)
+
+
+def _check_replaceable(directory: Path, extra_names: set[str]) -> None:
+    here, target = Path(os.getcwd()), Path(os.path.realpath(directory))
+    if target == here or target in here.parents:
+        # The swap would leave this process inside the old folder, deleted right after.
+        raise ValueError(f"directory must not be the current folder or one above it, got {directory}")
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _ckpt._fsync_folder(target.parent)
+        mode = os.lstat(directory).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise ValueError(
+            f"directory must be a folder, got a symlink ({directory}); save_hf replaces the folder itself "
+            f"and never follows a link: give the folder it points to"
+        )
+    if not stat.S_ISDIR(mode):
+        raise NotADirectoryError(errno.ENOTDIR, "directory must be a folder (or not exist), got a file", str(directory))
+    with os.scandir(directory) as entries:
+        foreign = sorted(
+            entry.name
+            for entry in entries
+            if not entry.is_file(follow_symlinks=False)
+            or not (entry.name in _EXPORT_NAMES or entry.name in extra_names or _EXPORT_PATTERN.fullmatch(entry.name))
+        )
+    if foreign:
+        raise ValueError(
+            f"directory {directory} holds {_ckpt._names(foreign)}, which an HF model export does not; save_hf "
+            f"replaces the whole folder, so it leaves this one alone (save into a new or empty folder)"
+        )
+
+
+def _write_new(path: Path, chunks: list[Any]) -> None:
+    # Inside the fresh temporary folder replace_dir made; it fsyncs the whole tree before the swap.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
+        for chunk in chunks:
+            f.write(chunk)
