@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_core.tensors import DTYPES, as_index_tensor, dtype_from_name
+from tlm_core.tensors import DTYPES, as_index_tensor, device_from_name, dtype_from_name
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
@@ -51,3 +51,17 @@ def test_dtype_names():
     expected = r"--dtype must be one of \['bfloat16', 'float16', 'float32', 'float64'\], got 'fp8'"
     with pytest.raises(ValueError, match=expected):
         dtype_from_name("fp8", "--dtype")
+
+
+def test_device_names():
+    assert device_from_name("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device must be a torch device such as cpu, cuda or cuda:1, got 'quantum'"):
+        device_from_name("quantum")
+    with pytest.raises(ValueError, match="--out-device must be a torch device"):
+        device_from_name("cpu:x", "--out-device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cuda:1: this torch has no CUDA device"):
+            device_from_name("cuda:1")
+    else:
+        with pytest.raises(ValueError, match=r"--device cuda:99: only \d+ CUDA device"):
+            device_from_name("cuda:99")

@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from tlm_core.tensors import DTYPES
+from tlm_core.tensors import DTYPES, device_from_name
 
 
 class UserError(Exception):
@@ -70,19 +70,7 @@ def dtype_choices() -> list[str]:
 
 def device(text: str) -> torch.device:
     """A torch device this process can use; a clear one-line error otherwise."""
-    try:
-        dev = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise UserError(f"--device must be a torch device such as cpu, cuda or cuda:1, got {text!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {text}: this torch has no CUDA device (torch.cuda.is_available() is False)")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise UserError(f"--device {text}: MPS is not available")
-    if dev.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise UserError(f"--device {text}: tlm runs on cpu, cuda, mps or xpu")
-    return dev
+    return device_from_name(text, "--device")
 
 
 def check_output(out: str | os.PathLike[str], *inputs: str | os.PathLike[str] | None, flag: str = "--out") -> None:

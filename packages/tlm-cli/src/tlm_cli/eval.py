@@ -66,26 +66,17 @@ def add_parser(commands: Any) -> None:
 
 
 def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> np.ndarray:
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file")
-    if path.suffix == ".npy":
-        try:
-            ids = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError) as err:
-            raise UserError(f"--data {path} is not a readable .npy file: {err}") from None
-    elif path.suffix in (".bin", ".u16", ".u32"):
-        ids = np.memmap(path, dtype=np.dtype(token_dtype).newbyteorder("<"), mode="r")
-    else:
-        if tokenizer is None:
-            raise UserError(f"--data {path} is text, and the checkpoint has no tokenizer: give --tokenizer DIR")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise UserError(f"--data {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-        return np.asarray(tokenizer.encode(text), dtype=np.int64)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise UserError(f"--data {path} must hold a 1-D array of integer token ids, got {ids.dtype} {ids.shape}")
-    return ids
+    from tlm_train.data import is_token_file, read_token_file
+
+    if is_token_file(path):
+        return read_token_file(path, token_dtype)
+    if tokenizer is None:
+        raise UserError(f"--data {path} is text, and the checkpoint has no tokenizer: give --tokenizer DIR")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"--data {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
 def _token_bytes(tokenizer: Any, vocab: int) -> torch.Tensor | None:

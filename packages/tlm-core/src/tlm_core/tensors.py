@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "as_index_tensor", "dtype_from_name"]
+__all__ = ["DTYPES", "as_index_tensor", "device_from_name", "dtype_from_name"]
 
 #: The floating dtypes tlm accepts by name (command lines, configs, checkpoints).
 DTYPES: dict[str, torch.dtype] = {
@@ -43,3 +43,23 @@ def as_index_tensor(name: str, t: object, high: int, bound_name: str) -> Tensor:
         if low < 0 or top >= high:
             raise ValueError(f"{name} must lie in [0, {bound_name}={high}), got values in [{low}, {top}]")
     return ids
+
+
+def device_from_name(name: str, what: str = "--device") -> torch.device:
+    """The torch device ``name`` if this process can use it; a one-line ``ValueError`` naming ``what`` if not
+    (no such device type, no CUDA in this torch build, an index past the devices there are)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{what} must be a torch device such as cpu, cuda or cuda:1, got {name!r}") from None
+    if device.type not in ("cpu", "cuda", "mps", "xpu", "meta"):
+        raise ValueError(f"{what} {name}: tlm runs on cpu, cuda, mps or xpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {name}: this torch has no CUDA device (torch.cuda.is_available() is False)")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{what} {name}: only {torch.cuda.device_count()} CUDA device(s)")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"{what} {name}: MPS is not available")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise ValueError(f"{what} {name}: XPU is not available")
+    return device

@@ -71,19 +71,27 @@ def prepare_data(config: TrainConfig, run: RunDir, *, tokenizer: Any = None, is_
     return Dataset(train, val, tokenizer.vocab_size, tokenizer)
 
 
-def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
-    path = Path(config.data[0])
+def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -> np.ndarray:
+    """The 1-D integer ids of a token file, memory-mapped: ``.npy`` (no pickles), or raw little-endian
+    ``token_dtype`` (``.bin``, ``.u16``, ``.u32``, what ``tlm tokenizer encode`` writes)."""
+    path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such token file (a run on token ids reads them from there)")
+        raise FileNotFoundError(f"--data {path}: no such token file")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         except (ValueError, OSError) as err:
             raise ValueError(f"--data {path} is not a readable .npy file: {err}") from None
     else:
-        tokens = np.memmap(path, dtype=np.dtype(config.token_dtype).newbyteorder("<"), mode="r")
+        tokens = np.memmap(path, dtype=np.dtype(token_dtype).newbyteorder("<"), mode="r")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ValueError(f"--data {path} must hold a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}")
+    return tokens
+
+
+def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
+    path = Path(config.data[0])
+    tokens = read_token_file(path, config.token_dtype)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
     low, top = (int(tokens.min()), int(tokens.max())) if len(tokens) else (0, 0)
     if low < 0 or top >= vocab:

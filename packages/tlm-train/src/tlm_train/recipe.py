@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from tlm_core.progress import progress_bar
+from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train import artifacts
@@ -85,6 +86,7 @@ def train(
     (``None``: only on a terminal). Raises :class:`~tlm_train.NonFiniteLossError` when the loss or the
     gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss.
     """
+    device_from_name(config.device, "--device")  # before a process group is joined on it
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
     try:
@@ -517,17 +519,6 @@ def _held(run_dir: RunDir) -> Iterator[RunLock]:
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
     """What the machine must offer, checked before anything is written."""
-    device = info.device
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {config.device}: this torch has no CUDA device (torch.cuda.is_available() is False)"
-        )
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {config.device}: only {torch.cuda.device_count()} CUDA device(s)")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"--device {config.device}: MPS is not available")
-    if device.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise ValueError(f"--device {config.device}: tlm train runs on cpu, cuda, mps or xpu")
     if info.world_size > 1 and config.distributed == "none":
         raise ValueError("launched by torchrun with several ranks: choose --distributed ddp or fsdp")
     if config.distributed != "none" and not (dist.is_available() and dist.is_initialized()):
