@@ -138,7 +138,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
 
 
-# Hypothesis profiles for the property-based tests (test_*_properties.py). Only packages whose
+# Hypothesis profiles for the property-based tests (those decorated with @given). Only packages whose
 # `test` extra lists hypothesis have it installed, so the others' suites must not need it here.
 try:
     from hypothesis import settings
