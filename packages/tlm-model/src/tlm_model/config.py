@@ -8,7 +8,6 @@ from tlm_model._checks import check_number, check_positive_int
 from tlm_rope import LAYOUTS
 from tlm_rope.scaling import check_scaling
 
-
 #: Upper bounds on the sizes a config may claim: each is many times what any released model uses
 #: (Llama 3.1 405B: 126 layers, d_model 16,384, d_ff 53,248, 128K context), and together they keep a
 #: lying config.json or checkpoint header from asking for terabytes (RoPE tables are sized by
