@@ -29,6 +29,7 @@ for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``). Both are installe
 ``TLM_TORCH="torch==2.5.1 --index-url https://..."`` works too.
 """
 
+import atexit
 import json
 import os
 import pathlib
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import nox
@@ -409,14 +411,23 @@ def mutate(session: nox.Session) -> None:
     )
 
 
-def _build_wheel(session: nox.Session, package_dir: pathlib.Path, wheelhouse: pathlib.Path) -> None:
-    """A wheel of ``package_dir`` into ``wheelhouse``, built in an isolated environment (the venv gains nothing)."""
-    if _uses_uv(session):
-        session.run("uv", "build", "--wheel", "--quiet", "--out-dir", str(wheelhouse), str(package_dir))
-    else:
-        session.run(
-            "python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheelhouse), str(package_dir), silent=True
-        )
+# Wheels built in this nox run, one per package: every standalone session that needs tlm-core copies the
+# same file instead of building it again (the sources do not change while nox runs).
+_WHEELS: dict[str, pathlib.Path] = {}
+
+
+def _wheel(session: nox.Session, dist: str) -> pathlib.Path:
+    """``dist``'s wheel, built once per run in an isolated environment (the session's venv gains nothing)."""
+    if dist not in _WHEELS or not _WHEELS[dist].exists():
+        out = pathlib.Path(tempfile.mkdtemp(prefix=f"{dist}-wheel-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        source = str(PACKAGES[dist]["dir"])
+        if _uses_uv(session):
+            session.run("uv", "build", "--wheel", "--quiet", "--out-dir", str(out), source)
+        else:
+            session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(out), source, silent=True)
+        (_WHEELS[dist],) = out.glob("*.whl")
+    return _WHEELS[dist]
 
 
 @nox.session(reuse_venv=False)
@@ -425,8 +436,9 @@ def standalone(session: nox.Session, package: str) -> None:
     """Install one package alone from its wheel into a clean venv and run its README example."""
     wheelhouse = pathlib.Path(session.create_tmp()) / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
+    wheelhouse.mkdir(parents=True)
     for dist in _local_closure(package):
-        _build_wheel(session, PACKAGES[dist]["dir"], wheelhouse)
+        shutil.copy2(_wheel(session, dist), wheelhouse)
     # --find-links serves our unreleased wheels; third-party deps (einops, jaxtyping) come from the index.
     # On uv's command line it replaces UV_FIND_LINKS, so the folders that hold torch are named again.
     links = [str(wheelhouse), *_find_links()]
