@@ -214,6 +214,9 @@ def _longest_first(session: nox.Session, targets: list[str]) -> list[str]:
 
 def _run_suites(session: nox.Session, device: str, extra: list[str]) -> None:
     """One pytest run per target, up to ``_jobs()`` at a time, each printed whole when it ends."""
+    if getattr(session._runner.global_config, "install_only", False):
+        session.log("--install-only: the suites are not run")  # as session.run would skip them
+        return
     targets, pytest_args = _split_posargs(list(session.posargs))
     jobs = min(_jobs(), len(targets))
     base_env = {"TLM_TEST_DEVICE": device}
