@@ -149,6 +149,7 @@ def test_warmup_longer_than_the_run_is_refused(tmp_path, tokens) -> None:
         train(config)
 
 
+@pytest.mark.slow  # a real torch.compile of the training step (C++ kernels)
 def test_compile_trains_like_eager(tmp_path, tokens) -> None:
     # --compile (torch.compile of each block, inductor on this device) must change speed, not results:
     # the same seed gives the same losses as eager to float32 rounding, and the checkpoint keeps plain keys.
