@@ -279,7 +279,7 @@ def tests(session: nox.Session, device: str) -> None:
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
     _install_workspace(session, device)
-    _run_suites(session, device, [])
+    _run_suites(session, device, ["--durations=5"])  # each suite's slowest tests, so they stay in view
 
 
 @nox.session
