@@ -107,6 +107,7 @@ def test_out_of_range_ids_of_narrow_dtypes_are_refused(dtype):
         Embedding(10, 4)(torch.tensor([2, 12], dtype=dtype))
 
 
+@pytest.mark.slow  # the first torch.compile in a process costs ~7 s of dynamo start-up
 @pytest.mark.parametrize("bad", [[-1, 2], [2, 10]])
 def test_out_of_range_ids_are_refused_under_torch_compile(bad):
     # A compiled graph cannot branch on values: a device-side assert (torch._assert_async) refuses them.

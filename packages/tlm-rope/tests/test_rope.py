@@ -196,6 +196,7 @@ def test_out_of_range_positions_of_narrow_dtypes_are_refused(dtype):
         RotaryPositionalEmbedding(10_000.0, 8, 4)(torch.randn(2, 8), torch.tensor([1, 9], dtype=dtype))
 
 
+@pytest.mark.slow  # the first torch.compile in a process costs ~7 s of dynamo start-up
 def test_out_of_range_positions_are_refused_under_torch_compile():
     torch._dynamo.reset()
     rope = torch.compile(RotaryPositionalEmbedding(10_000.0, 8, 4), backend="aot_eager", fullgraph=True)
