@@ -60,6 +60,7 @@ def test_version_is_the_installed_distributions(capsys):
     assert capsys.readouterr().out == f"tlm {importlib.metadata.version('tlm-model')} (tlm-model)\n"
 
 
+@pytest.mark.slow  # two new interpreters, each importing torch
 def test_python_dash_m_runs_the_command_and_its_errors_have_no_traceback(tmp_path):
     run = [sys.executable, "-m", "tlm_model"]
     ok = subprocess.run([*run, "--version"], capture_output=True, text=True, timeout=300)
