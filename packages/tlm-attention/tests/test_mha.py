@@ -1,8 +1,17 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_numerics import fixture_ok, seeds
+from hypothesis import given
+from hypothesis import strategies as st
 
-from tlm_attention import BACKENDS, CausalMultiHeadSelfAttention, KVCache
+from tlm_attention import (
+    BACKENDS,
+    CausalMultiHeadSelfAttention,
+    KVCache,
+)
 from tlm_rope import RotaryPositionalEmbedding
 
 
@@ -137,3 +146,222 @@ def test_backend_is_validated_and_switchable():
         attn.attention_backend = "flash"
     with pytest.raises(ValueError, match="backend must be one of"):
         CausalMultiHeadSelfAttention(16, 2, attention_backend="fast")
+
+
+# Property-based (hypothesis; the profile in the root conftest.py decides how many examples run).
+MHA_DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+
+
+@st.composite
+def mha_case(draw):
+    heads = draw(st.integers(1, 4))
+    d_head = 2 * draw(st.integers(1, 4))
+    batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    seq = draw(st.integers(1, 8))
+    rope = draw(st.booleans())
+    offset = draw(st.integers(0, 8)) if rope else 0
+    options = {"attention_backend": draw(st.sampled_from(BACKENDS)), "fused": draw(st.booleans())}
+    return heads, d_head, batch, seq, rope, offset, options, draw(st.sampled_from(MHA_DTYPES)), draw(seeds)
+
+
+def build_mha(heads, d_head, rope, offset, seq, options, dtype, seed, device):
+    torch.manual_seed(seed)  # the module draws its initial weights from the global generator
+    d_model = heads * d_head
+    table = RotaryPositionalEmbedding(10_000.0, d_head, max_seq_len=16, device=device) if rope else None
+    attn = CausalMultiHeadSelfAttention(d_model, heads, rope=table, device=device, dtype=dtype, **options)
+    positions = torch.arange(offset, offset + seq, device=device) if rope else None
+    return attn, positions
+
+
+@fixture_ok
+@given(case=mha_case(), data=st.data())
+def test_mha_output_at_t_ignores_inputs_after_t(case, data, device):
+    heads, d_head, batch, seq, rope, offset, options, dtype, seed = case
+    attn, positions = build_mha(heads, d_head, rope, offset, seq, options, dtype, seed, device)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, seq, heads * d_head, generator=g).to(device=device, dtype=dtype)
+    t = data.draw(st.integers(0, seq - 1), label="t")
+    changed = x.clone()
+    changed[..., t + 1 :, :] = torch.randn(changed[..., t + 1 :, :].shape, generator=g).to(device=device, dtype=dtype)
+    # Later keys get weight exp(-inf) = 0 exactly, and shapes (so kernels) are unchanged: the
+    # outputs up to t must be bitwise equal, not merely close.
+    assert torch.equal(attn(x, positions)[..., : t + 1, :], attn(changed, positions)[..., : t + 1, :])
+
+
+@fixture_ok
+@given(case=mha_case(), rows=st.integers(2, 4), data=st.data())
+def test_mha_batch_row_ignores_other_rows(case, rows, data, device):
+    heads, d_head, batch, seq, rope, offset, options, dtype, seed = case
+    attn, positions = build_mha(heads, d_head, rope, offset, seq, options, dtype, seed, device)
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows, *batch, seq, heads * d_head)
+    x = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    b = data.draw(st.integers(0, rows - 1), label="row")
+    changed = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    changed[b] = x[b]
+    # Same shapes, so the same kernels: row b's output must be bitwise equal.
+    assert torch.equal(attn(x, positions)[b], attn(changed, positions)[b])
+
+
+# Grouped-/multi-query attention and a free head_dim, against torch built-ins.
+def gqa_reference(attn, x, rotate=None):
+    """MHA from F.linear and F.scaled_dot_product_attention(enable_gqa=True), on the course keys."""
+    weights = attn.state_dict()
+
+    def split(t, heads):
+        return t.unflatten(-1, (heads, -1)).transpose(-2, -3)
+
+    q = split(F.linear(x, weights["q_proj.weight"]), attn.num_heads)
+    k, v = (split(F.linear(x, weights[f"{p}.weight"]), attn.num_kv_heads) for p in ("k_proj", "v_proj"))
+    if rotate is not None:
+        q, k = rotate(q), rotate(k)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.linear(out.transpose(-2, -3).flatten(-2), weights["output_proj.weight"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 8), (4, 1, 12), (6, 2, 4), (4, 4, 16)])
+def test_module_matches_enable_gqa_reference(backend, fused, heads, kv_heads, head_dim, device, rope_reference):
+    torch.manual_seed(3)
+    rope = RotaryPositionalEmbedding(10_000.0, head_dim, max_seq_len=32, device=device)
+    attn = CausalMultiHeadSelfAttention(
+        24, heads, rope=rope, device=device, attention_backend=backend, fused=fused,
+        num_kv_heads=kv_heads, head_dim=head_dim,
+    )  # fmt: skip
+    x = torch.randn(2, 7, 24, device=device)
+    positions = torch.arange(7, device=device)
+
+    def rotate(t):
+        return rope_reference(t, positions, 10_000.0).to(t.dtype)
+
+    torch.testing.assert_close(attn(x), gqa_reference(attn, x, rotate), rtol=1e-5, atol=1e-6)
+
+
+def test_state_dict_shapes_and_fused_round_trip():
+    split = CausalMultiHeadSelfAttention(32, 8, fused=False, num_kv_heads=2, head_dim=6)
+    shapes = {k: tuple(v.shape) for k, v in split.state_dict().items()}
+    assert shapes == {
+        "q_proj.weight": (48, 32), "k_proj.weight": (12, 32), "v_proj.weight": (12, 32), "output_proj.weight": (32, 48)
+    }  # fmt: skip
+    fused = CausalMultiHeadSelfAttention(32, 8, fused=True, num_kv_heads=2, head_dim=6)
+    fused.load_state_dict(split.state_dict())  # the course's split keys load into the fused layout
+    x = torch.randn(3, 5, 32)
+    torch.testing.assert_close(fused(x), split(x), rtol=1e-6, atol=1e-6)
+    assert fused.state_dict().keys() == split.state_dict().keys()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_holds_only_kv_heads_and_decodes_like_full_forward(backend):
+    torch.manual_seed(4)
+    rope = RotaryPositionalEmbedding(10_000.0, 4, max_seq_len=16)
+    attn = CausalMultiHeadSelfAttention(32, 8, rope=rope, attention_backend=backend, num_kv_heads=2)
+    x = torch.randn(2, 9, 32)
+    cache = KVCache(2, 2, 16, 4)
+    steps = [attn(x[:, :5], kv_cache=cache)] + [attn(x[:, i : i + 1], kv_cache=cache) for i in range(5, 9)]
+    assert cache.keys.shape == (2, 2, 16, 4)
+    torch.testing.assert_close(torch.cat(steps, dim=1), attn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_cache_with_query_heads_is_refused():
+    attn = CausalMultiHeadSelfAttention(32, 8, num_kv_heads=2)
+    with pytest.raises(ValueError, match="keys and values must have shape"):
+        attn(torch.randn(1, 3, 32), kv_cache=KVCache(1, 8, 8, 4))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_kv_heads": 3}, ValueError, "num_kv_heads must divide num_heads"),
+        ({"num_kv_heads": 0}, ValueError, "num_kv_heads must be positive"),
+        ({"num_kv_heads": 2.0}, TypeError, "num_kv_heads must be an int"),
+        ({"head_dim": 0}, ValueError, "head_dim must be positive"),
+    ],
+)
+def test_bad_grouping_is_refused(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        CausalMultiHeadSelfAttention(32, 8, **kwargs)
+
+
+def test_head_dim_frees_d_model_from_divisibility():
+    attn = CausalMultiHeadSelfAttention(30, 4, head_dim=8)
+    assert attn(torch.randn(2, 3, 30)).shape == (2, 3, 30)
+    with pytest.raises(ValueError, match="or give head_dim"):
+        CausalMultiHeadSelfAttention(30, 4)
+
+
+# The fused q/k/v projection's initialisation statistics (issue 9, item 6). Each of q, k and v is a (d_model, d_model)
+# matrix, so the course's N(0, 2 / (d_in + d_out)) truncated at ±3σ gives σ² = 1 / d_model whether the three are
+# stored apart or stacked. The expected std of the truncated normal is a closed form.
+def _truncated_normal_std(sigma):
+    phi3 = math.exp(-4.5) / math.sqrt(2 * math.pi)
+    return sigma * math.sqrt(1 - 6 * phi3 / math.erf(3 / math.sqrt(2)))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("d_model", [128, 384])
+def test_q_k_v_and_output_initialisation_statistics(fused, d_model):
+    attn = CausalMultiHeadSelfAttention(d_model, 4, fused=fused)
+    sigma = math.sqrt(1.0 / d_model)
+    sd = attn.state_dict()
+    for name in ("q_proj", "k_proj", "v_proj", "output_proj"):
+        w = sd[f"{name}.weight"]
+        assert w.shape == (d_model, d_model)
+        assert w.abs().max().item() <= 3 * sigma * (1 + 1e-6), name
+        assert w.std().item() == pytest.approx(_truncated_normal_std(sigma), rel=0.03), name
+        assert w.mean().item() == pytest.approx(0.0, abs=0.03 * sigma), name
+    flat = torch.stack([sd[f"{n}_proj.weight"].flatten() for n in "qkv"])
+    off_diagonal = torch.corrcoef(flat)[~torch.eye(3, dtype=torch.bool)]
+    assert off_diagonal.abs().max() < 0.03  # drawn independently
+
+
+def test_fused_module_reset_parameters_redraws_with_the_same_statistics():
+    attn = CausalMultiHeadSelfAttention(256, 4, fused=True)
+    before = attn.state_dict()["q_proj.weight"].clone()
+    for module in attn.modules():
+        if module is not attn and hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    after = attn.state_dict()["q_proj.weight"]
+    assert not torch.equal(before, after)
+    assert after.std().item() == pytest.approx(_truncated_normal_std(math.sqrt(1 / 256)), rel=0.03)
+
+
+# With a KV cache (issue 9, item 6): attention over chunks equals torch's SDPA over the whole sequence.
+def _manual_mha(attn, x, theta):
+    """The attention module re-derived in float64 from its state dict with torch built-ins."""
+    sd = {k: v.double() for k, v in attn.state_dict().items()}
+    heads, seq = attn.num_heads, x.shape[-2]
+    q, k, v = (F.linear(x.double(), sd[f"{n}_proj.weight"]).unflatten(-1, (heads, -1)).transpose(1, 2) for n in "qkv")
+    d = q.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+    rot = torch.polar(torch.ones_like(angles), angles)
+
+    def rope(t):
+        return torch.view_as_real(torch.view_as_complex(t.reshape(*t.shape[:-1], d // 2, 2)) * rot).flatten(-2)
+
+    out = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True)
+    return F.linear(out.transpose(1, 2).flatten(-2), sd["output_proj.weight"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunks", [(1, 1, 1, 1, 1), (1, 4), (3, 2), (2, 1, 2)])
+def test_cached_attention_in_chunks_matches_the_float64_whole_sequence(backend, chunks):
+    rope = RotaryPositionalEmbedding(10_000.0, 8, 16)
+    attn = CausalMultiHeadSelfAttention(32, 4, rope=rope, attention_backend=backend)
+    x = torch.randn(2, sum(chunks), 32)
+    expected = _manual_mha(attn, x, 10_000.0)
+    cache = KVCache(2, 4, capacity=16, d_head=8)
+    outs, start = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            outs.append(attn(x[:, start : start + n], kv_cache=cache))
+            start += n
+    assert cache.length == sum(chunks)
+    torch.testing.assert_close(torch.cat(outs, dim=1).double(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_cache_needs_a_batch_axis():
+    attn = CausalMultiHeadSelfAttention(8, 2)
+    with pytest.raises(ValueError, match=r"with a kv_cache, x must have shape \(batch, seq, d_model\)"):
+        attn(torch.randn(3, 8), kv_cache=KVCache(1, 2, 4, 4))

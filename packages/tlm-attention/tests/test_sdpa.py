@@ -1,7 +1,13 @@
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_numerics import DTYPES, compute_dtype, fixture_ok, seeds, unit_roundoff
+from hypothesis import given
+from hypothesis import strategies as st
 
+import tlm_attention.sdpa
 from tlm_attention import scaled_dot_product_attention
 
 
@@ -102,3 +108,66 @@ def test_leading_dimensions_must_broadcast():
 def test_integer_input():
     with pytest.raises(TypeError, match="V must be a floating-point tensor, got dtype torch.int64"):
         scaled_dot_product_attention(torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.long))
+
+
+# Property-based (hypothesis; the profile in the root conftest.py decides how many examples run).
+@st.composite
+def attention_case(draw):
+    batch = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    queries, keys = draw(st.integers(1, 6)), draw(st.integers(1, 8))
+    d_k, d_v = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    mask_kind = draw(st.sampled_from(["none", "shared", "per-batch"]))
+    dtype = draw(st.sampled_from(DTYPES))
+    return batch, queries, keys, d_k, d_v, mask_kind, dtype, draw(seeds)
+
+
+@fixture_ok
+@given(case=attention_case())
+def test_sdpa_is_equivariant_to_permuting_keys_and_values_together(case, device):
+    batch, queries, keys, d_k, d_v, mask_kind, dtype, seed = case
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+    Q, K, V = randn(*batch, queries, d_k), randn(*batch, keys, d_k), randn(*batch, keys, d_v)
+    mask = None
+    if mask_kind != "none":
+        # Some rows come out fully masked; those give zeros on both sides.
+        mask_shape = (queries, keys) if mask_kind == "shared" else (*batch, queries, keys)
+        mask = (torch.rand(mask_shape, generator=g) < 0.6).to(device)
+    perm = torch.randperm(keys, generator=g).to(device)
+
+    out = scaled_dot_product_attention(Q, K, V, mask)
+    permuted = scaled_dot_product_attention(
+        Q, K[..., perm, :], V[..., perm, :], None if mask is None else mask[..., perm]
+    )
+    assert permuted.dtype == dtype and permuted.shape == out.shape
+
+    # Permuting keys only reorders sums; with exact arithmetic the outputs would be equal. Bound
+    # the reordering, relative to max|V| (every output is a convex combination of rows of V):
+    # - each score Q·K / sqrt(d_k) may be accumulated in another order: at most γ_dk = d_k·u of
+    #   Σ|q||k| / sqrt(d_k), and a score error δ moves the output by at most 2δ·max|V|;
+    # - the softmax normaliser (n = keys terms, compute dtype) and the weighted sum of V (n terms,
+    #   accumulated in the dtype at worst): (n + 1) units each, on both sides;
+    # - a narrow dtype rounds the weights and the output: one ulp (eps) each.
+    u, u_c, eps = unit_roundoff(dtype), unit_roundoff(compute_dtype(dtype)), torch.finfo(dtype).eps
+    score_err = d_k * u * (Q.double().abs() @ K.double().abs().transpose(-1, -2)).max().item() / math.sqrt(d_k)
+    vmax = V.double().abs().max().item()
+    atol = vmax * (2 * 2 * score_err + 2 * (keys + 1) * (u + u_c) + (2 * eps if dtype != compute_dtype(dtype) else 0))
+    torch.testing.assert_close(permuted.double(), out.double(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_sdpa_refuses_a_non_tensor_with_a_type_error(which):
+    args = [torch.randn(2, 4), torch.randn(3, 4), torch.randn(3, 4)]
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=f"{'QKV'[which]} must be a torch.Tensor, got list"):
+        scaled_dot_product_attention(*args)
+
+
+# The jaxtyping annotations are checked, not decoration: under `nox -s tests` (jaxtyping's import hook with beartype)
+# a wrong-shaped tensor is refused by the annotation itself.
+def test_queries_and_keys_of_different_d_k_are_refused_by_the_annotation(shape_checks):
+    q, k, v = torch.randn(3, 4), torch.randn(5, 6), torch.randn(5, 2)  # d_k: 4 in Q, 6 in K
+    shape_checks(tlm_attention.sdpa, lambda: scaled_dot_product_attention(q, k, v))

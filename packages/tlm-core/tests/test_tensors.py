@@ -1,8 +1,10 @@
+import re
+
 import numpy as np
 import pytest
 import torch
 
-from tlm_core.tensors import DTYPES, as_index_tensor, device_from_name, dtype_from_name
+from tlm_core.tensors import DTYPES, as_index_tensor, check_float_tensor, device_from_name, dtype_from_name
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
@@ -65,3 +67,19 @@ def test_device_names():
     else:
         with pytest.raises(ValueError, match=r"--device cuda:99: only \d+ CUDA device"):
             device_from_name("cuda:99")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_a_floating_tensor_is_returned_as_is(dtype):
+    t = torch.zeros(2, dtype=dtype)
+    assert check_float_tensor("x", t) is t
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    (torch.tensor([1]), "x must be a floating-point tensor, got dtype torch.int64"),
+    (torch.tensor([True]), "x must be a floating-point tensor, got dtype torch.bool"),
+    ([1.0], "x must be a torch.Tensor, got list"),
+])  # fmt: skip
+def test_anything_but_a_floating_tensor_is_refused(bad, message):
+    with pytest.raises(TypeError, match=re.escape(message)):
+        check_float_tensor("x", bad)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+import tlm_ffn.swiglu
 from tlm_ffn import SwiGLU, default_d_ff, silu, silu_mul
 
 
@@ -130,3 +131,33 @@ def test_default_is_fused_and_pickles_whole():
     for copy in (pickle.loads(pickle.dumps(ffn)), torch.load(buffer, weights_only=False)):
         torch.testing.assert_close(copy(x), ffn(x), rtol=0, atol=0)
         assert set(copy.state_dict()) == {"w1.weight", "w2.weight", "w3.weight"}
+
+
+# Edges that a mutation run found unpinned.
+def test_default_d_ff_refuses_bools():
+    with pytest.raises(TypeError, match="d_model must be an int, got bool"):
+        default_d_ff(True)
+    with pytest.raises(TypeError, match="multiple_of must be an int, got bool"):
+        default_d_ff(8, multiple_of=True)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(d_model=8.0, d_ff=4), "d_model"), (dict(d_model=8, d_ff=4.0), "d_ff")])
+def test_float_sizes_are_a_type_error_naming_the_argument(kwargs, name):
+    with pytest.raises(TypeError, match=f"{name} must be an int, got float"):
+        SwiGLU(**kwargs)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_width_one_is_valid(fused):
+    ffn = SwiGLU(1, 1, fused=fused).double()
+    sd = ffn.state_dict()
+    x = torch.randn(5, 1, dtype=torch.float64)
+    expected = F.linear(F.silu(F.linear(x, sd["w1.weight"])) * F.linear(x, sd["w3.weight"]), sd["w2.weight"])
+    torch.testing.assert_close(ffn(x), expected)
+
+
+# The jaxtyping annotations are checked, not decoration: under `nox -s tests` (jaxtyping's import hook with beartype)
+# a wrong-shaped tensor is refused by the annotation itself.
+def test_a_tensor_without_the_model_axis_is_refused_by_the_annotation(shape_checks):
+    ffn = SwiGLU(4, 8)
+    shape_checks(tlm_ffn.swiglu, lambda: ffn(torch.tensor(1.0)))  # "... d_model" needs one axis at least

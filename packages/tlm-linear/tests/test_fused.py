@@ -56,7 +56,7 @@ def test_init_std_override():
     assert w.abs().max().item() <= 3 * layer.init_std
     # std of N(0, σ²) truncated at ±3σ is 0.98658 σ.
     assert w.std().item() == pytest.approx(0.98658 * layer.init_std, rel=0.02)
-    with pytest.raises(ValueError, match="init_std must be a finite number > 0 or None, got -1.0"):
+    with pytest.raises(ValueError, match="init_std must be a finite number > 0, got -1.0"):
         Linear(4, 4, init_std=-1.0)
 
 
@@ -77,3 +77,21 @@ def test_a_module_with_the_layout_pickles_and_saves_whole():
         torch.testing.assert_close(torch.cat([sd["a.weight"], sd["b.weight"]]), module.ab.weight, rtol=0, atol=0)
         copy.load_state_dict({"a.weight": torch.zeros(3, 4), "b.weight": torch.ones(2, 4)})
         assert torch.equal(copy.ab.weight, torch.cat([torch.zeros(3, 4), torch.ones(2, 4)]))
+
+
+class _Fused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ab = Linear(3, 4)
+        register_split_layout(self, "ab", {"a": 2, "b": 2})
+
+
+def test_a_fused_key_present_beside_the_parts_wins_and_the_parts_are_unexpected():
+    module = _Fused()
+    fused = torch.randn(4, 3)
+    state = {"ab.weight": fused, "a.weight": torch.zeros(2, 3), "b.weight": torch.zeros(2, 3)}
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        module.load_state_dict(state)
+    result = module.load_state_dict(state, strict=False)
+    assert set(result.unexpected_keys) == {"a.weight", "b.weight"}
+    assert torch.equal(module.ab.weight, fused)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+import tlm_linear.linear
 from tlm_linear import Linear
 
 
@@ -117,3 +118,29 @@ def test_dtype_mismatch_is_left_to_autocast():
         out = layer(x)
     expected = F.linear(x, layer.weight.to(torch.bfloat16))
     torch.testing.assert_close(out, expected)
+
+
+# Edges that a mutation run found unpinned.
+def test_one_by_one_layer_is_valid():
+    layer = Linear(1, 1)
+    x = torch.randn(3, 1)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, float("inf"), float("nan")])
+def test_init_std_must_be_positive_and_finite(bad):
+    with pytest.raises(ValueError, match=r"init_std must be a finite number > 0, got"):
+        Linear(2, 2, init_std=bad)
+
+
+@pytest.mark.parametrize("bad", [True, "0.1", torch.tensor(0.1)])
+def test_init_std_must_be_a_number(bad):
+    with pytest.raises(TypeError, match="init_std must be a number, got"):
+        Linear(2, 2, init_std=bad)
+
+
+# The jaxtyping annotations are checked, not decoration: under `nox -s tests` (jaxtyping's import hook with beartype)
+# a wrong-shaped tensor is refused by the annotation itself.
+def test_a_tensor_without_the_feature_axis_is_refused_by_the_annotation(shape_checks):
+    layer = Linear(4, 3)
+    shape_checks(tlm_linear.linear, lambda: layer(torch.tensor(1.0)))  # "... d_in" needs one axis at least

@@ -278,7 +278,10 @@ def _disagreeing_backends() -> TransformerLM:
     return model
 
 
-@pytest.mark.parametrize("row", RAISES, ids=[row.id for row in RAISES])
+# The rows that torch.compile the model are slow (~10 s of dynamo tracing).
+@pytest.mark.parametrize(
+    "row", [pytest.param(row, id=row.id, marks=[pytest.mark.slow] * row.id.endswith("-compiled")) for row in RAISES]
+)
 def test_raises(row):
     with pytest.raises(row.exception, match=re.escape(row.message)):
         row.call()

@@ -21,6 +21,7 @@ def saved(tmp_path):
     return path, path.read_bytes()
 
 
+@pytest.mark.slow  # one load per byte of the file: ~8 s on a 2-core CPU
 def test_a_flipped_bit_anywhere_in_the_file_is_refused(saved):
     # One bit in every byte (which bit is drawn per byte), plus every bit of the header length.
     path, good = saved

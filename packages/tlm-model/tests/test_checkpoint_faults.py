@@ -21,7 +21,11 @@ import torch
 
 from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
 
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename-over semantics are POSIX")
+# slow: every test starts python subprocesses and kills them.
+pytestmark = [
+    pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename-over semantics are POSIX"),
+    pytest.mark.slow,
+]
 
 SMALL = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80)
 # Big enough (about 4 MB) that a save takes a while, so random kills land inside it.

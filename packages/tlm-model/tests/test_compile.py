@@ -5,6 +5,9 @@ import torch._dynamo
 from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerLM
 
+# slow: each test traces the whole model with dynamo (~6-25 s each on a 2-core CPU).
+pytestmark = pytest.mark.slow
+
 CFG = ModelConfig(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=64)
 
 

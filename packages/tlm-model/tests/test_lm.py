@@ -252,6 +252,7 @@ def test_every_integer_dtype_works_as_ids_and_positions(dtype):
     torch.testing.assert_close(got_loss, expected_loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # torch.compile of the whole model, ~20 s each on a 2-core CPU
 @pytest.mark.parametrize("bad", [[[-1, 3]], [[3, 97]]])
 def test_out_of_range_ids_are_refused_under_torch_compile(bad):
     torch._dynamo.reset()

@@ -71,6 +71,7 @@ def test_targets_of_any_integer_dtype(dtype):
     torch.testing.assert_close(chunked_cross_entropy(hidden, weight, targets.to(dtype), 5), expected)
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("bad", [[-1] + [0] * 11, [30] + [0] * 11])
 def test_out_of_range_targets_are_refused_under_torch_compile(bad):
     torch._dynamo.reset()

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+import tlm_norm.rmsnorm
 from tlm_norm import RMSNorm
 
 
@@ -76,7 +77,11 @@ def test_input_not_modified():
         (dict(d_model=8.0), TypeError, "d_model must be an int, got float"),
         (dict(d_model=8, eps=-1e-5), ValueError, "eps must be a finite number >= 0, got -1e-05"),
         (dict(d_model=8, eps=float("nan")), ValueError, "eps must be a finite number >= 0, got nan"),
-        (dict(d_model=8, eps="1e-5"), TypeError, "eps must be a float, got str"),
+        (dict(d_model=8, eps="1e-5"), TypeError, "eps must be a number, got str"),
+        (dict(d_model=True), TypeError, "d_model must be an int, got bool"),
+        (dict(d_model=-3), ValueError, "d_model must be positive, got -3"),
+        (dict(d_model=8, eps=True), TypeError, "eps must be a number, got bool"),
+        (dict(d_model=8, eps=float("inf")), ValueError, "eps must be a finite number >= 0, got inf"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, exc, match):
@@ -125,3 +130,92 @@ def test_large_inputs_match_f_rms_norm_on_the_rescaled_input():
     x = torch.randn(4, 32) * 1e25
     expected = F.rms_norm(x / 1e25, (32,), norm.weight, eps=0.0)
     torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
+
+
+# Edges that a mutation run found unpinned: eps at its bounds, 0-d input, one-element rows.
+@pytest.mark.parametrize("eps", [0, 0.0, 1e-30, 3])
+def test_eps_at_and_near_zero_is_accepted_and_used(eps):
+    norm = RMSNorm(6, eps=eps)
+    assert norm.eps == float(eps) and isinstance(norm.eps, float)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    torch.testing.assert_close(norm.double()(x), F.rms_norm(x, (6,), eps=float(eps)))
+
+
+def test_zero_dimensional_input_is_a_value_error():
+    with pytest.raises(ValueError, match=r"x must have last dimension d_model=1, got shape \(\)"):
+        RMSNorm(1)(torch.tensor(2.0))
+
+
+def test_one_element_rows_normalise_to_the_sign():
+    x = torch.tensor([[3.0], [-0.5]], dtype=torch.float64)
+    torch.testing.assert_close(RMSNorm(1, eps=0.0).double()(x), torch.sign(x))
+
+
+# RMSNorm in bfloat16 and float16: the reduction runs in float32, so the result is the exact value rounded once to the
+# low-precision dtype, give or take one rounding step (one ulp).
+LOW = [torch.bfloat16, torch.float16]
+
+
+def float64_rmsnorm(x, weight, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def inputs(dtype, scale, seed, d_model=256):
+    g = torch.Generator().manual_seed(seed)
+    # scale 300: squares reach ~1e6, far beyond float16's 65504; scale 1e-3: squares ~1e-6, below
+    # float16's smallest normal (6e-5). Both are harmless only if the squares are taken in float32.
+    return (torch.randn(4, 7, d_model, generator=g) * scale).to(dtype)
+
+
+def with_random_gain(norm, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(norm.d_model, generator=g) + 0.5)
+    return norm
+
+
+@pytest.mark.parametrize("x_dtype", LOW)
+@pytest.mark.parametrize("param_dtype", [torch.float32, *LOW])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 300.0])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_low_precision_result_is_float32_math_rounded_once(x_dtype, param_dtype, scale, seed, ulp_distance):
+    norm = with_random_gain(RMSNorm(256, dtype=param_dtype), seed)
+    x = inputs(x_dtype, scale, seed)
+    out = norm(x)
+    assert out.dtype == x_dtype
+    # float32 math lands within a few float32 ulps of the exact value, far less than one ulp of
+    # x_dtype, so rounding it can differ from rounding the exact value by one step at most.
+    expected = float64_rmsnorm(x, norm.weight, norm.eps).to(x_dtype)
+    assert ulp_distance(out, expected).max().item() <= 1
+
+
+@pytest.mark.parametrize("x_dtype", LOW)
+def test_reducing_in_low_precision_would_fail_the_one_ulp_check(x_dtype, ulp_distance):
+    # The check above has teeth: the same formula evaluated in x_dtype throughout is off by more.
+    norm = with_random_gain(RMSNorm(256), 0)
+    x = inputs(x_dtype, 1.0, 0)
+    w = norm.weight.to(x_dtype)
+    naive = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + norm.eps) * w
+    expected = float64_rmsnorm(x, norm.weight.to(x_dtype), norm.eps).to(x_dtype)
+    assert ulp_distance(naive, expected).max().item() > 1
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_changes_nothing(x_dtype, param_dtype):
+    # autocast lowers matmul-like ops only; RMSNorm has none, so it keeps the input dtype and the
+    # float32 reduction, and gives bitwise the result it gives outside autocast.
+    norm = with_random_gain(RMSNorm(256, dtype=param_dtype), 0)
+    x = inputs(x_dtype, 1.0, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = norm(x)
+    assert inside.dtype == x_dtype
+    assert torch.equal(inside, norm(x))
+
+
+# The jaxtyping annotations are checked, not decoration: under `nox -s tests` (jaxtyping's import hook with beartype)
+# a wrong-shaped tensor is refused by the annotation itself.
+def test_a_tensor_without_the_model_axis_is_refused_by_the_annotation(shape_checks):
+    norm = RMSNorm(4)
+    shape_checks(tlm_norm.rmsnorm, lambda: norm(torch.tensor(1.0)))  # "... d_model" needs one axis at least

@@ -1,9 +1,12 @@
 """AdamW against torch.optim.AdamW and against a float64 re-derivation of the course's algorithm."""
 
 import io
+import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tlm_optim import AdamW
 
@@ -185,6 +188,7 @@ def test_closure_is_called_and_its_loss_returned():
     ("kwargs", "error", "match"),
     [
         ({"lr": -1.0}, ValueError, "lr"),
+        ({"lr": float("inf")}, ValueError, "lr must be a finite number >= 0, got inf"),
         ({"lr": "0.1"}, TypeError, "lr"),
         ({"lr": True}, TypeError, "lr"),
         ({"betas": (1.0, 0.9)}, ValueError, r"betas\[0\]"),
@@ -225,3 +229,17 @@ def test_bfloat16_parameters_on_every_path():
             assert a.dtype == torch.bfloat16
             # bfloat16 keeps 8 bits: each of the 10 steps rounds θ by at most 2⁻⁹|θ|.
             torch.testing.assert_close(a.double(), b, rtol=0, atol=10 * 2.0**-9 * b.abs().max().item())
+
+
+# Property-based (hypothesis; the profile in the root conftest.py decides how many examples run).
+@given(st.floats(1e-5, 1e-1), st.floats(0.0, 0.5), st.floats(0.5, 0.99), st.floats(0.9, 0.9999), st.integers(1, 8))
+def test_first_step_moves_each_coordinate_by_lr_times_sign(lr, decay, beta1, beta2, seed):
+    # At t = 1: m = (1-β₁)g, v = (1-β₂)g², α₁ = α√(1-β₂)/(1-β₁), so the Adam step is α·g/(|g| + ε/√(1-β₂)).
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.randn(6, generator=gen, dtype=torch.float64)
+    grad = torch.randn(6, generator=gen, dtype=torch.float64)
+    p = theta.clone().requires_grad_()
+    p.grad = grad.clone()
+    AdamW([p], lr=lr, betas=(beta1, beta2), eps=1e-12, weight_decay=decay).step()
+    expected = (theta - lr * grad / (grad.abs() + 1e-12 / math.sqrt(1 - beta2))) * (1 - lr * decay)
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-14)

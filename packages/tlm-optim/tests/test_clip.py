@@ -1,7 +1,11 @@
 """clip_grad_norm_ against torch.nn.utils.clip_grad_norm_."""
 
+import math
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tlm_optim import clip_grad_norm_
 
@@ -30,6 +34,15 @@ def test_matches_torch(scale, max_norm, record_error):
             continue
         record_error("clip_grad_norm_ vs torch.nn.utils.clip_grad_norm_", a.grad, b.grad)
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_an_infinite_maximum_returns_the_norm_and_clips_nothing_as_torch_does():
+    ours, theirs = _params(1e3), _params(1e3)
+    before = [p.grad.clone() for p in ours if p.grad is not None]
+    torch.testing.assert_close(
+        clip_grad_norm_(ours, float("inf")), torch.nn.utils.clip_grad_norm_(theirs, float("inf"))
+    )
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, [p for p in ours if p.grad is not None], strict=True))
 
 
 def test_below_the_maximum_leaves_gradients_bit_identical():
@@ -69,6 +82,9 @@ def test_no_gradients_returns_zero():
         (([1.0], 1.0), TypeError, r"parameters\[0\]"),
         (([], -1.0), ValueError, "max_l2_norm"),
         (([], "1"), TypeError, "max_l2_norm"),
+        (([], float("nan")), ValueError, "max_l2_norm must be a finite number >= 0, got nan"),
+        (([], -float("inf")), ValueError, "max_l2_norm must be a finite number >= 0, got -inf"),
+        (([], 1.0, float("inf")), ValueError, "eps must be a finite number >= 0, got inf"),
     ],
 )
 def test_bad_arguments(args, error, match):
@@ -81,3 +97,18 @@ def test_sparse_refused():
     p.grad = torch.ones(3, 2).to_sparse()
     with pytest.raises(TypeError, match="sparse"):
         clip_grad_norm_([p], 1.0)
+
+
+# Property-based (hypothesis; the profile in the root conftest.py decides how many examples run).
+@given(st.lists(st.floats(-1e3, 1e3, allow_nan=False), min_size=1, max_size=20), st.floats(1e-3, 1e3))
+def test_clipping_caps_the_norm_and_keeps_the_direction(values, max_norm):
+    p = torch.zeros(len(values), dtype=torch.float64, requires_grad=True)
+    p.grad = torch.tensor(values, dtype=torch.float64)
+    before = p.grad.clone()
+    norm = clip_grad_norm_([p], max_norm).item()
+    assert math.isclose(norm, before.norm().item(), rel_tol=1e-12, abs_tol=1e-300)
+    assert p.grad.norm().item() <= max_norm * (1 + 1e-12)
+    if norm <= max_norm:
+        assert torch.equal(p.grad, before)
+    else:
+        torch.testing.assert_close(p.grad * (norm + 1e-6) / max_norm, before)

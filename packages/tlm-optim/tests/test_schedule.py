@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tlm_optim import AdamW, CosineSchedule, cosine_lr
 
@@ -91,3 +93,22 @@ def test_scheduler_state_survives_weights_only_load():
 def test_scheduler_refuses_non_optimizer():
     with pytest.raises(TypeError, match="optimizer"):
         CosineSchedule(object(), A_MAX, A_MIN, T_W, T_C)  # type: ignore[arg-type]
+
+
+# Property-based (hypothesis; the profile in the root conftest.py decides how many examples run).
+rates = st.floats(0.0, 10.0, allow_nan=False)
+
+
+@given(st.integers(0, 500), rates, rates, st.integers(0, 100), st.integers(0, 200))
+def test_schedule_is_bounded_and_piecewise_monotone(t, a, b, warmup, extra):
+    high, low = max(a, b), min(a, b)
+    cycle = warmup + extra
+    lr = cosine_lr(t, high, low, warmup, cycle)
+    assert 0.0 <= lr <= high * (1 + 1e-12)
+    nxt = cosine_lr(t + 1, high, low, warmup, cycle)
+    if t + 1 <= warmup:
+        assert nxt >= lr
+    else:
+        assert nxt <= lr * (1 + 1e-12) + 1e-15
+    if t >= warmup:
+        assert lr >= low * (1 - 1e-12)

@@ -14,7 +14,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from tlm_attention._checks import check_float_tensor
+from tlm_core.checks import check_positive_int
+from tlm_core.tensors import check_float_tensor
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -119,8 +120,7 @@ def blockwise_attention(
         raise ValueError(f"Q and K must share their last dimension d_k, got Q {tuple(Q.shape)} and K {tuple(K.shape)}")
     if K.shape[-2] != V.shape[-2]:
         raise ValueError(f"K and V must have the same number of keys, got K {tuple(K.shape)} and V {tuple(V.shape)}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_positive_int("block_size", block_size)
     compute = torch.promote_types(Q.dtype, torch.float32)
     out = _BlockwiseAttention.apply(Q.to(compute), K.to(compute), V.to(compute), bool(causal), block_size)
     return out.to(Q.dtype)

@@ -3,6 +3,8 @@
 import torch
 from torch import Tensor
 
+from tlm_core.checks import check_int, check_positive_int
+
 
 class KVCache:
     """Keys and values of the tokens seen so far, for one attention layer.
@@ -33,8 +35,7 @@ class KVCache:
             ("capacity", capacity),
             ("d_head", d_head),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_positive_int(name, value)
         shape = (batch_size, num_heads, capacity, d_head)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -61,8 +62,7 @@ class KVCache:
 
     def truncate(self, length: int) -> None:
         """Forget every token from position ``length`` on (0 <= length <= the current length)."""
-        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
-            raise ValueError(f"length must be an int in [0, {self.length}], got {length!r}")
+        check_int("length", length, low=0, high=self.length)
         self.length = length
 
     def reset(self) -> None:

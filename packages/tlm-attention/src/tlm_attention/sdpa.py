@@ -7,8 +7,8 @@ from einops import einsum
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from tlm_attention._checks import check_float_tensor
 from tlm_attention.softmax import softmax
+from tlm_core.tensors import check_float_tensor
 
 
 def _check_mask(mask: object, scores_shape: torch.Size) -> None:

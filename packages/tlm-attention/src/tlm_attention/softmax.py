@@ -4,7 +4,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from tlm_attention._checks import check_float_tensor
+from tlm_core.checks import check_int
+from tlm_core.tensors import check_float_tensor
 
 
 def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
@@ -17,8 +18,7 @@ def softmax(x: Float[Tensor, "..."], dim: int) -> Float[Tensor, "..."]:
     returns zeros rather than NaN, and its gradient is zero rather than NaN.
     """
     check_float_tensor("x", x)
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__} ({dim!r})")
+    check_int("dim", dim)
     rank = max(x.ndim, 1)
     if not -rank <= dim < rank:
         raise ValueError(f"dim must be in [{-rank}, {rank - 1}] for a tensor of rank {x.ndim}, got {dim}")

@@ -3,7 +3,7 @@
 import torch
 from torch import Tensor
 
-__all__ = ["DTYPES", "as_index_tensor", "device_from_name", "dtype_from_name"]
+__all__ = ["DTYPES", "as_index_tensor", "check_float_tensor", "device_from_name", "dtype_from_name"]
 
 #: The floating dtypes tlm accepts by name (command lines, configs, checkpoints).
 DTYPES: dict[str, torch.dtype] = {
@@ -20,6 +20,15 @@ def dtype_from_name(name: str, what: str = "dtype") -> torch.dtype:
         return DTYPES[name]
     except (KeyError, TypeError):
         raise ValueError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}") from None
+
+
+def check_float_tensor(name: str, t: object) -> Tensor:
+    """``t`` if it is a floating-point tensor (activations, scores, Q/K/V); integer and bool tensors are refused."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return t
 
 
 def as_index_tensor(name: str, t: object, high: int, bound_name: str) -> Tensor:

@@ -6,14 +6,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tlm_ffn._checks import check_positive_int
+from tlm_core.checks import check_positive_int
+from tlm_core.tensors import check_float_tensor
 from tlm_linear import Linear, register_split_layout
 
 
 def silu(x: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
     """SiLU / Swish: x · σ(x). torch.sigmoid saturates cleanly, so large |x| stays finite."""
-    if not x.is_floating_point():
-        raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+    check_float_tensor("x", x)
     return x * torch.sigmoid(x)
 
 

@@ -4,7 +4,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_linear._checks import as_index_tensor, check_dim
+from tlm_core.checks import check_positive_int
+from tlm_core.tensors import as_index_tensor
 
 
 class Embedding(nn.Module):
@@ -26,8 +27,8 @@ class Embedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.num_embeddings = check_dim("num_embeddings", num_embeddings)
-        self.embedding_dim = check_dim("embedding_dim", embedding_dim)
+        self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
+        self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 

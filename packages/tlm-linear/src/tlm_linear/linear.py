@@ -6,7 +6,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tlm_linear._checks import check_dim
+from tlm_core.checks import check_number, check_positive_int
+from tlm_core.tensors import check_float_tensor
 
 
 class Linear(nn.Module):
@@ -29,14 +30,13 @@ class Linear(nn.Module):
         init_std: float | None = None,
     ) -> None:
         super().__init__()
-        self.in_features = check_dim("in_features", in_features)
-        self.out_features = check_dim("out_features", out_features)
-        if init_std is not None and not (
-            isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0
-        ):
-            raise ValueError(f"init_std must be a finite number > 0 or None, got {init_std!r}")
+        self.in_features = check_positive_int("in_features", in_features)
+        self.out_features = check_positive_int("out_features", out_features)
         # A layer that stacks several projections (fused q/k/v) passes the std of one of them.
-        self.init_std = math.sqrt(2.0 / (in_features + out_features)) if init_std is None else float(init_std)
+        if init_std is None:
+            self.init_std = math.sqrt(2.0 / (in_features + out_features))
+        else:
+            self.init_std = check_number("init_std", init_std, low=0.0, low_open=True)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -45,8 +45,7 @@ class Linear(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        check_float_tensor("x", x)
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"x must have last dimension in_features={self.in_features}, got shape {tuple(x.shape)}")
         if x.dtype != self.weight.dtype and not torch.is_autocast_enabled(x.device.type):

@@ -1,10 +1,11 @@
 """RMSNorm (Zhang & Sennrich 2019, eq. 4) as used in LLaMA: x / sqrt(mean(x²) + eps) · g."""
 
-import math
-
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
+
+from tlm_core.checks import check_number, check_positive_int
+from tlm_core.tensors import check_float_tensor
 
 
 class RMSNorm(nn.Module):
@@ -26,24 +27,15 @@ class RMSNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(d_model, bool) or not isinstance(d_model, int):
-            raise TypeError(f"d_model must be an int, got {type(d_model).__name__} ({d_model!r})")
-        if d_model <= 0:
-            raise ValueError(f"d_model must be positive, got {d_model}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            raise TypeError(f"eps must be a float, got {type(eps).__name__} ({eps!r})")
-        if not (math.isfinite(eps) and eps >= 0):
-            raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-        self.d_model = d_model
-        self.eps = float(eps)
+        self.d_model = check_positive_int("d_model", d_model)
+        self.eps = check_number("eps", eps, low=0.0)
         self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        check_float_tensor("x", x)
         if x.ndim == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have last dimension d_model={self.d_model}, got shape {tuple(x.shape)}")
         in_dtype = x.dtype

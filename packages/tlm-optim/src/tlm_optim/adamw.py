@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tlm_optim._checks import check_number
+from tlm_core.checks import check_number
 
 
 class AdamW(torch.optim.Optimizer):

@@ -1,11 +1,12 @@
 """Gradient clipping by the global L2 norm (CS336 assignment 1, §4.5)."""
 
+import math
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
-from tlm_optim._checks import check_number
+from tlm_core.checks import check_number
 
 
 def _tensors(parameters: Tensor | Iterable[Tensor]) -> list[Tensor]:
@@ -28,7 +29,9 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_l2_norm: float, e
     device-to-host synchronisation. Sparse gradients are refused.
     """
     params = _tensors(parameters)
-    max_l2_norm = check_number("max_l2_norm", max_l2_norm, low=0.0)
+    # Infinity is allowed, as torch's clip_grad_norm_ allows it: the norm without clipping.
+    if not (isinstance(max_l2_norm, float) and max_l2_norm == math.inf):
+        max_l2_norm = check_number("max_l2_norm", max_l2_norm, low=0.0)
     eps = check_number("eps", eps, low=0.0)
     grads = [p.grad for p in params if p.grad is not None]
     if any(g.is_sparse for g in grads):

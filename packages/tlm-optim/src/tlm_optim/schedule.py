@@ -12,7 +12,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from tlm_optim._checks import check_int, check_number
+from tlm_core.checks import check_int, check_number
 
 
 def _check_schedule(

@@ -8,7 +8,8 @@ from einops import rearrange
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_rope._checks import as_index_tensor, check_positive_float, check_positive_int
+from tlm_core.checks import check_choice, check_number, check_positive_int
+from tlm_core.tensors import as_index_tensor, check_float_tensor
 from tlm_rope.scaling import check_scaling, inv_freq_and_factor
 
 LAYOUTS = ("interleaved", "half")
@@ -59,13 +60,12 @@ class RotaryPositionalEmbedding(nn.Module):
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        check_positive_float("theta", theta)
+        check_number("theta", theta, low=0.0, low_open=True)
         check_positive_int("d_k", d_k)
         check_positive_int("max_seq_len", max_seq_len)
         if d_k % 2 != 0:
             raise ValueError(f"d_k must be even (RoPE rotates pairs of dimensions), got {d_k}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        check_choice("layout", layout, LAYOUTS)
         if isinstance(seq_dim, bool) or seq_dim not in (-2, -3):
             raise ValueError(
                 f"seq_dim must be -2 (input (..., seq, d_k)) or -3 (input (..., seq, heads, d_k)), got {seq_dim!r}"
@@ -113,8 +113,7 @@ class RotaryPositionalEmbedding(nn.Module):
     ) -> Float[Tensor, "... d_k"]:
         """Rotate ``x`` of shape (..., seq, d_k) (``seq_dim=-2``) or (..., seq, heads, d_k)
         (``seq_dim=-3``); ``token_positions`` (default 0..seq-1) broadcast against (..., seq)."""
-        if not x.is_floating_point():
-            raise TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        check_float_tensor("x", x)
         axes = "(..., seq, d_k" if self.seq_dim == -2 else "(..., seq, heads, d_k"
         if x.ndim < -self.seq_dim or x.shape[-1] != self.d_k:
             raise ValueError(f"x must have shape {axes}={self.d_k}), got {tuple(x.shape)}")

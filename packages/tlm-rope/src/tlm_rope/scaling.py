@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from tlm_core.checks import check_number
+
 #: rope_type -> (required keys, optional keys)
 SCALINGS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "linear": (frozenset({"factor"}), frozenset()),
@@ -44,9 +46,7 @@ def check_scaling(scaling: object) -> dict[str, Any] | None:
         raise ValueError(f"scaling of rope_type {kind!r} needs keys {missing}, got {sorted(scaling)}")
     if unknown := sorted(keys - required - optional):
         raise ValueError(f"scaling of rope_type {kind!r} does not take keys {unknown}")
-    factor = scaling["factor"]
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1:
-        raise ValueError(f"scaling['factor'] must be a number >= 1, got {factor!r}")
+    check_number("scaling['factor']", scaling["factor"], low=1.0)
     return dict(scaling)
 
 

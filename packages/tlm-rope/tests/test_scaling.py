@@ -124,9 +124,16 @@ def test_rotation_matches_hf_llama_rotary_embedding(name, record_error):
         ({"rope_type": "ntk"}, "rope_type"),
         ({"rope_type": "linear"}, r"needs keys \['factor'\]"),
         ({"rope_type": "linear", "factor": 2.0, "beta_fast": 3}, r"does not take keys \['beta_fast'\]"),
-        ({"rope_type": "linear", "factor": 0.5}, "factor"),
+        ({"rope_type": "linear", "factor": 0.5}, r"scaling\['factor'\] must be a finite number >= 1, got 0.5"),
+        ({"rope_type": "linear", "factor": float("inf")}, r"scaling\['factor'\] must be a finite number >= 1, got inf"),
     ],
 )
 def test_bad_scaling(scaling, match):
     with pytest.raises(ValueError, match=match):
         RotaryPositionalEmbedding(10_000.0, 16, 32, scaling=scaling)
+
+
+@pytest.mark.parametrize("factor", ["2", True, None])
+def test_a_scaling_factor_that_is_not_a_number_is_a_type_error(factor):
+    with pytest.raises(TypeError, match=r"scaling\['factor'\] must be a number, got"):
+        RotaryPositionalEmbedding(10_000.0, 16, 32, scaling={"rope_type": "linear", "factor": factor})
