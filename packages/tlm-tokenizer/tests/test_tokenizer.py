@@ -56,25 +56,33 @@ def test_gpt2_matches_tiktoken_on_generated_text(gpt2_tokenizer, tiktoken_gpt2, 
     assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)
 
 
+@pytest.fixture(scope="module")
+def gpt2_plain(gpt2_tokenizer):
+    """GPT-2 without special tokens, built once; tests empty its cache to start fresh."""
+    return Tokenizer(gpt2_tokenizer.vocab, gpt2_tokenizer.merges)
+
+
 @settings(max_examples=100, deadline=None)
 @given(parts=st.lists(texts(max_size=12), min_size=1, max_size=30), ascii_run=st.integers(0, 300))
-def test_gpt2_fresh_caches_match_tiktoken_on_many_pretokens(gpt2_files, tiktoken_gpt2, parts, ascii_run):
-    # A fresh tokenizer runs BPE once per new distinct pre-token of a call; ASCII stretches between the
-    # parts go through re, the parts with other characters through regex.
+def test_gpt2_fresh_caches_match_tiktoken_on_many_pretokens(gpt2_plain, tiktoken_gpt2, parts, ascii_run):
+    # A fresh cache means BPE runs once per new distinct pre-token of a call; ASCII stretches between the
+    # parts go through re, the parts with other characters through regex. Emptying the cache of one
+    # tokenizer is what a new one starts with (loading GPT-2's files per example cost minutes).
     text = ("the cat's 42 " * ascii_run).join(parts)
-    tokenizer = Tokenizer.from_files(gpt2_files["encoder.json"], gpt2_files["vocab.bpe"])
-    assert tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)
-    assert tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)  # again, from a warm cache
+    gpt2_plain._cache.clear()
+    assert gpt2_plain.encode(text) == tiktoken_gpt2.encode_ordinary(text)
+    assert gpt2_plain.encode(text) == tiktoken_gpt2.encode_ordinary(text)  # again, from a warm cache
 
 
-def test_gpt2_matches_tiktoken_with_full_caches(gpt2_files, tiktoken_gpt2, english_text, monkeypatch):
+def test_gpt2_matches_tiktoken_with_full_caches(gpt2_plain, tiktoken_gpt2, english_text, monkeypatch):
     import tlm_tokenizer.tokenizer as module
 
     monkeypatch.setattr(module, "CACHE_ENTRIES", 40)
-    tokenizer = Tokenizer.from_files(gpt2_files["encoder.json"], gpt2_files["vocab.bpe"])
+    gpt2_plain._cache.clear()
     for text in (english_text[:30], english_text[:20_000], english_text[20_000:40_000], UNICODE_SAMPLE):
-        assert tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)
-    assert len(tokenizer._cache) == 40
+        assert gpt2_plain.encode(text) == tiktoken_gpt2.encode_ordinary(text)
+    assert len(gpt2_plain._cache) == 40
+    gpt2_plain._cache.clear()
 
 
 # -- a trained tokenizer against two independent encoders ------------------------------------------
@@ -86,11 +94,15 @@ def test_trained_matches_tiktoken_built_from_our_merges(trained, english_text):
         assert trained.encode(text) == reference.encode(text, allowed_special="all")
 
 
+@pytest.fixture(scope="module")
+def trained_tiktoken(trained):
+    return tiktoken_from(trained)
+
+
 @settings(max_examples=150, deadline=None)
 @given(text=texts(max_size=40))
-def test_trained_matches_tiktoken_on_generated_text(trained, text):
-    reference = tiktoken_from(trained)
-    assert trained.encode(text) == reference.encode(text, allowed_special="all")
+def test_trained_matches_tiktoken_on_generated_text(trained, trained_tiktoken, text):
+    assert trained.encode(text) == trained_tiktoken.encode(text, allowed_special="all")
 
 
 def test_trained_matches_hf_tokenizers_loading_our_files(trained, tmp_path, english_text):
