@@ -85,6 +85,21 @@ def test_gpt2_matches_tiktoken_with_full_caches(gpt2_plain, tiktoken_gpt2, engli
     gpt2_plain._cache.clear()
 
 
+def test_long_pretokens_are_encoded_but_not_cached(gpt2_plain, tiktoken_gpt2):
+    # A pre-token over CACHE_MAX_CHARS (a line without whitespace) rarely repeats; caching 2**18 of them
+    # could hold gigabytes. The words beside it are cached.
+    import tlm_tokenizer.tokenizer as module
+
+    long = "x" * module.CACHE_MAX_CHARS  # its pre-token " xxx..." is one character too long
+    longest_cached = "z" * (module.CACHE_MAX_CHARS - 1)
+    text = f"a {long} b {longest_cached}"
+    gpt2_plain._cache.clear()
+    assert gpt2_plain.encode(text) == tiktoken_gpt2.encode_ordinary(text)
+    assert sorted(gpt2_plain._cache) == sorted([" " + longest_cached, " b", "a"])
+    assert gpt2_plain.encode(text) == tiktoken_gpt2.encode_ordinary(text)  # the cached ones with the long one
+    gpt2_plain._cache.clear()
+
+
 # -- a trained tokenizer against two independent encoders ------------------------------------------
 
 

@@ -4,9 +4,10 @@ import json
 import os
 import pathlib
 from collections.abc import Iterable, Iterator
-from itertools import chain, pairwise, repeat
+from itertools import chain
 from typing import Any, cast
 
+from tlm_tokenizer import bpe
 from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
@@ -16,12 +17,12 @@ __all__ = ["Tokenizer"]
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
-_NO_RANK = 1 << 62
-_ID_MASK = (1 << 32) - 1
 # Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
 # natural text the pre-tokens seen first include the frequent ones, so the hit rate stays high without
 # the thrashing of clear-or-evict, and memory stays bounded (tens of MB) on a stream of any length.
 CACHE_ENTRIES = 1 << 18
+# Longer pre-tokens are not cached: they rarely repeat, and 2**18 of them could hold gigabytes.
+CACHE_MAX_CHARS = 128
 
 
 class Tokenizer:
@@ -64,7 +65,7 @@ class Tokenizer:
                     raise ValueError(f"merges: merge {rank} {pair!r} needs {part!r}, which vocab lacks")
             key = (self._ids[pair[0]], self._ids[pair[1]])
             if key not in self._merge_table:
-                self._merge_table[key] = rank << 32 | self._ids[pair[0] + pair[1]]
+                self._merge_table[key] = bpe.pack(rank, self._ids[pair[0] + pair[1]])
         self.special_tokens = list(dict.fromkeys(special_tokens or []))
         for token in self.special_tokens:
             encoded = token.encode("utf-8")
@@ -136,31 +137,10 @@ class Tokenizer:
     # -- encoding -------------------------------------------------------------------------------
 
     def _bpe(self, token: bytes) -> list[int]:
-        """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank (leftmost on ties).
-
-        Works on ids: ``_merge_table[(left, right)]`` packs ``rank << 32 | merged_id``, so ``min``
-        over the packed values finds the lowest rank and the low bits give the new id.
-        """
-        byte_ids = self._byte_ids
+        """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank, leftmost on ties (``bpe.merge``)."""
         if len(token) == 1:
-            return [byte_ids[token[0]]]
-        parts = list(map(byte_ids.__getitem__, token))
-        table = self._merge_table
-        packed = list(map(table.get, pairwise(parts), repeat(_NO_RANK)))
-        while packed:
-            best = min(packed)
-            if best == _NO_RANK:
-                break
-            i = packed.index(best)
-            parts[i] = best & _ID_MASK
-            del parts[i + 1]
-            del packed[i]
-            # Only the pairs on either side of the merged symbol change.
-            if i > 0:
-                packed[i - 1] = table.get((parts[i - 1], parts[i]), _NO_RANK)
-            if i < len(packed):
-                packed[i] = table.get((parts[i], parts[i + 1]), _NO_RANK)
-        return parts
+            return [self._byte_ids[token[0]]]
+        return bpe.merge(list(map(self._byte_ids.__getitem__, token)), self._merge_table)
 
     def _encode_ordinary(self, text: str) -> list[int]:
         """Ids of ``text`` (no special tokens in it): BPE once per distinct pre-token, then a cache.
@@ -174,17 +154,17 @@ class Tokenizer:
             return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
         except KeyError:
             pass
-        new = set(pretokens).difference(cache)
-        lookup = cache
-        room = CACHE_ENTRIES - len(cache)
-        if len(new) > room:  # filling up: keep what it holds plus what fits; this call alone sees the rest
-            lookup = {token: cache[token] for token in set(pretokens).difference(new)}
         with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
-            for token in new:
-                lookup[token] = ids = tuple(self._bpe(token.encode("utf-8")))
-                if lookup is not cache and room > 0:
-                    cache[token] = ids
-                    room -= 1
+            new = {token: tuple(self._bpe(token.encode("utf-8"))) for token in set(pretokens).difference(cache)}
+        room = CACHE_ENTRIES - len(cache)
+        kept = [token for token in new if len(token) <= CACHE_MAX_CHARS][:room]
+        if len(kept) == len(new):
+            cache.update(new)
+            return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
+        # The cache keeps what it holds plus what fits; this call alone sees the rest.
+        cache.update((token, new[token]) for token in kept)
+        lookup = {token: cache[token] for token in set(pretokens).difference(new)}
+        lookup.update(new)
         return list(chain.from_iterable(map(lookup.__getitem__, pretokens)))
 
     def encode(self, text: str) -> list[int]:
