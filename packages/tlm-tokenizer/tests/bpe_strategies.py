@@ -10,6 +10,11 @@ FRAGMENTS = [
     "\x1c", "\x85", " \x1c", "a\x1f",  # whitespace to Python's str, not to GPT-2's \s (and NEL)
 ]  # fmt: skip
 SPECIALS = ["<|eot|>", "<|eot|><|eot|>"]
+# Special tokens with spaces in them, overlapping each other, for the tests of cuts (encode_file's
+# ranges): a candidate cut (before a space) can fall inside an occurrence, and which occurrence
+# matches depends on where matching starts.
+CUT_SPECIALS = ["<|a b|>", "b|> <|a", "<|a b|><|a b|>", "a b", " <|x"]
+CUT_FRAGMENTS = [*CUT_SPECIALS, " ", "x", "<|", "|>", "\n", "é", "ab c", "a", "b|>", " <|", "word "]
 
 
 def texts(min_size: int = 0, max_size: int = 60) -> st.SearchStrategy[str]:

@@ -1,7 +1,10 @@
-"""encode_file: the raw id array equals tiktoken's ids, whatever the number of workers."""
+"""encode_file: the raw id array equals tiktoken's ids, and encode()'s, whatever the number of workers."""
+
+import random
 
 import numpy as np
 import pytest
+from bpe_strategies import CUT_FRAGMENTS, CUT_SPECIALS
 
 from tlm_tokenizer import Tokenizer, encode_file
 from tlm_tokenizer import _encode_file as encode_file_module
@@ -27,6 +30,28 @@ def test_matches_tiktoken(gpt2_tokenizer, tiktoken_gpt2, corpus, tmp_path, monke
     assert gpt2_tokenizer.id_dtype == "uint16" and count == len(expected)
     assert ids.tolist() == expected
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.bin"], "temporary files were left behind"
+
+
+@pytest.fixture(scope="module")
+def cut_tokenizer(gpt2_tokenizer):
+    return Tokenizer(gpt2_tokenizer.vocab, gpt2_tokenizer.merges, CUT_SPECIALS)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3, 4])
+def test_workers_give_encodes_ids_with_overlapping_specials_around_every_cut(
+    cut_tokenizer, tmp_path, monkeypatch, num_workers
+):
+    # Special tokens with spaces, overlapping each other, everywhere: many candidate cuts fall inside one,
+    # and matching from a cut would find different ones than matching the whole text does.
+    monkeypatch.setattr(encode_file_module, "_RANGE_BYTES", 64)
+    tokenizer = cut_tokenizer
+    rng = random.Random(num_workers)
+    text = "".join(rng.choice(CUT_FRAGMENTS) for _ in range(2_000))
+    (tmp_path / "in.txt").write_bytes(text.encode("utf-8"))
+    count = encode_file(tokenizer, tmp_path / "in.txt", tmp_path / "ids.bin", num_workers=num_workers)
+    expected = tokenizer.encode(text)
+    assert count == len(expected)
+    assert np.fromfile(tmp_path / "ids.bin", dtype="<u2").tolist() == expected
 
 
 def test_method_and_uint32_for_large_vocabularies(tmp_path):
