@@ -59,8 +59,11 @@ def test_module_runs_as_a_subprocess(corpus, tmp_path):
     ("args", "message"),
     [
         (["train", "--input", "{missing}", "--vocab-size", "300", "--out", "{tmp}/t"], "--input: expected a text file"),
-        (["train", "--input", "{corpus}", "--vocab-size", "100", "--out", "{tmp}/t"], "vocab_size: expected at least"),
-        (["train", "--input", "{corpus}", "--vocab-size", "300", "--out", "{corpus}"], "path: expected a directory"),
+        (
+            ["train", "--input", "{corpus}", "--vocab-size", "100", "--out", "{tmp}/t"],
+            "vocab_size must be at least 256",
+        ),
+        (["train", "--input", "{corpus}", "--vocab-size", "300", "--out", "{corpus}"], "expected a folder path"),
         (["train", "--input", "{binary}", "--vocab-size", "300", "--out", "{tmp}/t"], "can't decode byte 0xff"),
         (["encode", "--tokenizer", "{tmp}/none", "--input", "{corpus}", "--out", "{tmp}/x"], "tokenizer directory"),
         (["encode", "--tokenizer", "{tmp}", "--input", "{corpus}", "--out", "{tmp}/x"], "No such file"),

@@ -54,6 +54,15 @@ def test_workers_give_encodes_ids_with_overlapping_specials_around_every_cut(
     assert np.fromfile(tmp_path / "ids.bin", dtype="<u2").tolist() == expected
 
 
+def test_a_killed_runs_leftovers_are_removed_by_the_next(gpt2_tokenizer, tmp_path):
+    (tmp_path / "in.txt").write_text("some text")
+    dead = tmp_path / ".ids.bin.999999999-0123456789abcdef.tmp"  # pid 999999999 does not run
+    dead.mkdir()
+    (dead / "000000").write_bytes(b"partial")
+    encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path / "ids.bin")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.bin", "in.txt"]
+
+
 def test_method_and_uint32_for_large_vocabularies(tmp_path):
     vocab = {i: bytes([i]) for i in range(256)} | {70_000: b"<|big|>"}
     tokenizer = Tokenizer(vocab, [], ["<|big|>"])
@@ -75,12 +84,14 @@ def test_failure_leaves_no_output(gpt2_tokenizer, tmp_path):
 
 
 def test_bad_arguments(gpt2_tokenizer, tmp_path):
-    with pytest.raises(ValueError, match="num_workers: expected a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_workers must be positive, got 0"):
         encode_file(gpt2_tokenizer, tmp_path / "x", tmp_path / "y", num_workers=0)
-    with pytest.raises(TypeError, match="tokenizer: expected a Tokenizer, got str"):
+    with pytest.raises(TypeError, match="num_workers must be an int, got bool"):
+        encode_file(gpt2_tokenizer, tmp_path / "x", tmp_path / "y", num_workers=True)
+    with pytest.raises(TypeError, match="tokenizer must be a Tokenizer, got str"):
         encode_file("gpt2", tmp_path / "x", tmp_path / "y")
     with pytest.raises(FileNotFoundError):
         encode_file(gpt2_tokenizer, tmp_path / "absent.txt", tmp_path / "y")
     (tmp_path / "in.txt").write_text("hi")
-    with pytest.raises(IsADirectoryError, match="out_path: expected a file path"):
+    with pytest.raises(IsADirectoryError, match="out_path must be a file path, got the folder"):
         encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path)

@@ -137,12 +137,15 @@ def test_empty_file(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"vocab_size": 100}, ValueError, "vocab_size: expected at least 257"),
-        ({"vocab_size": 300.0}, TypeError, "vocab_size: expected an int, got float"),
-        ({"special_tokens": "<|endoftext|>"}, TypeError, "special_tokens: expected a list of str"),
-        ({"special_tokens": [""]}, TypeError, "special_tokens: expected non-empty str"),
-        ({"input_path": 3}, TypeError, "input_path: expected a str or os.PathLike"),
-        ({"num_workers": 0}, ValueError, "num_workers: expected a positive int"),
+        ({"vocab_size": 100}, ValueError, "vocab_size must be at least 257 .256 bytes . 1 special tokens., got 100"),
+        ({"vocab_size": 300.0}, TypeError, "vocab_size must be an int, got float"),
+        ({"special_tokens": "<|endoftext|>"}, TypeError, "special_tokens must be a list of str, got str"),
+        ({"special_tokens": [""]}, TypeError, "special_tokens must hold non-empty str, got ''"),
+        ({"input_path": 3}, TypeError, "input_path must be a str or os.PathLike, got int"),
+        ({"num_workers": 0}, ValueError, "num_workers must be positive, got 0"),
+        ({"num_workers": 2.0}, TypeError, "num_workers must be an int, got float"),
+        ({"vocab_size": True}, TypeError, "vocab_size must be an int, got bool"),
+        ({"special_tokens": [1]}, TypeError, "special_tokens must hold non-empty str, got 1"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, error, match):

@@ -7,8 +7,8 @@ from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any, cast
 
+from tlm_core.atomic import replace_dir
 from tlm_tokenizer import bpe
-from tlm_tokenizer._files import atomic_directory
 from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
 from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, pretokenize, special_splitter
@@ -100,7 +100,7 @@ class Tokenizer:
             payload = {"special_tokens": self.special_tokens}
             (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
 
-        atomic_directory(directory, fill)
+        replace_dir(directory, fill)
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "Tokenizer":
