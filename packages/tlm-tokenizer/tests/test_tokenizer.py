@@ -1,13 +1,18 @@
-"""Tokenizer against tiktoken (GPT-2's own encoding, and one built from our merges) and HF tokenizers."""
+"""Tokenizer's encode and decode against tiktoken (GPT-2's own encoding, and one built from our merges);
+construction, decoding, pickling, saving and loading."""
 
 import json
+import pickle
 
+import numpy as np
 import pytest
 from bpe_strategies import FRAGMENTS, SPECIALS, texts
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from references import tiktoken_from
 
-from tlm_tokenizer import GPT2_PATTERN, Tokenizer, train_bpe
+import tlm_tokenizer.tokenizer as module
+from tlm_tokenizer import Tokenizer, train_bpe
 
 UNICODE_SAMPLE = (
     "Héllò wörld! 日本語のテキスト 🤖🚀 — naïve café\r\n\ttabs  and   spaces\u00a0nbsp\u3000ideographic\n"
@@ -23,15 +28,6 @@ def trained(tmp_path_factory, english_text):
     path.write_bytes("<|endoftext|>".join([english_text[:150_000], english_text[150_000:300_000]]).encode())
     vocab, merges = train_bpe(path, 2_000, ["<|endoftext|>"])
     return Tokenizer(vocab, merges, ["<|endoftext|>"])
-
-
-def tiktoken_from(tokenizer: Tokenizer):
-    """A tiktoken Encoding built from our merges: ranks = our ids, same pattern, same specials."""
-    tiktoken = pytest.importorskip("tiktoken")
-    specials = {token: tokenizer.encode(token)[0] for token in tokenizer.special_tokens}
-    special_ids = set(specials.values())
-    ranks = {token: index for index, token in tokenizer.vocab.items() if index not in special_ids}
-    return tiktoken.Encoding(name="ours", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
 
 
 # -- GPT-2 exactness ------------------------------------------------------------------------------
@@ -75,8 +71,6 @@ def test_gpt2_fresh_caches_match_tiktoken_on_many_pretokens(gpt2_plain, tiktoken
 
 
 def test_gpt2_matches_tiktoken_with_full_caches(gpt2_plain, tiktoken_gpt2, english_text, monkeypatch):
-    import tlm_tokenizer.tokenizer as module
-
     monkeypatch.setattr(module, "CACHE_ENTRIES", 40)
     gpt2_plain._cache.clear()
     for text in (english_text[:30], english_text[:20_000], english_text[20_000:40_000], UNICODE_SAMPLE):
@@ -88,8 +82,6 @@ def test_gpt2_matches_tiktoken_with_full_caches(gpt2_plain, tiktoken_gpt2, engli
 def test_long_pretokens_are_encoded_but_not_cached(gpt2_plain, tiktoken_gpt2):
     # A pre-token over CACHE_MAX_CHARS (a line without whitespace) rarely repeats; caching 2**18 of them
     # could hold gigabytes. The words beside it are cached.
-    import tlm_tokenizer.tokenizer as module
-
     long = "x" * module.CACHE_MAX_CHARS  # its pre-token " xxx..." is one character too long
     longest_cached = "z" * (module.CACHE_MAX_CHARS - 1)
     text = f"a {long} b {longest_cached}"
@@ -245,27 +237,90 @@ def test_merges_apply_by_rank_not_by_frequency():
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [
-        (([], []), TypeError, "vocab: expected a dict"),
-        (({0: "a"}, []), TypeError, "vocab: expected int -> bytes"),
-        (({0: b"\x00"}, []), ValueError, "vocab: expected all 256 single bytes, got none for byte 1"),
-        (("full", [(b"x", b"y")]), ValueError, "merges: merge 0 .* needs b'xy'"),
-        (("full", [(b"x",)]), TypeError, "merges: expected .bytes, bytes. pairs"),
-        (("full", [], "<|eot|>"), TypeError, "special_tokens: expected a list"),
+        (([], []), TypeError, "vocab must be a dict of int id -> bytes, got list"),
+        (({0: "a"}, []), TypeError, "vocab must map int ids to bytes, got 0 -> 'a'"),
+        (({True: b"a"}, []), TypeError, "vocab must map int ids to bytes, got True -> b'a'"),
+        (({0: b"\x00"}, []), ValueError, "vocab must hold all 256 single bytes, got none for byte 1"),
+        (("full", {-1: b"x"}), ValueError, r"vocab ids must lie in \[0, 2\*\*32\), got -1"),
+        (("full", {2**32: b"x"}), ValueError, r"vocab ids must lie in \[0, 2\*\*32\), got 4294967296"),
+        (("full", {300: b"a"}), ValueError, "vocab must give each token one id, got b'a' at ids 97 and 300"),
+        (("full", {}, [(b"x", b"y")]), ValueError, r"merges\[0\] \(b'x', b'y'\) needs b'xy', which vocab lacks"),
+        (("full", {}, [(b"x",)]), TypeError, r"merges must hold \(bytes, bytes\) pairs, got \(b'x',\) at rank 0"),
+        (("full", {}, [("x", "y")]), TypeError, "merges must hold .bytes, bytes. pairs, got .'x', 'y'. at rank 0"),
+        (("full", {}, "xy"), TypeError, "merges must be a list of .bytes, bytes. pairs, got str"),
+        (
+            ("full", {256: b"xy"}, [(b"x", b"y"), (b"x", b"y")]),
+            ValueError,
+            "merges must hold each pair once, got .b'x', b'y'. at ranks 0 and 1",
+        ),
+        (("full", {}, [], "<|eot|>"), TypeError, "special_tokens must be a list of non-empty str or None, got str"),
+        (("full", {}, [], [""]), TypeError, "special_tokens must hold non-empty str, got ''"),
+        (("full", {}, [], [b"<|eot|>"]), TypeError, "special_tokens must hold non-empty str, got b'<|eot|>'"),
+        (
+            ("full", {2**32 - 1: b"top"}, [], ["<|new|>"]),
+            ValueError,
+            "special_tokens: no id below 2..32 is left for '<|new|>'",
+        ),
     ],
 )
 def test_bad_construction(args, error, match):
-    if args[0] == "full":
-        args = ({i: bytes([i]) for i in range(256)}, *args[1:])
+    if args[0] == "full":  # all 256 bytes, plus the entries given
+        args = ({i: bytes([i]) for i in range(256)} | args[1], *(args[2:] or ([],)))
     with pytest.raises(error, match=match):
         Tokenizer(*args)
 
 
-def test_bad_encode_decode_input(gpt2_tokenizer):
-    with pytest.raises(TypeError, match="text: expected a str, got bytes"):
+def test_ids_may_be_sparse_and_up_to_2_to_the_32():
+    vocab = {i: bytes([i]) for i in range(256)} | {2**32 - 2: b"ab"}
+    tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["<|top|>"])
+    assert tokenizer.encode("ab<|top|>") == [2**32 - 2, 2**32 - 1]
+    assert tokenizer.vocab_size == 2**32 and tokenizer.id_dtype == "uint32"
+
+
+def test_bad_encode_input(gpt2_tokenizer):
+    with pytest.raises(TypeError, match="text must be a str, got bytes"):
         gpt2_tokenizer.encode(b"abc")
-    with pytest.raises(ValueError, match="ids: expected ids in the vocabulary, got 99999999"):
-        gpt2_tokenizer.decode([1, 99999999])
-    with pytest.raises(TypeError, match="iterable: expected str items, got int"):
+    with pytest.raises(TypeError, match="iterable must yield str, got int"):
         list(gpt2_tokenizer.encode_iterable([1]))
-    with pytest.raises(FileNotFoundError, match="directory: expected a tokenizer directory"):
-        Tokenizer.load("/nonexistent/tokenizer")
+
+
+@pytest.mark.parametrize(
+    ("ids", "error", "match"),
+    [
+        ([1, 99999999], ValueError, "ids must be in the vocabulary, got 99999999"),
+        ([-1], ValueError, "ids must be in the vocabulary, got -1"),
+        ([65.0], TypeError, "ids must be ints, got float 65.0 at position 0"),
+        ([65, True], TypeError, "ids must be ints, got bool True at position 1"),
+        (["A"], TypeError, "ids must be ints, got str 'A' at position 0"),
+        ("AB", TypeError, "ids must be an iterable of int, got str"),
+        (65, TypeError, "ids must be an iterable of int, got int"),
+    ],
+)
+def test_bad_decode_input(gpt2_tokenizer, ids, error, match):
+    with pytest.raises(error, match=match):
+        gpt2_tokenizer.decode(ids)
+
+
+def test_decode_takes_any_iterable_of_integers(gpt2_tokenizer, tiktoken_gpt2):
+    ids = tiktoken_gpt2.encode_ordinary("Hello, world")
+    assert gpt2_tokenizer.decode(iter(ids)) == "Hello, world"
+    assert gpt2_tokenizer.decode(tuple(ids)) == "Hello, world"
+    assert gpt2_tokenizer.decode(np.array(ids, dtype=np.uint16)) == "Hello, world"  # numpy's integers
+
+
+def test_pickle_round_trip(gpt2_tokenizer, trained):
+    for tokenizer in (gpt2_tokenizer, trained):
+        tokenizer.encode("warm the cache")
+        copy = pickle.loads(pickle.dumps(tokenizer))
+        assert copy._cache == {}, "the cache travelled with the pickle"
+        assert copy.vocab == tokenizer.vocab and copy.merges == tokenizer.merges
+        assert copy.special_tokens == tokenizer.special_tokens
+        text = UNICODE_SAMPLE + "<|endoftext|>" + UNICODE_SAMPLE
+        assert copy.encode(text) == tokenizer.encode(text)
+
+
+def test_views_are_copies(trained):
+    trained.vocab[0] = b"changed"
+    trained.merges.clear()
+    assert trained.vocab[0] == b"\x00" and trained.merges
+    assert len(trained) == len(trained.vocab) == trained.vocab_size == 2_000

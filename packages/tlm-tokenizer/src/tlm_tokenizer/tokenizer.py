@@ -1,13 +1,15 @@
 """A byte-level BPE tokenizer that applies merges by rank exactly as GPT-2 (and tiktoken) do."""
 
 import json
+import operator
 import os
 import pathlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
-from typing import Any, cast
+from typing import Any, SupportsIndex, cast
 
 from tlm_core.atomic import replace_dir
+from tlm_core.checks import short_repr
 from tlm_tokenizer import bpe
 from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
@@ -17,6 +19,7 @@ __all__ = ["Tokenizer"]
 
 SPECIAL_TOKENS_FILE = "special_tokens.json"
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
+_ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uint32 at most (encode_file)
 # Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
 # natural text the pre-tokens seen first include the frequent ones, so the hit rate stays high without
 # the thrashing of clear-or-evict, and memory stays bounded (tens of MB) on a stream of any length.
@@ -29,8 +32,9 @@ class Tokenizer:
     """Byte-level BPE: ``encode`` text to ids, ``decode`` ids to text.
 
     Args:
-        vocab: id -> token bytes. Must hold all 256 single bytes and every merge's two parts and result.
-        merges: ``(left, right)`` byte pairs in priority order (rank = position).
+        vocab: id -> token bytes, ids in [0, 2**32), each byte string once. Must hold all 256 single
+            bytes and every merge's two parts and result.
+        merges: ``(left, right)`` byte pairs in priority order (rank = position), each pair once.
         special_tokens: strings that are never split; those missing from ``vocab`` get new ids.
             Overlapping ones match longest first.
     """
@@ -41,36 +45,47 @@ class Tokenizer:
         merges: list[tuple[bytes, bytes]],
         special_tokens: list[str] | None = None,
     ) -> None:
-        if not isinstance(vocab, dict):
-            raise TypeError(f"vocab: expected a dict[int, bytes], got {type(vocab).__name__}")
-        bad = next(((i, t) for i, t in vocab.items() if not isinstance(i, int) or not isinstance(t, bytes)), None)
-        if bad is not None:
-            raise TypeError(f"vocab: expected int -> bytes entries, got {bad[0]!r} -> {bad[1]!r}")
-        if special_tokens is not None and (
-            isinstance(special_tokens, str) or not all(isinstance(s, str) and s for s in special_tokens)
-        ):
-            raise TypeError(f"special_tokens: expected a list of non-empty str or None, got {special_tokens!r}")
-        self._vocab = dict(vocab)
+        self._vocab = _checked_vocab(vocab)
         self._ids = {token: index for index, token in self._vocab.items()}
+        if len(self._ids) != len(self._vocab):
+            seen: dict[bytes, int] = {}
+            index, twice = next((i, t) for i, t in self._vocab.items() if seen.setdefault(t, i) != i)
+            raise ValueError(f"vocab must give each token one id, got {twice!r} at ids {seen[twice]} and {index}")
         missing_bytes = [byte for byte in range(256) if bytes([byte]) not in self._ids]
         if missing_bytes:
-            raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
-        self._merges = cast(list[tuple[bytes, bytes]], [tuple(pair) for pair in merges])
+            raise ValueError(f"vocab must hold all 256 single bytes, got none for byte {missing_bytes[0]}")
+        self.special_tokens = _checked_specials(special_tokens)
+        self._merges: list[tuple[bytes, bytes]] = []
         self._merge_table: dict[tuple[int, int], int] = {}
-        for rank, pair in enumerate(self._merges):
-            if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):
-                raise TypeError(f"merges: expected (bytes, bytes) pairs, got {pair!r} at position {rank}")
-            for part in (*pair, pair[0] + pair[1]):
-                if part not in self._ids:
-                    raise ValueError(f"merges: merge {rank} {pair!r} needs {part!r}, which vocab lacks")
-            key = (self._ids[pair[0]], self._ids[pair[1]])
-            if key not in self._merge_table:
-                self._merge_table[key] = bpe.pack(rank, self._ids[pair[0] + pair[1]])
-        self.special_tokens = list(dict.fromkeys(special_tokens or []))
+        if isinstance(merges, (str, bytes)) or not isinstance(merges, Iterable):
+            raise TypeError(f"merges must be a list of (bytes, bytes) pairs, got {type(merges).__name__}")
+        ids, table = self._ids, self._merge_table
+        for rank, pair in enumerate(merges):  # GPT-2's 50,000 merges: keep this loop lean
+            if not (
+                isinstance(pair, (tuple, list))
+                and len(pair) == 2
+                and isinstance(pair[0], bytes)
+                and isinstance(pair[1], bytes)
+            ):
+                raise TypeError(f"merges must hold (bytes, bytes) pairs, got {short_repr(pair)} at rank {rank}")
+            left, right = pair
+            first, second, merged = ids.get(left), ids.get(right), ids.get(left + right)
+            if first is None or second is None or merged is None:
+                lacking = next(part for part in (left, right, left + right) if part not in ids)
+                raise ValueError(f"merges[{rank}] {(left, right)!r} needs {lacking!r}, which vocab lacks")
+            key = (first, second)
+            if key in table:
+                raise ValueError(
+                    f"merges must hold each pair once, got {(left, right)!r} at ranks {table[key] >> 32} and {rank}"
+                )
+            table[key] = bpe.pack(rank, merged)
+            self._merges.append((left, right))
         for token in self.special_tokens:
             encoded = token.encode("utf-8")
             if encoded not in self._ids:
-                index = max(self._vocab, default=-1) + 1
+                index = max(self._vocab) + 1
+                if index >= _ID_LIMIT:
+                    raise ValueError(f"special_tokens: no id below 2**32 is left for {token!r}")
                 self._vocab[index] = encoded
                 self._ids[encoded] = index
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
@@ -170,7 +185,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens are matched first and never split."""
         if not isinstance(text, str):
-            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         if self._splitter is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
@@ -207,7 +222,7 @@ class Tokenizer:
         buffer = ""
         for item in iterable:
             if not isinstance(item, str):
-                raise TypeError(f"iterable: expected str items, got {type(item).__name__}")
+                raise TypeError(f"iterable must yield str, got {type(item).__name__} ({short_repr(item)})")
             buffer += item
             if len(buffer) < _STREAM_BLOCK:
                 continue
@@ -230,16 +245,14 @@ class Tokenizer:
 
     # -- decoding -------------------------------------------------------------------------------
 
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The bytes that ``ids`` stand for."""
+    def decode_bytes(self, ids: Iterable[SupportsIndex]) -> bytes:
+        """The bytes that ``ids`` stand for: ints (numpy's integers too; bools and floats are refused)."""
         try:
-            return b"".join(map(self._vocab.__getitem__, ids))
+            return b"".join(map(self._vocab.__getitem__, _checked_ids(ids)))
         except KeyError as missing:
-            raise ValueError(f"ids: expected ids in the vocabulary, got {missing.args[0]!r}") from None
-        except TypeError:
-            raise TypeError(f"ids: expected an iterable of int, got {type(ids).__name__}") from None
+            raise ValueError(f"ids must be in the vocabulary, got {missing.args[0]!r}") from None
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[SupportsIndex]) -> str:
         """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
@@ -252,8 +265,8 @@ class Tokenizer:
 
     def encode_file(
         self,
-        path: str | os.PathLike,
-        out_path: str | os.PathLike,
+        path: str | os.PathLike[str],
+        out_path: str | os.PathLike[str],
         num_workers: int = 1,
         progress: bool | None = None,
     ) -> int:
@@ -270,3 +283,45 @@ class Tokenizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["vocab"], state["merges"], state["special_tokens"])  # type: ignore[misc]
+
+
+def _checked_vocab(vocab: object) -> dict[int, bytes]:
+    """A copy of ``vocab`` if it maps ints in [0, 2**32) (not bools) to bytes."""
+    if not isinstance(vocab, dict):
+        raise TypeError(f"vocab must be a dict of int id -> bytes, got {type(vocab).__name__}")
+    if not (set(map(type, vocab)) <= {int} and set(map(type, vocab.values())) <= {bytes}):  # the fast check
+        for index, token in vocab.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not isinstance(token, bytes):
+                raise TypeError(f"vocab must map int ids to bytes, got {short_repr(index)} -> {short_repr(token)}")
+        vocab = {int(index): bytes(token) for index, token in vocab.items()}  # subclasses of int or bytes
+    if vocab and (min(vocab) < 0 or max(vocab) >= _ID_LIMIT):
+        raise ValueError(f"vocab ids must lie in [0, 2**32), got {min(vocab) if min(vocab) < 0 else max(vocab)}")
+    return dict(vocab)
+
+
+def _checked_specials(special_tokens: object) -> list[str]:
+    """``special_tokens`` as a list without repeats, if it is None or an iterable of non-empty str."""
+    if special_tokens is None:
+        return []
+    if isinstance(special_tokens, str) or not isinstance(special_tokens, Iterable):
+        raise TypeError(f"special_tokens must be a list of non-empty str or None, got {type(special_tokens).__name__}")
+    specials = list(special_tokens)
+    bad = next((token for token in specials if not isinstance(token, str) or not token), None)
+    if bad is not None:
+        raise TypeError(f"special_tokens must hold non-empty str, got {short_repr(bad)}")
+    return list(dict.fromkeys(specials))
+
+
+def _checked_ids(ids: Iterable[SupportsIndex]) -> Iterable[int]:
+    """``ids`` (as a list or tuple) if every one is an int; an integer of another kind (numpy's) is
+    converted; a bool, a float or anything else raises TypeError."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be an iterable of int, got {type(ids).__name__}")
+    if not isinstance(ids, (list, tuple)):
+        ids = list(ids)
+    if set(map(type, ids)) <= {int}:
+        return cast(list[int], ids)
+    for position, value in enumerate(ids):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"ids must be ints, got {type(value).__name__} {short_repr(value)} at position {position}")
+    return list(map(operator.index, ids))
