@@ -63,10 +63,14 @@ def test_module_runs_as_a_subprocess(corpus, tmp_path):
             ["train", "--input", "{corpus}", "--vocab-size", "100", "--out", "{tmp}/t"],
             "vocab_size must be at least 256",
         ),
-        (["train", "--input", "{corpus}", "--vocab-size", "300", "--out", "{corpus}"], "expected a folder path"),
+        (
+            ["train", "--input", "{corpus}", "--vocab-size", "300", "--out", "{corpus}"],
+            "must be a folder (or not exist",
+        ),
+        (["train", "--input", "{corpus}", "--vocab-size", "300", "--out", "{tmp}"], "which holds binary.txt, corpus"),
         (["train", "--input", "{binary}", "--vocab-size", "300", "--out", "{tmp}/t"], "can't decode byte 0xff"),
-        (["encode", "--tokenizer", "{tmp}/none", "--input", "{corpus}", "--out", "{tmp}/x"], "tokenizer directory"),
-        (["encode", "--tokenizer", "{tmp}", "--input", "{corpus}", "--out", "{tmp}/x"], "No such file"),
+        (["encode", "--tokenizer", "{tmp}/none", "--input", "{corpus}", "--out", "{tmp}/x"], "a tokenizer folder, got"),
+        (["encode", "--tokenizer", "{tmp}", "--input", "{corpus}", "--out", "{tmp}/x"], "must hold tokenizer.json"),
         (["encode", "--tokenizer", "{tmp}", "--input", "{missing}", "--out", "{tmp}/x"], "--input: expected a text"),
     ],
 )
@@ -77,6 +81,7 @@ def test_user_errors_are_one_line_exit_2(corpus, tmp_path, capsys, args, message
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("tlm: error: ") and message in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt", "corpus.txt"], "a user's folder changed"
     done = run_module(*argv)
     assert done.returncode == 2 and done.stderr == err and "Traceback" not in done.stderr
 

@@ -5,6 +5,7 @@
 long again as the trainer's own, a sizeable share of a course-sized training run.
 """
 
+import importlib.metadata
 import subprocess
 import sys
 
@@ -53,3 +54,7 @@ def test_every_public_name_resolves_and_is_listed():
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="module 'tlm_tokenizer' has no attribute 'nope'"):
         tlm_tokenizer.nope  # noqa: B018
+
+
+def test_version_is_the_installed_distributions():
+    assert tlm_tokenizer.__version__ == importlib.metadata.version("tlm-tokenizer")

@@ -1,7 +1,6 @@
 """Tokenizer's encode and decode against tiktoken (GPT-2's own encoding, and one built from our merges);
-construction, decoding, pickling, saving and loading."""
+construction, decoding and pickling. Files: test_hf_json.py, test_folder.py, test_gpt2_format.py."""
 
-import json
 import pickle
 
 import numpy as np
@@ -112,19 +111,6 @@ def test_trained_matches_tiktoken_on_generated_text(trained, trained_tiktoken, t
     assert trained.encode(text) == trained_tiktoken.encode(text, allowed_special="all")
 
 
-def test_trained_matches_hf_tokenizers_loading_our_files(trained, tmp_path, english_text):
-    hf = pytest.importorskip("tokenizers")
-    trained.save(tmp_path / "tok")
-    model = hf.models.BPE.from_file(str(tmp_path / "tok" / "vocab.json"), str(tmp_path / "tok" / "merges.txt"))
-    reference = hf.Tokenizer(model)
-    reference.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    reference.decoder = hf.decoders.ByteLevel()
-    for text in (english_text[400_000:450_000], UNICODE_SAMPLE):
-        ids = trained.encode(text)
-        assert ids == reference.encode(text).ids
-        assert reference.decode(ids) == text
-
-
 # -- properties ------------------------------------------------------------------------------------
 
 
@@ -179,43 +165,6 @@ def test_decode_replaces_invalid_utf8(gpt2_tokenizer):
     byte_ids = {token: index for index, token in gpt2_tokenizer.vocab.items()}
     assert gpt2_tokenizer.decode([byte_ids[b"\xff"], byte_ids[b"a"]]) == "\ufffda"
     assert gpt2_tokenizer.decode([byte_ids[b"\xe6"], byte_ids[b"\x97"]]) == "\ufffd"
-
-
-def test_save_load_roundtrip_and_gpt2_layout(trained, tmp_path):
-    trained.save(tmp_path / "tok")
-    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == ["merges.txt", "special_tokens.json", "vocab.json"]
-    loaded = Tokenizer.load(tmp_path / "tok")
-    assert loaded.vocab == trained.vocab and loaded.merges == trained.merges
-    assert loaded.special_tokens == ["<|endoftext|>"]
-    assert (tmp_path / "tok" / "merges.txt").read_text().startswith("#version: 0.2\n")
-    vocab_json = json.loads((tmp_path / "tok" / "vocab.json").read_text(encoding="utf-8"))
-    assert vocab_json["Ġ"] == 32 and vocab_json["!"] == 33  # GPT-2's byte->unicode table: space is "Ġ"
-
-
-def test_gpt2_files_roundtrip_byte_identical_tables(gpt2_tokenizer, gpt2_files, tmp_path):
-    gpt2_tokenizer.save(tmp_path / "gpt2")
-    original = json.loads(gpt2_files["encoder.json"].read_text(encoding="utf-8"))
-    ours = json.loads((tmp_path / "gpt2" / "vocab.json").read_text(encoding="utf-8"))
-    assert ours == original
-    merges = gpt2_files["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:]
-    assert (tmp_path / "gpt2" / "merges.txt").read_text(encoding="utf-8").splitlines()[1:] == [
-        line for line in merges if line
-    ]
-
-
-def test_save_is_all_or_nothing(trained, tmp_path, monkeypatch):
-    trained.save(tmp_path / "tok")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()}
-
-    def broken(folder, vocab, merges):
-        (folder / "vocab.json").write_text("{")
-        raise OSError("disk full")
-
-    monkeypatch.setattr("tlm_tokenizer.tokenizer.write_gpt2_files", broken)
-    with pytest.raises(OSError, match="disk full"):
-        trained.save(tmp_path / "tok")
-    assert {p.name: p.read_bytes() for p in (tmp_path / "tok").iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"], "a temporary directory was left behind"
 
 
 def test_special_tokens_missing_from_vocab_are_appended():

@@ -68,7 +68,8 @@ def register(subparsers: Any) -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train",
         help="train byte-level BPE on a UTF-8 text file",
-        description="Writes DIR/vocab.json and DIR/merges.txt (GPT-2's format) and DIR/special_tokens.json.",
+        description="Writes DIR/tokenizer.json (HF tokenizers' format) and DIR/tokenizer_config.json; "
+        "DIR must be new or hold only tokenizer files.",
     )
     train.add_argument("--input", required=True, metavar="FILE", help="UTF-8 training text")
     train.add_argument("--vocab-size", type=_positive_int, required=True, metavar="N",

@@ -1,23 +1,22 @@
 """A byte-level BPE tokenizer that applies merges by rank exactly as GPT-2 (and tiktoken) do."""
 
-import json
 import operator
 import os
-import pathlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
+from pathlib import Path
 from typing import Any, SupportsIndex, cast
 
-from tlm_core.atomic import replace_dir
 from tlm_core.checks import short_repr
-from tlm_tokenizer import bpe
+from tlm_tokenizer import bpe, hf_json
 from tlm_tokenizer._gc import gc_paused
-from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
+from tlm_tokenizer.folder import read_folder, write_folder
+from tlm_tokenizer.gpt2_format import parse_json, parse_merges_txt, parse_vocab_json, read_gpt2_files
 from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, pretokenize, special_splitter
 
 __all__ = ["Tokenizer"]
 
-SPECIAL_TOKENS_FILE = "special_tokens.json"
+SPECIAL_TOKENS_FILE = "special_tokens.json"  # tlm-tokenizer 0.1's folders: GPT-2's two files and this
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
 _ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uint32 at most (encode_file)
 # Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
@@ -94,40 +93,81 @@ class Tokenizer:
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
 
-    # -- construction from and to files ---------------------------------------------------------
+    # -- files ----------------------------------------------------------------------------------
 
     @classmethod
     def from_files(
         cls,
-        vocab_filepath: str | os.PathLike,
-        merges_filepath: str | os.PathLike,
+        vocab_filepath: str | os.PathLike[str],
+        merges_filepath: str | os.PathLike[str],
         special_tokens: list[str] | None = None,
     ) -> "Tokenizer":
         """Load GPT-2-format ``vocab.json`` and ``merges.txt`` (GPT-2's own files included)."""
         vocab, merges = read_gpt2_files(vocab_filepath, merges_filepath)
         return cls(vocab, merges, special_tokens)
 
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write ``vocab.json``, ``merges.txt`` and ``special_tokens.json`` into ``directory``, all or nothing."""
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (:meth:`hf_files`) into ``directory``.
 
-        def fill(folder: pathlib.Path) -> None:
-            write_gpt2_files(folder, self._vocab, self._merges)
-            payload = {"special_tokens": self.special_tokens}
-            (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
-
-        replace_dir(directory, fill)
+        The folder is replaced as one unit: a reader, or a process killed at any moment, finds the old
+        tokenizer or the new one. Refuses (ValueError) a folder that holds files other than a
+        tokenizer's, so that saving into the wrong place never deletes them.
+        """
+        write_folder(directory, self.hf_files())
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "Tokenizer":
-        """Load a directory written by ``save``."""
-        folder = pathlib.Path(directory)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"directory: expected a tokenizer directory, got {folder} (no such directory)")
+    def load(cls, directory: str | os.PathLike[str]) -> "Tokenizer":
+        """Load a folder written by :meth:`save` (or by HF, see :meth:`from_hf`), or tlm-tokenizer 0.1's
+        GPT-2-format folder (``vocab.json`` + ``merges.txt`` + optional ``special_tokens.json``)."""
+        folder = Path(directory)
+        files = read_folder(folder)
+        if hf_json.TOKENIZER_JSON in files:
+            return cls._from_hf_bytes(files[hf_json.TOKENIZER_JSON], str(folder / hf_json.TOKENIZER_JSON))
+        if "vocab.json" not in files or "merges.txt" not in files:
+            raise FileNotFoundError(
+                f"directory must hold tokenizer.json (or vocab.json and merges.txt), got {folder} without them"
+            )
+        vocab = parse_vocab_json(files["vocab.json"], str(folder / "vocab.json"))
+        merges = parse_merges_txt(files["merges.txt"], str(folder / "merges.txt"))
         special_tokens: list[str] = []
-        specials_path = folder / SPECIAL_TOKENS_FILE
-        if specials_path.exists():
-            special_tokens = json.loads(specials_path.read_text(encoding="utf-8"))["special_tokens"]
-        return cls.from_files(folder / "vocab.json", folder / "merges.txt", special_tokens)
+        if SPECIAL_TOKENS_FILE in files:
+            where = str(folder / SPECIAL_TOKENS_FILE)
+            payload = parse_json(files[SPECIAL_TOKENS_FILE], where)
+            if not isinstance(payload, dict) or not isinstance(payload.get("special_tokens"), list):
+                raise ValueError(f'{where}: expected {{"special_tokens": [...]}}, got {short_repr(payload)}')
+            special_tokens = payload["special_tokens"]
+        return _built(cls, str(folder), vocab, merges, special_tokens)
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load an HF ``tokenizer.json`` (the file, or a folder holding it), whoever wrote it.
+
+        Accepts exactly the tokenizers tlm reproduces: byte-level BPE with GPT-2's pre-tokenization
+        pattern, no normalizer, no dropout, unknown token, subword prefix or suffix, a byte-level
+        decoder. Anything else raises ValueError naming what differs.
+        """
+        source = Path(path)
+        if source.is_dir():
+            data = read_folder(source, (hf_json.TOKENIZER_JSON,)).get(hf_json.TOKENIZER_JSON)
+            source = source / hf_json.TOKENIZER_JSON
+            if data is None:
+                raise FileNotFoundError(f"path must be a tokenizer.json or a folder holding one, got {source.parent}")
+        else:
+            data = source.read_bytes()
+        return cls._from_hf_bytes(data, str(source))
+
+    @classmethod
+    def _from_hf_bytes(cls, data: bytes, where: str) -> "Tokenizer":
+        vocab, merges, special_tokens = hf_json.from_json(data, where)
+        return _built(cls, where, vocab, merges, special_tokens)
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The files of an HF tokenizer folder, name -> bytes: ``tokenizer.json`` (HF tokenizers' format)
+        and ``tokenizer_config.json`` (so that ``transformers.AutoTokenizer`` loads it as it is)."""
+        return {
+            hf_json.TOKENIZER_JSON: hf_json.to_json(self._vocab, self._merges, self.special_tokens),
+            hf_json.TOKENIZER_CONFIG_JSON: hf_json.config_json(self.special_tokens),
+        }
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -325,3 +365,18 @@ def _checked_ids(ids: Iterable[SupportsIndex]) -> Iterable[int]:
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise TypeError(f"ids must be ints, got {type(value).__name__} {short_repr(value)} at position {position}")
     return list(map(operator.index, ids))
+
+
+def _built(
+    cls: type[Tokenizer],
+    where: str,
+    vocab: dict[int, bytes],
+    merges: list[tuple[bytes, bytes]],
+    special_tokens: list[str] | None,
+) -> Tokenizer:
+    """``cls(vocab, merges, special_tokens)`` read from ``where``: a file that does not make a valid
+    tokenizer raises ValueError naming it, in one line."""
+    try:
+        return cls(vocab, merges, special_tokens)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None
