@@ -9,6 +9,7 @@ import textwrap
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import same_code_env
 from references import naive_bpe
 
 from tlm_tokenizer import bpe
@@ -111,7 +112,9 @@ def test_a_pretoken_of_300_000_letters_encodes_like_tiktoken_in_a_subprocess(gpt
     expected = tiktoken_gpt2.encode_ordinary(text)
     args = [sys.executable, "-c", SCRIPT, str(gpt2_files["encoder.json"]), str(gpt2_files["vocab.bpe"])]
     try:
-        done = subprocess.run(args, input=text, capture_output=True, text=True, timeout=300, check=False)
+        done = subprocess.run(
+            args, input=text, capture_output=True, text=True, timeout=300, check=False, env=same_code_env()
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("encoding one pre-token of 300,000 letters took over 300 s: BPE is not O(n log n)")
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,12 +1,12 @@
-"""``tokenizer train|encode``: in-process through ``register`` and as ``python -m tlm_tokenizer``."""
+"""``tokenizer train|encode`` (cli.py): in-process through ``main`` and ``register``; user errors also through
+``python -m tlm_tokenizer`` (test___main__.py runs the module itself)."""
 
 import argparse
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from processes import run_module
 
 from tlm_tokenizer import Tokenizer
 from tlm_tokenizer.cli import main, register
@@ -17,12 +17,6 @@ def corpus(tmp_path, english_text):
     path = tmp_path / "corpus.txt"
     path.write_bytes((english_text[:20_000] + "<|endoftext|>" + english_text[20_000:40_000]).encode())
     return path
-
-
-def run_module(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tlm_tokenizer", *args], capture_output=True, text=True, timeout=300, check=False
-    )
 
 
 def test_train_then_encode_in_process(corpus, tmp_path, capsys):
@@ -47,12 +41,6 @@ def test_register_plugs_into_another_parser(corpus, tmp_path):
                               "--out", str(tmp_path / "t"), "--quiet"])  # fmt: skip
     assert args.handler(args) == 0
     assert len(Tokenizer.load(tmp_path / "t").vocab) == 300
-
-
-def test_module_runs_as_a_subprocess(corpus, tmp_path):
-    done = run_module("tokenizer", "train", "--input", str(corpus), "--vocab-size", "300", "--out", str(tmp_path / "t"))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"wrote {tmp_path / 't'}: 300 tokens, 44 merges")
 
 
 @pytest.mark.parametrize(
@@ -84,18 +72,3 @@ def test_user_errors_are_one_line_exit_2(corpus, tmp_path, capsys, args, message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt", "corpus.txt"], "a user's folder changed"
     done = run_module(*argv)
     assert done.returncode == 2 and done.stderr == err and "Traceback" not in done.stderr
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["train", "--input", "x", "--vocab-size", "many", "--out", "d"],
-        ["train", "--input", "x", "--vocab-size", "-5", "--out", "d"],
-        ["encode", "--tokenizer", "d", "--input", "x"],
-        ["nonsense"],
-        [],
-    ],
-)
-def test_usage_errors_exit_2_without_traceback(args):
-    done = run_module("tokenizer", *args)
-    assert done.returncode == 2 and "error:" in done.stderr and "Traceback" not in done.stderr

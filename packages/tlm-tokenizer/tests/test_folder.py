@@ -11,6 +11,7 @@ import textwrap
 import time
 
 import pytest
+from processes import same_code_env
 from small_tokenizers import make, which
 
 import tlm_core.atomic
@@ -143,7 +144,7 @@ CHILD = textwrap.dedent(
 
 def child(folder, mode: str, kinds: str, count: int) -> subprocess.Popen:
     args = [sys.executable, "-c", CHILD, os.path.dirname(__file__), str(folder), mode, kinds, str(count)]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=same_code_env())
     assert process.stdout is not None and process.stdout.readline() == "ready\n", process.stderr.read()
     return process
 

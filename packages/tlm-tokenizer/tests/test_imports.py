@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from processes import same_code_env
 
 import tlm_tokenizer
 
@@ -20,6 +21,7 @@ def modules_after(code: str) -> set[str]:
         capture_output=True,
         text=True,
         check=True,
+        env=same_code_env(),
     )
     return set(done.stdout.split())
 

@@ -5,6 +5,7 @@ import sys
 import textwrap
 
 import pytest
+from processes import same_code_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -51,9 +52,9 @@ def big_file(tmp_path_factory):
 @pytest.mark.slow
 def test_encode_iterable_fits_where_encode_does_not(big_file):
     args = [sys.executable, "-c", SCRIPT, str(big_file)]
-    streamed = subprocess.run([*args, "iterable"], capture_output=True, text=True, timeout=600)
+    streamed = subprocess.run([*args, "iterable"], capture_output=True, text=True, timeout=600, env=same_code_env())
     assert streamed.returncode == 0, streamed.stderr[-2000:]
     assert int(streamed.stdout) == big_file.stat().st_size - 2 * 12  # one id per byte, one per special token
     # The control: the same limit is too small for encode() of the whole text, so the limit bites.
-    whole = subprocess.run([*args, "whole"], capture_output=True, text=True, timeout=600)
+    whole = subprocess.run([*args, "whole"], capture_output=True, text=True, timeout=600, env=same_code_env())
     assert whole.returncode != 0 and "MemoryError" in whole.stderr
