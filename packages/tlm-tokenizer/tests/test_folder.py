@@ -75,6 +75,14 @@ def test_save_into_the_current_folder_refuses_a_users_files(tmp_path, monkeypatc
     assert sorted(os.listdir(tmp_path)) == ["a.txt", "b.txt", "c.txt", "d.txt"]
 
 
+def test_the_refusal_names_three_files_whole(tmp_path):
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (tmp_path / name).write_text("mine")
+    with pytest.raises(ValueError, match=r"which holds a.txt, b.txt, c.txt; save into") as raised:
+        make("A").save(tmp_path)
+    assert "more" not in str(raised.value)
+
+
 def test_save_refuses_a_file(tmp_path):
     (tmp_path / "tok").write_text("a file")
     with pytest.raises(ValueError, match="directory must be a folder .or not exist yet., got the file"):
@@ -111,6 +119,14 @@ def test_load_needs_a_tokenizer_folder(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError):
         Tokenizer.load(tmp_path / "file")
+
+
+def test_load_passes_over_a_moved_aside_copy_that_holds_nothing(tmp_path):
+    # A writer that finished deletes the copy it moved aside, files first: an empty one is not a tokenizer.
+    (tmp_path / ".tok.1-0123456789abcdef.old").mkdir()
+    (tmp_path / ".tok.1-0123456789abcdef.old" / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match="directory must be a tokenizer folder, got .* .no such folder."):
+        Tokenizer.load(tmp_path / "tok")
 
 
 # -- real processes -------------------------------------------------------------------------------

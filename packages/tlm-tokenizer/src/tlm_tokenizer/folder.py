@@ -34,7 +34,7 @@ TOKENIZER_FILES = frozenset(
     }
 )
 READ_NAMES = ("tokenizer.json", "vocab.json", "merges.txt", "special_tokens.json")
-_RETRIES = 50
+_RETRIES = 20  # attempts at a folder that is missing: a racing writer puts it back within one
 
 
 def write_folder(directory: str | os.PathLike[str], files: dict[str, bytes]) -> Path:
@@ -67,22 +67,20 @@ def write_folder(directory: str | os.PathLike[str], files: dict[str, bytes]) -> 
 def read_folder(directory: str | os.PathLike[str], names: tuple[str, ...] = READ_NAMES) -> dict[str, bytes]:
     """The bytes of those of ``names`` present in the folder ``directory``, all from one version of it.
 
-    Raises FileNotFoundError when there is no such folder (nor a copy of it that a killed or running
-    writer moved aside, see the module's docstring).
+    When the folder is missing, a copy that a writer moved aside (see the module's docstring) is read
+    instead, if it holds any of ``names``; a copy being deleted by a writer that just finished is
+    passed over and the folder, back in place by then, read again. Raises FileNotFoundError when
+    there is neither.
     """
     folder = Path(directory)
     for _ in range(_RETRIES):
-        try:
-            return read_dir_files(folder, [], optional=names)
-        except FileNotFoundError:
-            pass
-        for aside in _moved_aside(folder):
+        for candidate in (folder, *_moved_aside(folder)):
             try:
-                return read_dir_files(aside, [], optional=names)
+                files = read_dir_files(candidate, [], optional=names)
             except FileNotFoundError:
-                continue  # its writer finished and removed it: the folder is back
-        if not _moved_aside(folder) and not os.path.lexists(folder):
-            break
+                continue
+            if files or candidate == folder:
+                return files
     raise FileNotFoundError(f"directory must be a tokenizer folder, got {folder} (no such folder)")
 
 
