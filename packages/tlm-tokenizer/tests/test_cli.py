@@ -21,13 +21,14 @@ def corpus(tmp_path, english_text):
 
 def test_train_then_encode_in_process(corpus, tmp_path, capsys):
     out = tmp_path / "tok"
-    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "400",
+    assert main(["tokenizer", "train", "--input", str(corpus), "--vocab-size", "400", "--workers", "1",
                  "--special-token", "<|endoftext|>", "--out", str(out), "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out) == {"out": str(out), "vocab_size": 400, "merges": 143}
     tokenizer = Tokenizer.load(out)
     assert tokenizer.special_tokens == ["<|endoftext|>"]
     ids_path = tmp_path / "ids.bin"
-    assert main(["tokenizer", "encode", "--tokenizer", str(out), "--input", str(corpus), "--out", str(ids_path)]) == 0
+    assert main(["tokenizer", "encode", "--tokenizer", str(out), "--input", str(corpus), "--out", str(ids_path),
+                 "--workers", "2", "--quiet"]) == 0  # fmt: skip
     assert "as raw little-endian uint16" in capsys.readouterr().out
     text = corpus.read_bytes().decode()
     assert np.fromfile(ids_path, dtype="<u2").tolist() == tokenizer.encode(text)
@@ -72,3 +73,85 @@ def test_user_errors_are_one_line_exit_2(corpus, tmp_path, capsys, args, message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt", "corpus.txt"], "a user's folder changed"
     done = run_module(*argv)
     assert done.returncode == 2 and done.stderr == err and "Traceback" not in done.stderr
+
+
+def test_defaults():
+    parser = argparse.ArgumentParser(prog="tlm")
+    register(parser.add_subparsers(dest="command", required=True))
+    train = parser.parse_args(["tokenizer", "train", "--input", "c", "--vocab-size", "300", "--out", "d"])
+    assert (train.workers, train.special_token, train.json, train.quiet) == (None, None, False, False)
+    encode = parser.parse_args(["tokenizer", "encode", "--tokenizer", "d", "--input", "c", "--out", "x"])
+    assert (encode.workers, encode.json, encode.quiet) == (1, False, False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: tokenizer"),
+        (["tokenizer"], "the following arguments are required: {train,encode}"),
+        (["tokenizer", "encode", "--input", "x", "--out", "y"], "the following arguments are required: --tokenizer"),
+        (["tokenizer", "encode", "--tokenizer", "d", "--out", "y"], "the following arguments are required: --input"),
+        (
+            ["tokenizer", "train", "--input", "x", "--vocab-size", "0", "--out", "d"],
+            "expected a positive integer, got 0",
+        ),
+        (["tokenizer", "train", "--input", "x", "--vocab-size", "9", "--out", "d", "--workers", "0"], "got 0"),
+    ],
+)
+def test_usage_errors_are_argparses_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "lines"),
+    [
+        (
+            "train",
+            [
+                "Writes DIR/tokenizer.json (HF tokenizers' format) and DIR/tokenizer_config.json",
+                "--input FILE",
+                "UTF-8 training text",
+                "--vocab-size N",
+                "final vocabulary size, counting the 256 bytes and the special tokens",
+                "--special-token TOKEN",
+                "--out DIR",
+                "--workers N",
+                "pre-tokenisation processes (default: CPU count, at most 8)",
+                "--json",
+                "print a JSON summary",
+                "no progress bars",
+            ],
+        ),
+        (
+            "encode",
+            [
+                "--tokenizer DIR",
+                "a directory written by 'tokenizer train'",
+                "--input FILE",
+                "UTF-8 text to encode",
+                "--out FILE",
+                "token-id file to write",
+                "--workers N",
+                "processes (default 1)",
+                "print a JSON summary",
+                "no progress bar",
+            ],
+        ),
+    ],
+)
+def test_help_describes_every_option(capsys, command, lines):
+    with pytest.raises(SystemExit) as exited:
+        main(["tokenizer", command, "--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal's width
+    assert all(line in shown for line in lines), [line for line in lines if line not in shown]
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit):
+        main(["tokenizer", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "train train byte-level BPE on a UTF-8 text file" in shown
+    assert "encode encode a UTF-8 text file to a flat token-id array" in shown

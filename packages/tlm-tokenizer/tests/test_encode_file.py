@@ -5,6 +5,7 @@ import random
 import numpy as np
 import pytest
 from bpe_strategies import CUT_FRAGMENTS, CUT_SPECIALS
+from spies import record_bars_and_pools
 
 from tlm_tokenizer import Tokenizer, encode_file
 from tlm_tokenizer import _encode_file as encode_file_module
@@ -71,6 +72,48 @@ def test_method_and_uint32_for_large_vocabularies(tmp_path):
     assert tokenizer.id_dtype == "uint32"
     assert tokenizer.encode_file(source, tmp_path / "out.bin") == 4
     assert np.fromfile(tmp_path / "out.bin", dtype="<u4").tolist() == [97, 70_000, 0xC3, 0xA9]
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "text", "parts", "pools"),
+    [
+        (1, "word " * 600, 1, []),  # one process reads the file as one range
+        (2, "word " * 600, 3, [(2, "fork")]),  # ranges of at most _RANGE_BYTES, at least one per worker
+        (4, "word " * 600, 4, [(4, "fork")]),
+        (2, "x" * 3_000, 3, []),  # no safe cut: one range, no pool
+    ],
+)
+def test_workers_processes_ranges_and_the_progress_bar(
+    gpt2_tokenizer, tmp_path, monkeypatch, num_workers, text, parts, pools
+):
+    monkeypatch.setattr(encode_file_module, "_RANGE_BYTES", 1_000)
+    record = record_bars_and_pools(monkeypatch, encode_file_module)
+    asked = []
+    real_split = encode_file_module.split_file
+    monkeypatch.setattr(encode_file_module, "split_file", lambda *args: asked.append(args[1]) or real_split(*args))
+    (tmp_path / "in.txt").write_text(text)
+    count = encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path / "ids.bin", num_workers=num_workers)
+    assert count == len(gpt2_tokenizer.encode(text))
+    assert asked == [parts] and record["pools"] == pools
+    (bar,) = record["bars"]
+    assert bar.enabled is None and bar.n == 3_000  # None: shown only on a terminal
+    assert bar.kwargs == {"total": 3_000, "unit": "B", "unit_scale": True, "desc": "encoding"}
+
+
+def test_the_default_is_one_process_and_progress_can_be_forced(gpt2_tokenizer, tmp_path, monkeypatch):
+    record = record_bars_and_pools(monkeypatch, encode_file_module)
+    (tmp_path / "in.txt").write_text("word " * 600)
+    encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path / "ids.bin", progress=True)
+    assert record["pools"] == [] and [bar.enabled for bar in record["bars"]] == [True]
+
+
+def test_a_file_ending_inside_a_character_is_refused(gpt2_tokenizer, tmp_path):
+    # The last range's decoder is told it has the end: an incomplete UTF-8 sequence there is an error,
+    # not silently dropped.
+    (tmp_path / "in.txt").write_bytes("text and 日".encode()[:-1])
+    with pytest.raises(UnicodeDecodeError, match="unexpected end of data"):
+        encode_file(gpt2_tokenizer, tmp_path / "in.txt", tmp_path / "ids.bin")
+    assert not (tmp_path / "ids.bin").exists()
 
 
 def test_failure_leaves_no_output(gpt2_tokenizer, tmp_path):

@@ -5,7 +5,7 @@ import pickle
 
 import numpy as np
 import pytest
-from bpe_strategies import FRAGMENTS, SPECIALS, texts
+from bpe_strategies import CUT_FRAGMENTS, CUT_SPECIALS, FRAGMENTS, SPECIALS, texts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from references import tiktoken_from
@@ -143,6 +143,28 @@ def test_encode_iterable_equals_encode_for_any_chunking(gpt2_tokenizer, text, cu
     assert list(gpt2_tokenizer.encode_iterable(chunks)) == gpt2_tokenizer.encode(text)
 
 
+@pytest.fixture(scope="module")
+def cut_trained(trained):
+    return Tokenizer(trained.vocab, trained.merges, CUT_SPECIALS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(CUT_FRAGMENTS), max_size=60),
+    cuts=st.lists(st.integers(0, 300), max_size=8),
+    block=st.sampled_from([1, 7, 16, 64]),
+)
+def test_encode_iterable_never_cuts_a_special_token_or_a_pretoken(cut_trained, pieces, cuts, block):
+    # A tiny block makes encode_iterable look for a cut after every item, in text dense with overlapping
+    # special tokens that hold spaces (so the last whitespace before a cut can lie inside one).
+    text = "".join(pieces)
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "_STREAM_BLOCK", block)
+        assert list(cut_trained.encode_iterable(chunks)) == cut_trained.encode(text)
+
+
 def test_encode_iterable_streams_long_text_in_blocks(gpt2_tokenizer, tiktoken_gpt2, english_text):
     # Long enough to cross many 64K-character blocks, with specials and whitespace at odd places.
     pieces = [english_text[i : i + 7_001] for i in range(0, 400_000, 7_001)]
@@ -194,6 +216,8 @@ def test_merges_apply_by_rank_not_by_frequency():
         (("full", {2**32: b"x"}), ValueError, r"vocab ids must lie in \[0, 2\*\*32\), got 4294967296"),
         (("full", {300: b"a"}), ValueError, "vocab must give each token one id, got b'a' at ids 97 and 300"),
         (("full", {}, [(b"x", b"y")]), ValueError, r"merges\[0\] \(b'x', b'y'\) needs b'xy', which vocab lacks"),
+        (("full", {256: b"xzy"}, [(b"xz", b"y")]), ValueError, r"needs b'xz', which vocab lacks"),
+        (("full", {256: b"xzy"}, [(b"x", b"zy")]), ValueError, r"needs b'zy', which vocab lacks"),
         (("full", {}, [(b"x",)]), TypeError, r"merges must hold \(bytes, bytes\) pairs, got \(b'x',\) at rank 0"),
         (("full", {}, [("x", "y")]), TypeError, "merges must hold .bytes, bytes. pairs, got .'x', 'y'. at rank 0"),
         (("full", {}, "xy"), TypeError, "merges must be a list of .bytes, bytes. pairs, got str"),
@@ -203,6 +227,7 @@ def test_merges_apply_by_rank_not_by_frequency():
             "merges must hold each pair once, got .b'x', b'y'. at ranks 0 and 1",
         ),
         (("full", {}, [], "<|eot|>"), TypeError, "special_tokens must be a list of non-empty str or None, got str"),
+        (("full", {}, [], 5), TypeError, "special_tokens must be a list of non-empty str or None, got int"),
         (("full", {}, [], [""]), TypeError, "special_tokens must hold non-empty str, got ''"),
         (("full", {}, [], [b"<|eot|>"]), TypeError, "special_tokens must hold non-empty str, got b'<|eot|>'"),
         (
@@ -224,6 +249,12 @@ def test_ids_may_be_sparse_and_up_to_2_to_the_32():
     tokenizer = Tokenizer(vocab, [(b"a", b"b")], ["<|top|>"])
     assert tokenizer.encode("ab<|top|>") == [2**32 - 2, 2**32 - 1]
     assert tokenizer.vocab_size == 2**32 and tokenizer.id_dtype == "uint32"
+
+
+def test_id_dtype_is_uint16_while_every_id_fits():
+    full = {i: bytes([i]) for i in range(256)}
+    assert Tokenizer(full | {65_535: b"top"}, []).id_dtype == "uint16"  # vocab_size 65,536: ids up to 65,535
+    assert Tokenizer(full | {65_536: b"top"}, []).id_dtype == "uint32"
 
 
 def test_bad_encode_input(gpt2_tokenizer):

@@ -8,6 +8,7 @@ import regex
 from bpe_strategies import SPECIALS, texts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spies import record_bars_and_pools
 
 from tlm_tokenizer import train as train_module
 from tlm_tokenizer import train_bpe
@@ -104,6 +105,36 @@ def test_parallel_ranges_count_like_one_pass(tmp_path, english_text, monkeypatch
     expected = naive_pretoken_counts(text, ["<|endoftext|>"])
     assert {token.encode("utf-8"): n for token, n in counts.items()} == dict(expected)
     assert train_bpe(path, 400, ["<|endoftext|>"], num_workers=2) == naive_train(text, 400, ["<|endoftext|>"])
+
+
+def test_progress_bars_show_for_large_runs_only(tmp_path, monkeypatch):
+    record = record_bars_and_pools(monkeypatch, train_module)
+    path = write(tmp_path, "low lower lowest " * 50)
+    size = path.stat().st_size
+    _, merges = train_bpe(path, 300, [], num_workers=1)  # small: no bar even on a terminal
+    _, many = train_bpe(path, 256 + 2_000, [], num_workers=1)  # 2,000 merges wanted: a bar on a terminal
+    train_bpe(path, 300, [], num_workers=1, progress=True)
+    monkeypatch.setattr(train_module, "_PROGRESS_MIN_BYTES", size)
+    train_bpe(path, 300, [], num_workers=1)
+    count, merge, count_many, merge_many, count_forced, merge_forced, count_large, _ = record["bars"]
+    assert count.kwargs == {"total": size, "unit": "B", "unit_scale": True, "desc": "pre-tokenising"}
+    assert count.n == size and merge.kwargs == {"total": 44, "desc": "merging"} and merge.n == len(merges) == 7
+    assert merge_many.kwargs["total"] == 2_000 and merge_many.n == len(many) < 2_000  # stopped: no pair left
+    assert [bar.enabled for bar in (count, merge, count_many, merge_many)] == [False, False, False, None]
+    assert [count_forced.enabled, merge_forced.enabled, count_large.enabled] == [True, True, None]
+
+
+def test_large_files_are_counted_in_worker_processes(tmp_path, monkeypatch):
+    record = record_bars_and_pools(monkeypatch, train_module)
+    monkeypatch.setattr(train_module, "_PARALLEL_MIN_BYTES", 1_000)
+    monkeypatch.setattr(train_module, "_RANGE_BYTES", 500)
+    big, small = write(tmp_path, "word " * 600, "big.txt"), write(tmp_path, "word " * 100, "small.txt")
+    expected = {"word": 1, " word": 599, " ": 1}
+    assert train_module.count_file(big, [], num_workers=4) == expected  # 6 ranges of at most 500 bytes
+    # Below 1,000 bytes: one process, whatever num_workers says.
+    assert train_module.count_file(small, [], num_workers=4) == {"word": 1, " word": 99, " ": 1}
+    assert train_module.count_file(big, [], num_workers=1) == expected
+    assert record["pools"] == [(4, "fork")]
 
 
 def test_semantics(tmp_path):
