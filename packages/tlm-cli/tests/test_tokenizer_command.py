@@ -44,6 +44,7 @@ def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
         (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{text}"], "would overwrite the input"),
         (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{tmp}"], "would overwrite the input"),
         (["train", "--input", "{binary}", "--vocab-size", "300", "--out", "{tmp}/t"], "can't decode byte 0xff"),
+        (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{tmp}/user"], "which holds notes.txt"),
         (["encode", "--tokenizer", "{tmp}/none", "--input", "{text}", "--out", "{tmp}/x"], "{tmp}/none"),
         (["encode", "--tokenizer", "{tmp}/tok", "--input", "{missing}", "--out", "{tmp}/x"], "--input: expected"),
         (["encode", "--tokenizer", "{tmp}/tok", "--input", "{text}", "--out", "{text}"], "would overwrite the input"),
@@ -51,12 +52,15 @@ def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
 )
 def test_user_errors_are_one_line_exit_2_and_inputs_survive(text, tmp_path, fails, capsys, args, message):
     (tmp_path / "binary.txt").write_bytes(b"abc \xff\xfe")
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "notes.txt").write_text("a user's file")
     main(["tokenizer", "train", "--input", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--quiet"])
     capsys.readouterr()  # the summary of that training, before the failing call
     places = {"missing": tmp_path / "absent.txt", "tmp": tmp_path, "text": text, "binary": tmp_path / "binary.txt"}
     before = text.read_bytes()
     fails(["tokenizer", *(arg.format(**places) for arg in args)], message.format(**places))
     assert text.read_bytes() == before  # an output equal to an input is refused before anything is written
+    assert [p.name for p in (tmp_path / "user").iterdir()] == ["notes.txt"]  # a user's folder is not replaced
 
 
 @pytest.mark.parametrize(

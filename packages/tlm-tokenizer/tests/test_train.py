@@ -8,6 +8,7 @@ import regex
 from bpe_strategies import SPECIALS, texts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spies import record_bars_and_pools
 
 from tlm_tokenizer import train as train_module
 from tlm_tokenizer import train_bpe
@@ -63,13 +64,13 @@ def write(tmp_path, text: str, name: str = "input.txt"):
 
 
 def test_matches_naive_trainer_on_english(tmp_path, english_text):
-    text = english_text[:60_000]
+    text = english_text[:40_000]
     path = write(tmp_path, text)
-    vocab, merges = train_bpe(path, 600, ["<|endoftext|>"], num_workers=1)
-    ref_vocab, ref_merges = naive_train(text, 600, ["<|endoftext|>"])
+    vocab, merges = train_bpe(path, 500, ["<|endoftext|>"], num_workers=1)
+    ref_vocab, ref_merges = naive_train(text, 500, ["<|endoftext|>"])
     assert merges == ref_merges
     assert vocab == ref_vocab
-    assert len(vocab) == 600
+    assert len(vocab) == 500
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -106,6 +107,36 @@ def test_parallel_ranges_count_like_one_pass(tmp_path, english_text, monkeypatch
     assert train_bpe(path, 400, ["<|endoftext|>"], num_workers=2) == naive_train(text, 400, ["<|endoftext|>"])
 
 
+def test_progress_bars_show_for_large_runs_only(tmp_path, monkeypatch):
+    record = record_bars_and_pools(monkeypatch, train_module)
+    path = write(tmp_path, "low lower lowest " * 50)
+    size = path.stat().st_size
+    _, merges = train_bpe(path, 300, [], num_workers=1)  # small: no bar even on a terminal
+    _, many = train_bpe(path, 256 + 2_000, [], num_workers=1)  # 2,000 merges wanted: a bar on a terminal
+    train_bpe(path, 300, [], num_workers=1, progress=True)
+    monkeypatch.setattr(train_module, "_PROGRESS_MIN_BYTES", size)
+    train_bpe(path, 300, [], num_workers=1)
+    count, merge, count_many, merge_many, count_forced, merge_forced, count_large, _ = record["bars"]
+    assert count.kwargs == {"total": size, "unit": "B", "unit_scale": True, "desc": "pre-tokenising"}
+    assert count.n == size and merge.kwargs == {"total": 44, "desc": "merging"} and merge.n == len(merges) == 7
+    assert merge_many.kwargs["total"] == 2_000 and merge_many.n == len(many) < 2_000  # stopped: no pair left
+    assert [bar.enabled for bar in (count, merge, count_many, merge_many)] == [False, False, False, None]
+    assert [count_forced.enabled, merge_forced.enabled, count_large.enabled] == [True, True, None]
+
+
+def test_large_files_are_counted_in_worker_processes(tmp_path, monkeypatch):
+    record = record_bars_and_pools(monkeypatch, train_module)
+    monkeypatch.setattr(train_module, "_PARALLEL_MIN_BYTES", 1_000)
+    monkeypatch.setattr(train_module, "_RANGE_BYTES", 500)
+    big, small = write(tmp_path, "word " * 600, "big.txt"), write(tmp_path, "word " * 100, "small.txt")
+    expected = {"word": 1, " word": 599, " ": 1}
+    assert train_module.count_file(big, [], num_workers=4) == expected  # 6 ranges of at most 500 bytes
+    # Below 1,000 bytes: one process, whatever num_workers says.
+    assert train_module.count_file(small, [], num_workers=4) == {"word": 1, " word": 99, " ": 1}
+    assert train_module.count_file(big, [], num_workers=1) == expected
+    assert record["pools"] == [(4, "fork")]
+
+
 def test_semantics(tmp_path):
     text = "low lower lowest<|endoftext|>newer newest<|endoftext|>widest " * 5
     vocab, merges = train_bpe(write(tmp_path, text), 256 + 1 + 12, ["<|endoftext|>"])
@@ -137,12 +168,15 @@ def test_empty_file(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"vocab_size": 100}, ValueError, "vocab_size: expected at least 257"),
-        ({"vocab_size": 300.0}, TypeError, "vocab_size: expected an int, got float"),
-        ({"special_tokens": "<|endoftext|>"}, TypeError, "special_tokens: expected a list of str"),
-        ({"special_tokens": [""]}, TypeError, "special_tokens: expected non-empty str"),
-        ({"input_path": 3}, TypeError, "input_path: expected a str or os.PathLike"),
-        ({"num_workers": 0}, ValueError, "num_workers: expected a positive int"),
+        ({"vocab_size": 100}, ValueError, "vocab_size must be at least 257 .256 bytes . 1 special tokens., got 100"),
+        ({"vocab_size": 300.0}, TypeError, "vocab_size must be an int, got float"),
+        ({"special_tokens": "<|endoftext|>"}, TypeError, "special_tokens must be a list of str, got str"),
+        ({"special_tokens": [""]}, TypeError, "special_tokens must hold non-empty str, got ''"),
+        ({"input_path": 3}, TypeError, "input_path must be a str or os.PathLike, got int"),
+        ({"num_workers": 0}, ValueError, "num_workers must be positive, got 0"),
+        ({"num_workers": 2.0}, TypeError, "num_workers must be an int, got float"),
+        ({"vocab_size": True}, TypeError, "vocab_size must be an int, got bool"),
+        ({"special_tokens": [1]}, TypeError, "special_tokens must hold non-empty str, got 1"),
     ],
 )
 def test_bad_arguments(tmp_path, kwargs, error, match):

@@ -18,7 +18,7 @@ def add_parser(commands: Any) -> None:
         "train",
         help="train byte-level BPE on a UTF-8 text file",
         description="Writes DIR/tokenizer.json (HF tokenizers' format) and DIR/tokenizer_config.json, which tlm, "
-        "HF tokenizers and transformers' AutoTokenizer all read.",
+        "HF tokenizers and transformers' AutoTokenizer all read. DIR must be new or hold only tokenizer files.",
     )
     train.add_argument("--input", required=True, metavar="FILE", help="UTF-8 training text")
     train.add_argument(

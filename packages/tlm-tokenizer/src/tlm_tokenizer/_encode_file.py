@@ -7,18 +7,17 @@ header (no numpy here to write a ``.npy``): read it with
 
 import array
 import codecs
-import contextlib
 import os
 import pathlib
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 
+from tlm_core.atomic import atomic_file, remove_leftovers, temp_path
+from tlm_core.checks import check_positive_int
+from tlm_core.progress import progress_bar
 from tlm_tokenizer._chunks import split_file
-from tlm_tokenizer._files import atomic_file
-from tlm_tokenizer._progress import progress_bar
 from tlm_tokenizer.tokenizer import Tokenizer
 
 __all__ = ["encode_file"]
@@ -74,8 +73,8 @@ def _encode_range_in_worker(path: str, start: int, end: int, part_path: str) -> 
 
 def encode_file(
     tokenizer: Tokenizer,
-    path: str | os.PathLike,
-    out_path: str | os.PathLike,
+    path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
     num_workers: int = 1,
     progress: bool | None = None,
 ) -> int:
@@ -83,28 +82,29 @@ def encode_file(
 
     The file is cut into byte ranges at points no pre-token or special token crosses, so the result
     equals ``tokenizer.encode`` of the whole text whatever ``num_workers`` is. ``out_path`` is written
-    all or nothing. A tqdm bar (in bytes) shows when stderr is a terminal, unless ``progress=False``.
+    all or nothing (the temporary files of a run that was killed are removed by the next one). A tqdm
+    bar (in bytes) shows when stderr is a terminal, unless ``progress=False``.
 
     Returns:
         The number of token ids written.
     """
     if not isinstance(tokenizer, Tokenizer):
-        raise TypeError(f"tokenizer: expected a Tokenizer, got {type(tokenizer).__name__}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers: expected a positive int, got {num_workers!r}")
+        raise TypeError(f"tokenizer must be a Tokenizer, got {type(tokenizer).__name__}")
+    check_positive_int("num_workers", num_workers)
     source = os.fspath(path)
     size = os.path.getsize(source)  # FileNotFoundError names the path
     target = pathlib.Path(out_path)
     if target.is_dir():
-        raise IsADirectoryError(f"out_path: expected a file path, got the directory {target}")
+        raise IsADirectoryError(f"out_path must be a file path, got the folder {target}")
     parts = max(num_workers, -(-size // _RANGE_BYTES)) if num_workers > 1 else 1
     ranges = split_file(source, parts, tokenizer.special_tokens)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".parts", dir=target.parent))
+    remove_leftovers(target.parent, target.name)
+    scratch = temp_path(target)  # a folder of one file per range; removed by remove_leftovers if killed
+    scratch.mkdir()
     try:
         part_paths = [str(scratch / f"{index:06d}") for index in range(len(ranges))]
-        disable = not progress if progress is not None else None
         total = 0
-        with progress_bar(disable, total=size, unit="B", unit_scale=True, desc="encoding") as bar:
+        with progress_bar(progress, total=size, unit="B", unit_scale=True, desc="encoding") as bar:
             jobs = [(source, start, end, part) for (start, end), part in zip(ranges, part_paths, strict=True)]
             if num_workers == 1 or len(ranges) == 1:
                 for (start, end), job in zip(ranges, jobs, strict=True):
@@ -128,6 +128,5 @@ def encode_file(
                 with open(part, "rb") as handle:
                     shutil.copyfileobj(handle, out, 1 << 22)
     finally:
-        with contextlib.suppress(OSError):
-            shutil.rmtree(scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
     return total

@@ -1,16 +1,27 @@
-"""GPT-2's file format: ``vocab.json`` (token string -> id) and ``merges.txt`` (one merge a line).
+"""GPT-2's byte-level text form of tokens, and its files ``vocab.json`` and ``merges.txt`` (read only).
 
 GPT-2 stores byte strings as text through a fixed byte -> printable-character table (printable
 Latin-1 bytes stand for themselves, the other 68 bytes map to U+0100 onwards), so that a file of
-space-separated merges can hold any bytes. Any tool that reads GPT-2's files reads ours.
+space-separated merges can hold any bytes. HF tokenizers' ``tokenizer.json`` uses the same table
+for byte-level BPE. tlm writes ``tokenizer.json``; GPT-2's two files are still read (GPT-2's own
+``encoder.json``/``vocab.bpe``, and tokenizer folders written by tlm-tokenizer 0.1).
 """
 
 import json
 import os
-import pathlib
 from functools import cache
 
-__all__ = ["bytes_to_unicode", "read_gpt2_files", "write_gpt2_files"]
+from tlm_core.checks import short_repr
+
+__all__ = [
+    "bytes_to_unicode",
+    "parse_json",
+    "parse_merges_txt",
+    "parse_vocab_json",
+    "read_gpt2_files",
+    "text_to_token",
+    "token_to_text",
+]
 
 
 @cache
@@ -27,58 +38,83 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 @cache
-def _unicode_to_bytes() -> dict[str, int]:
-    return {char: byte for byte, char in bytes_to_unicode().items()}
+def _tables() -> tuple[dict[int, str], dict[int, int | None]]:
+    """``str.translate`` tables: Latin-1 character -> GPT-2 character, and back. Going back, a Latin-1
+    character that is not in GPT-2's alphabet (a raw space, say) is deleted, so that a changed length
+    shows that the text was not byte-level."""
+    forward = {byte: char for byte, char in bytes_to_unicode().items()}
+    backward: dict[int, int | None] = {code: None for code in range(256)}
+    backward.update({ord(char): byte for byte, char in bytes_to_unicode().items()})
+    return forward, backward
 
 
-def _to_text(token: bytes) -> str:
-    table = bytes_to_unicode()
-    return "".join(table[byte] for byte in token)
+def token_to_text(token: bytes) -> str:
+    """``token`` in GPT-2's byte-level characters (``b" the"`` -> ``"Ġthe"``)."""
+    return token.decode("latin-1").translate(_tables()[0])
 
 
-def _to_bytes(text: str, where: str) -> bytes:
-    table = _unicode_to_bytes()
+def text_to_token(text: str, where: str) -> bytes:
+    """The bytes that GPT-2 byte-level ``text`` stands for; a ValueError naming ``where`` if it is not that."""
+    raw = text.translate(_tables()[1])
+    if len(raw) == len(text):
+        try:
+            return raw.encode("latin-1")
+        except UnicodeEncodeError:
+            pass
+    alphabet = set(bytes_to_unicode().values())
+    bad = next(char for char in text if char not in alphabet)
+    raise ValueError(f"{where}: expected GPT-2 byte-level characters, got {bad!r} in {short_repr(text)}")
+
+
+def parse_vocab_json(data: bytes, where: str) -> dict[int, bytes]:
+    """id -> bytes from the bytes of a GPT-2 ``vocab.json`` (token text -> id); ``where`` names the file."""
+    raw = parse_json(data, where)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a JSON object of token -> id, got {type(raw).__name__}")
+    vocab: dict[int, bytes] = {}
+    for text, index in raw.items():
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"{where}: expected int ids, got {short_repr(index)} for {short_repr(text)}")
+        if index in vocab:
+            raise ValueError(f"{where}: expected distinct ids, got {index} for two tokens")
+        vocab[index] = text_to_token(text, where)
+    return vocab
+
+
+def parse_merges_txt(data: bytes, where: str) -> list[tuple[bytes, bytes]]:
+    """The merges, in rank order, from the bytes of a GPT-2 ``merges.txt`` (``#version`` line optional)."""
     try:
-        return bytes(table[char] for char in text)
-    except KeyError as missing:
-        raise ValueError(
-            f"{where}: expected GPT-2 byte-level characters, got {missing.args[0]!r} in {text!r}"
-        ) from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: expected UTF-8 text, got byte {data[error.start]:#04x} at {error.start}") from None
+    merges = []
+    for number, line in enumerate(text.split("\n")):
+        line = line.rstrip("\r")
+        if (number == 0 and line.startswith("#version")) or not line.strip():
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2:
+            raise ValueError(f"{where}: expected two tokens on line {number + 1}, got {short_repr(line)}")
+        merges.append((text_to_token(parts[0], where), text_to_token(parts[1], where)))
+    return merges
 
 
 def read_gpt2_files(
-    vocab_filepath: str | os.PathLike, merges_filepath: str | os.PathLike
+    vocab_filepath: str | os.PathLike[str], merges_filepath: str | os.PathLike[str]
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Read GPT-2-format ``vocab.json`` and ``merges.txt`` into ``(vocab, merges)`` of bytes."""
-    with open(vocab_filepath, encoding="utf-8") as handle:
-        raw = json.load(handle)
-    if not isinstance(raw, dict) or not all(isinstance(i, int) for i in raw.values()):
-        raise ValueError(
-            f"vocab_filepath: expected a JSON object of token -> id, got {type(raw).__name__} in {vocab_filepath}"
-        )
-    vocab = {index: _to_bytes(text, str(vocab_filepath)) for text, index in raw.items()}
-    merges = []
-    with open(merges_filepath, encoding="utf-8", newline="") as handle:
-        for number, line in enumerate(handle):
-            line = line.rstrip("\r\n")
-            if (number == 0 and line.startswith("#version")) or not line.strip():
-                continue
-            parts = line.split(" ")
-            if len(parts) != 2:
-                raise ValueError(f"merges_filepath: expected two tokens on line {number + 1}, got {line!r}")
-            merges.append((_to_bytes(parts[0], str(merges_filepath)), _to_bytes(parts[1], str(merges_filepath))))
+    with open(vocab_filepath, "rb") as handle:
+        vocab = parse_vocab_json(handle.read(), os.fspath(vocab_filepath))
+    with open(merges_filepath, "rb") as handle:
+        merges = parse_merges_txt(handle.read(), os.fspath(merges_filepath))
     return vocab, merges
 
 
-def write_gpt2_files(
-    folder: pathlib.Path, vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]]
-) -> tuple[pathlib.Path, pathlib.Path]:
-    """Write ``vocab.json`` and ``merges.txt`` into ``folder`` (the caller makes this atomic)."""
-    encoder = {_to_text(token): index for index, token in sorted(vocab.items())}
-    if len(encoder) != len(vocab):
-        raise ValueError("vocab: expected distinct byte strings, got duplicates (GPT-2's vocab.json maps each once)")
-    vocab_path, merges_path = folder / "vocab.json", folder / "merges.txt"
-    vocab_path.write_text(json.dumps(encoder, ensure_ascii=False), encoding="utf-8")
-    lines = ["#version: 0.2", *(f"{_to_text(a)} {_to_text(b)}" for a, b in merges)]
-    merges_path.write_text("\n".join(lines) + "\n", encoding="utf-8", newline="")
-    return vocab_path, merges_path
+def parse_json(data: bytes, where: str) -> object:
+    """``json.loads(data)``; a ValueError naming ``where`` in one line if it is not UTF-8 JSON."""
+    try:
+        return json.loads(data)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{where}: expected UTF-8 JSON, got byte {data[error.start]:#04x} at {error.start}") from None
+    except ValueError as error:  # json.JSONDecodeError
+        raise ValueError(f"{where}: not JSON ({error})") from None

@@ -1,35 +1,39 @@
 """A byte-level BPE tokenizer that applies merges by rank exactly as GPT-2 (and tiktoken) do."""
 
-import json
+import operator
 import os
-import pathlib
 from collections.abc import Iterable, Iterator
-from itertools import chain, pairwise, repeat
-from typing import Any, cast
+from itertools import chain
+from pathlib import Path
+from typing import Any, SupportsIndex, cast
 
-from tlm_tokenizer._files import atomic_directory
+from tlm_core.checks import short_repr
+from tlm_tokenizer import bpe, hf_json
 from tlm_tokenizer._gc import gc_paused
-from tlm_tokenizer.gpt2_format import read_gpt2_files, write_gpt2_files
+from tlm_tokenizer.folder import read_folder, write_folder
+from tlm_tokenizer.gpt2_format import parse_json, parse_merges_txt, parse_vocab_json, read_gpt2_files
 from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, pretokenize, special_splitter
 
 __all__ = ["Tokenizer"]
 
-SPECIAL_TOKENS_FILE = "special_tokens.json"
+SPECIAL_TOKENS_FILE = "special_tokens.json"  # tlm-tokenizer 0.1's folders: GPT-2's two files and this
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
-_NO_RANK = 1 << 62
-_ID_MASK = (1 << 32) - 1
+_ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uint32 at most (encode_file)
 # Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
 # natural text the pre-tokens seen first include the frequent ones, so the hit rate stays high without
 # the thrashing of clear-or-evict, and memory stays bounded (tens of MB) on a stream of any length.
 CACHE_ENTRIES = 1 << 18
+# Longer pre-tokens are not cached: they rarely repeat, and 2**18 of them could hold gigabytes.
+CACHE_MAX_CHARS = 128
 
 
 class Tokenizer:
     """Byte-level BPE: ``encode`` text to ids, ``decode`` ids to text.
 
     Args:
-        vocab: id -> token bytes. Must hold all 256 single bytes and every merge's two parts and result.
-        merges: ``(left, right)`` byte pairs in priority order (rank = position).
+        vocab: id -> token bytes, ids in [0, 2**32), each byte string once. Must hold all 256 single
+            bytes and every merge's two parts and result.
+        merges: ``(left, right)`` byte pairs in priority order (rank = position), each pair once.
         special_tokens: strings that are never split; those missing from ``vocab`` get new ids.
             Overlapping ones match longest first.
     """
@@ -40,36 +44,47 @@ class Tokenizer:
         merges: list[tuple[bytes, bytes]],
         special_tokens: list[str] | None = None,
     ) -> None:
-        if not isinstance(vocab, dict):
-            raise TypeError(f"vocab: expected a dict[int, bytes], got {type(vocab).__name__}")
-        bad = next(((i, t) for i, t in vocab.items() if not isinstance(i, int) or not isinstance(t, bytes)), None)
-        if bad is not None:
-            raise TypeError(f"vocab: expected int -> bytes entries, got {bad[0]!r} -> {bad[1]!r}")
-        if special_tokens is not None and (
-            isinstance(special_tokens, str) or not all(isinstance(s, str) and s for s in special_tokens)
-        ):
-            raise TypeError(f"special_tokens: expected a list of non-empty str or None, got {special_tokens!r}")
-        self._vocab = dict(vocab)
+        self._vocab = _checked_vocab(vocab)
         self._ids = {token: index for index, token in self._vocab.items()}
+        if len(self._ids) != len(self._vocab):
+            seen: dict[bytes, int] = {}
+            index, twice = next((i, t) for i, t in self._vocab.items() if seen.setdefault(t, i) != i)
+            raise ValueError(f"vocab must give each token one id, got {twice!r} at ids {seen[twice]} and {index}")
         missing_bytes = [byte for byte in range(256) if bytes([byte]) not in self._ids]
         if missing_bytes:
-            raise ValueError(f"vocab: expected all 256 single bytes, got none for byte {missing_bytes[0]}")
-        self._merges = cast(list[tuple[bytes, bytes]], [tuple(pair) for pair in merges])
+            raise ValueError(f"vocab must hold all 256 single bytes, got none for byte {missing_bytes[0]}")
+        self.special_tokens = _checked_specials(special_tokens)
+        self._merges: list[tuple[bytes, bytes]] = []
         self._merge_table: dict[tuple[int, int], int] = {}
-        for rank, pair in enumerate(self._merges):
-            if len(pair) != 2 or not all(isinstance(part, bytes) for part in pair):
-                raise TypeError(f"merges: expected (bytes, bytes) pairs, got {pair!r} at position {rank}")
-            for part in (*pair, pair[0] + pair[1]):
-                if part not in self._ids:
-                    raise ValueError(f"merges: merge {rank} {pair!r} needs {part!r}, which vocab lacks")
-            key = (self._ids[pair[0]], self._ids[pair[1]])
-            if key not in self._merge_table:
-                self._merge_table[key] = rank << 32 | self._ids[pair[0] + pair[1]]
-        self.special_tokens = list(dict.fromkeys(special_tokens or []))
+        if isinstance(merges, (str, bytes)) or not isinstance(merges, Iterable):
+            raise TypeError(f"merges must be a list of (bytes, bytes) pairs, got {type(merges).__name__}")
+        ids, table = self._ids, self._merge_table
+        for rank, pair in enumerate(merges):  # GPT-2's 50,000 merges: keep this loop lean
+            if not (
+                isinstance(pair, (tuple, list))
+                and len(pair) == 2
+                and isinstance(pair[0], bytes)
+                and isinstance(pair[1], bytes)
+            ):
+                raise TypeError(f"merges must hold (bytes, bytes) pairs, got {short_repr(pair)} at rank {rank}")
+            left, right = pair
+            first, second, merged = ids.get(left), ids.get(right), ids.get(left + right)
+            if first is None or second is None or merged is None:
+                lacking = next(part for part in (left, right, left + right) if part not in ids)
+                raise ValueError(f"merges[{rank}] {(left, right)!r} needs {lacking!r}, which vocab lacks")
+            key = (first, second)
+            if key in table:
+                raise ValueError(
+                    f"merges must hold each pair once, got {(left, right)!r} at ranks {table[key] >> 32} and {rank}"
+                )
+            table[key] = bpe.pack(rank, merged)
+            self._merges.append((left, right))
         for token in self.special_tokens:
             encoded = token.encode("utf-8")
             if encoded not in self._ids:
-                index = max(self._vocab, default=-1) + 1
+                index = max(self._vocab) + 1
+                if index >= _ID_LIMIT:
+                    raise ValueError(f"special_tokens: no id below 2**32 is left for {token!r}")
                 self._vocab[index] = encoded
                 self._ids[encoded] = index
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
@@ -78,40 +93,81 @@ class Tokenizer:
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
 
-    # -- construction from and to files ---------------------------------------------------------
+    # -- files ----------------------------------------------------------------------------------
 
     @classmethod
     def from_files(
         cls,
-        vocab_filepath: str | os.PathLike,
-        merges_filepath: str | os.PathLike,
+        vocab_filepath: str | os.PathLike[str],
+        merges_filepath: str | os.PathLike[str],
         special_tokens: list[str] | None = None,
     ) -> "Tokenizer":
         """Load GPT-2-format ``vocab.json`` and ``merges.txt`` (GPT-2's own files included)."""
         vocab, merges = read_gpt2_files(vocab_filepath, merges_filepath)
         return cls(vocab, merges, special_tokens)
 
-    def save(self, directory: str | os.PathLike) -> None:
-        """Write ``vocab.json``, ``merges.txt`` and ``special_tokens.json`` into ``directory``, all or nothing."""
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` (:meth:`hf_files`) into ``directory``.
 
-        def fill(folder: pathlib.Path) -> None:
-            write_gpt2_files(folder, self._vocab, self._merges)
-            payload = {"special_tokens": self.special_tokens}
-            (folder / SPECIAL_TOKENS_FILE).write_text(json.dumps(payload, ensure_ascii=False) + "\n", encoding="utf-8")
-
-        atomic_directory(directory, fill)
+        The folder is replaced as one unit: a reader, or a process killed at any moment, finds the old
+        tokenizer or the new one. Refuses (ValueError) a folder that holds files other than a
+        tokenizer's, so that saving into the wrong place never deletes them.
+        """
+        write_folder(directory, self.hf_files())
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "Tokenizer":
-        """Load a directory written by ``save``."""
-        folder = pathlib.Path(directory)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"directory: expected a tokenizer directory, got {folder} (no such directory)")
+    def load(cls, directory: str | os.PathLike[str]) -> "Tokenizer":
+        """Load a folder written by :meth:`save` (or by HF, see :meth:`from_hf`), or tlm-tokenizer 0.1's
+        GPT-2-format folder (``vocab.json`` + ``merges.txt`` + optional ``special_tokens.json``)."""
+        folder = Path(directory)
+        files = read_folder(folder)
+        if hf_json.TOKENIZER_JSON in files:
+            return cls._from_hf_bytes(files[hf_json.TOKENIZER_JSON], str(folder / hf_json.TOKENIZER_JSON))
+        if "vocab.json" not in files or "merges.txt" not in files:
+            raise FileNotFoundError(
+                f"directory must hold tokenizer.json (or vocab.json and merges.txt), got {folder} without them"
+            )
+        vocab = parse_vocab_json(files["vocab.json"], str(folder / "vocab.json"))
+        merges = parse_merges_txt(files["merges.txt"], str(folder / "merges.txt"))
         special_tokens: list[str] = []
-        specials_path = folder / SPECIAL_TOKENS_FILE
-        if specials_path.exists():
-            special_tokens = json.loads(specials_path.read_text(encoding="utf-8"))["special_tokens"]
-        return cls.from_files(folder / "vocab.json", folder / "merges.txt", special_tokens)
+        if SPECIAL_TOKENS_FILE in files:
+            where = str(folder / SPECIAL_TOKENS_FILE)
+            payload = parse_json(files[SPECIAL_TOKENS_FILE], where)
+            if not isinstance(payload, dict) or not isinstance(payload.get("special_tokens"), list):
+                raise ValueError(f'{where}: expected {{"special_tokens": [...]}}, got {short_repr(payload)}')
+            special_tokens = payload["special_tokens"]
+        return _built(cls, str(folder), vocab, merges, special_tokens)
+
+    @classmethod
+    def from_hf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
+        """Load an HF ``tokenizer.json`` (the file, or a folder holding it), whoever wrote it.
+
+        Accepts exactly the tokenizers tlm reproduces: byte-level BPE with GPT-2's pre-tokenization
+        pattern, no normalizer, no dropout, unknown token, subword prefix or suffix, a byte-level
+        decoder. Anything else raises ValueError naming what differs.
+        """
+        source = Path(path)
+        if source.is_dir():
+            data = read_folder(source, (hf_json.TOKENIZER_JSON,)).get(hf_json.TOKENIZER_JSON)
+            source = source / hf_json.TOKENIZER_JSON
+            if data is None:
+                raise FileNotFoundError(f"path must be a tokenizer.json or a folder holding one, got {source.parent}")
+        else:
+            data = source.read_bytes()
+        return cls._from_hf_bytes(data, str(source))
+
+    @classmethod
+    def _from_hf_bytes(cls, data: bytes, where: str) -> "Tokenizer":
+        vocab, merges, special_tokens = hf_json.from_json(data, where)
+        return _built(cls, where, vocab, merges, special_tokens)
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The files of an HF tokenizer folder, name -> bytes: ``tokenizer.json`` (HF tokenizers' format)
+        and ``tokenizer_config.json`` (so that ``transformers.AutoTokenizer`` loads it as it is)."""
+        return {
+            hf_json.TOKENIZER_JSON: hf_json.to_json(self._vocab, self._merges, self.special_tokens),
+            hf_json.TOKENIZER_CONFIG_JSON: hf_json.config_json(self.special_tokens),
+        }
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -136,31 +192,10 @@ class Tokenizer:
     # -- encoding -------------------------------------------------------------------------------
 
     def _bpe(self, token: bytes) -> list[int]:
-        """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank (leftmost on ties).
-
-        Works on ids: ``_merge_table[(left, right)]`` packs ``rank << 32 | merged_id``, so ``min``
-        over the packed values finds the lowest rank and the low bits give the new id.
-        """
-        byte_ids = self._byte_ids
+        """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank, leftmost on ties (``bpe.merge``)."""
         if len(token) == 1:
-            return [byte_ids[token[0]]]
-        parts = list(map(byte_ids.__getitem__, token))
-        table = self._merge_table
-        packed = list(map(table.get, pairwise(parts), repeat(_NO_RANK)))
-        while packed:
-            best = min(packed)
-            if best == _NO_RANK:
-                break
-            i = packed.index(best)
-            parts[i] = best & _ID_MASK
-            del parts[i + 1]
-            del packed[i]
-            # Only the pairs on either side of the merged symbol change.
-            if i > 0:
-                packed[i - 1] = table.get((parts[i - 1], parts[i]), _NO_RANK)
-            if i < len(packed):
-                packed[i] = table.get((parts[i], parts[i + 1]), _NO_RANK)
-        return parts
+            return [self._byte_ids[token[0]]]
+        return bpe.merge(list(map(self._byte_ids.__getitem__, token)), self._merge_table)
 
     def _encode_ordinary(self, text: str) -> list[int]:
         """Ids of ``text`` (no special tokens in it): BPE once per distinct pre-token, then a cache.
@@ -174,23 +209,23 @@ class Tokenizer:
             return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
         except KeyError:
             pass
-        new = set(pretokens).difference(cache)
-        lookup = cache
-        room = CACHE_ENTRIES - len(cache)
-        if len(new) > room:  # filling up: keep what it holds plus what fits; this call alone sees the rest
-            lookup = {token: cache[token] for token in set(pretokens).difference(new)}
         with gc_paused():  # BPE's many short-lived lists and tuples form no cycles
-            for token in new:
-                lookup[token] = ids = tuple(self._bpe(token.encode("utf-8")))
-                if lookup is not cache and room > 0:
-                    cache[token] = ids
-                    room -= 1
+            new = {token: tuple(self._bpe(token.encode("utf-8"))) for token in set(pretokens).difference(cache)}
+        room = CACHE_ENTRIES - len(cache)
+        kept = [token for token in new if len(token) <= CACHE_MAX_CHARS][:room]
+        if len(kept) == len(new):
+            cache.update(new)
+            return list(chain.from_iterable(map(cache.__getitem__, pretokens)))
+        # The cache keeps what it holds plus what fits; this call alone sees the rest.
+        cache.update((token, new[token]) for token in kept)
+        lookup = {token: cache[token] for token in set(pretokens).difference(new)}
+        lookup.update(new)
         return list(chain.from_iterable(map(lookup.__getitem__, pretokens)))
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens are matched first and never split."""
         if not isinstance(text, str):
-            raise TypeError(f"text: expected a str, got {type(text).__name__}")
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
         if self._splitter is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
@@ -227,7 +262,7 @@ class Tokenizer:
         buffer = ""
         for item in iterable:
             if not isinstance(item, str):
-                raise TypeError(f"iterable: expected str items, got {type(item).__name__}")
+                raise TypeError(f"iterable must yield str, got {type(item).__name__} ({short_repr(item)})")
             buffer += item
             if len(buffer) < _STREAM_BLOCK:
                 continue
@@ -250,16 +285,14 @@ class Tokenizer:
 
     # -- decoding -------------------------------------------------------------------------------
 
-    def decode_bytes(self, ids: Iterable[int]) -> bytes:
-        """The bytes that ``ids`` stand for."""
+    def decode_bytes(self, ids: Iterable[SupportsIndex]) -> bytes:
+        """The bytes that ``ids`` stand for: ints (numpy's integers too; bools and floats are refused)."""
         try:
-            return b"".join(map(self._vocab.__getitem__, ids))
+            return b"".join(map(self._vocab.__getitem__, _checked_ids(ids)))
         except KeyError as missing:
-            raise ValueError(f"ids: expected ids in the vocabulary, got {missing.args[0]!r}") from None
-        except TypeError:
-            raise TypeError(f"ids: expected an iterable of int, got {type(ids).__name__}") from None
+            raise ValueError(f"ids must be in the vocabulary, got {missing.args[0]!r}") from None
 
-    def decode(self, ids: Iterable[int]) -> str:
+    def decode(self, ids: Iterable[SupportsIndex]) -> str:
         """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
@@ -272,8 +305,8 @@ class Tokenizer:
 
     def encode_file(
         self,
-        path: str | os.PathLike,
-        out_path: str | os.PathLike,
+        path: str | os.PathLike[str],
+        out_path: str | os.PathLike[str],
         num_workers: int = 1,
         progress: bool | None = None,
     ) -> int:
@@ -290,3 +323,60 @@ class Tokenizer:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["vocab"], state["merges"], state["special_tokens"])  # type: ignore[misc]
+
+
+def _checked_vocab(vocab: object) -> dict[int, bytes]:
+    """A copy of ``vocab`` if it maps ints in [0, 2**32) (not bools) to bytes."""
+    if not isinstance(vocab, dict):
+        raise TypeError(f"vocab must be a dict of int id -> bytes, got {type(vocab).__name__}")
+    if not (set(map(type, vocab)) <= {int} and set(map(type, vocab.values())) <= {bytes}):  # the fast check
+        for index, token in vocab.items():
+            if isinstance(index, bool) or not isinstance(index, int) or not isinstance(token, bytes):
+                raise TypeError(f"vocab must map int ids to bytes, got {short_repr(index)} -> {short_repr(token)}")
+        vocab = {int(index): bytes(token) for index, token in vocab.items()}  # subclasses of int or bytes
+    if vocab and (min(vocab) < 0 or max(vocab) >= _ID_LIMIT):
+        raise ValueError(f"vocab ids must lie in [0, 2**32), got {min(vocab) if min(vocab) < 0 else max(vocab)}")
+    return dict(vocab)
+
+
+def _checked_specials(special_tokens: object) -> list[str]:
+    """``special_tokens`` as a list without repeats, if it is None or an iterable of non-empty str."""
+    if special_tokens is None:
+        return []
+    if isinstance(special_tokens, str) or not isinstance(special_tokens, Iterable):
+        raise TypeError(f"special_tokens must be a list of non-empty str or None, got {type(special_tokens).__name__}")
+    specials = list(special_tokens)
+    bad = next((token for token in specials if not isinstance(token, str) or not token), None)
+    if bad is not None:
+        raise TypeError(f"special_tokens must hold non-empty str, got {short_repr(bad)}")
+    return list(dict.fromkeys(specials))
+
+
+def _checked_ids(ids: Iterable[SupportsIndex]) -> Iterable[int]:
+    """``ids`` (as a list or tuple) if every one is an int; an integer of another kind (numpy's) is
+    converted; a bool, a float or anything else raises TypeError."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise TypeError(f"ids must be an iterable of int, got {type(ids).__name__}")
+    if not isinstance(ids, (list, tuple)):
+        ids = list(ids)
+    if set(map(type, ids)) <= {int}:
+        return cast(list[int], ids)
+    for position, value in enumerate(ids):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise TypeError(f"ids must be ints, got {type(value).__name__} {short_repr(value)} at position {position}")
+    return list(map(operator.index, ids))
+
+
+def _built(
+    cls: type[Tokenizer],
+    where: str,
+    vocab: dict[int, bytes],
+    merges: list[tuple[bytes, bytes]],
+    special_tokens: list[str] | None,
+) -> Tokenizer:
+    """``cls(vocab, merges, special_tokens)`` read from ``where``: a file that does not make a valid
+    tokenizer raises ValueError naming it, in one line."""
+    try:
+        return cls(vocab, merges, special_tokens)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: {error}") from None

@@ -13,9 +13,10 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable
 
+from tlm_core.checks import check_int, check_positive_int
+from tlm_core.progress import progress_bar
 from tlm_tokenizer._chunks import read_range, split_file
 from tlm_tokenizer._gc import gc_paused
-from tlm_tokenizer._progress import progress_bar
 from tlm_tokenizer.pretokenize import count_pretokens, special_splitter
 
 __all__ = ["train_bpe"]
@@ -40,19 +41,19 @@ def _count_range(path: str, start: int, end: int, special_tokens: list[str]) -> 
 
 def _check_arguments(input_path: object, vocab_size: object, special_tokens: object) -> list[str]:
     if not isinstance(input_path, str | os.PathLike):
-        raise TypeError(f"input_path: expected a str or os.PathLike, got {type(input_path).__name__}")
+        raise TypeError(f"input_path must be a str or os.PathLike, got {type(input_path).__name__}")
     if isinstance(special_tokens, str) or not isinstance(special_tokens, Iterable):
-        raise TypeError(f"special_tokens: expected a list of str, got {type(special_tokens).__name__}")
-    specials = list(dict.fromkeys(special_tokens))
+        raise TypeError(f"special_tokens must be a list of str, got {type(special_tokens).__name__}")
+    specials = list(special_tokens)
     bad = [token for token in specials if not isinstance(token, str) or not token]
     if bad:
-        raise TypeError(f"special_tokens: expected non-empty str entries, got {bad[0]!r}")
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TypeError(f"vocab_size: expected an int, got {type(vocab_size).__name__}")
-    if vocab_size < 256 + len(specials):
+        raise TypeError(f"special_tokens must hold non-empty str, got {bad[0]!r}")
+    specials = list(dict.fromkeys(specials))
+    size = check_int("vocab_size", vocab_size)
+    if size < 256 + len(specials):
+        least = 256 + len(specials)
         raise ValueError(
-            f"vocab_size: expected at least {256 + len(specials)} (256 bytes + {len(specials)} special tokens), "
-            f"got {vocab_size}"
+            f"vocab_size must be at least {least} (256 bytes + {len(specials)} special tokens), got {size}"
         )
     return specials
 
@@ -64,16 +65,14 @@ def count_file(
     progress: bool | None = None,
 ) -> dict[str, int]:
     """Pre-token -> count over a whole UTF-8 file, split across ``num_workers`` processes."""
+    workers = min(os.cpu_count() or 1, 8) if num_workers is None else check_positive_int("num_workers", num_workers)
     size = os.path.getsize(input_path)
-    workers = num_workers if num_workers is not None else min(os.cpu_count() or 1, 8)
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"num_workers: expected a positive int, got {num_workers!r}")
     if size < _PARALLEL_MIN_BYTES:
         workers = 1
     ranges = split_file(input_path, max(workers, math.ceil(size / _RANGE_BYTES)), special_tokens)
     path = os.fspath(input_path)
-    disable = not progress if progress is not None else (None if size >= _PROGRESS_MIN_BYTES else True)
-    bar = progress_bar(disable, total=size, unit="B", unit_scale=True, desc="pre-tokenising")
+    show = progress if progress is not None else (None if size >= _PROGRESS_MIN_BYTES else False)
+    bar = progress_bar(show, total=size, unit="B", unit_scale=True, desc="pre-tokenising")
     totals: dict[str, int] = {}
     with bar:
         if workers == 1 or len(ranges) == 1:
@@ -136,8 +135,8 @@ def _merge_counts(
     heap = [(-count, keys[a], keys[b], a, b) for (a, b), count in pair_counts.items()]
     heapq.heapify(heap)
     wanted = vocab_size - len(vocab)
-    disable = not progress if progress is not None else (None if wanted >= 2000 else True)
-    with progress_bar(disable, total=max(wanted, 0), desc="merging") as bar:
+    show = progress if progress is not None else (None if wanted >= 2000 else False)
+    with progress_bar(show, total=max(wanted, 0), desc="merging") as bar:
         while len(vocab) < vocab_size and heap:
             negative, key_a, key_b, a, b = heapq.heappop(heap)
             count = pair_counts.get((a, b), 0)
