@@ -13,7 +13,8 @@
   implementation saves. Per token and layer: each RMSNorm's input and its 1/rms, and its output,
   which the next projection saves (2 × (2·d + 1)); the SDPA inputs and
   output (q and out: heads·d_head each; k and v: kv_heads·d_head each, so grouped-query attention
-  saves less) and its log-sum-exp (heads); the output projection's input (heads·d_head); SwiGLU's
+  saves less) and its log-sum-exp (heads), the output projection reading SDPA's output as it is
+  (RoPE keeps q's (seq, heads) memory order, so no copy is made); SwiGLU's
   gate, up, product and two more d_ff-wide tensors (5·d_ff). Outside the blocks, per token: the
   final norm's input and 1/rms with the loss's gradient of the hidden states (2·d + 1) and the
   int64 ids; per step:
@@ -79,7 +80,7 @@ def block_activation_bytes_per_token(config: ModelConfig) -> int:
     """Bytes one block saves per token for its backward pass (see the module docstring)."""
     d, q, kv = config.d_model, config.num_heads * config.d_head, config.kv_heads * config.d_head
     norms = 2 * (2 * d + 1)  # two RMSNorms: input and 1/rms, and the output the projection saves
-    attention = 3 * q + 2 * kv + config.num_heads  # q, k, v, out, the output projection's input; log-sum-exp
+    attention = 2 * q + 2 * kv + config.num_heads  # q, k, v, out (the output projection's input); log-sum-exp
     return (norms + attention + 5 * config.d_ff) * _F32
 
 
