@@ -1,6 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from tlm_model import ModelConfig, TransformerLM, chunked_cross_entropy
 
@@ -81,3 +86,57 @@ def test_out_of_range_targets_are_refused_under_torch_compile(bad):
     with pytest.raises(RuntimeError, match=r"targets must lie in \[0, vocab=30\)"):
         compiled(hidden, weight, torch.tensor(bad), 5)
     torch._dynamo.reset()
+
+
+class _Outputs(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "inputs_without_grad"])
+def test_evaluation_computes_the_loss_only(mode):
+    # 40 tokens, d_model 12, vocab 30: the logits GEMMs are 2·40·12·30 FLOPs; the two gradient GEMMs
+    # a training forward adds would triple that, and build (40, 12) and (30, 12) gradient buffers.
+    requires_grad = mode != "inputs_without_grad"
+    hidden = torch.randn(40, 12, dtype=torch.float64, requires_grad=requires_grad)
+    weight = torch.randn(30, 12, dtype=torch.float64, requires_grad=requires_grad)
+    targets = torch.randint(0, 30, (40,))
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(mode, contextlib.nullcontext)
+    with context(), FlopCounterMode(display=False) as flops, _Outputs() as outputs:
+        loss = chunked_cross_entropy(hidden, weight, targets, 16)
+    assert flops.get_total_flops() == 2 * 40 * 12 * 30
+    assert (40, 12) not in outputs.shapes and (30, 12) not in outputs.shapes  # no gradient buffers
+    assert loss.grad_fn is None
+    expected = F.cross_entropy(hidden.detach() @ weight.detach().T, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_training_forward_still_builds_both_gradients():
+    # The counterpart of the test above: with gradients wanted, the forward pass runs all three GEMMs.
+    hidden = torch.randn(40, 12, requires_grad=True)
+    weight = torch.randn(30, 12, requires_grad=True)
+    with FlopCounterMode(display=False) as flops, _Outputs() as outputs:
+        chunked_cross_entropy(hidden, weight, torch.randint(0, 30, (40,)), 16)
+    # At least the logits GEMM and d loss/d hidden's (FlopCounterMode does not count the in-place addmm_
+    # that accumulates the head's gradient).
+    assert flops.get_total_flops() >= 2 * 2 * 40 * 12 * 30
+    assert (40, 12) in outputs.shapes and (30, 12) in outputs.shapes
+
+
+def test_model_evaluation_loss_equals_float64_cross_entropy():
+    model = TransformerLM.from_config(SMALL)
+    ids = torch.randint(0, SMALL.vocab_size, (3, 16))
+    targets = torch.randint(0, SMALL.vocab_size, (3, 16))
+    with torch.no_grad():
+        loss = model.loss(ids, targets, chunk_size=10)
+        logits = model(ids).double()
+    torch.testing.assert_close(loss.double(), F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    assert all(p.grad is None for p in model.parameters())

@@ -219,3 +219,54 @@ def test_autocast_changes_nothing(x_dtype, param_dtype):
 def test_a_tensor_without_the_model_axis_is_refused_by_the_annotation(shape_checks):
     norm = RMSNorm(4)
     shape_checks(tlm_norm.rmsnorm, lambda: norm(torch.tensor(1.0)))  # "... d_model" needs one axis at least
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e30])  # 1e30: the squares overflow float32, so that row is rescaled
+def test_gradients_match_float64_autograd_of_the_formula(scale):
+    norm = random_norm(48)
+    x = torch.randn(3, 5, 48)
+    x[1, 2] *= scale
+    x.requires_grad_()
+    grad_out = torch.randn(3, 5, 48)
+    norm(x).backward(grad_out)
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    float64_rmsnorm(x64, w64, norm.eps).backward(grad_out.double())
+    assert torch.isfinite(x.grad).all()
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-6 / scale)
+    torch.testing.assert_close(norm.weight.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_gradients_come_back_in_their_dtype(dtype):
+    norm = random_norm(32, dtype=dtype)
+    x = torch.randn(4, 32).to(dtype).requires_grad_()
+    grad_out = torch.randn(4, 32).to(dtype)
+    norm(x).backward(grad_out)
+    assert x.grad.dtype == norm.weight.grad.dtype == dtype
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    float64_rmsnorm(x64, w64, norm.eps).backward(grad_out.double())
+    torch.testing.assert_close(x.grad, x64.grad.to(dtype))
+    torch.testing.assert_close(norm.weight.grad, w64.grad.to(dtype))
+
+
+def test_backward_keeps_only_the_input_and_one_value_per_row():
+    norm = random_norm(16)
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    assert {tuple(t.shape) for t in saved} == {(2, 7, 16), (16,), (2, 7, 1)}  # x, the gain, 1/rms
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)  # the input itself, not a copy
+
+
+def test_overflowing_rows_agree_with_the_sync_free_form_used_under_torch_compile():
+    # On the CPU the eager path reads an overflow flag; compiled code selects per row instead.
+    torch._dynamo.reset()
+    norm = random_norm(32)
+    x = torch.randn(4, 32)
+    x[2] *= 3e37
+    compiled = torch.compile(norm, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), norm(x), rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()

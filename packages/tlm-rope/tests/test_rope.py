@@ -503,3 +503,56 @@ def test_floating_point_positions_are_refused_by_the_annotation(shape_checks):
     rope = RotaryPositionalEmbedding(10_000.0, 8, 16)
     x, positions = torch.randn(2, 3, 8), torch.arange(3.0)
     shape_checks(tlm_rope.rope, lambda: rope(x, positions))
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_start_is_positions_start_onwards(layout):
+    rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=12, layout=layout)
+    x = torch.randn(2, 3, 5, 8)
+    torch.testing.assert_close(rope(x, start=7), rope(x, torch.arange(7, 12)), rtol=0, atol=0)
+    torch.testing.assert_close(rope(x, start=0), rope(x), rtol=0, atol=0)
+
+
+def test_start_against_the_complex_multiplication_reference(rope_reference):
+    rope = RotaryPositionalEmbedding(500.0, 16, max_seq_len=64)
+    x = torch.randn(4, 9, 16)
+    expected = rope_reference(x, torch.arange(40, 49), 500.0)
+    torch.testing.assert_close(rope(x, start=40).double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(start=-1), r"start must be an int >= 0, got -1"),
+        (dict(start=True), r"start must be an int >= 0, got True"),
+        (dict(start=2, token_positions=torch.arange(3)), r"give token_positions or start, not both \(start=2\)"),
+        (dict(start=6), r"x has seq=3 positions from start=6 but the tables hold max_seq_len=8"),
+    ],
+)
+def test_bad_start(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RotaryPositionalEmbedding(10_000.0, 4, 8)(torch.randn(3, 4), **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_rotation_keeps_the_memory_order_of_its_input(layout):
+    # q cut from a (batch, seq, heads·d_k) projection and viewed as (batch, heads, seq, d_k): the
+    # rotated q keeps (seq, heads) memory order, so attention's output needs no copy afterwards.
+    rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=16, layout=layout)
+    q = torch.randn(2, 16, 3 * 8).unflatten(-1, (3, 8)).transpose(1, 2)
+    out = rope(q)
+    assert out.stride() == q.stride() == (384, 8, 24, 1)
+    torch.testing.assert_close(out, rope(q.contiguous()))  # to rounding: strided and dense loops may differ
+
+
+def test_module_and_its_tables_save_and_load_whole():
+    import io
+
+    rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=16)
+    buffer = io.BytesIO()
+    torch.save(rope, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(loaded(x), rope(x), rtol=0, atol=0)
+    torch.testing.assert_close(loaded.cos, rope.cos, rtol=0, atol=0)

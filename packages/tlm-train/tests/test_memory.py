@@ -31,6 +31,7 @@ CONFIGS = [
         head_dim=12,
         tie_word_embeddings=True,
     ),
+    ModelConfig(vocab_size=64, context_length=20, d_model=32, num_layers=2, num_heads=4, d_ff=64, rope_layout="half"),
 ]
 
 

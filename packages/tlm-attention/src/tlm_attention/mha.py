@@ -141,12 +141,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
         k, v = (rearrange(t, split, d_head=self.d_head) for t in (k, v))
 
         if self.rope is not None:
-            if token_positions is None and start > 0:
-                token_positions = torch.arange(start, start + x.shape[-2], device=x.device)
-            # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
-            positions = None if token_positions is None else rearrange(token_positions, "... seq -> ... 1 seq")
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
+            if token_positions is None:
+                # The cache's positions start..start+seq-1 are a slice of the RoPE tables: no index tensor.
+                q, k = self.rope(q, start=start), self.rope(k, start=start)
+            else:
+                # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
+                positions = rearrange(token_positions, "... seq -> ... 1 seq")
+                q, k = self.rope(q, positions), self.rope(k, positions)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
 

@@ -31,9 +31,9 @@ class _SiluMul(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         sig = torch.sigmoid(gate)
         act = gate * sig
-        # d silu(g)/dg = σ(g) (1 + g (1 - σ(g)))
-        grad_gate = grad * up * sig * (1 + gate * (1 - sig))
-        return grad_gate, grad * act
+        # d silu(g)/dg = σ(g) (1 + g (1 - σ(g))) = σ + silu − silu·σ; three buffers, seven passes.
+        d_silu = torch.addcmul(act, act, sig, value=-1).add_(sig)
+        return d_silu.mul_(grad).mul_(up), act.mul_(grad)
 
 
 def silu_mul(gate: Float[Tensor, "..."], up: Float[Tensor, "..."]) -> Float[Tensor, "..."]:
@@ -68,7 +68,8 @@ class SwiGLU(nn.Module):
     """FFN(x) = w2(silu(w1(x)) * w3(x)) with w1, w3: d_model → d_ff and w2: d_ff → d_model.
 
     ``fused=True`` (the default) stores w1 and w3 as one (2·d_ff, d_model) matrix ``w13`` and runs them as a
-    single matmul; state dicts still use (and accept) the separate ``w1.weight``/``w3.weight``.
+    single matmul; state dicts still use (and accept) the separate ``w1.weight``/``w3.weight``. Either
+    way the gating is :func:`silu_mul`, which keeps only the two d_ff-wide inputs for backward.
     """
 
     def __init__(
@@ -101,6 +102,6 @@ class SwiGLU(nn.Module):
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         if self.fused:
             gate, up = self.w13(x).chunk(2, dim=-1)
-            return self.w2(silu_mul(gate, up))
-        # The reference path: exactly the formula, one op at a time.
-        return self.w2(silu(self.w1(x)) * self.w3(x))
+        else:
+            gate, up = self.w1(x), self.w3(x)
+        return self.w2(silu_mul(gate, up))

@@ -14,36 +14,47 @@ from torch import Tensor
 from tlm_core.tensors import as_index_tensor
 
 
+def _chunked_loss(
+    hidden: Tensor, weight: Tensor, targets: Tensor, chunk_size: int, want_hidden: bool, want_weight: bool
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The mean loss (in float32, or float64 for float64 input) and, only when asked for, its
+    gradients with respect to ``hidden`` and ``weight``, a chunk of tokens at a time."""
+    n = hidden.shape[0]
+    grad_hidden = torch.empty_like(hidden) if want_hidden else None
+    compute = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 input
+    grad_weight = torch.zeros_like(weight, dtype=compute) if want_weight else None
+    total = torch.zeros((), dtype=compute, device=hidden.device)
+    for start in range(0, n, chunk_size):
+        h = hidden[start : start + chunk_size]
+        t = targets[start : start + chunk_size]
+        logits = torch.matmul(h, weight.t()).to(compute)
+        picked = logits.gather(1, t.unsqueeze(1))
+        # loss = logsumexp(logits) − logits[target], with logsumexp = log Σ exp(logits − max) + max. The
+        # exponentials are taken once, in place, and serve the gradient too: 5 passes over the chunk, not 7.
+        row_max = logits.amax(dim=1, keepdim=True)
+        exp = logits.sub_(row_max).exp_()
+        sum_exp = exp.sum(dim=1, keepdim=True)
+        total += (sum_exp.log() + row_max - picked).sum()
+        if grad_hidden is not None or grad_weight is not None:
+            # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n, built in place.
+            grad_logits = exp.div_(sum_exp.mul_(n))
+            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0 / n
+            # Written by the GEMMs themselves (out=, and addmm_'s beta=1 accumulate): a temporary and an
+            # extra pass over a vocab x d_model gradient per chunk cost 9% of this function at vocab 50k.
+            if grad_hidden is not None:
+                torch.matmul(grad_logits.to(weight.dtype), weight, out=grad_hidden[start : start + chunk_size])
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h.to(compute))
+    return total / n, grad_hidden, grad_weight
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):  # type: ignore[no-untyped-def]
-        n = hidden.shape[0]
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
-        compute = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 input
-        grad_weight = torch.zeros_like(weight, dtype=compute) if want_weight else None
-        total = torch.zeros((), dtype=compute, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            h = hidden[start : start + chunk_size]
-            t = targets[start : start + chunk_size]
-            logits = torch.matmul(h, weight.t()).to(compute)
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
-            if want_hidden or want_weight:
-                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n, built in place.
-                grad_logits = logits.sub_(lse.unsqueeze(1)).exp_()
-                grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0
-                grad_logits.div_(n)
-                # Written by the GEMMs themselves (out=, and addmm_'s beta=1 accumulate): a temporary and an
-                # extra pass over a vocab x d_model gradient per chunk cost 9% of this function at vocab 50k.
-                if want_hidden:
-                    torch.matmul(grad_logits.to(weight.dtype), weight, out=grad_hidden[start : start + chunk_size])
-                if want_weight:
-                    grad_weight.addmm_(grad_logits.t(), h.to(compute))
-        ctx.save_for_backward(
-            grad_hidden if want_hidden else None, grad_weight.to(weight.dtype) if want_weight else None
-        )
-        return (total / n).to(hidden.dtype)
+        loss, grad_hidden, grad_weight = _chunked_loss(hidden, weight, targets, chunk_size, want_hidden, want_weight)
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        return loss.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):  # type: ignore[no-untyped-def]
@@ -62,7 +73,12 @@ def chunked_cross_entropy(
     targets: Integer[Tensor, " tokens"],
     chunk_size: int = 1024,
 ) -> Float[Tensor, ""]:
-    """``F.cross_entropy(hidden @ weight.T, targets)`` (mean over tokens), a chunk of tokens at a time."""
+    """``F.cross_entropy(hidden @ weight.T, targets)`` (mean over tokens), a chunk of tokens at a time.
+
+    With gradients enabled and an input that requires grad, the gradients are computed during this
+    forward pass (and handed to autograd); otherwise (evaluation under ``torch.no_grad()``) only the
+    loss is, with no gradient buffer built.
+    """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"hidden must be (tokens, d_model) and weight (vocab, d_model), got {tuple(hidden.shape)} "
@@ -73,4 +89,10 @@ def chunked_cross_entropy(
     targets = as_index_tensor("targets", targets, weight.shape[0], "vocab")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+    # No gradient can be asked for (torch.no_grad(), inference_mode, or inputs that do not require
+    # grad): the forward alone. autograd.Function would still report needs_input_grad from the
+    # inputs' requires_grad and build both gradients, ~2x the work and a vocab x d_model buffer.
+    loss, _, _ = _chunked_loss(hidden, weight, targets, chunk_size, want_hidden=False, want_weight=False)
+    return loss.to(hidden.dtype)

@@ -42,14 +42,20 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_l2_norm: float, e
     for g in grads:
         groups.setdefault((g.device, g.dtype), []).append(g)
     device = grads[0].device
-    # Per group, one multi-tensor norm; squares are summed in float32 (float64 stays float64).
+    # Per group, one multi-tensor norm; squares are summed in float32 (float64 stays float64). One stack
+    # per group and no per-tensor conversion: the usual case (one float32 group) is four kernels.
     partial = []
-    for group in groups.values():
-        norms = torch._foreach_norm(group, 2)
-        partial.append(torch.stack([n.to(device, torch.promote_types(n.dtype, torch.float32)) for n in norms]))
-    total = torch.linalg.vector_norm(torch.cat([p.to(torch.promote_types(p.dtype, torch.float32)) for p in partial]))
+    for (_, dtype), group in groups.items():
+        norms = torch.stack(torch._foreach_norm(group, 2))
+        partial.append(norms.to(device, torch.promote_types(dtype, torch.float32)))
+    stacked = (
+        partial[0]
+        if len(partial) == 1
+        else torch.cat([p.to(torch.promote_types(p.dtype, torch.float32)) for p in partial])
+    )
+    total = torch.linalg.vector_norm(stacked)
     # Scale only when the norm exceeds the maximum (multiplying by exactly 1 leaves the rest untouched).
     scale = torch.where(total > max_l2_norm, max_l2_norm / (total + eps), torch.ones_like(total))
     for (grad_device, _), group in groups.items():
-        torch._foreach_mul_(group, scale.to(grad_device))
+        torch._foreach_mul_(group, scale if grad_device == device else scale.to(grad_device))
     return total.to(torch.float32) if total.dtype != torch.float64 else total

@@ -13,6 +13,8 @@ from tlm_core.tensors import as_index_tensor, check_float_tensor
 from tlm_rope.scaling import check_scaling, inv_freq_and_factor
 
 LAYOUTS = ("interleaved", "half")
+#: Devices whose kernels multiply complex tensors (elsewhere the interleaved layout uses the real form).
+_COMPLEX = ("cpu", "cuda")
 
 
 class RotaryPositionalEmbedding(nn.Module):
@@ -39,13 +41,15 @@ class RotaryPositionalEmbedding(nn.Module):
     whole call); that reads the largest position, a host sync when ``token_positions`` are given.
 
     cos/sin tables of shape (max_seq_len, d_k/2) are built once, angles computed in float64
-    and stored in float32, as non-persistent buffers (they never enter a state dict). They
-    stay float32 under ``module.to(torch.bfloat16)``: bfloat16 has 8 mantissa bits and cannot
-    tell position 300 from 301. The module has no learnable parameters.
+    and stored in float32, as non-persistent buffers (they never enter a state dict); they are
+    views of one (max_seq_len, d_k/2, 2) table of (cos, sin) pairs, which the interleaved layout
+    reads as complex numbers. They stay float32 under ``module.to(torch.bfloat16)``: bfloat16 has 8
+    mantissa bits and cannot tell position 300 from 301. The module has no learnable parameters.
     """
 
     cos: Tensor
     sin: Tensor
+    _pairs: Tensor
 
     def __init__(
         self,
@@ -80,9 +84,12 @@ class RotaryPositionalEmbedding(nn.Module):
         self.seq_dim = seq_dim
         self.rotary_dim = rotary_dim
         self.scaling = check_scaling(scaling)
-        cos, sin = self._tables(torch.device(device) if device is not None else None)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        pairs = torch.stack(self._tables(torch.device(device) if device is not None else None), dim=-1)
+        self.register_buffer("cos", pairs[..., 0], persistent=False)
+        self.register_buffer("sin", pairs[..., 1], persistent=False)
+        # The interleaved layout multiplies by this table read as complex numbers (cos + i·sin); as
+        # the buffers are views of it, autograd saves one table, shared by every layer and call.
+        self._pairs = pairs
 
     def _tables(self, device: torch.device | None, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         # float64 on the CPU first: a float32 Θ^(-2k/d) carries ~1e-7 relative error, which
@@ -102,7 +109,8 @@ class RotaryPositionalEmbedding(nn.Module):
         # The tables are a pure function of (theta, d_k, max_seq_len), so rebuild them on the
         # new device rather than trust what fn did: .to(bfloat16) would have rounded the angles,
         # and to_empty() leaves them uninitialised (also when a shared module is visited twice).
-        self.cos, self.sin = self._tables(self.cos.device)
+        self._pairs = torch.stack(self._tables(self.cos.device), dim=-1)
+        self.cos, self.sin = self._pairs[..., 0], self._pairs[..., 1]
         return self
 
     def forward(
@@ -110,47 +118,74 @@ class RotaryPositionalEmbedding(nn.Module):
         # Where seq sits depends on seq_dim (-2 or -3), so the shapes name only d_k; the body checks the rest.
         x: Float[Tensor, "... d_k"],
         token_positions: Integer[Tensor, "..."] | None = None,
+        *,
+        start: int = 0,
     ) -> Float[Tensor, "... d_k"]:
         """Rotate ``x`` of shape (..., seq, d_k) (``seq_dim=-2``) or (..., seq, heads, d_k)
-        (``seq_dim=-3``); ``token_positions`` (default 0..seq-1) broadcast against (..., seq)."""
+        (``seq_dim=-3``); ``token_positions`` (default ``start``..``start``+seq-1) broadcast against
+        (..., seq). ``start`` (a KV cache's length) reads the tables by slice, with no index tensor to check."""
         check_float_tensor("x", x)
         axes = "(..., seq, d_k" if self.seq_dim == -2 else "(..., seq, heads, d_k"
         if x.ndim < -self.seq_dim or x.shape[-1] != self.d_k:
             raise ValueError(f"x must have shape {axes}={self.d_k}), got {tuple(x.shape)}")
+        if isinstance(start, bool) or not isinstance(start, (int, torch.SymInt)) or start < 0:
+            raise ValueError(f"start must be an int >= 0, got {start!r}")
+        if token_positions is not None and start != 0:
+            raise ValueError(f"give token_positions or start, not both (start={start})")
         seq = x.shape[self.seq_dim]
         lead = x.shape[:-1] if self.seq_dim == -2 else x.shape[:-2]
-        cos_table, sin_table = self.cos, self.sin
+        # The interleaved layout rotates by one complex product, except under torch.compile (inductor
+        # fuses the real form into one kernel, but generates no code for complex tensors).
+        use_complex = self.layout == "interleaved" and not torch.compiler.is_compiling() and x.device.type in _COMPLEX
+        tables: tuple[Tensor, ...] = (self._pairs,) if use_complex else (self.cos, self.sin)
         if token_positions is None:
-            if seq > self.max_seq_len:
+            end = start + seq
+            if end > self.max_seq_len:
                 raise ValueError(
-                    f"x has seq={seq} positions but the tables hold max_seq_len={self.max_seq_len}; "
-                    f"pass token_positions or build the module with a larger max_seq_len"
+                    f"x has seq={seq} positions"
+                    + (f" from start={start}" if start else "")
+                    + f" but the tables hold max_seq_len={self.max_seq_len}; "
+                    "pass token_positions or build the module with a larger max_seq_len"
                 )
-            if self._dynamic_past_original(seq):
-                cos_table, sin_table = self._tables(self.cos.device, seq)
-            cos, sin = cos_table[:seq], sin_table[:seq]
+            if self._dynamic_past_original(end):
+                tables = self._dynamic_tables(end, use_complex)
+            tables = tuple(t[start:end] for t in tables)
         else:
             token_positions = self._check_positions(token_positions, lead)
             if self._is_dynamic() and token_positions.numel():
                 length = int(token_positions.max()) + 1  # a host sync, only for dynamic scaling
                 if self._dynamic_past_original(length):
-                    cos_table, sin_table = self._tables(self.cos.device, length)
-            cos, sin = cos_table[token_positions], sin_table[token_positions]
+                    tables = self._dynamic_tables(length, use_complex)
+            tables = tuple(t[token_positions] for t in tables)
         if self.seq_dim == -3:  # one rotation for every head at a position
-            cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+            tables = tuple(t.unsqueeze(-3 if use_complex else -2) for t in tables)
 
         compute_dtype = torch.promote_types(x.dtype, torch.float32)
-        cos, sin = cos.to(compute_dtype), sin.to(compute_dtype)
-        rot, rest = x.to(compute_dtype).split((self.rotary_dim, self.d_k - self.rotary_dim), dim=-1)
-        if self.layout == "interleaved":
-            pairs = rearrange(rot, "... (half two) -> ... half two", two=2)
-            even, odd = pairs.unbind(-1)
-            rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-            rot = rearrange(rotated, "... half two -> ... (half two)")
+        x32 = x.to(compute_dtype)
+        rot = x32 if self.rotary_dim == self.d_k else x32[..., : self.rotary_dim]
+        if use_complex:
+            rot = _rotate_complex(rot, tables[0])
         else:
-            first, second = rot.chunk(2, dim=-1)
-            rot = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
-        return torch.cat((rot, rest), dim=-1).to(x.dtype)
+            cos, sin = (t.to(compute_dtype) for t in tables)
+            if self.layout == "interleaved":
+                pairs = rearrange(rot, "... (half two) -> ... half two", two=2)
+                even, odd = pairs.unbind(-1)
+                rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+                rot = rearrange(rotated, "... half two -> ... (half two)")
+            else:
+                # (first·cos − second·sin, second·cos + first·sin) as (first, second)·cos + (−second, first)·sin
+                # over a (2, d/2) view: the same products, with x's memory order kept (see _rotate_complex).
+                halves = rot.unflatten(-1, (2, -1))
+                first, second = halves.unbind(-2)
+                rotated_half = torch.stack((-second, first), dim=-2)
+                rot = (halves * cos.unsqueeze(-2) + rotated_half * sin.unsqueeze(-2)).flatten(-2)
+        if self.rotary_dim < self.d_k:  # the features past rotary_dim pass through
+            rot = torch.cat((rot, x32[..., self.rotary_dim :]), dim=-1)
+        return rot.to(x.dtype)
+
+    def _dynamic_tables(self, seq_len: int, pairs: bool) -> tuple[Tensor, ...]:
+        cos, sin = self._tables(self.cos.device, seq_len)
+        return (torch.stack((cos, sin), dim=-1),) if pairs else (cos, sin)
 
     def _is_dynamic(self) -> bool:
         return self.scaling is not None and self.scaling["rope_type"] == "dynamic"
@@ -179,3 +214,18 @@ class RotaryPositionalEmbedding(nn.Module):
             f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, layout={self.layout!r}, "
             f"seq_dim={self.seq_dim}{extra}"
         )
+
+
+def _rotate_complex(x: Tensor, pairs: Tensor) -> Tensor:
+    """The interleaved rotation as one complex product, (x[2k] + i·x[2k+1]) · (cos_k + i·sin_k).
+
+    Its parts are x[2k]·cos − x[2k+1]·sin and x[2k]·sin + x[2k+1]·cos, the real form's arithmetic,
+    in one vectorised pass instead of six strided ones (about ten times faster on CPU). The product
+    keeps x's memory order, so q and k cut from one projection stay in (seq, heads) order and the
+    attention output needs no copy before the output projection.
+    """
+    x_pairs = x.unflatten(-1, (-1, 2))
+    if x_pairs.stride(-1) != 1 or x_pairs.storage_offset() % 2 or any(s % 2 for s in x_pairs.stride()[:-1]):
+        x_pairs = x_pairs.contiguous()  # view_as_complex needs (re, im) adjacent at even offsets
+    factor = torch.view_as_complex(pairs if pairs.dtype == x.dtype else pairs.to(x.dtype))
+    return torch.view_as_real(torch.view_as_complex(x_pairs) * factor).flatten(-2)

@@ -11,12 +11,13 @@ parameters, gradients, AdamW state, activations.
   block runs forward or backward its full parameters are gathered (one block at a time, plus the
   root's embedding, final norm and LM head): that transient is ``gathered_bytes``.
 - **Activations** (what autograd keeps for the backward pass), float32, counted from what this
-  implementation saves. Per token and layer: each RMSNorm's input, its 1/rms, its overflow scale
-  and its output, plus the flattened copy its projection saves (2 × (3·d + 2)); the SDPA inputs and
-  output (q and out: heads·d_head each; k and v: kv_heads·d_head each, so grouped-query attention
-  saves less) and its log-sum-exp (heads); the output projection's input (heads·d_head); SwiGLU's
-  gate, up, product and two more d_ff-wide tensors (5·d_ff). Outside the blocks, per token: the
-  final norm's (3·d + 2 with the loss's gradient of the hidden states) and the int64 ids; per step:
+  implementation saves. Per token and layer: each RMSNorm's input and its 1/rms, and its output,
+  which the next projection saves (2 × (2·d + 1)); the SDPA inputs and output (q and out:
+  heads·d_head each; k and v: kv_heads·d_head each, so grouped-query attention saves less) and its
+  log-sum-exp (heads), the output projection reading SDPA's output as it is (RoPE keeps q's
+  (seq, heads) memory order, so no copy is made); SwiGLU's gate, up and product (3·d_ff). Outside
+  the blocks, per token: the final norm's input and 1/rms with the loss's gradient of the hidden
+  states (2·d + 1) and the int64 ids; per step:
   the chunked loss's gradient of the LM head (vocab·d), computed in the forward pass, and the
   RoPE cos/sin tables (seq·d_head, shared by the layers). With per-block activation
   checkpointing only each block's input (d) is kept after the forward pass (``activations``),
@@ -79,14 +80,14 @@ class TrainMemory:
 def block_activation_bytes_per_token(config: ModelConfig) -> int:
     """Bytes one block saves per token for its backward pass (see the module docstring)."""
     d, q, kv = config.d_model, config.num_heads * config.d_head, config.kv_heads * config.d_head
-    norms = 2 * (3 * d + 2)  # two RMSNorms: input, output, the projection's flattened copy; 1/rms and scale
-    attention = 3 * q + 2 * kv + config.num_heads  # q, k, v, out, the output projection's input; log-sum-exp
-    return (norms + attention + 5 * config.d_ff) * _F32
+    norms = 2 * (2 * d + 1)  # two RMSNorms: input and 1/rms, and the output the projection saves
+    attention = 2 * q + 2 * kv + config.num_heads  # q, k, v, out (the output projection's input); log-sum-exp
+    return (norms + attention + 3 * config.d_ff) * _F32
 
 
 def activation_bytes_per_token(config: ModelConfig, *, activation_checkpointing: bool = False) -> int:
     """Bytes autograd keeps per token from the forward pass to the backward pass."""
-    outside = (3 * config.d_model + 2) * _F32 + 8  # final norm, loss gradient w.r.t. hidden, int64 ids
+    outside = (2 * config.d_model + 1) * _F32 + 8  # final norm's input and 1/rms; loss gradient w.r.t. hidden; ids
     if activation_checkpointing:
         return config.num_layers * config.d_model * _F32 + outside  # each block's input only
     return config.num_layers * block_activation_bytes_per_token(config) + outside
