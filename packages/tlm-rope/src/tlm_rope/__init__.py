@@ -4,6 +4,6 @@ rotary, and context-extension scaling (linear, dynamic NTK, YaRN, Llama 3)."""
 from tlm_rope.rope import LAYOUTS, RotaryPositionalEmbedding
 from tlm_rope.scaling import SCALINGS, inv_freq_and_factor
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["LAYOUTS", "SCALINGS", "RotaryPositionalEmbedding", "__version__", "inv_freq_and_factor"]
