@@ -25,7 +25,7 @@ TITLES = {
     "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
     "tokenizer": "the tokenizer: tlm-tokenizer vs HF tokenizers and tiktoken (`bench/tokenizer.py`)",
     "optim": "the optimizer and batches: tlm-optim vs torch.optim (`bench/optim.py`)",
-    "train": "the training loop: tlm-train vs HF Llama + torch AdamW (`bench/train.py`)",
+    "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
 }
 HEADER = (
     "# Benchmarks\n\n"
@@ -57,17 +57,38 @@ def write_section(name: str, text: str, doc: pathlib.Path = DOC) -> None:
     os.replace(tmp, doc)
 
 
-def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each function, run in alternation after one warm-up each."""
-    for fn in fns.values():
-        fn()
+def alternate_times(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Wall time of each function in every round, the functions run in alternation after ``warmup`` calls each."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
+
+
+def alternate(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each function, run in alternation after one warm-up each."""
+    return {name: statistics.median(ts) for name, ts in alternate_times(fns, repeats).items()}
+
+
+def ratio_spread(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """Median, lowest and highest of the per-round ratios numerator[i] / denominator[i]: rounds run
+    back to back, so a burst of load on a shared machine moves both sides of one round alike."""
+    ratios = sorted(a / b for a, b in zip(numerator, denominator, strict=True))
+    return statistics.median(ratios), ratios[0], ratios[-1]
+
+
+def load_average() -> float:
+    """The 1-minute load average (how busy this shared machine was), or NaN where there is none."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
 
 
 def gemm_rate(n: int = 2048, repeats: int = 7) -> float:

@@ -19,6 +19,7 @@ import gc
 import json
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
-from _common import alternate, cpu_description, gemm_rate, write_section
+from _common import alternate, alternate_times, cpu_description, gemm_rate, load_average, ratio_spread, write_section
 
 from tlm_model import ModelConfig, TransformerBlock, TransformerLM, compile_for_inference, generate
 from tlm_model.accounting import account
@@ -43,7 +44,7 @@ XL_BLOCK = ModelConfig(vocab_size=8, context_length=16_384, d_model=1600, num_la
 
 def build_pair(cfg: ModelConfig, seed: int = 0, **tlm_kwargs) -> tuple[TransformerLM, torch.nn.Module]:
     torch.manual_seed(seed)
-    ours = TransformerLM.from_config(cfg, **tlm_kwargs)
+    ours = TransformerLM(cfg, **tlm_kwargs)
     with torch.no_grad():  # non-trivial norm gains, so a layout mistake cannot hide behind ones
         for name, p in ours.named_parameters():
             if "ln" in name:
@@ -62,7 +63,7 @@ def block_pair(cfg: ModelConfig, seed: int = 0) -> tuple[Callable, Callable]:
     """One decoder layer each: tlm's TransformerBlock and a one-layer HF LlamaModel (its final
     norm replaced by the identity) fed through inputs_embeds."""
     torch.manual_seed(seed)
-    block = TransformerBlock(cfg.d_model, cfg.num_heads, cfg.d_ff, cfg.context_length, cfg.rope_theta, fused=True)
+    block = TransformerBlock(cfg, fused=True)
     hf = transformers.LlamaModel(transformers.LlamaConfig(**hf_llama_config_kwargs(cfg), attn_implementation="sdpa"))
     hf.norm = torch.nn.Identity()
     sd = {f"layers.0.{k}": v for k, v in block.state_dict().items()}
@@ -118,7 +119,7 @@ def forward(cfg: ModelConfig, batch: int, seq: int, repeats: int, rate: float, c
     run = compile_for_inference(ours) if compiled else ours
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     with torch.no_grad():
-        t = alternate({"tlm": lambda: run(ids), "hf": lambda: hf(ids).logits}, repeats)
+        t = alternate_times({"tlm": lambda: run(ids), "hf": lambda: hf(ids).logits}, repeats)
     flops = account(cfg, batch, seq).forward_flops_causal
     return _row(t, batch * seq, flops, rate)
 
@@ -138,7 +139,7 @@ def forward_backward(cfg: ModelConfig, batch: int, seq: int, repeats: int, rate:
         logits = hf(ids).logits
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
 
-    t = alternate({"tlm": tlm_step, "hf": hf_step}, repeats)
+    t = alternate_times({"tlm": tlm_step, "hf": hf_step}, repeats)
     return _row(t, batch * seq, 3 * account(cfg, batch, seq).forward_flops_causal, rate)
 
 
@@ -154,13 +155,21 @@ def decode(cfg: ModelConfig, prompt_len: int, new_tokens: int, repeats: int, com
         return hf.generate(prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
 
     ours_out, hf_out = generate(ours, prompt, new_tokens, temperature=0), hf_generate()
-    t = alternate({"tlm": lambda: generate(ours, prompt, new_tokens, temperature=0), "hf": hf_generate}, repeats)
+    t = alternate_times({"tlm": lambda: generate(ours, prompt, new_tokens, temperature=0), "hf": hf_generate}, repeats)
     # Greedy decoding of the same weights should agree token for token (a near-tie may flip one).
     return _row(t, new_tokens, None, None) | {"same_tokens": bool(torch.equal(ours_out, hf_out))}
 
 
-def _row(t: dict[str, float], tokens: int, flops: float | None, rate: float | None) -> dict:
-    row = {"tlm_tok_s": tokens / t["tlm"], "hf_tok_s": tokens / t["hf"], "ratio": t["hf"] / t["tlm"]}
+def _row(times: dict[str, list[float]], tokens: int, flops: float | None, rate: float | None) -> dict:
+    t = {name: statistics.median(ts) for name, ts in times.items()}
+    ratio, low, high = ratio_spread(times["hf"], times["tlm"])
+    row = {
+        "tlm_tok_s": tokens / t["tlm"],
+        "hf_tok_s": tokens / t["hf"],
+        "ratio": ratio,
+        "ratio_range": [low, high],
+        "load": load_average(),
+    }
     if flops is not None:
         row["tlm_gemm_frac"] = flops / t["tlm"] / rate
         row["hf_gemm_frac"] = flops / t["hf"] / rate
@@ -172,7 +181,7 @@ def profile_training(cfg: ModelConfig, seq: int, top: int = 8) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    model = TransformerLM.from_config(cfg)
+    model = TransformerLM(cfg)
     ids, targets = torch.randint(0, cfg.vocab_size, (2, 1, seq))
     model.loss(ids, targets).backward()  # warm-up
     model.zero_grad(set_to_none=True)
@@ -196,7 +205,7 @@ def child(kind: str, impl: str, seq: int) -> dict:
     if kind == "train":
         ids, targets = torch.randint(0, SMALL.vocab_size, (2, 1, seq))
         if impl == "tlm":
-            model = TransformerLM.from_config(SMALL)
+            model = TransformerLM(SMALL)
 
             def work():
                 model.loss(ids, targets).backward()
@@ -212,9 +221,7 @@ def child(kind: str, impl: str, seq: int) -> dict:
         x = torch.randn(1, seq, XL_BLOCK.d_model)
         if impl == "tlm":
             cfg = XL_BLOCK
-            model = TransformerBlock(
-                cfg.d_model, cfg.num_heads, cfg.d_ff, cfg.context_length, cfg.rope_theta, fused=True
-            )
+            model = TransformerBlock(cfg, fused=True)
 
             def work():
                 with torch.no_grad():
@@ -250,9 +257,11 @@ def render(results: dict, meta: dict) -> str:
     def speed(name: str, label: str, mode: str) -> str:
         r = results[name]
         gemm = f"{100 * r['tlm_gemm_frac']:.0f}% / {100 * r['hf_gemm_frac']:.0f}%" if "tlm_gemm_frac" in r else "–"
+        spread = f" ({r['ratio_range'][0]:.2f}–{r['ratio_range'][1]:.2f})" if "ratio_range" in r else ""
+        load = f" | {r['load']:.1f}" if "load" in r else " | –"
         return (
             f"| {label} | {mode} | {r['tlm_tok_s']:,.0f} tok/s | {r['hf_tok_s']:,.0f} tok/s | "
-            f"**{r['ratio']:.2f}×** | {gemm} |"
+            f"**{r['ratio']:.2f}×**{spread} | {gemm}{load} |"
         )
 
     def memory(name: str, label: str, mode: str) -> str:
@@ -262,11 +271,11 @@ def render(results: dict, meta: dict) -> str:
                 r[impl].get("error", f"{r[impl]['peak_mib']:,.0f} MiB ({r[impl]['seconds']:.1f} s)")
                 for impl in ("tlm", "hf")
             ]
-            return f"| {label} | {mode} | {cells[0]} | {cells[1]} | – | |"
+            return f"| {label} | {mode} | {cells[0]} | {cells[1]} | – | | |"
         ratio = r["tlm"]["peak_mib"] / r["hf"]["peak_mib"]
         return (
             f"| {label} | {mode} | {r['tlm']['peak_mib']:,.0f} MiB ({r['tlm']['seconds']:.1f} s) | "
-            f"{r['hf']['peak_mib']:,.0f} MiB ({r['hf']['seconds']:.1f} s) | **{ratio:.2f}×** | |"
+            f"{r['hf']['peak_mib']:,.0f} MiB ({r['hf']['seconds']:.1f} s) | **{ratio:.2f}×** | | |"
         )
 
     tlm_mode = "eager; attention `auto` (torch SDPA), fused q/k/v and w1/w3"
@@ -291,13 +300,15 @@ def render(results: dict, meta: dict) -> str:
         '`LlamaForCausalLM` with `attn_implementation="sdpa"`, eager, in every row. Greedy decoding also checks '
         "that both produce the same tokens. Compiled rows exclude the one-off compile (done in the warm-up). "
         "Speed is the median of "
-        f"{meta['repeats']} alternating repeats; ratio = tlm ÷ HF throughput (higher is better for tlm). "
+        f"{meta['repeats']} alternating repeats; ratio = tlm ÷ HF throughput (higher is better for tlm), the "
+        "median of the per-repeat ratios and, in brackets, the lowest and highest; load = the 1-minute load "
+        "average after the row (a shared machine: times move with it, same-repeat ratios much less). "
         "GEMM % = model matmul FLOPs per second (causal attention counted as half) over the GEMM rate. "
         "Memory = peak RSS above the RSS just before the call, in a fresh process each (ratio = tlm ÷ HF, "
         "lower is better for tlm).",
         "",
-        "| workload | tlm mode | tlm | HF | ratio | GEMM % (tlm / HF) |",
-        "|---|---|---:|---:|---:|---:|",
+        "| workload | tlm mode | tlm | HF | ratio | GEMM % (tlm / HF) | load |",
+        "|---|---|---:|---:|---:|---:|---:|",
         speed("fwd_course", "forward, course-tinystories, 4 × 256", tlm_mode),
         speed("fwd_small", "forward, GPT-2-small-like, 1 × 1024", tlm_mode),
         speed("train_course", "forward + backward (loss), course-tinystories, 4 × 256", tlm_mode + "; chunked loss"),
@@ -373,6 +384,7 @@ def main() -> None:
     meta = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()} Linux, {cpu_description()}",
+        "load_end": load_average(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": torch.get_num_threads(),

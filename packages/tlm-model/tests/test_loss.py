@@ -132,7 +132,7 @@ def test_training_forward_still_builds_both_gradients():
 
 
 def test_model_evaluation_loss_equals_float64_cross_entropy():
-    model = TransformerLM.from_config(SMALL)
+    model = TransformerLM(SMALL)
     ids = torch.randint(0, SMALL.vocab_size, (3, 16))
     targets = torch.randint(0, SMALL.vocab_size, (3, 16))
     with torch.no_grad():
