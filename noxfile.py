@@ -349,7 +349,7 @@ def dev(session: nox.Session) -> None:
 @nox.session(default=False)
 def report(session: nox.Session) -> None:
     """GPT-2 XL's parameter/memory/FLOP accounting and the size comparison, with a plot."""
-    _install(session, *_editable(_local_closure("tlm-cli"), {"tlm-cli": "plot"}), "numpy")
+    _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}), "numpy")
     out = ROOT / "build" / "report"
     out.mkdir(parents=True, exist_ok=True)
     session.run("tlm", "info")
@@ -373,7 +373,7 @@ def train(session: nox.Session) -> None:
 
     Each run gets a fresh folder under build/runs/; flags after ``--`` go to ``tlm train``.
     """
-    _install(session, *_editable(_local_closure("tlm-cli"), {"tlm-cli": "plot"}))
+    _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
     out = ROOT / "build" / "runs" / time.strftime("%Y%m%d-%H%M%S")
     session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
 

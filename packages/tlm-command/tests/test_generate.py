@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_model import ModelConfig, TransformerLM, generate, load_checkpoint, save_checkpoint
 from tlm_train import RunDir
 
@@ -76,7 +76,7 @@ def test_stop_text_ends_generation_and_is_not_printed(run, capsys):
 
 
 def test_end_of_text_stops_by_default_and_eos_id_takes_the_special_token(run, capsys, monkeypatch):
-    import tlm_cli.generate as command
+    import tlm_command.generate as command
 
     (eot,) = RunDir(run).tokenizer().encode("<|endoftext|>")
     real = command.load_model

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_model import ModelConfig
 
 

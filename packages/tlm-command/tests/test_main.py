@@ -5,7 +5,7 @@ import importlib.metadata
 
 import pytest
 
-from tlm_cli.main import COMMANDS, build_parser, main
+from tlm_command.main import COMMANDS, build_parser, main
 
 
 def test_version_names_the_installed_distributions(capsys):
@@ -13,7 +13,7 @@ def test_version_names_the_installed_distributions(capsys):
         main(["--version"])
     assert info.value.code == 0
     out = capsys.readouterr().out
-    for dist in ("tlm-cli", "tlm-model", "tlm-train", "tlm-tokenizer", "torch"):
+    for dist in ("tlm-command", "tlm-model", "tlm-train", "tlm-tokenizer", "torch"):
         assert f"{dist} {importlib.metadata.version(dist)}" in out
 
 

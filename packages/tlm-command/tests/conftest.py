@@ -1,4 +1,4 @@
-"""Fixtures for tlm-cli's tests: a small trained run (shared), checkpoints, and the one-line error check."""
+"""Fixtures for tlm-command's tests: a small trained run (shared), checkpoints, and the one-line error check."""
 
 import subprocess
 import sys
@@ -46,7 +46,7 @@ def run(tmp_path_factory, corpus) -> Path:
 @pytest.fixture
 def fails(capsys):
     """``fails(argv, *fragments, code=2)``: ``tlm argv`` exits with ``code`` after one stderr line, no stdout."""
-    from tlm_cli.main import main
+    from tlm_command.main import main
 
     def check(argv, *fragments, code=2):
         with pytest.raises(SystemExit) as info:

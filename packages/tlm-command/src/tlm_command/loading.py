@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from tlm_cli.args import UserError, damaged, say
+from tlm_command.args import UserError, damaged, say
 from tlm_core.tensors import dtype_from_name
 from tlm_model import TransformerLM
 

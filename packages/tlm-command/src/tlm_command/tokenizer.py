@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from tlm_cli.args import check_output, positive_int
+from tlm_command.args import check_output, positive_int
 
 
 def add_parser(commands: Any) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_model import load_checkpoint
 from tlm_train import RunDir, TrainConfig
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_model import load_checkpoint
 from tlm_train import RunDir
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_model import load_checkpoint
 
 transformers = pytest.importorskip("transformers")

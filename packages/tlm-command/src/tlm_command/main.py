@@ -11,15 +11,15 @@ import importlib.metadata
 import sys
 from collections.abc import Sequence
 
-from tlm_cli.args import Parser, UserError
+from tlm_command.args import Parser, UserError
 
-#: The subcommands, in the order ``tlm --help`` lists them; each is the module ``tlm_cli.<name>``.
+#: The subcommands, in the order ``tlm --help`` lists them; each is the module ``tlm_command.<name>``.
 COMMANDS = ("train", "generate", "eval", "convert", "tokenizer", "info", "accounting")
 
 
 def _version() -> str:
     versions = []
-    for dist in ("tlm-cli", "tlm-model", "tlm-train", "tlm-tokenizer", "torch"):
+    for dist in ("tlm-command", "tlm-model", "tlm-train", "tlm-tokenizer", "torch"):
         try:
             versions.append(f"{dist} {importlib.metadata.version(dist)}")
         except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source checkout without metadata
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        importlib.import_module(f"tlm_cli.{name}").add_parser(commands)
+        importlib.import_module(f"tlm_command.{name}").add_parser(commands)
     return parser
 
 

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tlm_cli.args import UserError, check_output, description, dtype_choices
-from tlm_cli.loading import load_tokenizer
+from tlm_command.args import UserError, check_output, description, dtype_choices
+from tlm_command.loading import load_tokenizer
 from tlm_core.tensors import dtype_from_name
 from tlm_model import save_checkpoint, save_hf
 from tlm_model.accounting import human

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tlm_cli.args import UserError, description, dtype_choices, positive_int, say
-from tlm_cli.args import device as parse_device
-from tlm_cli.loading import add_model_arguments, load_model
+from tlm_command.args import UserError, description, dtype_choices, positive_int, say
+from tlm_command.args import device as parse_device
+from tlm_command.loading import add_model_arguments, load_model
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import dtype_from_name
 

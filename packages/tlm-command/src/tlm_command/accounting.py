@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from tlm_cli.args import UserError, positive_int
+from tlm_command.args import UserError, positive_int
 from tlm_model import PRESETS, ModelConfig
 from tlm_model.accounting import account, compare_text
 
@@ -55,7 +55,7 @@ def _check_plot_target(path: str) -> None:
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'tlm-cli[plot]' (or pip install matplotlib)") from None
+        raise UserError("--plot needs matplotlib: pip install 'tlm-command[plot]' (or pip install matplotlib)") from None
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--plot {path}: the folder {folder} does not exist")

@@ -1,7 +1,7 @@
 """The ``tlm`` command: one module per subcommand (``info``, ``accounting``, ``generate``, ``eval``,
 ``convert``, ``tokenizer``, ``train``), each a thin layer over the library packages."""
 
-from tlm_cli.main import main
+from tlm_command.main import main
 
 __version__ = "0.1.0"
 

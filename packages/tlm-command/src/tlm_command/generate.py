@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from tlm_cli.args import UserError, description, dtype_choices, positive_int, temperature, top_p
-from tlm_cli.args import device as parse_device
-from tlm_cli.loading import add_model_arguments, load_model, load_tokenizer
+from tlm_command.args import UserError, description, dtype_choices, positive_int, temperature, top_p
+from tlm_command.args import device as parse_device
+from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_core.progress import progress_bar
 from tlm_model import PRESETS, TransformerLM, compile_for_inference, generate
 

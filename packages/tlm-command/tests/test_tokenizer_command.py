@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from tlm_cli.main import main
+from tlm_command.main import main
 from tlm_tokenizer import Tokenizer
 
 

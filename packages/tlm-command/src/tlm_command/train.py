@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tlm_cli.args import UserError, description
+from tlm_command.args import UserError, description
 from tlm_model import PRESETS
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import ModelConfig

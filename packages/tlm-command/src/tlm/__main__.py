@@ -2,6 +2,6 @@
 
 import sys
 
-from tlm_cli.main import main
+from tlm_command.main import main
 
 sys.exit(main())

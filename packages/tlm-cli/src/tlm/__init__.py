@@ -1,1 +1,0 @@
-"""``python -m tlm``: the ``tlm`` command (the package is tlm-cli's ``tlm_cli``)."""

@@ -1,0 +1,1 @@
+"""``python -m tlm``: the ``tlm`` command (the package is tlm-command's ``tlm_command``)."""
