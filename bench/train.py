@@ -8,7 +8,8 @@ gradients' global norm to 1.0, the optimizer step, and read the loss and the nor
 (what a logging step reads). tlm's step is :func:`recipe_step`, the one `tlm train` runs
 (``tlm_train.train_step``: the chunked LM head and cross-entropy, ``tlm_optim.clip_grad_norm_``,
 ``tlm_optim.AdamW``), on the unfused layout that tlm-train trains; ``--step`` names any other function
-of ``(model, optimizer, batch)`` to time in its place (``--step train:tlm_step``: the bare step). HF computes its full logits and ``F.cross_entropy``, then
+of ``(model, optimizer, batch)`` to time in its place (``--step train:tlm_step``: the bare step).
+HF computes its full logits and ``F.cross_entropy``, then
 ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW(foreach=True)``.
 
 Method. Every round runs each measured call once, in turn (tlm, HF, ...), after a warm-up; a ratio's

@@ -55,7 +55,7 @@ def _check_plot_target(path: str) -> None:
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'tlm-command[plot]' (or pip install matplotlib)") from None
+        raise UserError("--plot needs matplotlib: pip install 'tlm-command[plot]' (or matplotlib)") from None
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--plot {path}: the folder {folder} does not exist")
