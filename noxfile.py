@@ -445,7 +445,12 @@ def standalone(session: nox.Session, package: str) -> None:
     # --find-links serves our unreleased wheels; third-party deps (einops, jaxtyping) come from the index.
     # On uv's command line it replaces UV_FIND_LINKS, so the folders that hold torch are named again.
     links = [str(wheelhouse), *_find_links()]
-    _install(session, *[arg for link in links for arg in ("--find-links", link)], package)
+    # uv caches a find-links wheel by its name and version, and ours keep their version while their
+    # contents change: without a refresh, a second run installs the first run's wheels.
+    refresh = (
+        [arg for dist in _local_closure(package) for arg in ("--refresh-package", dist)] if _uses_uv(session) else []
+    )
+    _install(session, *refresh, *[arg for link in links for arg in ("--find-links", link)], package)
     session.run(
         "python",
         str(ROOT / "tools" / "check_standalone.py"),
