@@ -69,3 +69,15 @@ def test_bad_arguments():
         TransformerBlock(block_config(12, 4, 64))
     with pytest.raises(ValueError, match="rope_theta must be a finite number > 0"):
         TransformerBlock(block_config(16, 4, 64, theta=0.0))
+
+
+# ---- TransformerBlock wiring that a mutation run found unpinned: dtype reaches every submodule.
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_dtype_reaches_every_parameter(dtype, fused):
+    block = TransformerBlock(block_config(16, 2, 24, max_seq_len=8), dtype=dtype, fused=fused)
+    assert {p.dtype for p in block.parameters()} == {dtype}
+    x = torch.randn(1, 5, 16, dtype=dtype)
+    assert block(x).dtype == dtype
