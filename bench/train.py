@@ -140,7 +140,7 @@ def compare(cfg: ModelConfig, batch: int, repeats: int, rate: float, step: Calla
         "tlm_step": lambda: step(ours, optimizer, next(cycles["tlm"])),
         "hf_step": lambda: hf_step(hf, hf_optimizer, next(cycles["hf"])),
         "tlm_fb": tlm_forward_backward,
-        "tlm_commandp": lambda: clip_grad_norm_(ours.parameters(), MAX_GRAD_NORM),
+        "tlm_clip": lambda: clip_grad_norm_(ours.parameters(), MAX_GRAD_NORM),
         "tlm_opt": optimizer.step,
         "hf_fb": hf_forward_backward,
         "hf_clip": lambda: torch.nn.utils.clip_grad_norm_(hf.parameters(), MAX_GRAD_NORM),
