@@ -1,6 +1,8 @@
 """One optimizer step against independent references: a hand-written torch loop (F.cross_entropy on full
 logits, torch's clip_grad_norm_ and AdamW); the non-finite stop; float16 loss scaling; parameter groups."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,14 @@ def test_train_step_with_accumulation_equals_a_hand_written_torch_loop(record_er
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         record_error("train_step x3 vs hand-written torch loop", got, want)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_steps_stats_are_a_read_only_record() -> None:
+    model = _model()
+    stats = train_step(LanguageModelLoss(model), AdamW(model.parameters(), lr=1e-3), [_batch(2, 0)], max_grad_norm=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.lr = 0.5  # type: ignore[misc]
+    assert stats.lr == 1e-3
 
 
 @pytest.mark.parametrize("where", ["weights", "lr"])
