@@ -282,6 +282,21 @@ def test_from_hf_reads_other_spellings_of_the_same_tokenizer(tmp_path, layout):
     assert hf.encode(text, add_special_tokens=False).ids == loaded.encode(text) == tokenizer.encode(text)
 
 
+@pytest.mark.parametrize("dropout", [None, 0, 0.0])
+def test_from_hf_reads_a_dropout_of_zero_as_no_dropout(tmp_path, dropout):
+    # JSON's 0.0 parses to a new float object, so only an equality check (not identity) accepts it.
+    tokenizer = small()
+    document = document_of(tokenizer)
+    document["model"]["dropout"] = dropout
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(document), encoding="utf-8")
+    loaded = Tokenizer.from_hf(path)
+    assert loaded.vocab == tokenizer.vocab and loaded.merges == tokenizer.merges
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    text = "ab ab  abab's<|endoftext|> b a"
+    assert hf.encode(text, add_special_tokens=False).ids == loaded.encode(text)
+
+
 def _set(path: str, value: object):
     def change(document: dict) -> None:
         *parents, last = path.split(".")

@@ -220,6 +220,7 @@ def test_merges_apply_by_rank_not_by_frequency():
         (("full", {256: b"xzy"}, [(b"x", b"zy")]), ValueError, r"needs b'zy', which vocab lacks"),
         (("full", {}, [(b"x",)]), TypeError, r"merges must hold \(bytes, bytes\) pairs, got \(b'x',\) at rank 0"),
         (("full", {}, [("x", "y")]), TypeError, "merges must hold .bytes, bytes. pairs, got .'x', 'y'. at rank 0"),
+        (("full", {}, [("x", b"y")]), TypeError, "merges must hold .bytes, bytes. pairs, got .'x', b'y'. at rank 0"),
         (("full", {}, "xy"), TypeError, "merges must be a list of .bytes, bytes. pairs, got str"),
         (
             ("full", {256: b"xy"}, [(b"x", b"y"), (b"x", b"y")]),

@@ -77,6 +77,18 @@ def test_a_run_without_a_checkpoint_and_an_hf_folder_as_a_model_file(tmp_path):
     assert RunDir(tmp_path / "run").tokenizer() is None
 
 
+def test_no_tokenizer_where_the_tokenizer_place_is_missing(tmp_path):
+    # A run, a step and a model folder name a tokenizer folder that need not exist; an HF folder
+    # without tokenizer.json names none. Either way there is no tokenizer, and no error.
+    run, manager = _run(tmp_path)
+    assert not (run / "tokenizer").exists()
+    assert load_tokenizer(resolve(run)) is None
+    assert load_tokenizer(resolve(manager.path(1))) is None
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    assert load_tokenizer(resolve(tmp_path / "hf")) is None
+
+
 def test_an_hf_folder_loads_through_from_hf_and_an_unreadable_tokenizer_says_why(tmp_path):
     transformers = pytest.importorskip("transformers", reason="HF transformers writes the reference HF folder")
     hf = transformers.LlamaConfig(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1,

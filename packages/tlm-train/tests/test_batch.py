@@ -141,3 +141,19 @@ def test_eval_batches_cover_fixed_windows_in_order():
     assert len(EvalBatches(data, 4, 10, max_batches=1)) == 1
     strided = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 64, 10, stride=5)])
     assert torch.equal(strided, torch.arange(0, 93, 5))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"batch_size": 2.0}, TypeError, "batch_size"),
+        ({"context_length": 0}, ValueError, "context_length"),
+        ({"context_length": 5.0}, TypeError, "context_length"),
+    ],
+)
+def test_eval_batches_bad_sizes(kwargs, error, match):
+    # Checked when built, as get_batch checks them, not later when len() or iteration divides by them.
+    args = {"dataset": np.arange(20), "batch_size": 2, "context_length": 5, **kwargs}
+    with pytest.raises(error, match=match):
+        EvalBatches(**args)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tlm_optim import AdamW, CosineSchedule
-from tlm_train import load_checkpoint, read_checkpoint, rng_state, save_checkpoint
+from tlm_train import capture_state, load_checkpoint, read_checkpoint, restore_state, rng_state, save_checkpoint
 
 
 def _trained(seed=0):
@@ -145,6 +145,45 @@ def test_bit_flip_refused_with_its_name(tmp_path):
     with pytest.raises(ValueError, match="ck.pt is corrupt: its bytes do not match the SHA-256"):
         load_checkpoint(path, model, opt)
     assert _same_state(before, model.state_dict())
+
+
+@pytest.mark.parametrize("kind", [str, os.fspath, lambda path: path])
+def test_a_refusal_names_the_whole_path_given(tmp_path, kind):
+    # The user's path as given (folders included), not only the file's name.
+    path = tmp_path / "run" / "ck.pt"
+    path.parent.mkdir()
+    path.write_bytes(b"not a checkpoint, and too short for a trailer")
+    model, opt = _trained()
+    with pytest.raises(ValueError) as raised:
+        load_checkpoint(kind(path), model, opt)
+    assert str(raised.value).startswith(f"{path} is not a tlm-train-state/1 file")
+
+
+def _fresh(seed=9):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_restore_state_puts_back_what_capture_state_took():
+    model, opt = _trained()
+    state = capture_state(model, opt, step=3)
+    other = _fresh()
+    other_opt = AdamW(other.parameters(), lr=1e-2)
+    assert restore_state(state, other, other_opt) == 3
+    assert _same_state(model.state_dict(), other.state_dict())
+    assert _same_state(opt.state_dict(), other_opt.state_dict())  # torch's own view of the optimizer
+
+
+def test_restore_state_refuses_an_optimizer_with_other_groups():
+    model, opt = _trained()
+    state = capture_state(model, opt, step=3)
+    other = _fresh()
+    groups = [
+        {"params": [p for p in other.parameters() if p.ndim >= 2]},
+        {"params": [p for p in other.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    with pytest.raises(ValueError, match=r"optimizer groups hold other parameters .*sizes \[4\] saved, \[2, 2\] now"):
+        restore_state(state, other, AdamW(groups, lr=1e-2))
 
 
 def test_foreign_file_refused(tmp_path):

@@ -93,6 +93,15 @@ def test_the_model_is_the_preset_with_model_fields_over_it_and_the_tokenizers_vo
         TrainConfig(model={"vocab_size": 500}).model_config(vocab_size=777)
 
 
+def test_the_default_tokenizer_vocabulary_is_the_default_presets() -> None:
+    # With every default, the tokenizer a run trains fits the preset's model exactly: the model built
+    # from it is the preset itself, not one with a different embedding size.
+    config = TrainConfig()
+    preset = PRESETS[config.preset]
+    assert config.vocab_size == preset.vocab_size
+    assert config.model_config(vocab_size=config.vocab_size) == preset
+
+
 def test_total_steps_from_a_token_budget() -> None:
     assert TrainConfig(steps=5).total_steps() == 5
     assert TrainConfig(max_tokens=10_000, batch_size=8).total_steps() == 10  # 8 × 128 tokens a step

@@ -1,5 +1,6 @@
 """torchrun with 2 gloo processes: DDP and FSDP2 equal one process on the same global batch, a
-2-process run resumes bit-exactly, and a 2-rank checkpoint resumes on 1 rank.
+2-process run resumes bit-exactly, and a 2-rank checkpoint resumes on 1 rank (all slow); and, quickly,
+what the helpers do in one process without torchrun.
 
 Tolerance: the ranks' gradients are averaged by an all-reduce (FSDP2: a reduce-scatter) instead of
 one mean over the whole batch, a different float32 summation order. After STEPS AdamW steps at
@@ -19,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_train import RunDir
+from tlm_model import ModelConfig, TransformerLM
+from tlm_train import DistInfo, LanguageModelLoss, RunDir, init_distributed, wrap_model
+from tlm_train.distributed import barrier
 from tlm_train.metrics import TIMING_FIELDS
-
-pytestmark = pytest.mark.slow
 
 STEPS = 6
 ATOL = 1e-5
@@ -96,6 +97,7 @@ def fsdp(tokens: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp_path: Path, record_error) -> None:
     out = tmp_path / "run"
     _train(tokens, out, nproc=2, distributed="ddp")
@@ -109,12 +111,14 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
                 assert a[key] == pytest.approx(b[key], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp2_on_two_processes_equals_one_process(fsdp: Path, single: Path, record_error) -> None:
     got, want = _weights(fsdp), _weights(single)
     record_error("FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps", _flat(got), _flat(want))
     assert _max_error(got, want) <= ATOL
 
 
+@pytest.mark.slow
 def test_two_process_fsdp2_resume_is_bit_identical(tokens: Path, fsdp: Path, tmp_path: Path) -> None:
     # A crash after the step-2 checkpoint: later checkpoints never written, metrics written past it.
     out = tmp_path / "run"
@@ -128,6 +132,7 @@ def test_two_process_fsdp2_resume_is_bit_identical(tokens: Path, fsdp: Path, tmp
     assert _metrics(out) == _metrics(fsdp)
 
 
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_on_one_rank(tokens: Path, fsdp: Path, single: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
     shutil.copytree(fsdp, out)
@@ -136,3 +141,22 @@ def test_two_rank_checkpoint_resumes_on_one_rank(tokens: Path, fsdp: Path, singl
             shutil.rmtree(RunDir(out).checkpoints().path(step))
     _train(tokens, out, distributed="none", activation_checkpointing=True, resume=True)
     assert _max_error(_weights(out), _weights(single)) <= ATOL
+
+
+def test_without_torchrun_one_process_and_no_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    info = init_distributed("cpu")
+    assert info == DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")) and info.is_main
+    assert not torch.distributed.is_initialized()
+    assert barrier() is None  # no group: nothing to wait for, and no error
+
+
+def test_wrap_model_checks_its_mode() -> None:
+    model = TransformerLM(ModelConfig(48, 8, 16, 1, 2, 24), fused=False)
+    with pytest.raises(ValueError, match=r"^mode must be one of \['ddp', 'fsdp', 'none'\], got 'zero'$"):
+        wrap_model(model, "zero")
+    with pytest.raises(ValueError, match="distributed mode 'ddp' needs a process group"):
+        wrap_model(model, "ddp")
+    wrapped = wrap_model(model, "none")
+    assert isinstance(wrapped, LanguageModelLoss) and wrapped.model is model

@@ -4,6 +4,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from tlm_model import ModelConfig
 from tlm_model.accounting import account
@@ -43,3 +44,47 @@ def test_training_flops_are_three_forwards_of_causal_attention() -> None:
     report = account(config, batch_size=1, seq_len=32)
     assert training_flops_per_token(config, 32) == 3 * report.forward_flops_causal / 32
     assert measure_gemm_flops("cpu", size=64, repeats=1) > 0
+
+
+def test_the_gemm_rate_is_2n3_flops_over_the_best_time(monkeypatch) -> None:
+    # A fake clock that each matmul advances by a chosen time: the rate is an n x n by n x n float32
+    # matmul's 2 n**3 FLOPs over the fastest call (1024 and 1 + 5 calls by default).
+    from tlm_train import metrics
+
+    clock = [0.0]
+    durations = iter([9.0, 0.5, 0.25, 0.75, 0.5, 1.0])
+    calls = []
+
+    def mm(a, b):
+        calls.append((tuple(a.shape), tuple(b.shape), a.dtype, b.dtype))
+        clock[0] += next(durations)
+        return a
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    assert measure_gemm_flops() == 2 * 1024**3 / 0.25
+    assert calls == [((1024, 1024), (1024, 1024), torch.float32, torch.float32)] * 6
+
+
+def test_the_plot_draws_each_logged_loss_against_its_step(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("matplotlib", reason="the loss plot is drawn with the optional matplotlib")
+    import matplotlib.pyplot as plt
+
+    closed = []
+    close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (closed.append(fig), close(fig)))
+    log = MetricsLog(tmp_path / "m.jsonl")
+    records = [
+        {"step": s, "train_loss": 3.0 / s, **({"val_loss": 2.5 - s / 4} if s % 2 == 0 else {})} for s in range(1, 6)
+    ]
+    for record in records:
+        log.append(record)
+    plot_loss_curve(tmp_path / "m.jsonl", tmp_path / "loss.png")
+    (fig,) = closed
+    (ax,) = fig.axes
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
+    assert drawn == {
+        "train": ([r["step"] for r in records], [r["train_loss"] for r in records]),
+        "validation": ([2, 4], [2.0, 1.5]),
+    }
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]

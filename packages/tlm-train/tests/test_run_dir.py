@@ -31,6 +31,13 @@ def test_a_held_lock_refuses_a_second_holder_and_is_free_once_released(tmp_path)
     assert (tmp_path / "run" / ".lock").exists()
 
 
+def test_the_lock_creates_a_nested_run_folder(tmp_path) -> None:
+    run = RunDir(tmp_path / "runs" / "2026" / "first")
+    with run.lock() as held:
+        held.record()
+    assert (tmp_path / "runs" / "2026" / "first" / ".lock").is_file()
+
+
 def test_a_holder_that_never_recorded_itself_is_described_honestly(tmp_path) -> None:
     run = RunDir(tmp_path / "run")
     with run.lock():

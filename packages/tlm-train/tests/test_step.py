@@ -1,6 +1,8 @@
 """One optimizer step against independent references: a hand-written torch loop (F.cross_entropy on full
 logits, torch's clip_grad_norm_ and AdamW); the non-finite stop; float16 loss scaling; parameter groups."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,46 @@ def test_train_step_with_accumulation_equals_a_hand_written_torch_loop(record_er
     for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         record_error("train_step x3 vs hand-written torch loop", got, want)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_steps_stats_are_a_read_only_record() -> None:
+    model = _model()
+    stats = train_step(LanguageModelLoss(model), AdamW(model.parameters(), lr=1e-3), [_batch(2, 0)], max_grad_norm=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.lr = 0.5  # type: ignore[misc]
+    assert stats.lr == 1e-3
+
+
+def test_accumulation_turns_fsdp_gradient_sync_off_for_all_but_the_last_micro_batch() -> None:
+    # FSDP2's switch, recorded on a one-process stand-in: off for micro-batches 1 and 2, on again
+    # after each, and left on for the last micro-batch, whose backward does the reduce-scatter.
+    class Recorded(LanguageModelLoss):
+        def __init__(self, model):
+            super().__init__(model)
+            self.calls = []
+
+        def set_requires_gradient_sync(self, flag):
+            self.calls.append(flag)
+
+        def forward(self, inputs, targets):
+            self.calls.append("forward")
+            return super().forward(inputs, targets)
+
+    model = _model()
+    module = Recorded(model)
+    train_step(module, AdamW(model.parameters(), lr=1e-3), [_batch(2, i) for i in range(3)], max_grad_norm=1.0)
+    assert module.calls == [False, "forward", True, False, "forward", True, "forward"]
+
+
+def test_train_step_runs_on_a_torch_built_without_distributed(monkeypatch) -> None:
+    # There torch.distributed.is_available() is False and is_initialized does not exist.
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    monkeypatch.delattr(torch.distributed, "is_initialized")
+    model, reference = _model(), _model()
+    stats = train_step(LanguageModelLoss(model), AdamW(model.parameters(), lr=1e-3), [_batch(2, 0)], max_grad_norm=1.0)
+    inputs, targets = _batch(2, 0)
+    expected = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
+    assert float(stats.loss) == pytest.approx(expected.item(), rel=1e-6)
 
 
 @pytest.mark.parametrize("where", ["weights", "lr"])
