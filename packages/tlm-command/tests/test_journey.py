@@ -16,6 +16,8 @@ from tlm_tokenizer import Tokenizer
 from tlm_train import RunDir
 
 transformers = pytest.importorskip("transformers", reason="the journey ends in HF transformers")
+# Every command a new interpreter (~45 s on 2 cores): in `nox -s tests`, not in the quick tier.
+pytestmark = pytest.mark.slow
 
 SMALL = ["--context-length", "32", "--d-model", "32", "--num-layers", "2", "--num-heads", "4", "--d-ff", "64",
          "--batch-size", "8", "--eval-batches", "2", "--eval-interval", "10", "--checkpoint-interval", "10",

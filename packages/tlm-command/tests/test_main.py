@@ -17,6 +17,7 @@ def test_version_names_the_installed_distributions(capsys):
         assert f"{dist} {importlib.metadata.version(dist)}" in out
 
 
+@pytest.mark.slow  # new interpreters, each importing torch
 def test_python_dash_m_tlm_runs_the_command_and_its_errors_have_no_traceback(tmp_path, tlm):
     ok = tlm("info", "--preset", "tiny", "--json")
     assert ok.returncode == 0 and '"d_model": 128' in ok.stdout

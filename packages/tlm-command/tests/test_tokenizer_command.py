@@ -31,6 +31,7 @@ def test_train_then_encode_in_process(text, tmp_path, capsys):
     assert np.fromfile(ids_path, dtype="<u2").tolist() == tokenizer.encode(text.read_text(encoding="utf-8"))
 
 
+@pytest.mark.slow  # a new interpreter importing torch
 def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
     done = tlm("tokenizer", "train", "--input", text, "--vocab-size", 300, "--out", tmp_path / "t", "--quiet")
     assert done.returncode == 0, done.stderr
@@ -63,6 +64,7 @@ def test_user_errors_are_one_line_exit_2_and_inputs_survive(text, tmp_path, fail
     assert [p.name for p in (tmp_path / "user").iterdir()] == ["notes.txt"]  # a user's folder is not replaced
 
 
+@pytest.mark.slow  # one new interpreter per case
 @pytest.mark.parametrize(
     "args",
     [

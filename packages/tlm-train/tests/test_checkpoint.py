@@ -384,6 +384,7 @@ def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
     assert manager.remove_after(1) == [2, 3] and manager.all_steps() == [1]
 
 
+@pytest.mark.slow  # real processes killed mid-save, ~20 s
 def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, python):
     import random
     import signal
