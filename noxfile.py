@@ -5,7 +5,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s tests        every package's suite and tests-course, one pytest run each, in one workspace venv,
                         on the CPU and (where one exists) a CUDA device, with jaxtyping's runtime shape checks
     nox -s quick        the same without the tests marked ``slow`` (compile, subprocess kills, distributed):
-                        the tier to run while working (about 3 minutes on 2 cores)
+                        the tier to run while working (about 4 minutes on 2 cores)
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s dev          .venv/ at the root: every package editable with its test extra, and the tools
