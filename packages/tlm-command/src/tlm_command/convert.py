@@ -19,8 +19,9 @@ from tlm_core.tensors import dtype_from_name
 from tlm_model import save_checkpoint, save_hf
 from tlm_model.accounting import human
 from tlm_model.interop import hf_generation_config
+from tlm_tokenizer.hf_json import EOS_TOKEN
 
-END_OF_TEXT = "<|endoftext|>"
+END_OF_TEXT = EOS_TOKEN  # the end-of-text token tlm_tokenizer writes as HF eos_token
 
 
 def add_parser(commands: Any) -> None:

@@ -20,8 +20,9 @@ from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_core.progress import progress_bar
 from tlm_model import PRESETS, TransformerLM, compile_for_inference, generate
+from tlm_tokenizer.hf_json import EOS_TOKEN
 
-END_OF_TEXT = "<|endoftext|>"
+END_OF_TEXT = EOS_TOKEN  # the end-of-text token tlm_tokenizer writes as HF eos_token
 
 
 def add_parser(commands: Any) -> None:
