@@ -53,21 +53,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.add_cleanup(lambda: setattr(pytest, "raises", original))
 
 
-# The quick tier (`nox -s quick`, `-m "not slow"`) leaves out tests marked slow. These are marked here, by id,
-# because their package is being reworked on another branch this wave; move each mark into its test file
-# once that work has landed (or drop it if the test became fast).
-SLOW_BY_ID = {
-    # ~220 s on a 2-core CPU, as long as every other tokenizer test together
-    "packages/tlm-tokenizer/tests/test_tokenizer.py::test_gpt2_fresh_caches_match_tiktoken_on_many_pretokens",
-}
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.nodeid.split("[")[0] in SLOW_BY_ID:
-            item.add_marker(pytest.mark.slow)
-
-
 @pytest.fixture
 def shape_checks(request: pytest.FixtureRequest) -> Callable[[ModuleType, Callable[[], object]], None]:
     """``shape_checks(module, call)``: ``call()`` must raise jaxtyping's TypeCheckError. Fails when the run
