@@ -204,6 +204,7 @@ def test_resume_from_a_chosen_step_abandons_the_later_ones(data, reference, tmp_
     _assert_same_run(out, reference)
 
 
+@pytest.mark.slow  # a child process that imports torch to hold the lock: ~12 s on 2 cores
 def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not_stale(data, tmp_path, python):
     out = tmp_path / "run"
     holder = python(
