@@ -81,3 +81,13 @@ def test_dtype_reaches_every_parameter(dtype, fused):
     assert {p.dtype for p in block.parameters()} == {dtype}
     x = torch.randn(1, 5, 16, dtype=dtype)
     assert block(x).dtype == dtype
+
+
+def test_norm_eps_reaches_every_norm_of_the_block(block_reference):
+    block = randomized(TransformerBlock(block_config(32, 4, 48, norm_eps=1.5))).double()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    with torch.no_grad():
+        got = block(x)
+    expected = block_reference(block.state_dict(), x, 4, 10_000.0, eps=1.5)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # float32 RoPE tables, as above
+    assert (block_reference(block.state_dict(), x, 4, 10_000.0) - got).abs().max() > 1e-3

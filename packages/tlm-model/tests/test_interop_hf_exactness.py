@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from tlm_model import TransformerLM, generate, save_hf
-from tlm_model.interop import config_from_hf
+from tlm_model import ModelConfig, TransformerLM, generate, save_hf
+from tlm_model.interop import config_from_hf, hf_llama_config_kwargs, to_hf_llama_state_dict
 
 transformers = pytest.importorskip("transformers")
 
@@ -220,3 +220,18 @@ def test_half_layout_import_keeps_hf_rows_and_logits(tmp_path, record_error):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)
+
+
+def test_norm_eps_matches_hf_llama_rms_norm_eps():
+    cfg = ModelConfig(vocab_size=53, context_length=24, d_model=32, num_layers=2, num_heads=4, d_ff=48, norm_eps=0.7)
+    model = TransformerLM(cfg).double().eval()
+    with torch.no_grad():  # gains away from 1, so that eps is not hidden behind a unit weight
+        for name, p in model.named_parameters():
+            if "ln" in name:
+                p.uniform_(0.5, 1.5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_llama_config_kwargs(cfg))).double().eval()
+    hf.load_state_dict(to_hf_llama_state_dict(model.state_dict(), cfg))
+    ids = torch.randint(0, cfg.vocab_size, (2, 11))
+    with torch.no_grad():
+        # Both sides build RoPE angles in float32, in different orders: ~1e-7, far below eps' effect.
+        torch.testing.assert_close(model(ids), hf(ids).logits, rtol=1e-5, atol=1e-6)
