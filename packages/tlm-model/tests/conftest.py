@@ -2,12 +2,18 @@
 
 Nothing here imports tlm: projections are F.linear, norms F.rms_norm, attention
 F.scaled_dot_product_attention, and RoPE the complex-multiplication reference of the root
-conftest.py.
+conftest.py. Test modules import the process harness in fault_processes.py beside this file, so the
+folder goes on sys.path (pytest runs in importlib mode).
 """
+
+import pathlib
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
 def reference_block(sd, x, heads, theta, rope_reference, positions=None, eps=1e-5):

@@ -1,7 +1,7 @@
 """Faults injected into a real saving process: SIGKILL at every step, at random times, and races.
 
-Each test starts ``python`` subprocesses that call ``save_checkpoint``; a hook in
-``tlm_model.checkpoint`` prints every step the save completes, and can park the process there so
+Each test forks ``python`` processes that call ``save_checkpoint`` (fault_processes.py); a hook in
+``tlm_model.checkpoint`` logs every step the save completes, and can park the process there so
 the test kills it with SIGKILL at a known point. After the kill the test looks at what is on disk
 and loads it: the result must be the old checkpoint or the new one, bit for bit, never a mix.
 docs/reliability.md tabulates these cases.
@@ -11,13 +11,12 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
 import time
 
+import fault_processes
 import pytest
 import torch
+from fault_processes import Worker, build
 
 from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
 
@@ -31,113 +30,29 @@ SMALL = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, 
 # Big enough (about 4 MB) that a save takes a while, so random kills land inside it.
 MEDIUM = ModelConfig(vocab_size=4000, context_length=32, d_model=128, num_layers=2, num_heads=4, d_ff=344)
 
-# One process imports torch once, then forks a fresh saving process per job (the fork is the
-# process the test kills): 30 saving processes then cost one interpreter start, not 30.
-ZYGOTE = r"""
-import json, os, signal, sys, time, torch
-import tlm_model.checkpoint as checkpoint
-from tlm_model import ModelConfig, TransformerLM, save_checkpoint
-
-torch.set_num_threads(1)
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks
-
-def build(seed, config):
-    torch.manual_seed(seed)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.uniform_(0.5, 1.5)
-    return model
-
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid:
-        print(pid, flush=True)
-        continue
-    log = open(job["log"], "w", buffering=1)  # one write(2) per line: a kill loses none
-
-    def step(name):
-        log.write(name + "\n")
-        if name == job["park_at"]:
-            log.write("parked\n")
-            time.sleep(3600)
-
-    checkpoint._after_step = step
-    code = 1
-    try:
-        config = ModelConfig(**job["config"])
-        models = [build(seed, config) for seed in job["seeds"]]
-        log.write("ready\n")
-        for i in range(job["saves"]):
-            save_checkpoint(models[i % len(models)], job["target"])
-            log.write("saved\n")
-        log.write("done\n")
-        code = 0
-    except BaseException as err:
-        log.write(f"error {err!r}\n")
-    finally:
-        os._exit(code)
-"""
-
-
-def build(seed: int, config: ModelConfig) -> TransformerLM:
-    """The model a saving process builds from ``seed`` (same recipe, same torch: the same weights)."""
-    torch.manual_seed(seed)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.uniform_(0.5, 1.5)
-    return model
-
 
 @pytest.fixture(scope="module")
 def zygote():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    yield from fault_processes.zygote(
+        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_checkpoint",
+        hooks="checkpoint._after_step",
+        work=r"""
+            config = ModelConfig(**job["config"])
+            models = [build(seed, config) for seed in job["seeds"]]
+            log.write("ready\n")
+            for i in range(job["saves"]):
+                save_checkpoint(models[i % len(models)], job["target"])
+                log.write("saved\n")
+        """,
+    )
 
 
-class Saver:
+class Saver(Worker):
     """A process that saves ``seeds``' models in turn ``saves`` times into ``target``."""
 
     def __init__(self, zygote, log, target, seeds, saves=1, park_at="", config=SMALL):
-        self.log = log
-        job = {"log": str(log), "target": str(target), "seeds": seeds, "saves": saves, "park_at": park_at,
-               "config": config.to_dict()}  # fmt: skip
-        zygote.stdin.write(json.dumps(job) + "\n")
-        zygote.stdin.flush()
-        self.pid = int(zygote.stdout.readline())
-
-    def lines(self) -> list[str]:
-        return self.log.read_text().split("\n")[:-1] if self.log.exists() else []
-
-    def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def wait_for(self, line: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while line not in self.lines():
-            assert not any(x.startswith("error") for x in self.lines()), self.lines()
-            assert time.monotonic() < deadline and (self.alive() or line in self.lines()), (line, self.lines())
-            time.sleep(0.01)
-
-    def kill(self) -> list[str]:
-        os.kill(self.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while self.alive():
-            assert time.monotonic() < deadline, "the killed process did not go away"
-            time.sleep(0.01)
-        return self.lines()
+        job = {"target": str(target), "seeds": seeds, "saves": saves, "config": config.to_dict()}
+        super().__init__(zygote, log, job, park_at)
 
 
 def identify(directory, candidates: dict[str, TransformerLM]) -> str:

@@ -1,95 +1,32 @@
 """Faults injected into real exporting processes, and readers racing them: save_hf replaces the folder
 as one unit, from_hf reads one version of it.
 
-A helper process imports torch once and forks one process per export; hooks in tlm_model.interop
-(``_after_step``: the files of the new folder) and tlm_core.atomic (``after_step``: the swap) log each
-step and can park the process there, so the test kills it with SIGKILL at a known point. The two
+A helper process imports torch once and forks one process per export (fault_processes.py); hooks in
+tlm_model.interop (``_after_step``: the files of the new folder) and tlm_core.atomic (``after_step``:
+the swap) log each step and can park the process there, so the test kills it with SIGKILL at a known
+point. The two
 exports differ in weights, RoPE θ and RMSNorm ε but not in shapes, so new weights beside an old
 config.json would load without an error: only comparing against both models tells.
 docs/reliability.md tabulates these cases.
 """
 
 import dataclasses
-import json
 import os
 import re
-import signal
-import subprocess
-import sys
-import time
 
+import fault_processes
 import pytest
 import torch
+from fault_processes import Worker, build
 
 import tlm_model.interop as interop
-from tlm_model import ModelConfig, TransformerLM, save_hf
+from tlm_model import ModelConfig, save_hf
 from tlm_model.interop import from_hf
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename semantics are POSIX")
 
 A = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80, num_kv_heads=2)
 B = dataclasses.replace(A, rope_theta=500.0, norm_eps=1e-6)  # same shapes, another model
-
-ZYGOTE = r"""
-import json, os, signal, sys, time, torch
-import tlm_core.atomic as atomic
-import tlm_model.interop as interop
-from tlm_model import ModelConfig, TransformerLM, save_hf
-
-torch.set_num_threads(1)
-signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks
-
-def build(seed, config):
-    torch.manual_seed(seed)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.uniform_(0.5, 1.5)
-    return model
-
-for line in sys.stdin:
-    job = json.loads(line)
-    pid = os.fork()
-    if pid:
-        print(pid, flush=True)
-        continue
-    log = open(job["log"], "w", buffering=1)  # one write(2) per line: a kill loses none
-
-    def step(name):
-        log.write(name + "\n")
-        if name == job["park_at"]:
-            log.write("parked\n")
-            time.sleep(3600)
-
-    interop._after_step = atomic.after_step = step
-    code = 1
-    try:
-        models = [(build(seed, ModelConfig(**config)), seed) for seed, config in job["models"]]
-        log.write("ready\n")
-        for i in range(job["saves"]):
-            model, seed = models[i % len(models)]
-            save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})
-            log.write("saved\n")
-        log.write("done\n")
-        code = 0
-    except BaseException as err:
-        log.write(f"error {err!r}\n")
-    finally:
-        os._exit(code)
-"""
-
-
-def build(seed: int, config: ModelConfig) -> TransformerLM:
-    """The model an exporting process builds from ``seed`` (same recipe, same torch: the same weights)."""
-    torch.manual_seed(seed)
-    model = TransformerLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" in name:
-                p.uniform_(0.5, 1.5)
-    return model
-
 
 OLD, NEW = (1, A), (2, B)
 CANDIDATES = {"old": OLD, "new": NEW}
@@ -102,49 +39,26 @@ def models():
 
 @pytest.fixture(scope="module")
 def zygote():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=env)  # fmt: skip
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    yield from fault_processes.zygote(
+        imports="import tlm_core.atomic as atomic\nimport tlm_model.interop as interop\nfrom tlm_model import save_hf",
+        hooks="interop._after_step = atomic.after_step",
+        work=r"""
+            models = [(build(seed, ModelConfig(**config)), seed) for seed, config in job["models"]]
+            log.write("ready\n")
+            for i in range(job["saves"]):
+                model, seed = models[i % len(models)]
+                save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})
+                log.write("saved\n")
+        """,
+    )
 
 
-class Exporter:
+class Exporter(Worker):
     """A process that exports ``specs``' models in turn ``saves`` times into ``target``."""
 
     def __init__(self, zygote, log, target, specs, saves=1, park_at=""):
-        self.log = log
-        job = {"log": str(log), "target": str(target), "models": [(s, c.to_dict()) for s, c in specs], "saves": saves,
-               "park_at": park_at}  # fmt: skip
-        zygote.stdin.write(json.dumps(job) + "\n")
-        zygote.stdin.flush()
-        self.pid = int(zygote.stdout.readline())
-
-    def lines(self) -> list[str]:
-        return self.log.read_text().split("\n")[:-1] if self.log.exists() else []
-
-    def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def wait_for(self, line: str, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while line not in self.lines():
-            assert not any(x.startswith("error") for x in self.lines()), self.lines()
-            assert time.monotonic() < deadline and (self.alive() or line in self.lines()), (line, self.lines())
-            time.sleep(0.01)
-
-    def kill(self) -> list[str]:
-        os.kill(self.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while self.alive():
-            assert time.monotonic() < deadline, "the killed process did not go away"
-            time.sleep(0.01)
-        return self.lines()
+        job = {"target": str(target), "models": [(s, c.to_dict()) for s, c in specs], "saves": saves}
+        super().__init__(zygote, log, job, park_at)
 
 
 def identify(folder, models, *, racing: bool = False) -> str:
