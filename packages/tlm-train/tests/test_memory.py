@@ -81,44 +81,41 @@ def test_shard_rows_cover_every_row_once() -> None:
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import json, sys
     import torch, torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-    from tlm_model import ModelConfig, TransformerLM
+    from tlm_model import ModelConfig
+    from tlm_optim import AdamW
+    from tlm_train.distributed import build_model, parameter_groups, wrap_model
 
     dist.init_process_group("gloo")
-    config = ModelConfig(**json.loads(sys.argv[1]))
-    out = {}
-    for mode in ("ddp", "fsdp"):
-        torch.manual_seed(0)
-        model = TransformerLM(config, fused=False)
-        if mode == "fsdp":
-            for block in model.layers:
-                fully_shard(block)
-            fully_shard(model)
-            wrapped = model
-        else:
-            wrapped = DistributedDataParallel(model, gradient_as_bucket_view=True)
-        optimizer = torch.optim.AdamW(model.parameters())
-        ids = torch.randint(0, config.vocab_size, (2, config.context_length))
-        wrapped(ids).sum().backward()
-        optimizer.step()
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
-        out[mode] = {
-            "parameters": sum(local(p).nbytes for p in model.parameters()),
-            "gradients": sum(local(p.grad).nbytes for p in model.parameters()),
-            "optimizer": sum(local(s[k]).nbytes for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")),
-        }
+    MOMENTS = ("exp_avg", "exp_avg_sq")
+    out = []
+    for config in map(ModelConfig.from_dict, json.loads(sys.argv[1])):
+        measured = {}
+        for mode in ("ddp", "fsdp"):
+            # What tlm train does: build_model, wrap_model (the loss module under DDP or FSDP2), tlm_optim's
+            # AdamW over parameter_groups, one step.
+            model = build_model(config, "cpu", seed=0)
+            wrapped = wrap_model(model, mode)
+            optimizer = AdamW(parameter_groups(model, 0.1))
+            ids = torch.randint(0, config.vocab_size, (2, config.context_length + 1))
+            wrapped(ids[:, :-1], ids[:, 1:]).backward()
+            optimizer.step()
+            local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+            measured[mode] = {
+                "parameters": sum(local(p).nbytes for p in model.parameters()),
+                "gradients": sum(local(p.grad).nbytes for p in model.parameters()),
+                "optimizer": sum(local(s[k]).nbytes for s in optimizer.state.values() for k in MOMENTS),
+            }
+        out.append(measured)
     print(json.dumps(out))
     dist.destroy_process_group()
     """
 )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS)
-def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(config: ModelConfig, tmp_path) -> None:
+@pytest.mark.slow  # two gloo processes, every config in one launch (each process start imports torch)
+def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(tmp_path) -> None:
     script = tmp_path / "measure.py"
     script.write_text(_SCRIPT)
     with socket.socket() as s:
@@ -128,7 +125,7 @@ def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(config: ModelConfig, tmp_p
     base |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), json.dumps(config.to_dict())],
+            [sys.executable, str(script), json.dumps([config.to_dict() for config in CONFIGS])],
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -141,18 +138,19 @@ def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(config: ModelConfig, tmp_p
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
-    for rank, measured in enumerate(results):
-        for mode in ("ddp", "fsdp"):
-            want = train_memory(config, mode=mode, world_size=2, rank=rank, batch_size=2)
-            got = measured[mode]
-            assert (want.parameters, want.gradients, want.optimizer) == (
-                got["parameters"],
-                got["gradients"],
-                got["optimizer"],
-            ), (mode, rank)
-    # FSDP2 really shards: the two ranks together hold one copy.
-    single = train_memory(config, mode="ddp")
-    assert results[0]["fsdp"]["parameters"] + results[1]["fsdp"]["parameters"] == single.parameters
+    for index, config in enumerate(CONFIGS):
+        for rank, measured in enumerate(results):
+            for mode in ("ddp", "fsdp"):
+                want = train_memory(config, mode=mode, world_size=2, rank=rank, batch_size=2)
+                got = measured[index][mode]
+                assert (want.parameters, want.gradients, want.optimizer) == (
+                    got["parameters"],
+                    got["gradients"],
+                    got["optimizer"],
+                ), (index, mode, rank)
+        # FSDP2 really shards: the two ranks together hold one copy.
+        single = train_memory(config, mode="ddp")
+        assert results[0][index]["fsdp"]["parameters"] + results[1][index]["fsdp"]["parameters"] == single.parameters
 
 
 def test_the_table_shows_each_mode_side_by_side() -> None:
