@@ -2,10 +2,10 @@
 
 Every package under packages/ is discovered from its pyproject.toml. Sessions:
 
-    nox -s tests        every package's suite and tests-course, one pytest run each, in one workspace venv,
-                        on the CPU and (where one exists) a CUDA device, with jaxtyping's runtime shape checks
-    nox -s quick        the same without the tests marked ``slow`` (compile, subprocess kills, distributed),
-                        in one pytest run split over pytest-xdist workers: the tier to run while working
+    nox -s tests        every package's suite and tests-course in one workspace venv, on the CPU and (where
+                        one exists) a CUDA device, with jaxtyping's runtime shape checks
+    nox -s quick        the same without the tests marked ``slow`` (compile, subprocess kills, distributed):
+                        the tier to run while working
     nox -s standalone   each package installed alone from its wheel into a clean venv, then used
     nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s dev          .venv/ at the root: every package editable with its test extra, and the tools
@@ -19,9 +19,9 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s build        wheel + sdist of every package into dist/
 
 ``tests`` and ``quick`` take package names, then pytest arguments, after ``--``:
-``nox -s tests -- tlm-rope tlm-norm -x -k half``. ``tests`` runs the suites side by side, ``TLM_TEST_JOBS``
-at a time (default: the CPUs this process may use, at most 4), each printed whole when it ends, then a
-table; ``quick`` runs them as one pytest run with that many workers.
+``nox -s tests -- tlm-rope tlm-norm -x -k half``. Both are one pytest run over the chosen suites, their test
+files dealt to ``TLM_TEST_JOBS`` pytest-xdist workers (default: the CPUs this process may use, at most 4),
+then a table of results per suite.
 
 Virtual environments come from uv when it is installed (``python -m pip install nox uv``), else from venv
 and pip. torch is installed from ``TLM_TORCH`` (default ``torch==2.13.0``, the CPU build this project's
@@ -31,7 +31,6 @@ for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``). Both are installe
 """
 
 import atexit
-import json
 import os
 import pathlib
 import shlex
@@ -189,121 +188,80 @@ def _split_posargs(posargs: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _jobs() -> int:
-    """How many suites run side by side: TLM_TEST_JOBS, else the CPUs this process may use (at most 4)."""
+    """How many pytest-xdist workers run the tests: TLM_TEST_JOBS, else the CPUs this process may use (at most 4)."""
     if os.environ.get("TLM_TEST_JOBS"):
         return max(1, int(os.environ["TLM_TEST_JOBS"]))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, 4))
 
 
-def _durations_file(session: nox.Session) -> pathlib.Path:
-    return pathlib.Path(session.virtualenv.location) / "tlm-test-durations.json"
+def _run_tests(session: nox.Session, device: str, extra: list[str]) -> None:
+    """One pytest run over the chosen suites, test files dealt to ``_jobs()`` pytest-xdist workers, then a
+    table per suite read from the run's JUnit XML.
 
-
-def _longest_first(session: nox.Session, targets: list[str]) -> list[str]:
-    """Targets ordered by how long each took in this venv's last run (else by the size of its tests),
-    so that the longest suites start first and the short ones fill in beside them."""
-    try:
-        seconds = json.loads(_durations_file(session).read_text())
-    except (OSError, ValueError):
-        seconds = {}
-
-    def weight(target: str) -> tuple[float, int]:
-        size = sum(f.stat().st_size for f in _test_dir(target).rglob("*.py"))
-        return (seconds.get(target, 0.0), size)
-
-    return sorted(targets, key=weight, reverse=True)
-
-
-def _run_suites(session: nox.Session, device: str, extra: list[str]) -> None:
-    """One pytest run per target, up to ``_jobs()`` at a time, each printed whole when it ends."""
-    if getattr(session._runner.global_config, "install_only", False):
-        session.log("--install-only: the suites are not run")  # as session.run would skip them
-        return
+    One run, not one per suite: on 2 cores a pytest process spends ~10 s importing torch, pytest and the
+    shape checker before its first test, and twelve suites paid that twelve times (the quick tier took
+    3 min 58 s as twelve runs two at a time, 2 min 39 s as one). Files rather than tests are dealt out,
+    so that a file's module fixtures (a GPT-2 tokenizer, a zygote process) are built once.
+    """
+    session.install(XDIST)
     targets, pytest_args = _split_posargs(list(session.posargs))
-    jobs = min(_jobs(), len(targets))
-    base_env = {"TLM_TEST_DEVICE": device}
+    jobs = _jobs()
+    env = {"TLM_TEST_DEVICE": device}
+    workers = ["-n", str(jobs), "--dist", "loadfile"] if jobs > 1 else []
     if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
-        # Side-by-side suites share the cores instead of each spinning a thread per core.
-        base_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+        # Workers share the cores instead of each spinning a thread per core.
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    report = pathlib.Path(session.create_tmp()) / "junit.xml"
+    report.unlink(missing_ok=True)
+    dirs = [str(_test_dir(target)) for target in targets]
+    try:
+        # pytest exits 5 when -m/-k leave nothing to run, which is not a failure.
+        session.run("pytest", *dirs, JAXTYPING_CHECKS, *workers, *extra, f"--junitxml={report}", *pytest_args,
+                    env=env, success_codes=[0, 5])  # fmt: skip
+    finally:
+        if report.exists():  # absent under --install-only, or when pytest could not start
+            _suite_table(session, report, targets)
 
-    def command(target: str) -> list[str]:
-        return ["pytest", str(_test_dir(target)), JAXTYPING_CHECKS, *extra, *pytest_args]
 
-    if jobs == 1:
-        for target in targets:
-            session.run(*command(target), env=base_env, success_codes=[0, 5])
-        return
+def _suite_table(session: nox.Session, report: pathlib.Path, targets: list[str]) -> None:
+    """Passed, failed, skipped and test seconds per suite, from pytest's JUnit XML."""
+    import xml.etree.ElementTree as ET
 
-    logs = pathlib.Path(session.create_tmp()) / "test-logs"
-    logs.mkdir(exist_ok=True)
-    # What session.run would give the command: the outer environment, the session's (None unsets), the venv first.
-    env = {**os.environ, **session.env, **base_env}
-    env = {key: value for key, value in env.items() if value is not None}
-    env.update(VIRTUAL_ENV=session.virtualenv.location, PATH=os.pathsep.join([session.bin, env.get("PATH", "")]))
-    pending, running, results = _longest_first(session, targets), {}, {}
-    session.log(f"{len(targets)} suites, {jobs} at a time (TLM_TEST_JOBS), longest first: {' '.join(pending)}")
-    while pending or running:
-        while pending and len(running) < jobs:
-            target = pending.pop(0)
-            log = (logs / f"{target}.log").open("w")
-            proc = subprocess.Popen(command(target), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            running[target] = (proc, log, time.monotonic())
-        time.sleep(0.2)
-        for target, (proc, log, start) in list(running.items()):
-            if proc.poll() is None:
-                continue
-            log.close()
-            del running[target]
-            output = (logs / f"{target}.log").read_text()
-            summary = output.strip().splitlines()[-1] if output.strip() else ""
-            results[target] = (proc.returncode, time.monotonic() - start, summary.strip("= "))
-            print(f"\n{'━' * 30} {target} ({results[target][1]:.0f} s) {'━' * 30}\n{output}", flush=True)
-    previous = {}
-    if _durations_file(session).exists():
-        previous = json.loads(_durations_file(session).read_text())
-    _durations_file(session).write_text(json.dumps({**previous, **{t: r[1] for t, r in results.items()}}, indent=1))
-    width = max(map(len, results))
-    session.log("per suite (wall seconds; suites ran side by side):")
-    for target in targets:
-        code, seconds, summary = results[target]
-        # pytest exits 5 when -m/-k leave nothing to run in a suite, which is not a failure.
-        verdict = "ok" if code in (0, 5) else f"FAILED (exit {code})"
-        session.log(f"  {target:<{width}}  {seconds:6.1f}  {verdict:<16} {summary}")
-    failed = [t for t in targets if results[t][0] not in (0, 5)]
-    if failed:
-        session.error(f"{len(failed)} of {len(targets)} suites failed: {' '.join(failed)}")
+    counts = {t: dict.fromkeys(["passed", "failed", "skipped", "seconds"], 0.0) for t in targets}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        parts = case.get("classname", "").split(".")  # packages.tlm-rope.tests.test_rope, tests-course.test_x
+        target = parts[1] if parts[0] == "packages" and len(parts) > 1 else parts[0]
+        if target not in counts:
+            continue
+        outcome = {"failure": "failed", "error": "failed", "skipped": "skipped"}
+        kinds = [outcome[child.tag] for child in case if child.tag in outcome]
+        counts[target]["failed" if "failed" in kinds else kinds[0] if kinds else "passed"] += 1
+        counts[target]["seconds"] += float(case.get("time", 0))
+    width = max(map(len, targets))
+    session.log("per suite (tests passed / failed / skipped; seconds of test time, workers side by side):")
+    for target, c in counts.items():
+        session.log(
+            f"  {target:<{width}}  {c['passed']:5.0f} passed  {c['failed']:3.0f} failed  {c['skipped']:3.0f} skipped"
+            f"  {c['seconds']:7.1f} s"
+        )
 
 
 @nox.session
 @nox.parametrize("device", ["cpu", "cuda"], ids=["cpu", "cuda"])
 def tests(session: nox.Session, device: str) -> None:
-    """Every package's suite and tests-course, one pytest run each, in one venv holding the whole workspace."""
+    """Every package's suite and tests-course, in one venv holding the whole workspace."""
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
     _install_workspace(session, device)
-    _run_suites(session, device, ["--durations=5"])  # each suite's slowest tests, so they stay in view
+    _run_tests(session, device, ["--durations=20"])  # the slowest tests, so they stay in view
 
 
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The tests not marked slow, every package, CPU: the tier to run while working.
-
-    One pytest run over every suite, its test files dealt to ``_jobs()`` pytest-xdist workers, instead of
-    one run per suite: on 2 cores each run spends ~10 s importing torch, pytest and the shape checker
-    before its first test, which was a third of this tier's time (measured 3 min 58 s as twelve runs,
-    2 min 29 s of pytest as one). ``tests`` keeps one run per suite, so each package is still tested alone.
-    """
+    """The tests not marked slow, every package, CPU: the tier to run while working."""
     _install_workspace(session)
-    session.install(XDIST)
-    targets, pytest_args = _split_posargs(list(session.posargs))
-    jobs = _jobs()
-    workers, env = [], {"TLM_TEST_DEVICE": "cpu"}
-    if jobs > 1:
-        workers = ["-n", str(jobs), "--dist", "loadfile"]  # a file's module fixtures are built once
-        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # one thread per worker
-    dirs = [str(_test_dir(target)) for target in targets]
-    session.run("pytest", *dirs, JAXTYPING_CHECKS, "-m", "not slow", *workers, *pytest_args, env=env)
+    _run_tests(session, "cpu", ["-m", "not slow"])
 
 
 def _torch_floor(dist: str) -> str:
