@@ -9,10 +9,10 @@ from tlm_model.lm import TransformerLM
 
 #: What ``compile_for_inference`` passes to ``torch.compile``. max-autotune lets inductor pick its
 #: own C++ GEMM kernels; with frozen weights they work on pre-packed (oneDNN) copies of the weights.
-#: Batch-1 greedy decoding of the course model on a 2-core AVX2 EPYC (bench/compile_variants.py, two
-#: runs, each variant in its own process against eager there): 1.80-1.85x eager as here, 1.37-1.50x
-#: frozen but not pre-packed (MKL matmuls), 1.25-1.28x not frozen; on a CPU where oneDNN's GEMM ran
-#: 2.8x MKL's, 3x (docs/benchmarks.md).
+#: Batch-1 greedy decoding of the course model on a 2-core AVX2 EPYC (bench/compile_variants.py and an
+#: earlier run of the same method, each variant in its own process against eager there): 1.80-1.85x
+#: eager as here, 1.37-1.50x frozen but not pre-packed (MKL matmuls), 1.25-1.28x not frozen; on a CPU
+#: where oneDNN's GEMM ran 2.8x MKL's, 3x (docs/benchmarks.md).
 COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
 
 
