@@ -1,6 +1,7 @@
-"""Fixtures for tlm-model's tests: float64 re-derivations of the block and the LM.
+"""Fixtures for tlm-model's tests: float64 re-derivations of the block and the LM, and ``built``, a spy on
+every TransformerLM a test builds.
 
-Nothing here imports tlm: projections are F.linear, norms F.rms_norm, attention
+The re-derivations import nothing of tlm: projections are F.linear, norms F.rms_norm, attention
 F.scaled_dot_product_attention, and RoPE the complex-multiplication reference of the root
 conftest.py. Test modules import the process harness in fault_processes.py beside this file, so the
 folder goes on sys.path (pytest runs in importlib mode).
@@ -95,3 +96,18 @@ def course_lm_keys():
         return top | {f"layers.{i}.{key}" for i in range(num_layers) for key in COURSE_BLOCK_KEYS}
 
     return keys
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The (num_layers, kwargs) of every TransformerLM built while the test runs."""
+    from tlm_model import TransformerLM
+
+    calls, original = [], TransformerLM.__init__
+
+    def spy(self, config, **kwargs):
+        calls.append((config.num_layers, kwargs))
+        original(self, config, **kwargs)
+
+    monkeypatch.setattr(TransformerLM, "__init__", spy)
+    return calls

@@ -330,19 +330,6 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path
     )
 
 
-@pytest.fixture
-def built(monkeypatch):
-    """The (num_layers, kwargs) of every TransformerLM built while the test runs."""
-    calls, original = [], TransformerLM.__init__
-
-    def spy(self, config, **kwargs):
-        calls.append((config.num_layers, kwargs))
-        original(self, config, **kwargs)
-
-    monkeypatch.setattr(TransformerLM, "__init__", spy)
-    return calls
-
-
 def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, built):
     # 10¹² × 32 float32 embeddings would be 128 TB: ModelConfig's limits refuse it before any module exists.
     write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from fault_processes import build
 
 from tlm_model import ModelConfig, TransformerLM, save_hf
 from tlm_model.interop import from_hf, hf_generation_config
@@ -17,13 +18,7 @@ IDS = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
 def model(seed: int) -> TransformerLM:
-    torch.manual_seed(seed)
-    m = TransformerLM(CFG)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if "ln" in name:
-                p.uniform_(0.5, 1.5)
-    return m
+    return build(seed, CFG)  # norm gains away from 1, so a config beside the wrong weights shows
 
 
 def files(folder) -> dict[str, bytes]:

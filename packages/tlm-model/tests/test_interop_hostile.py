@@ -15,7 +15,6 @@ import struct
 import pytest
 import torch
 
-from tlm_model import TransformerLM
 from tlm_model.interop import from_hf
 
 transformers = pytest.importorskip("transformers")
@@ -56,19 +55,6 @@ def sharded(saved, tmp_path):
     shutil.copytree(saved[0] / "sharded", tmp_path / "sharded" / "model")
     assert len(list((tmp_path / "sharded" / "model").glob("model-*.safetensors"))) > 2
     return tmp_path / "sharded" / "model"
-
-
-@pytest.fixture
-def built(monkeypatch):
-    """(num_layers, kwargs) of every TransformerLM built while the test runs."""
-    calls, original = [], TransformerLM.__init__
-
-    def spy(self, config, **kwargs):
-        calls.append((config.num_layers, kwargs))
-        original(self, config, **kwargs)
-
-    monkeypatch.setattr(TransformerLM, "__init__", spy)
-    return calls
 
 
 def refused(folder, error=ValueError, **kwargs) -> str:

@@ -21,8 +21,6 @@ from tlm_model.accounting import human
 from tlm_model.interop import hf_generation_config
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
-END_OF_TEXT = EOS_TOKEN  # the end-of-text token tlm_tokenizer writes as HF eos_token
-
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
@@ -53,8 +51,8 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
     generation: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
         files.update(tokenizer.hf_files())
-        if END_OF_TEXT in tokenizer.special_tokens:
-            (eos,) = tokenizer.encode(END_OF_TEXT)
+        if EOS_TOKEN in tokenizer.special_tokens:
+            (eos,) = tokenizer.encode(EOS_TOKEN)
             generation = hf_generation_config(eos, bos_token_id=eos, pad_token_id=eos)
     files["generation_config.json"] = (json.dumps({**generation, "do_sample": False}, indent=2) + "\n").encode()
     return files

@@ -22,8 +22,6 @@ from tlm_core.progress import progress_bar
 from tlm_model import PRESETS, TransformerLM, compile_for_inference, generate
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
-END_OF_TEXT = EOS_TOKEN  # the end-of-text token tlm_tokenizer writes as HF eos_token
-
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
@@ -47,7 +45,7 @@ def add_parser(commands: Any) -> None:
         action="append",
         default=None,
         metavar="TEXT",
-        help=f"end when this text appears (repeatable; default {END_OF_TEXT} when the tokenizer has "
+        help=f"end when this text appears (repeatable; default {EOS_TOKEN} when the tokenizer has "
         "it; --stop '' for none)",
     )
     parser.add_argument(
@@ -177,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     stops = (
         args.stop
         if args.stop is not None
-        else ([END_OF_TEXT] if tokenizer and END_OF_TEXT in tokenizer.special_tokens else [])
+        else ([EOS_TOKEN] if tokenizer and EOS_TOKEN in tokenizer.special_tokens else [])
     )
     if tokenizer is None and any(stops):
         raise UserError("--stop TEXT needs a tokenizer to see text; use --eos-id ID with token ids")
