@@ -209,3 +209,10 @@ def test_compile_trains_like_eager(tmp_path, make_config) -> None:
     assert compiled_val == pytest.approx(eager_val, rel=1e-5, abs=0)
     assert compiled_state.keys() == eager_state.keys()
     assert graphs[False] == 0 and graphs[True] >= 1  # the flag really compiled something
+
+
+def test_an_out_dir_holding_the_token_file_is_refused_before_anything_is_written(tmp_path, make_config, snapshot):
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"--out-dir {tmp_path} holds --data {tmp_path / 'tokens.npy'}"):
+        train(make_config(out_dir=str(tmp_path)))
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tokens.npy"]

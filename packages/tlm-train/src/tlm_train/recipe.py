@@ -41,7 +41,7 @@ from tlm_train.distributed import DistInfo, barrier, build_model, init_distribut
 from tlm_train.evaluate import evaluate
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
-from tlm_train.run_dir import RunDir, RunLock
+from tlm_train.run_dir import RunDir, RunLock, check_apart
 from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
@@ -535,6 +535,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
+    inputs = {"--init-from": [config.init_from], "--tokenizer": [config.tokenizer], "--data": config.data}
+    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
 

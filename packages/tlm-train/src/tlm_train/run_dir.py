@@ -35,6 +35,28 @@ class RunInUseError(RuntimeError):
     """Another live process holds the run folder's lock."""
 
 
+def check_apart(out_dir: str | os.PathLike[str], inputs: dict[str, list[str]]) -> None:
+    """Refuse a run folder that is, lies inside, or holds one of ``inputs`` (flag -> paths it reads):
+    the run writes ``train.toml``, ``checkpoints/`` and the rest into it, so it would write into what it
+    reads. Paths are compared after resolving symlinks and ``..``."""
+    out = Path(out_dir).resolve()
+    for name, paths in inputs.items():
+        for given in paths:
+            source = Path(given).resolve()
+            if out == source:
+                how = "is"
+            elif source in out.parents:
+                how = "lies inside"
+            elif out in source.parents:
+                how = "holds"
+            else:
+                continue
+            raise ValueError(
+                f"--out-dir {out_dir} {how} {name} {given}: a run writes into its folder, so it must not overlap "
+                "what it reads; choose another --out-dir"
+            )
+
+
 class RunDir:
     """The paths of a run folder and the readers of what is in it."""
 
