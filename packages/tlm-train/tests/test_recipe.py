@@ -216,3 +216,15 @@ def test_an_out_dir_holding_the_token_file_is_refused_before_anything_is_written
     with pytest.raises(ValueError, match=f"--out-dir {tmp_path} holds --data {tmp_path / 'tokens.npy'}"):
         train(make_config(out_dir=str(tmp_path)))
     assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tokens.npy"]
+
+
+def test_a_warm_up_longer_than_the_run_is_clamped_to_it_with_a_one_line_notice(tmp_path, make_config) -> None:
+    lines: list[str] = []
+    train(make_config(steps=3, warmup_steps=50, lr=1e-3, log_interval=1), log=lines.append)
+    notices = [line for line in lines if "warm" in line]
+    assert notices == [
+        "--warmup-steps 50 is longer than the run's 3 steps: the learning rate warms up over all 3 and never decays"
+    ]
+    # The course's warm-up t / T_w · lr at iteration t = step - 1, with T_w the run's 3 steps.
+    lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
+    assert lrs == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3], rel=1e-12)

@@ -173,6 +173,12 @@ class Recipe:
             weight_decay=config.weight_decay,
         )
         self.steps = config.total_steps()
+        if config.warmup_steps > self.steps:
+            # Clamped, not refused: the default warm-up (20) would otherwise refuse every short run.
+            self.say(
+                f"{flag('warmup_steps')} {config.warmup_steps} is longer than the run's {self.steps} steps: the "
+                f"learning rate warms up over all {self.steps} and never decays"
+            )
         self.scheduler = CosineSchedule(
             self.optimizer,
             max_learning_rate=config.lr,
