@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from tlm_core.atomic import replace_dir
+from tlm_core.atomic import create_new, remove_leftovers, replace_dir, temp_path
 from tlm_train.config import TrainConfig
 from tlm_train.run_dir import RunDir
 
 SEPARATOR = "<|endoftext|>"
 TOKEN_SUFFIXES = (".npy", ".bin", ".u16", ".u32")
 TRAIN_TOKENS, VAL_TOKENS, INFO = "train.npy", "val.npy", "info.json"
+CORPUS = "corpus.txt"  # the tokenizer's training text, under a temporary name while it trains
 
 
 def default_corpus() -> str:
@@ -112,8 +113,11 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     if tokenizer is None and config.tokenizer is not None:
         tokenizer = Tokenizer.load(config.tokenizer)
     if tokenizer is None:
-        corpus = run.path / ".corpus.txt"
-        corpus.write_text(SEPARATOR.join(texts), encoding="utf-8")
+        # A fresh name created exclusively: a symlink planted in the run folder is never followed.
+        remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer
+        corpus = temp_path(run.path / CORPUS)
+        with create_new(corpus) as file:
+            file.write(SEPARATOR.join(texts).encode("utf-8"))
         try:
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
         finally:
