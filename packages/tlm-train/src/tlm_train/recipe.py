@@ -144,7 +144,7 @@ class Recipe:
 
         source, source_tokenizer = self._init_source()
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
         barrier()
         if not info.is_main:
             data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
