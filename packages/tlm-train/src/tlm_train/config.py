@@ -60,7 +60,7 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     decay_norms: bool = False  # weight decay on 1-D parameters (RMSNorm gains) too
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # more than the run's steps: clamped to them, with a one-line notice
     grad_clip: float = 1.0  # 0 disables clipping
     # Steps and batches.
     batch_size: int = 16
