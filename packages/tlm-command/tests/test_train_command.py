@@ -124,3 +124,52 @@ def test_a_diverging_run_stops_with_one_line_and_exit_1(tmp_path, tokens, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tlm: error: step ") and "Traceback" not in err
     assert "training loss is" in err or "the weights hold NaN" in err
+
+
+# CS336 §7's ablations, each one flag: it trains, the checkpoint carries it and round-trips, generate and eval read
+# it, and the HF export refuses it in one line naming the field (a Llama is pre-norm, RoPE and SwiGLU).
+ABLATION_FLAGS = [
+    (["--norm-placement", "post"], "norm_placement", "post"),
+    (["--norm-placement", "none"], "norm_placement", "none"),
+    (["--positions", "none"], "positions", "none"),
+    (["--ffn", "silu", "--d-ff", "128"], "ffn", "silu"),  # 4·d_model, the course's SiLU width
+]
+
+
+@pytest.mark.parametrize(("flags", "field", "value"), ABLATION_FLAGS, ids=[" ".join(f[0][:2]) for f in ABLATION_FLAGS])
+def test_an_ablation_trains_round_trips_generates_evaluates_and_is_refused_by_the_hf_export(
+    flags, field, value, tmp_path, tokens, fails, capsys
+):
+    from tlm_model import save_checkpoint
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL,
+                 *flags]) == 0  # fmt: skip
+    assert TrainConfig.from_toml(out / "train.toml").model[field] == value
+    model = load_checkpoint(RunDir(out).checkpoints().path(2)).eval()
+    assert getattr(model.config, field) == value
+    again = load_checkpoint(save_checkpoint(model, tmp_path / "again"))
+    assert again.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
+
+    # Greedy generation (KV-cached in the command) against recomputing the whole sequence at every step.
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(out), "--prompt-ids", "3 1 4", "--max-new-tokens", "6",
+                 "--temperature", "0", "--json"]) == 0  # fmt: skip
+    ids = [3, 1, 4]
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert json.loads(capsys.readouterr().out)["ids"] == ids[3:]
+
+    # One window of context + 1 tokens: the mean next-token cross-entropy of the model's logits.
+    window = np.load(tokens)[:17]
+    np.save(tmp_path / "window.npy", window)
+    assert main(["eval", "--checkpoint", str(out), "--data", str(tmp_path / "window.npy"), "--json", "--quiet"]) == 0
+    ids = torch.from_numpy(window.astype(np.int64))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(ids[:-1][None])[0], ids[1:]).item()
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(expected, rel=1e-6)
+
+    fails(["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")], f"ModelConfig.{field}={value!r}")
+    assert not (tmp_path / "hf").exists()

@@ -79,8 +79,29 @@ def _convert(state_dict: dict[str, Tensor], config: ModelConfig, to_hf: bool) ->
     return out
 
 
+#: The ModelConfig fields a Llama fixes, with the one value it can express and why.
+_LLAMA_ONLY = {
+    "norm_placement": ("pre", "LlamaForCausalLM normalises each sublayer's input"),
+    "positions": ("rope", "LlamaForCausalLM always rotates q and k"),
+    "ffn": ("swiglu", "LlamaForCausalLM's MLP is SwiGLU"),
+}
+
+
+def check_llama_exportable(config: ModelConfig) -> None:
+    """Refuse, in one line naming the field, a config (an ablation) that an HF Llama config cannot express."""
+    problems = [
+        f"ModelConfig.{field}={getattr(config, field)!r} ({why}; only {field}={llama!r} exports)"
+        for field, (llama, why) in _LLAMA_ONLY.items()
+        if getattr(config, field) != llama
+    ]
+    if problems:
+        raise ValueError("an HF Llama cannot express " + "; ".join(problems))
+
+
 def to_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """A tlm ``TransformerLM`` state dict as ``LlamaForCausalLM`` keys and row order."""
+    """A tlm ``TransformerLM`` state dict as ``LlamaForCausalLM`` keys and row order; a config that a
+    Llama cannot express (:func:`check_llama_exportable`) is refused."""
+    check_llama_exportable(config)
     return _convert(state_dict, config, to_hf=True)
 
 
@@ -91,6 +112,7 @@ def from_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig)
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``transformers.LlamaConfig`` (transformers 5) describing ``config``."""
+    check_llama_exportable(config)
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
