@@ -268,3 +268,22 @@ def test_a_symlink_at_the_lock_or_the_checkpoints_is_refused_in_one_line(tmp_pat
     with pytest.raises(ValueError, match=rf"^\S+/run/{name} is a symbolic link: tlm train never {what}; remove it"):
         train(make_config())
     assert snapshot(victim) == before and sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_folder_of_the_earlier_layout_is_refused_never_restarted(tmp_path, make_config, snapshot, resume):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (100, 200):  # tlm-train 0.1's checkpoint files
+        torch.save({"iteration": step}, run / "checkpoints" / f"step_{step:08d}.pt")
+    RunDir(run).write_config(make_config())
+    (run / "metrics.jsonl").write_text('{"step": 200, "train_loss": 1.5}\n')
+    before = snapshot(run)
+    with pytest.raises(
+        ValueError,
+        match=r"is a tlm-train 0.1 run \(2 checkpoints/step_N.pt files, the newest "
+        r"step_00000200.pt\), which this version cannot read, so it is neither resumed nor overwritten",
+    ):
+        train(make_config(), resume=resume)
+    assert snapshot(run) == before
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "train.toml"]

@@ -134,6 +134,7 @@ class Recipe:
         _check_runtime(config, info, resume=self.resume)
         if info.is_main:
             self.run_dir.check_links()
+            self.run_dir.check_layout()
             self._lock = self._exit.enter_context(_held(self.run_dir))
         saved = self._check_resume() if self.resume else None
         if not self.resume:

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
 import stat
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ CHECKPOINT_DIR = "checkpoints"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 LOCK_NAME = ".lock"
+_EARLIER_STEP = re.compile(r"step_(\d+)\.pt")  # tlm-train 0.1's checkpoint files
 
 
 class RunInUseError(RuntimeError):
@@ -80,6 +82,21 @@ class RunDir:
         """Whether ``path`` is a folder that ``tlm train`` wrote (its ``train.toml`` or ``checkpoints/``)."""
         path = Path(path)
         return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / CHECKPOINT_DIR).is_dir())
+
+    def check_layout(self) -> None:
+        """Refuse a run folder of tlm-train 0.1's layout (``checkpoints/step_N.pt`` files, no step folders):
+        this version cannot read those checkpoints, and must neither restart over them nor resume from step 0."""
+        try:
+            names = os.listdir(self.checkpoints_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        earlier = sorted((int(m.group(1)), name) for name in names if (m := _EARLIER_STEP.fullmatch(name)))
+        if earlier:
+            raise ValueError(
+                f"{self.path} is a tlm-train 0.1 run ({len(earlier)} checkpoints/step_N.pt files, the newest "
+                f"{earlier[-1][1]}), which this version cannot read, so it is neither resumed nor overwritten: "
+                "continue it with tlm-train 0.1 (pip install 'tlm-train<0.2'), or train into another --out-dir"
+            )
 
     def check_links(self) -> None:
         """Refuse a symlink at ``RUN/checkpoints``: step folders would be written wherever it points. (Every file
