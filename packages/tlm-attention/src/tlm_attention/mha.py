@@ -120,19 +120,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.
 
         With a cache the tokens sit at positions ``kv_cache.length`` onwards (0 onwards without
-        one); explicit ``token_positions`` must then say the same, or are refused.
+        one); explicit ``token_positions`` must then say the same. The caller guarantees the shapes
+        (the annotations state them) and the positions: nothing here re-checks them or reads a value
+        back to the host.
         """
-        if x.ndim < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape (..., seq, d_model={self.d_model}), got {tuple(x.shape)}")
         if token_positions is not None and self.rope is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
-        if token_positions is not None:
-            _check_positions_shape(token_positions, x.shape[:-1])
-        if kv_cache is not None and x.ndim != 3:
-            raise ValueError(f"with a kv_cache, x must have shape (batch, seq, d_model), got {tuple(x.shape)}")
         start = 0 if kv_cache is None else kv_cache.length
-        if kv_cache is not None and token_positions is not None:
-            _check_cache_positions(token_positions, start, x.shape[-2])
 
         if self.fused:
             q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
@@ -161,40 +155,4 @@ class CausalMultiHeadSelfAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.d_head}, "
             f"attention_backend={self._requested_backend!r} ({self._backend}), fused={self.fused}"
-        )
-
-
-def _check_positions_shape(token_positions: object, lead_shape: torch.Size) -> None:
-    # Checked before a heads axis is added, so the message quotes the caller's shapes.
-    if not isinstance(token_positions, Tensor):
-        raise TypeError(f"token_positions must be a torch.Tensor, got {type(token_positions).__name__}")
-    try:
-        fits = torch.broadcast_shapes(token_positions.shape, lead_shape) == lead_shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"token_positions of shape {tuple(token_positions.shape)} must broadcast to the input's "
-            f"(..., seq) = {tuple(lead_shape)}"
-        )
-
-
-def _check_cache_positions(token_positions: Tensor, start: int, seq: int) -> None:
-    """With a KV cache the positions are ``start .. start + seq - 1``; explicit ones must agree.
-
-    On CPU the values are compared here; on an accelerator (or inside ``torch.compile``) a
-    device-side assert does it, so a forward never waits for the device.
-    """
-    if token_positions.is_floating_point() or token_positions.is_complex() or token_positions.dtype == torch.bool:
-        raise TypeError(f"token_positions must be an integer tensor, got dtype {token_positions.dtype}")
-    if token_positions.device.type == "meta":
-        return
-    agree = token_positions.long() == torch.arange(start, start + seq, device=token_positions.device)
-    if torch.compiler.is_compiling() or token_positions.device.type != "cpu":
-        # A fixed message: under torch.compile start and seq may be symbolic.
-        torch._assert_async(agree.all(), "token_positions must be the KV cache's positions (its length onwards)")
-    elif not bool(agree.all()):
-        raise ValueError(
-            f"token_positions must be the KV cache's positions {start}..{start + seq - 1} (the cache holds "
-            f"{start} tokens); pass token_positions=None to take them from the cache, got {token_positions.tolist()}"
         )
