@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from tlm_core.checks import check_choice, check_number, check_positive_int
 from tlm_core.tensors import as_index_tensor, check_float_tensor
-from tlm_rope.scaling import check_scaling, inv_freq_and_factor
+from tlm_rope.options import LAYOUTS, check_scaling
+from tlm_rope.scaling import inv_freq_and_factor
 
-LAYOUTS = ("interleaved", "half")
 #: Devices whose kernels multiply complex tensors (elsewhere the interleaved layout uses the real form).
 _COMPLEX = ("cpu", "cuda")
 
