@@ -104,6 +104,21 @@ def test_a_generation_longer_than_the_context_slides_instead_of_failing(small_ch
     assert json.loads(capsys.readouterr().out)["ids"] == library(model, prompt, 40)
 
 
+def test_a_prompt_longer_than_the_context_is_reported_in_one_line_unless_quiet(small_checkpoint, capsys):
+    model, path = small_checkpoint  # context 16: a longer prompt keeps its newest 16 - 16 // 4 = 12 tokens
+    prompt = list(range(1, 21))
+    argv = ["generate", "--checkpoint", str(path), "--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens",
+            "3", "--temperature", "0", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ids"] == library(model, prompt[-12:], 3)  # what it says it kept
+    assert captured.err == (
+        "tlm: the prompt has 20 tokens, more than the model's context of 16: generating from its last 12 "
+        "(the window keeps room for new tokens)\n"
+    )
+    assert main([*argv, "--quiet"]) == 0 and capsys.readouterr().err == ""
+
+
 def test_device_and_dtype(small_checkpoint, capsys):
     model, path = small_checkpoint
     argv = ["generate", "--checkpoint", str(path), "--prompt-ids", "3 4", "--max-new-tokens", "5"]

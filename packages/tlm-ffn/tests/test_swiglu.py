@@ -91,8 +91,6 @@ def test_swiglu_gradcheck():
 def test_swiglu_bad_sizes():
     with pytest.raises(ValueError, match="d_ff must be positive, got 0"):
         SwiGLU(8, 0)
-    with pytest.raises(ValueError, match=r"in_features=8, got shape \(2, 9\)"):
-        SwiGLU(8, 16)(torch.randn(2, 9))
 
 
 def test_fused_matches_unfused_and_keeps_the_course_keys(device):

@@ -151,6 +151,18 @@ def test_a_token_file_with_a_tokenizer_keeps_it_and_samples_text(tmp_path, make_
     assert result.sample is not None and not result.sample.replace(" ", "").isdigit()  # text, not ids
 
 
+def test_train_toml_records_one_vocabulary_size_the_models(tmp_path, make_config) -> None:
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(default_corpus()[:20_000], encoding="utf-8")
+    Tokenizer(*train_bpe(str(corpus), 300, ["<|endoftext|>"]), ["<|endoftext|>"]).save(tmp_path / "tok")
+    # --tokenizer with text: the flag's vocabulary (1024, its default) trains nothing; the model has 300 ids.
+    train(make_config(data=[str(corpus)], tokenizer=str(tmp_path / "tok"), vocab_size=1024, steps=1))
+    saved = TrainConfig.from_toml(tmp_path / "run" / "train.toml")
+    assert saved.vocab_size == saved.model["vocab_size"] == 300
+
+
 def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, make_config) -> None:
     torch.manual_seed(5)
     source = TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40, num_kv_heads=1, tie_word_embeddings=True))

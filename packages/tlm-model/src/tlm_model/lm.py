@@ -87,7 +87,14 @@ class TransformerLM(nn.Module):
             )
         resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
         self.config = config
-        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        # A tied table is also the LM head: logit_v = h·e_v with the final RMSNorm's h of norm ~sqrt(d_model),
+        # so σ = 1/sqrt(d_model) gives logits of unit variance and a first loss near ln(vocab_size) (+0.5).
+        # The course's σ = 1 (right for an untied lookup) would give logits of variance d_model: a first
+        # loss of tens of nats. Untied, the course's rule stands (what the course's adapters test).
+        embedding_std = config.d_model**-0.5 if config.tie_word_embeddings else 1.0
+        self.token_embeddings = Embedding(
+            config.vocab_size, config.d_model, device=device, dtype=dtype, init_std=embedding_std
+        )
         self.rope = build_rope(config, device)
         self.layers = nn.ModuleList(
             TransformerBlock(
@@ -157,7 +164,8 @@ class TransformerLM(nn.Module):
         ]
 
     def reset_parameters(self) -> None:
-        """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
+        """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``); a tied
+        embedding is drawn with σ = 1/sqrt(d_model) instead, since it is also the LM head."""
         tied = self.config.tie_word_embeddings
         for module in self.modules():
             reset = getattr(module, "reset_parameters", None)

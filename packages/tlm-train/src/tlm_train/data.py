@@ -1,5 +1,6 @@
 """A run's data: the default corpus (no download), text files encoded with the run's tokenizer (trained
-here, or given), or a file of token ids; split into training and validation tokens.
+here, or given; plain text or JSON Lines, gzip'd or Zstandard-compressed or not: see
+:mod:`tlm_train.sources`), or a file of token ids; split into training and validation tokens.
 
 What a run derives from text (``RUN/tokenizer/`` and ``RUN/data/``) is written once, each as one unit,
 so a resumed run reads exactly the tokens the first one trained on.
@@ -17,6 +18,7 @@ import numpy as np
 from tlm_core.atomic import create_new, remove_leftovers, replace_dir, temp_path
 from tlm_train.config import TrainConfig
 from tlm_train.run_dir import RunDir
+from tlm_train.sources import write_corpus
 
 SEPARATOR = "<|endoftext|>"
 TOKEN_SUFFIXES = (".npy", ".bin", ".u16", ".u32")
@@ -148,40 +150,49 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
 
 
 def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
-    from tlm_tokenizer import Tokenizer, train_bpe
+    from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 
     run.path.mkdir(parents=True, exist_ok=True)
-    if config.data:
-        texts = [Path(name).read_bytes().decode("utf-8", errors="replace") for name in config.data]
-    else:
-        texts = [default_corpus()]
     if tokenizer is None and config.tokenizer is not None:
         tokenizer = Tokenizer.load(config.tokenizer)
-    if tokenizer is None:
-        # A fresh name created exclusively: a symlink planted in the run folder is never followed.
-        remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer
-        corpus = temp_path(run.path / CORPUS)
-        with create_new(corpus) as file:
-            file.write(SEPARATOR.join(texts).encode("utf-8"))
-        try:
+    # Documents are joined by the end-of-text token where the tokenizer has one, in its training text and in
+    # what it encodes. The corpus is written once, streamed from the sources (JSON Lines, compressed files),
+    # trained on and encoded from the file, so no step holds the whole text in memory. It is a fresh name
+    # created exclusively: a symlink planted in the run folder is never followed.
+    specials = tokenizer.special_tokens if tokenizer is not None else list(config.special_tokens)
+    separator = SEPARATOR if SEPARATOR in specials else "\n\n"
+    remove_leftovers(run.path, CORPUS)  # of a run killed while it wrote or trained on its corpus
+    corpus = temp_path(run.path / CORPUS)
+    try:
+        with create_new(corpus) as sink:
+            write_corpus(
+                config.data,
+                sink,
+                separator=separator,
+                text_field=config.text_field,
+                extra=() if config.data else (default_corpus(),),
+            )
+        if tokenizer is None:
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
-        finally:
-            corpus.unlink(missing_ok=True)
-        tokenizer = Tokenizer(vocab, merges, special_tokens=list(config.special_tokens))
-    # Documents are joined by the end-of-text token where the tokenizer has one (as its training text was).
-    text = (SEPARATOR if SEPARATOR in tokenizer.special_tokens else "\n\n").join(texts)
-    tokenizer.save(run.tokenizer_dir)
-    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    if len(ids) < 4:
-        raise ValueError(
-            f"--data holds {len(ids)} tokens; a run needs text enough for a training and a validation split"
-        )
-    split = len(ids) - max(1, round(len(ids) * config.val_fraction))
+            tokenizer = Tokenizer(vocab, merges, special_tokens=list(config.special_tokens))
+        tokenizer.save(run.tokenizer_dir)
 
-    def fill(folder: Path) -> None:
-        np.save(folder / TRAIN_TOKENS, ids[:split])
-        np.save(folder / VAL_TOKENS, ids[split:])
-        info = {"tokens": len(ids), "train": int(split), "val": int(len(ids) - split), "sources": config.data}
-        (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
+        def fill(folder: Path) -> None:
+            raw = folder / "tokens.raw"
+            count = encode_file(tokenizer, corpus, raw, progress=False)
+            if count < 4:
+                raise ValueError(
+                    f"--data holds {count} tokens; a run needs text enough for a training and a validation split"
+                )
+            ids = np.memmap(raw, dtype=tokenizer.id_dtype, mode="r")
+            split = count - max(1, round(count * config.val_fraction))
+            np.save(folder / TRAIN_TOKENS, ids[:split])
+            np.save(folder / VAL_TOKENS, ids[split:])
+            del ids
+            raw.unlink()
+            info = {"tokens": count, "train": int(split), "val": int(count - split), "sources": config.data}
+            (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
-    replace_dir(run.data_dir, fill)
+        replace_dir(run.data_dir, fill)
+    finally:
+        corpus.unlink(missing_ok=True)

@@ -46,8 +46,8 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
-    "data", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from", "seed",
-    "decay_norms",
+    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
+    "seed", "decay_norms",
 )  # fmt: skip
 
 
@@ -340,8 +340,10 @@ class Recipe:
                 {"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}}
             )
         # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
-        # the shape --init-from gave), so a resume or `--config train.toml` builds the same model.
-        self.run_dir.write_config(self.config.replace(model=self.model_config.to_dict(drop_none=True)))
+        # the shape --init-from gave), so a resume or `--config train.toml` builds the same model; its one
+        # vocabulary size is the model's (a --tokenizer's or --init-from's may differ from the flag's default).
+        model = self.model_config.to_dict(drop_none=True)
+        self.run_dir.write_config(self.config.replace(vocab_size=model["vocab_size"], model=model))
         self._lock.record()
 
     # ---------------------------------------------------------------------------------- the loop
