@@ -1,6 +1,7 @@
 import hashlib
 import json
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from tlm_model import ModelConfig, TransformerLM, compile_for_inference, load_checkpoint, save_checkpoint
 
+DATA = Path(__file__).parent / "data"
 CFG = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80, rope_theta=500.0)
 
 
@@ -25,19 +27,29 @@ def tokens(n: int = 12) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (2, n), generator=torch.Generator().manual_seed(1))
 
 
-def write_legacy(directory, model: TransformerLM, config: dict | None = None) -> None:
-    """A checkpoint as tlm-model 0.1.0 wrote it: plain safetensors weights beside config.json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
-    config = {"format": 1, **model.config.to_dict()} if config is None else config
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
 def raw_header(path) -> tuple[dict, int]:
     data = path.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     return json.loads(data[8 : 8 + n]), n
+
+
+def definition_digest(header: dict, data: bytes) -> str:
+    """The content hash from its definition: SHA-256 of the header without the hash (sorted keys, no
+    spaces) followed by every byte after the header."""
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "tlm_sha256"}
+    canonical = json.dumps({**header, "__metadata__": meta}, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(canonical + data).hexdigest()
+
+
+def store_config(path, config: dict) -> None:
+    """Rewrite the model file at ``path`` to carry ``config``, with a hash that matches: a consistent
+    file whose config lies, which only the checks of the config itself can refuse."""
+    header, n = raw_header(path)
+    data = path.read_bytes()[8 + n :]
+    header["__metadata__"]["tlm_config"] = json.dumps(config)
+    header["__metadata__"]["tlm_sha256"] = definition_digest(header, data)
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
 
 
 def test_round_trip_gives_bit_identical_logits(tmp_path):
@@ -104,12 +116,26 @@ def test_the_file_is_a_safetensors_file_holding_weights_config_and_hash(tmp_path
     plain = load_file(str(path))
     for key, value in model.state_dict().items():
         assert torch.equal(plain[key], value), key
-    # The hash, re-derived from its definition: SHA-256 of the header without the hash (sorted keys,
-    # no spaces) followed by every byte after the header.
+    # The hash, re-derived from its definition.
     header, n = raw_header(path)
-    digest = header["__metadata__"].pop("tlm_sha256")
-    canonical = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    assert digest == hashlib.sha256(canonical + path.read_bytes()[8 + n :]).hexdigest()
+    assert header["__metadata__"]["tlm_sha256"] == definition_digest(header, path.read_bytes()[8 + n :])
+
+
+def test_a_file_written_by_tlm_model_0_3_0_loads(tmp_path):
+    # Written by tlm-model 0.3.0's own safetensors writer (TINY, norm gains drawn in [0.5, 1.5)); the
+    # library reads it, and its hash, of the same definition, is checked: a flipped bit is refused.
+    fixture = DATA / "tlm-model-0.3.0.safetensors"
+    tiny = ModelConfig(vocab_size=7, context_length=4, d_model=4, num_layers=1, num_heads=2, d_ff=4)
+    loaded = load_checkpoint(fixture)
+    assert loaded.config == tiny
+    plain = load_file(str(fixture))
+    assert plain.keys() == loaded.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in plain.items())
+    damaged = bytearray(fixture.read_bytes())
+    damaged[-1] ^= 1
+    (tmp_path / "model.safetensors").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match="is corrupt: its content hash is"):
+        load_checkpoint(tmp_path)
 
 
 def test_saves_to_a_named_file(tmp_path):
@@ -132,9 +158,15 @@ def test_saves_a_compile_for_inference_model_like_a_plain_one(tmp_path):
     save_checkpoint(model, tmp_path / "plain")
     save_checkpoint(compile_for_inference(model), tmp_path / "inference")  # nothing compiles until a call
     save_checkpoint(torch.compile(compile_for_inference(model)), tmp_path / "both")
-    plain = (tmp_path / "plain" / "model.safetensors").read_bytes()
-    assert (tmp_path / "inference" / "model.safetensors").read_bytes() == plain
-    assert (tmp_path / "both" / "model.safetensors").read_bytes() == plain
+    # The same tensors and metadata (the library orders the metadata's keys differently each time).
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    for name in ("inference", "both"):
+        path = str(tmp_path / name / "model.safetensors")
+        assert plain.keys() == load_file(path).keys() and all(
+            torch.equal(v, load_file(path)[k]) for k, v in plain.items()
+        )
+        with safe_open(path, "pt") as f, safe_open(str(tmp_path / "plain" / "model.safetensors"), "pt") as g:
+            assert f.metadata() == g.metadata()
 
 
 def test_tensors_sharing_storage_are_saved(tmp_path):
@@ -164,43 +196,12 @@ def test_overwrites_an_existing_checkpoint(tmp_path):
     assert torch.equal(load_checkpoint(tmp_path)(tokens()), second(tokens()))
 
 
-def test_loads_the_0_1_0_layout(tmp_path):
-    model = trained_looking(TransformerLM(CFG))
-    write_legacy(tmp_path, model)
-    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
-
-
-def test_saving_over_the_0_1_0_layout_removes_its_config(tmp_path):
-    write_legacy(tmp_path, TransformerLM(CFG))
-    model = trained_looking(TransformerLM(CFG))
-    save_checkpoint(model, tmp_path)
-    # tlm 0.1.0 would pair a left-over config.json with weights it does not describe.
-    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
-    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
-
-
-def test_a_config_json_that_tlm_did_not_write_is_kept(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
-    save_checkpoint(TransformerLM(CFG), tmp_path)
-    assert (tmp_path / "config.json").read_text() == '{"model_type": "llama"}'
-
-
-def test_an_embedded_config_wins_over_a_stale_config_json(tmp_path):
-    # What a kill between the rename and the removal of the old config.json leaves on disk.
-    model = trained_looking(TransformerLM(CFG))
-    save_checkpoint(model, tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"format": 1, **CFG.to_dict(), "d_model": 64, "d_ff": 160}))
-    assert torch.equal(load_checkpoint(tmp_path)(tokens()), model(tokens()))
-
-
 def test_no_symlink_is_followed_on_write(tmp_path):
     outside = tmp_path / "outside"
     outside.write_bytes(b"precious")
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    # The names 0.1.0 wrote through, and the target itself.
-    for name in ("model.safetensors", "config.json.tmp", "model.safetensors.tmp"):
-        (ckpt / name).symlink_to(outside)
+    (ckpt / "model.safetensors").symlink_to(outside)
     model = trained_looking(TransformerLM(CFG))
     save_checkpoint(model, ckpt)
     assert outside.read_bytes() == b"precious"
@@ -214,7 +215,7 @@ def test_a_failed_save_leaves_the_old_checkpoint_and_no_temporary_file(tmp_path,
     import tlm_model.checkpoint as checkpoint
 
     def fail(step):
-        if step == "tensor-written":
+        if step == "written":
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_after_step", fail)
@@ -279,37 +280,13 @@ def test_missing_weights_name_the_path(tmp_path):
         assert info.value.filename == str(tmp_path / missing)
 
 
-def test_0_1_0_layout_without_config_json_names_it(tmp_path):
-    write_legacy(tmp_path, TransformerLM(CFG))
-    (tmp_path / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match="carries no config and config.json is missing") as info:
-        load_checkpoint(tmp_path)
-    assert info.value.filename == str(tmp_path / "config.json")
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        ("{not json", "config.json is not valid JSON: Expecting property name"),
-        ("[1, 2]", "config.json must hold a JSON object, got list"),
-        (json.dumps(CFG.to_dict()), 'config.json has no "format" field, so save_checkpoint did not write it'),
-        (json.dumps({"format": 2, **CFG.to_dict()}), 'has "format": 2; a config.json beside the weights is checkpoint'),
-        (json.dumps({"format": 1, **CFG.to_dict(), "dropout": 0.1}), "config.json: unknown ModelConfig fields"),
-        (json.dumps({"format": 1, **CFG.to_dict(), "d_model": 30}), "must be divisible by num_heads"),
-    ],
-    ids=["not-json", "not-an-object", "no-format", "future-format", "unknown-field", "invalid-config"],
-)
-def test_malformed_0_1_0_config_is_a_value_error_naming_the_file(tmp_path, content, message):
-    write_legacy(tmp_path, TransformerLM(CFG))
-    (tmp_path / "config.json").write_text(content)
-    with pytest.raises(ValueError) as info:
-        load_checkpoint(tmp_path)
-    assert str(tmp_path / "config.json") in str(info.value) and message in str(info.value)
-
-
-def test_wrongly_typed_config_field_is_a_type_error(tmp_path):
-    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "d_model": "32"})
-    with pytest.raises(TypeError, match="ModelConfig.d_model must be an int, got str"):
+def test_a_plain_safetensors_file_needs_a_config(tmp_path):
+    save_file(
+        {k: v.contiguous() for k, v in TransformerLM(CFG).state_dict().items()}, str(tmp_path / "model.safetensors")
+    )
+    with pytest.raises(
+        ValueError, match="model.safetensors is a plain state dict that carries no config; pass config="
+    ):
         load_checkpoint(tmp_path)
 
 
@@ -319,12 +296,11 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path
     state["lm_head.weight"] = torch.zeros(5, CFG.d_model)
     del state["layers.1.ln2.weight"]
     state["extra.weight"] = torch.zeros(1)
-    write_legacy(tmp_path, model)
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as info:
-        load_checkpoint(tmp_path)
+        load_checkpoint(tmp_path, config=CFG)
     assert str(info.value) == (
-        f"{tmp_path / 'model.safetensors'} does not match {tmp_path / 'config.json'}: "
+        f"{tmp_path / 'model.safetensors'} does not match config=: "
         "missing tensors ['layers.1.ln2.weight']; unexpected tensors ['extra.weight']; "
         "lm_head.weight has shape [5, 32], the config needs [97, 32]"
     )
@@ -332,9 +308,10 @@ def test_weights_that_do_not_fit_the_config_are_refused_naming_the_file(tmp_path
 
 def test_absurd_config_sizes_are_refused_before_anything_is_allocated(tmp_path, built):
     # 10¹² × 32 float32 embeddings would be 128 TB: ModelConfig's limits refuse it before any module exists.
-    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **CFG.to_dict(), "vocab_size": 10**12})
+    save_checkpoint(TransformerLM(CFG), tmp_path)
+    store_config(tmp_path / "model.safetensors", {**CFG.to_dict(), "vocab_size": 10**12})
     built.clear()
-    with pytest.raises(ValueError, match=r"config.json: ModelConfig.vocab_size must be <= 16,777,216"):
+    with pytest.raises(ValueError, match=r"model.safetensors: ModelConfig.vocab_size must be <= 16,777,216"):
         load_checkpoint(tmp_path)
     assert built == []
 
@@ -344,7 +321,8 @@ def test_the_largest_config_is_checked_from_one_layer_on_the_meta_device(tmp_pat
     # seconds to build even on the meta device: the names and shapes come from one meta layer, and the
     # error lists a few of the 9,000 missing names, not all of them.
     huge = {**CFG.to_dict(), "vocab_size": 2**24, "d_model": 2**18, "num_layers": 1024, "d_ff": 2**20}
-    write_legacy(tmp_path, TransformerLM(CFG), {"format": 1, **huge})
+    save_checkpoint(TransformerLM(CFG), tmp_path)
+    store_config(tmp_path / "model.safetensors", huge)
     built.clear()
     with pytest.raises(ValueError) as info:
         load_checkpoint(tmp_path)
@@ -359,16 +337,8 @@ def test_the_largest_config_is_checked_from_one_layer_on_the_meta_device(tmp_pat
 
 def test_a_consistent_file_whose_config_disagrees_with_its_tensors_is_refused(tmp_path):
     # Written with a valid hash, so only the shape check can catch it.
-    import tlm_model.checkpoint as checkpoint
-
     save_checkpoint(TransformerLM(CFG), tmp_path)
-    path = tmp_path / "model.safetensors"
-    header, n = raw_header(path)
-    data = path.read_bytes()[8 + n :]
-    header["__metadata__"]["tlm_config"] = json.dumps({**CFG.to_dict(), "d_ff": 96})
-    header["__metadata__"]["tlm_sha256"] = checkpoint._digest(header, [data])
-    blob = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + data)
+    store_config(tmp_path / "model.safetensors", {**CFG.to_dict(), "d_ff": 96})
     with pytest.raises(ValueError, match=r"does not match the config stored in .*ffn.w1.weight has shape \[80, 32\]"):
         load_checkpoint(tmp_path)
 

@@ -7,7 +7,6 @@ and loads it: the result must be the old checkpoint or the new one, bit for bit,
 docs/reliability.md tabulates these cases.
 """
 
-import json
 import os
 import random
 import re
@@ -72,35 +71,24 @@ def on_disk(directory) -> list[str]:
     return sorted("temporary file" if temporary.fullmatch(p.name) else p.name for p in directory.iterdir())
 
 
-STEPS = ["temp-created", "header-written", "tensor-written", "fsynced", "renamed", "folder-fsynced",
-         "legacy-config-removed"]  # fmt: skip
+STEPS = ["temp-created", "written", "replaced"]
 OLD, NEW = 1, 2
 # (what the folder held before, step after which the saver was killed) -> (files afterwards, what loads)
 EXPECTED = {
-    **{("empty", s): (["temporary file"], "nothing") for s in STEPS[:4]},
-    **{("empty", s): (["model.safetensors"], "new") for s in STEPS[4:]},
-    **{("current", s): (["model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
-    **{("current", s): (["model.safetensors"], "new") for s in STEPS[4:]},
-    **{("0.1.0", s): (["config.json", "model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
-    **{("0.1.0", s): (["config.json", "model.safetensors"], "new") for s in STEPS[4:6]},
-    ("0.1.0", "legacy-config-removed"): (["model.safetensors"], "new"),
+    **{("empty", s): (["temporary file"], "nothing") for s in STEPS[:2]},
+    ("empty", "replaced"): (["model.safetensors"], "new"),
+    **{("current", s): (["model.safetensors", "temporary file"], "old") for s in STEPS[:2]},
+    ("current", "replaced"): (["model.safetensors"], "new"),
 }
 
 
 def prepare(directory, before: str) -> None:
     directory.mkdir()
-    old = build(OLD, SMALL)
     if before == "current":
-        save_checkpoint(old, directory)
-    elif before == "0.1.0":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
-        (directory / "config.json").write_text(json.dumps({"format": 1, **SMALL.to_dict()}))
+        save_checkpoint(build(OLD, SMALL), directory)
 
 
-@pytest.mark.parametrize("before", ["empty", "current", "0.1.0"])
+@pytest.mark.parametrize("before", ["empty", "current"])
 def test_sigkill_after_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, zygote, before):
     candidates = {"old": build(OLD, SMALL), "new": build(NEW, SMALL)}
     for step in STEPS:
