@@ -4,7 +4,6 @@ step folders (CheckpointManager): round trips, all-or-nothing writes, refusal of
 import io
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -344,6 +343,7 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_killed_saves(tmp_path):
     (leftover / "model.safetensors").write_bytes(b"half")
     assert manager.prune() == [1] and manager.steps() == [2, 3]
     assert manager.remove_leftovers() == [leftover] and sorted(os.listdir(tmp_path)) == [
+        "latest",
         "step_00000002",
         "step_00000003",
     ]
@@ -352,26 +352,66 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_killed_saves(tmp_path):
     assert single.steps() == [3]  # never the newest
 
 
-def test_a_reader_never_misses_a_checkpoint_while_a_writer_saves_and_prunes(tmp_path):
+@pytest.mark.slow  # a writer process (importing torch takes seconds on a busy machine)
+def test_a_reader_never_misses_a_checkpoint_while_another_process_saves_and_prunes(tmp_path, python, monkeypatch):
+    import subprocess
+    import time
+
     from tlm_train import CheckpointManager
 
-    writer, reader = CheckpointManager(tmp_path, keep=1), CheckpointManager(tmp_path, keep=1)
-    _save(writer, 0)
-    stop, misses = threading.Event(), []
+    code = """
+    import os, sys
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_optim import AdamW
+    from tlm_train import CheckpointManager, capture_state
+    manager = CheckpointManager(sys.argv[1], keep=1)
+    model = TransformerLM(ModelConfig(16, 4, 8, 1, 1, 8), fused=False)
+    opt = AdamW(model.parameters())
+    manager.save(model, capture_state(model, opt, step=0))
+    print("ready", flush=True)
+    step, parent = 0, os.getppid()
+    while os.getppid() == parent:  # until killed, or orphaned
+        step += 1
+        manager.save(model, capture_state(model, opt, step=step))
+        manager.prune()
+    """
+    child = python(code, str(tmp_path), wait=False, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        listing = os.scandir
 
-    def read():
-        while not stop.is_set():
-            if reader.load_latest() is None:
-                misses.append(1)
+        def stale(path):  # the reader is held up after reading the folder, until the writer replaced what it saw
+            entries = list(listing(path))
+            seen = [entry.path for entry in entries if entry.name.startswith("step_")]
+            deadline = time.monotonic() + 5
+            while any(os.path.lexists(folder) for folder in seen) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return iter(entries)
 
-    thread = threading.Thread(target=read)
-    thread.start()
-    for step in range(1, 25):
-        _save(writer, step)
-        writer.prune()
-    stop.set()
-    thread.join()
-    assert misses == [] and writer.steps() == [24]
+        monkeypatch.setattr(os, "scandir", stale)
+        reader = CheckpointManager(tmp_path, keep=1)
+        found = [reader.load_latest() for _ in range(10)]
+        monkeypatch.undo()
+    finally:
+        child.kill()
+        child.wait()
+    assert [checkpoint is not None for checkpoint in found] == [True] * 10
+    steps = [checkpoint.step for checkpoint in found]
+    assert steps == sorted(steps) and steps[-1] > 0  # each read saw the writer's newest step, not step 0 left over
+
+
+def test_a_step_folder_removed_by_hand_leaves_the_listing_to_the_folders_left(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=1)
+    for step in (1, 2):
+        _save(manager, step)
+    assert (tmp_path / "latest").read_text() == "step_00000002\n"
+    shutil.rmtree(manager.path(2))  # the step `latest` names
+    assert manager.steps() == [1] and manager.load_latest().step == 1
+    _save(manager, 3)
+    _save(manager, 2)  # an older step saved after a newer one: the newest save is kept, and the newest step
+    assert manager.prune() == [1] and manager.steps() == [2, 3]
 
 
 def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
@@ -426,4 +466,4 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
         done = latest.step
     manager = CheckpointManager(tmp_path, keep=2)
     manager.remove_leftovers()
-    assert all(name.startswith("step_") for name in os.listdir(tmp_path))
+    assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))

@@ -28,7 +28,7 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     # train.toml records what ran: the model resolved field by field (vocabulary from the tokenizer).
     assert saved == config.replace(model=config.model_config(300).to_dict(drop_none=True))
     assert RunDir(run).tokenizer().vocab_size == 300 and (run / "loss.png").stat().st_size > 0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000004"]
     assert sorted(p.name for p in (run / "data").iterdir()) == ["info.json", "train.npy", "val.npy"]
     records = _records(run)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]

@@ -19,6 +19,7 @@ optimizer)`` write and read one training-state file that also holds the model's 
 """
 
 import dataclasses
+import errno
 import hashlib
 import io
 import os
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from tlm_core.atomic import atomic_file, remove_leftovers, replace_dir, temp_path
+from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
 from tlm_model import ModelConfig, unwrap
 from tlm_model import save_checkpoint as save_model_file
@@ -44,6 +45,8 @@ FORMAT = "tlm-train-state/1"
 _TRAILER = b"\n#tlm-train-state sha256 "
 _TRAILER_SIZE = len(_TRAILER) + 64 + 1
 STATE_NAME = "train_state.pt"
+#: In a checkpoints folder: the name of the newest saved step folder (see :meth:`CheckpointManager.steps`).
+LATEST_NAME = "latest"
 # io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
 Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
 
@@ -365,7 +368,8 @@ class Checkpoint:
 
 
 class CheckpointManager:
-    """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``.
+    """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``, and ``latest``
+    naming the newest one saved.
 
     :meth:`save` writes a folder all-or-nothing; :meth:`load` verifies both files (their SHA-256s and
     that they belong together); :meth:`load_latest` returns the newest folder that verifies, passing
@@ -383,7 +387,20 @@ class CheckpointManager:
         return self.directory / f"step_{step:08d}"
 
     def steps(self) -> list[int]:
-        """Steps whose folder is complete (both files present), oldest first. Verification is :meth:`load`'s."""
+        """Steps whose folder is complete (every file present), oldest first; never empty while a complete
+        step exists, even as another process saves and prunes. Verification is :meth:`load`'s.
+
+        A folder listing is no snapshot: an entry renamed in or out while it is read may be missed, so a
+        listing taken while a save puts step N+1 in place and a prune takes step N away can hold neither.
+        The ``latest`` file, replaced atomically after each save and naming a step that no prune removes,
+        fills that gap: it is read after the listing, and its step joins it."""
+        found = set(self._listed())
+        newest = self._pointed()
+        if newest is not None:
+            found.add(newest)
+        return sorted(found)
+
+    def _listed(self) -> list[int]:
         try:
             entries = list(os.scandir(self.directory))
         except (FileNotFoundError, NotADirectoryError):
@@ -391,12 +408,36 @@ class CheckpointManager:
         found = []
         for entry in entries:
             match = self.PATTERN.fullmatch(entry.name)
-            if match and entry.is_dir(follow_symlinks=False):
-                if os.path.isfile(os.path.join(entry.path, WEIGHTS_NAME)) and os.path.isfile(
-                    os.path.join(entry.path, STATE_NAME)
-                ):
-                    found.append(int(match.group(1)))
-        return sorted(found)
+            if match and entry.is_dir(follow_symlinks=False) and self._complete(entry.path):
+                found.append(int(match.group(1)))
+        return found
+
+    @staticmethod
+    def _complete(folder: str | os.PathLike[str]) -> bool:
+        return all(os.path.isfile(os.path.join(folder, name)) for name in (WEIGHTS_NAME, STATE_NAME))
+
+    def _pointer(self) -> int | None:
+        try:
+            match = self.PATTERN.fullmatch((self.directory / LATEST_NAME).read_text(encoding="utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(match.group(1)) if match else None
+
+    def _pointed(self) -> int | None:
+        """The step ``latest`` names while its folder is complete; None without one, or when its folder
+        was removed by other means than a save (a stale pointer: the listing alone then counts)."""
+        named = self._pointer()
+        for _ in range(1000):
+            if named is None:
+                return None
+            folder = self.path(named)
+            if not folder.is_symlink() and self._complete(folder):
+                return named
+            again = self._pointer()
+            if again == named:
+                return None  # unchanged, so no save moved it on: its folder was taken away by hand
+            named = again  # a save replaced it while we looked: look at the new one
+        raise OSError(errno.EBUSY, "the checkpoints kept changing while they were listed", str(self.directory))
 
     def all_steps(self) -> list[int]:
         """Every step folder, complete or not (a damaged copy, a folder missing a file)."""
@@ -418,7 +459,10 @@ class CheckpointManager:
             save_model_file(model, folder, state_dict=weights)
             save_train_state(folder / STATE_NAME, {**rest, "model_sha256": read_digest(folder)})
 
-        return replace_dir(self.path(step), fill)
+        folder = replace_dir(self.path(step), fill)
+        # After the folder is in place, before any prune: a listing that races both still finds a step.
+        atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+        return folder
 
     def load(self, step: int) -> Checkpoint:
         """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong."""
@@ -455,7 +499,8 @@ class CheckpointManager:
 
     def prune(self) -> list[int]:
         """Delete all but the ``keep`` newest complete folders (never the newest); returns the steps removed."""
-        removed = self.steps()[: -self.keep]
+        pointed = self._pointer()  # the newest save: a racing listing relies on it, so it stays
+        removed = [step for step in self.steps()[: -self.keep] if step != pointed]
         for step in removed:
             _remove_folder(self.path(step))
         return removed
@@ -465,6 +510,8 @@ class CheckpointManager:
         removed = [s for s in self.all_steps() if s > step]
         for s in removed:
             _remove_folder(self.path(s))
+        if removed and (kept := self._listed()):
+            atomic_write(self.directory / LATEST_NAME, f"{self.path(max(kept)).name}\n")
         return removed
 
     def remove_leftovers(self) -> list[Path]:
