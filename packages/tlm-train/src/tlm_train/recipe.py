@@ -545,8 +545,12 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
-    inputs = {"--init-from": [config.init_from], "--tokenizer": [config.tokenizer], "--data": config.data}
-    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
+    inputs: dict[str, list[str]] = {
+        "--init-from": [config.init_from] if config.init_from is not None else [],
+        "--tokenizer": [config.tokenizer] if config.tokenizer is not None else [],
+        "--data": list(config.data),
+    }
+    check_apart(config.out_dir, inputs)
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
 
