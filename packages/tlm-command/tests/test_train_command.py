@@ -80,6 +80,20 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, tokens, fai
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--init-from", "--tokenizer"])
+def test_an_out_dir_that_is_its_own_input_is_refused_in_one_line(tmp_path, small_checkpoint, fails, flag):
+    from tlm_tokenizer import Tokenizer
+
+    if flag == "--init-from":
+        folder = small_checkpoint[1]
+    else:
+        folder = tmp_path / "tok"
+        Tokenizer({i: bytes([i]) for i in range(256)}, []).save(folder)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    fails(["train", flag, str(folder), "--out-dir", str(folder), "--quiet", *SMALL], f"--out-dir {folder} is {flag}")
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untouched(tmp_path, tokens, fails):
     out = tmp_path / "run"
     assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]) == 0

@@ -227,3 +227,16 @@ def test_read_dir_files_optional_and_missing(tmp_path):
         read_dir_files(tmp_path / "d", ["nope"])
     with pytest.raises(NotADirectoryError):
         read_dir_files(tmp_path / "d" / "a", ["x"])
+
+
+def test_create_new_never_follows_a_planted_symlink_nor_truncates_a_file(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "link").symlink_to(victim)
+    for name in ("link", "victim.txt"):
+        with pytest.raises(FileExistsError):
+            atomic.create_new(tmp_path / name)
+    assert victim.read_text() == "precious\n"
+    with atomic.create_new(tmp_path / "fresh") as file:
+        file.write(b"new")
+    assert (tmp_path / "fresh").read_bytes() == b"new"

@@ -221,3 +221,62 @@ def test_compile_trains_like_eager(tmp_path, make_config) -> None:
     assert compiled_val == pytest.approx(eager_val, rel=1e-5, abs=0)
     assert compiled_state.keys() == eager_state.keys()
     assert graphs[False] == 0 and graphs[True] >= 1  # the flag really compiled something
+
+
+def test_an_out_dir_holding_the_token_file_is_refused_before_anything_is_written(tmp_path, make_config, snapshot):
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"--out-dir {tmp_path} holds --data {tmp_path / 'tokens.npy'}"):
+        train(make_config(out_dir=str(tmp_path)))
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tokens.npy"]
+
+
+def test_a_warm_up_longer_than_the_run_is_clamped_to_it_with_a_one_line_notice(tmp_path, make_config) -> None:
+    lines: list[str] = []
+    train(make_config(steps=3, warmup_steps=50, lr=1e-3, log_interval=1), log=lines.append)
+    notices = [line for line in lines if "warm" in line]
+    assert notices == [
+        "--warmup-steps 50 is longer than the run's 3 steps: the learning rate warms up over all 3 and never decays"
+    ]
+    # The course's warm-up t / T_w · lr at iteration t = step - 1, with T_w the run's 3 steps.
+    lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
+    assert lrs == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3], rel=1e-12)
+
+
+FILE_NAMES = (".corpus.txt", "corpus.txt", "metrics.jsonl", "train.toml", "loss.png")
+FOLDER_NAMES = ("tokenizer", "data")
+
+
+def test_symlinks_planted_at_every_name_of_the_run_folder_are_never_followed(tmp_path, make_config, snapshot):
+    outside, run = tmp_path / "outside", tmp_path / "run"
+    for name in FILE_NAMES:
+        (outside / "files").mkdir(parents=True, exist_ok=True)
+        (outside / "files" / name).write_text(f"the user's own {name}\n")
+    for name in FOLDER_NAMES:  # a tokenizer.json there would be replaced if the link were followed
+        (outside / name).mkdir()
+        (outside / name / "tokenizer.json").write_text(f"the user's own {name} folder\n")
+    before = snapshot(outside)
+    run.mkdir()
+    for name in FILE_NAMES:
+        (run / name).symlink_to(outside / "files" / name)
+    for name in FOLDER_NAMES:
+        (run / name).symlink_to(outside / name, target_is_directory=True)
+    text = tmp_path / "text.txt"
+    text.write_text(default_corpus()[:20_000], encoding="utf-8")
+    train(make_config(data=[str(text)], vocab_size=280, steps=2, checkpoint_interval=1, sample_tokens=0))
+    assert snapshot(outside) == before
+    assert RunDir(run).checkpoints().steps() == [1, 2] and len(_records(run)) == 3
+    for name in ("metrics.jsonl", "train.toml", "loss.png", "tokenizer", "data", "checkpoints"):
+        assert not (run / name).is_symlink(), name  # replaced by the run's own file or folder
+
+
+@pytest.mark.parametrize(("name", "what"), [(".lock", "follows one"), ("checkpoints", "writes through one")])
+def test_a_symlink_at_the_lock_or_the_checkpoints_is_refused_in_one_line(tmp_path, make_config, snapshot, name, what):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("precious\n")
+    before = snapshot(victim)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(victim / "precious.txt" if name == ".lock" else victim)
+    with pytest.raises(ValueError, match=rf"^\S+/run/{name} is a symbolic link: tlm train never {what}; remove it"):
+        train(make_config())
+    assert snapshot(victim) == before and sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]

@@ -27,6 +27,7 @@ from typing import BinaryIO
 __all__ = [
     "atomic_file",
     "atomic_write",
+    "create_new",
     "fsync_dir",
     "read_dir_files",
     "remove_leftovers",
@@ -104,6 +105,13 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Bin
         else:
             data(handle)
     return Path(path)
+
+
+def create_new(path: str | os.PathLike[str]) -> BinaryIO:
+    """A new file at ``path`` open for writing, created with ``O_EXCL | O_NOFOLLOW``: an existing file or a
+    symlink planted there raises ``FileExistsError`` and is never followed or truncated. Name it with
+    :func:`temp_path` for a scratch file that :func:`remove_leftovers` can clean up after a kill."""
+    return os.fdopen(os.open(path, _CREATE, 0o666), "wb")
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
+from tlm_ffn.options import FFN_KINDS
 from tlm_rope.options import LAYOUTS, check_scaling
 
 #: Upper bounds on the sizes a config may claim: each is many times what any released model uses
@@ -22,6 +23,11 @@ LIMITS = {
     "head_dim": 1 << 12,
 }
 
+#: Where a block's RMSNorms sit: before each sublayer (the course's), after each residual add, or nowhere.
+NORM_PLACEMENTS = ("pre", "post", "none")
+#: How attention sees positions: RoPE, or nothing but the causal mask (NoPE).
+POSITIONS = ("rope", "none")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -34,6 +40,20 @@ class ModelConfig:
     parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B; ``rope_scaling`` takes HF's
     ``rope_parameters`` keys and ``rope_layout`` is :class:`tlm_rope.RotaryPositionalEmbedding`'s
     ``layout``.
+
+    Three fields select the ablations of CS336 §7 (each default is the course model):
+
+    - ``norm_placement``: ``"pre"`` (x + sublayer(norm(x)), then a final norm), ``"post"``
+      (norm(x + sublayer(x)), the original Transformer's; the final norm stays) or ``"none"`` (no RMSNorm
+      anywhere, the final one included: the model has no norm weights);
+    - ``positions``: ``"rope"`` or ``"none"`` (NoPE: causal attention with no positional signal; the
+      ``rope_*`` fields then go unused, and ``rope_scaling`` must stay None);
+    - ``ffn``: ``"swiglu"`` (w2(silu(w1 x) ⊙ w3 x), 3·d_model·d_ff parameters) or ``"silu"`` (w2 silu(w1 x),
+      2·d_model·d_ff). ``d_ff`` is given either way; the course's widths, which give both about
+      8·d_model² parameters, are ``tlm_ffn.default_d_ff(d_model, kind=ffn)``: 8/3·d_model rounded up to
+      64, and 4·d_model.
+
+    Only the defaults are a Llama: :func:`tlm_model.save_hf` refuses the others.
     """
 
     vocab_size: int = field(metadata={"help": "token ids the model embeds and predicts"})
@@ -41,7 +61,7 @@ class ModelConfig:
     d_model: int = field(metadata={"help": "width of the residual stream"})
     num_layers: int = field(metadata={"help": "Transformer blocks"})
     num_heads: int = field(metadata={"help": "query heads"})
-    d_ff: int = field(metadata={"help": "SwiGLU hidden width"})
+    d_ff: int = field(metadata={"help": "FFN hidden width"})
     rope_theta: float = field(default=10_000.0, metadata={"help": "RoPE base Θ"})
     norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
     num_kv_heads: int | None = field(
@@ -57,6 +77,25 @@ class ModelConfig:
     rope_layout: str = field(
         default="interleaved",
         metadata={"help": "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)", "choices": LAYOUTS},
+    )
+    norm_placement: str = field(
+        default="pre",
+        metadata={
+            "help": "where RMSNorm goes: pre (the course's), post (norm(x + sublayer(x))) or none (nowhere, the "
+            "final norm included)",
+            "choices": NORM_PLACEMENTS,
+        },
+    )
+    positions: str = field(
+        default="rope",
+        metadata={"help": "rope, or none (NoPE: only the causal mask carries position)", "choices": POSITIONS},
+    )
+    ffn: str = field(
+        default="swiglu",
+        metadata={
+            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: d_ff 4·d_model)",
+            "choices": FFN_KINDS,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -89,8 +128,13 @@ class ModelConfig:
                 f"ModelConfig.num_kv_heads must divide num_heads, got num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if self.d_head % 2 != 0:
+        if self.positions == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head} (or head_dim)")
+        if self.positions == "none" and self.rope_scaling is not None:
+            raise ValueError(
+                f"ModelConfig.rope_scaling must be None with positions='none' (no RoPE to scale), "
+                f"got {self.rope_scaling}"
+            )
 
     @property
     def d_head(self) -> int:

@@ -96,7 +96,10 @@ class TrainConfig:
     eps: float = field(default=1e-8, metadata={"help": "AdamW ε"})
     weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of the matrices"})
     decay_norms: bool = field(default=False, metadata={"help": "also decay 1-D parameters (RMSNorm gains)"})
-    warmup_steps: int = field(default=20, metadata={"help": "linear warm-up steps before the cosine decay"})
+    warmup_steps: int = field(
+        default=20,
+        metadata={"help": "linear warm-up steps before the cosine decay (more than the run's: clamped, with a notice)"},
+    )
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient L2 norm to this (0: off)"})
     # Steps and batches.
     batch_size: int = field(

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -41,7 +41,7 @@ from tlm_train.distributed import DistInfo, barrier, build_model, init_distribut
 from tlm_train.evaluate import evaluate
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
-from tlm_train.run_dir import RunDir, RunLock
+from tlm_train.run_dir import RunDir, RunLock, check_apart
 from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
@@ -133,6 +133,7 @@ class Recipe:
         config, info = self.config, self.info
         _check_runtime(config, info, resume=self.resume)
         if info.is_main:
+            self.run_dir.check_links()
             self._lock = self._exit.enter_context(_held(self.run_dir))
         saved = self._check_resume() if self.resume else None
         if not self.resume:
@@ -143,7 +144,7 @@ class Recipe:
 
         source, source_tokenizer = self._init_source()
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
         barrier()
         if not info.is_main:
             data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
@@ -173,6 +174,12 @@ class Recipe:
             weight_decay=config.weight_decay,
         )
         self.steps = config.total_steps()
+        if config.warmup_steps > self.steps:
+            # Clamped, not refused: the default warm-up (20) would otherwise refuse every short run.
+            self.say(
+                f"{flag('warmup_steps')} {config.warmup_steps} is longer than the run's {self.steps} steps: the "
+                f"learning rate warms up over all {self.steps} and never decays"
+            )
         self.scheduler = CosineSchedule(
             self.optimizer,
             max_learning_rate=config.lr,
@@ -537,6 +544,12 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
+    inputs: dict[str, Sequence[str | None]] = {
+        "--init-from": [config.init_from],
+        "--tokenizer": [config.tokenizer],
+        "--data": config.data,
+    }
+    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
 
