@@ -93,7 +93,7 @@ class ModelConfig:
     ffn: str = field(
         default="swiglu",
         metadata={
-            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: --d-ff 4·d_model)",
+            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: d_ff 4·d_model)",
             "choices": FFN_KINDS,
         },
     )

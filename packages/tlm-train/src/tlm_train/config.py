@@ -98,7 +98,7 @@ class TrainConfig:
     decay_norms: bool = field(default=False, metadata={"help": "also decay 1-D parameters (RMSNorm gains)"})
     warmup_steps: int = field(
         default=20,
-        metadata={"help": "linear warm-up steps before the cosine decay (more than the run: clamped, with a notice)"},
+        metadata={"help": "linear warm-up steps before the cosine decay (more than the run's: clamped, with a notice)"},
     )
     grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient L2 norm to this (0: off)"})
     # Steps and batches.

@@ -157,11 +157,11 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
         tokenizer = Tokenizer.load(config.tokenizer)
     # Documents are joined by the end-of-text token where the tokenizer has one, in its training text and in
     # what it encodes. The corpus is written once, streamed from the sources (JSON Lines, compressed files),
-    # trained on and encoded from the file, so no step holds the whole text in memory. It is a fresh name
-    # created exclusively: a symlink planted in the run folder is never followed.
+    # trained on and encoded from the file, so no step holds the whole text in memory.
     specials = tokenizer.special_tokens if tokenizer is not None else list(config.special_tokens)
     separator = SEPARATOR if SEPARATOR in specials else "\n\n"
-    remove_leftovers(run.path, CORPUS)  # of a run killed while it wrote or trained on its corpus
+    # A fresh name created exclusively: a symlink planted in the run folder is never followed.
+    remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
     try:
         with create_new(corpus) as sink:

@@ -19,7 +19,7 @@ import dataclasses
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -545,12 +545,12 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
-    inputs: dict[str, list[str]] = {
-        "--init-from": [config.init_from] if config.init_from is not None else [],
-        "--tokenizer": [config.tokenizer] if config.tokenizer is not None else [],
-        "--data": list(config.data),
+    inputs: dict[str, Sequence[str | None]] = {
+        "--init-from": [config.init_from],
+        "--tokenizer": [config.tokenizer],
+        "--data": config.data,
     }
-    check_apart(config.out_dir, inputs)
+    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
 
