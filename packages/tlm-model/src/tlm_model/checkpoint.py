@@ -30,7 +30,8 @@ from tlm_core.atomic import atomic_write
 from tlm_core.checks import short_repr
 from tlm_model import _weights
 from tlm_model.config import ModelConfig
-from tlm_model.lm import COMPILED_PREFIX, TransformerLM, unwrap
+from tlm_model.inference import unwrap
+from tlm_model.lm import COMPILED_PREFIX, TransformerLM
 
 FORMAT_VERSION = 2
 WEIGHTS_NAME = "model.safetensors"

@@ -148,8 +148,9 @@ def load_model(
 
 
 def load_tokenizer(artifact: Artifact) -> Any:
-    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has none tlm can read; an HF tokenizer
-    tlm cannot reproduce exactly (another pre-tokenizer, say) is None with the reason in ``.reason``."""
+    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has no tokenizer file; an HF tokenizer
+    tlm cannot reproduce exactly (another pre-tokenizer, say) raises :class:`UnreadableTokenizer`, whose
+    message gives the reason."""
     if artifact.tokenizer_path is None or not artifact.tokenizer_path.exists():
         return None
     from tlm_tokenizer import Tokenizer

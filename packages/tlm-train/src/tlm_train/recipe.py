@@ -41,7 +41,7 @@ from tlm_train.distributed import DistInfo, barrier, build_model, init_distribut
 from tlm_train.evaluate import evaluate
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
-from tlm_train.run_dir import RunDir, RunLock
+from tlm_train.run_dir import RunDir
 from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
@@ -133,7 +133,7 @@ class Recipe:
         config, info = self.config, self.info
         _check_runtime(config, info, resume=self.resume)
         if info.is_main:
-            self._lock = self._exit.enter_context(_held(self.run_dir))
+            self._lock = self._exit.enter_context(self.run_dir.lock())
         saved = self._check_resume() if self.resume else None
         if not self.resume:
             self._check_fresh()
@@ -293,7 +293,6 @@ class Recipe:
                     "read back, so nothing was resumed"
                 )
             checkpoint = latest
-        self._resumed = checkpoint
         return self._load(checkpoint)
 
     def _load(self, checkpoint: Checkpoint) -> int:
@@ -509,12 +508,6 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
-
-
-@contextlib.contextmanager
-def _held(run_dir: RunDir) -> Iterator[RunLock]:
-    with run_dir.lock() as held:
-        yield held
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
