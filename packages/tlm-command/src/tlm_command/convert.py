@@ -16,7 +16,7 @@ from typing import Any
 from tlm_command.args import UserError, check_output, description, dtype_choices
 from tlm_command.loading import load_tokenizer
 from tlm_core.tensors import dtype_from_name
-from tlm_model import save_checkpoint, save_hf
+from tlm_model import save_hf, save_model_file
 from tlm_model.accounting import human
 from tlm_model.interop import hf_generation_config
 from tlm_tokenizer.hf_json import EOS_TOKEN
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         model, _ = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         out = Path(args.out)
-        save_checkpoint(model, out)
+        save_model_file(model, out)
         if tokenizer is not None:
             tokenizer.save(out / "tokenizer")
         source_kind, target = "HF Llama folder", "tlm model folder"

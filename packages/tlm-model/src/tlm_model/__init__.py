@@ -2,7 +2,7 @@
 its loss, generation, the model file and HF Llama interop."""
 
 from tlm_model.block import TransformerBlock
-from tlm_model.checkpoint import load_checkpoint, save_checkpoint
+from tlm_model.checkpoint import load_model_file, save_model_file
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_model.cross_entropy import cross_entropy
 from tlm_model.generate import generate
@@ -25,8 +25,8 @@ __all__ = [
     "cross_entropy",
     "from_hf",
     "generate",
-    "load_checkpoint",
-    "save_checkpoint",
+    "load_model_file",
     "save_hf",
+    "save_model_file",
     "unwrap",
 ]

@@ -489,9 +489,9 @@ class Recipe:
 
     def _sample(self) -> str:
         # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
-        from tlm_model import load_checkpoint
+        from tlm_model import load_model_file
 
-        model = load_checkpoint(cast(Path, self.last_checkpoint)).eval()
+        model = load_model_file(cast(Path, self.last_checkpoint)).eval()
         tokenizer, config = self.data.tokenizer, self.config
         if tokenizer is not None:
             prompt = tokenizer.encode(config.sample_prompt) or [0]
