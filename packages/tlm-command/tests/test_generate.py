@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_model import ModelConfig, TransformerLM, generate, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, generate, load_model_file, save_model_file
 from tlm_train import RunDir
 
 
@@ -36,7 +36,7 @@ def test_text_from_every_kind_of_checkpoint_is_the_librarys(run, capsys, kind):
     if kind in ("folder", "file"):
         argv += ["--tokenizer", str(run / "tokenizer")]
     assert main([*argv, "--stop", ""]) == 0
-    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(step).eval()
+    tokenizer, model = RunDir(run).tokenizer(), load_model_file(step).eval()
     ids = tokenizer.encode("The ")
     assert capsys.readouterr().out == tokenizer.decode(library(model, ids, 12)) + "\n"
 
@@ -65,7 +65,7 @@ def test_text_is_printed_as_it_is_generated_and_multibyte_characters_print_whole
 
 
 def test_stop_text_ends_generation_and_is_not_printed(run, capsys):
-    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(RunDir(run).checkpoints().path(24)).eval()
+    tokenizer, model = RunDir(run).tokenizer(), load_model_file(RunDir(run).checkpoints().path(24)).eval()
     ids = tokenizer.encode("The ")
     full = tokenizer.decode(library(model, ids, 30))
     stop = full[5:8]  # a stop text from the middle of what greedy decoding writes (it may span tokens)
@@ -163,7 +163,7 @@ def test_missing_damaged_and_foreign_checkpoints_are_one_line(tmp_path, fails):
     fails(["generate", "--checkpoint", str(tmp_path / "nowhere"), *argv], "no such file or folder")
     fails(["generate", "--checkpoint", str(tmp_path), *argv], "is not a tlm run folder, step folder or model folder")
     fails(["generate", *argv], "generate needs --checkpoint PATH (or --preset NAME for random weights)")
-    save_checkpoint(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path / "m")
+    save_model_file(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path / "m")
     data = bytearray((tmp_path / "m" / "model.safetensors").read_bytes())
     data[-1] ^= 0x10
     (tmp_path / "m" / "model.safetensors").write_bytes(bytes(data))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 from tlm_train import RunDir, TrainConfig
 
 SMALL = ["--context-length", "16", "--d-model", "32", "--num-layers", "1", "--num-heads", "4", "--d-ff", "48",
@@ -43,7 +43,7 @@ def test_gqa_and_tied_embeddings_from_flags_and_the_checkpoint_says_so(tmp_path,
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("sample: ") and "step 0: validation loss" in captured.err
-    model = load_checkpoint(RunDir(out).checkpoints().path(2))
+    model = load_model_file(RunDir(out).checkpoints().path(2))
     assert (model.config.kv_heads, model.config.tie_word_embeddings) == (2, True)
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     saved = TrainConfig.from_toml(out / "train.toml")
@@ -140,15 +140,15 @@ ABLATION_FLAGS = [
 def test_an_ablation_trains_round_trips_generates_evaluates_and_is_refused_by_the_hf_export(
     flags, field, value, tmp_path, tokens, fails, capsys
 ):
-    from tlm_model import save_checkpoint
+    from tlm_model import load_model_file, save_model_file
 
     out = tmp_path / "run"
     assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL,
                  *flags]) == 0  # fmt: skip
     assert TrainConfig.from_toml(out / "train.toml").model[field] == value
-    model = load_checkpoint(RunDir(out).checkpoints().path(2)).eval()
+    model = load_model_file(RunDir(out).checkpoints().path(2)).eval()
     assert getattr(model.config, field) == value
-    again = load_checkpoint(save_checkpoint(model, tmp_path / "again"))
+    again = load_model_file(save_model_file(model, tmp_path / "again"))
     assert again.config == model.config
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
 

@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 
 # What a file the safetensors library refuses is called, before the library's own words.
 LIBRARY = "not a valid safetensors file: Error while deserializing header: "
@@ -22,7 +22,7 @@ TINY = ModelConfig(vocab_size=7, context_length=4, d_model=4, num_layers=1, num_
 @pytest.fixture
 def saved(tmp_path):
     torch.manual_seed(0)
-    save_checkpoint(TransformerLM(TINY), tmp_path)
+    save_model_file(TransformerLM(TINY), tmp_path)
     path = tmp_path / "model.safetensors"
     return path, path.read_bytes()
 
@@ -39,7 +39,7 @@ def test_a_flipped_bit_anywhere_in_the_file_is_refused(saved):
         damaged[index] ^= 1 << bit
         path.write_bytes(bytes(damaged))
         try:
-            load_checkpoint(path.parent)
+            load_model_file(path.parent)
         except ValueError as err:
             assert str(path) in str(err), (index, bit, str(err))
         else:
@@ -53,7 +53,7 @@ def test_every_truncation_is_refused(saved):
     for length in range(len(good)):
         path.write_bytes(good[:length])
         with pytest.raises(ValueError) as info:
-            load_checkpoint(path.parent)
+            load_model_file(path.parent)
         assert str(path) in str(info.value) and ("truncated" in str(info.value) or "corrupt" in str(info.value))
 
 
@@ -61,7 +61,7 @@ def test_appended_bytes_are_refused(saved):
     path, good = saved
     path.write_bytes(good + b"\x00")
     with pytest.raises(ValueError, match="not a valid safetensors file: .*incomplete metadata, file not fully covered"):
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
 
 
 def header_of(good: bytes) -> tuple[dict, bytes]:
@@ -121,7 +121,7 @@ def test_a_damaged_header_is_refused_naming_the_file(saved, edit, message):
     edit(header)
     rewrite(path, header, data)
     with pytest.raises((ValueError, TypeError)) as info:
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
     assert str(path) in str(info.value) and message in str(info.value), str(info.value)
 
 
@@ -133,20 +133,20 @@ def test_a_hole_between_tensors_is_refused(saved):
     header[last]["data_offsets"] = [begin + 4, end + 4]
     rewrite(path, header, data + bytes(4))
     with pytest.raises(ValueError, match=f"not a valid safetensors file: .*invalid offset for tensor `{last}`"):
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
 
 
 def test_a_header_length_beyond_the_file_is_refused_before_reading(saved):
     path, good = saved
     path.write_bytes(struct.pack("<Q", 2**63) + good[8:])
     with pytest.raises(ValueError, match="is truncated or not a safetensors file: its header claims"):
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
 
 
 def refused(path) -> str:
     """The one-line ValueError that loading ``path``'s folder gives (and that it names the file)."""
     with pytest.raises(ValueError) as info:
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
     message = str(info.value)
     assert str(path) in message and "\n" not in message, message[:300]
     return message
@@ -233,7 +233,7 @@ def test_a_stored_config_of_the_wrong_type_or_size_is_one_short_line(saved, monk
     built = []
     monkeypatch.setattr(TransformerLM, "__init__", lambda self, *a, **k: built.append(k))
     with pytest.raises(error) as info:
-        load_checkpoint(path.parent)
+        load_model_file(path.parent)
     text = str(info.value)
     assert text.startswith(f"{path}: ") and message in text and len(text) < len(str(path)) + 400, text[:500]
     assert built == []

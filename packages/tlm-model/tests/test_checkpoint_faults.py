@@ -1,6 +1,6 @@
 """Faults injected into a real saving process: SIGKILL at every step, at random times, and races.
 
-Each test forks ``python`` processes that call ``save_checkpoint`` (fault_processes.py); a hook in
+Each test forks ``python`` processes that call ``save_model_file`` (fault_processes.py); a hook in
 ``tlm_model.checkpoint`` logs every step the save completes, and can park the process there so
 the test kills it with SIGKILL at a known point. After the kill the test looks at what is on disk
 and loads it: the result must be the old checkpoint or the new one, bit for bit, never a mix.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from fault_processes import Worker, build
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 
 # slow: every test starts python subprocesses and kills them.
 pytestmark = [
@@ -33,14 +33,14 @@ MEDIUM = ModelConfig(vocab_size=4000, context_length=32, d_model=128, num_layers
 @pytest.fixture(scope="module")
 def zygote():
     yield from fault_processes.zygote(
-        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_checkpoint",
+        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_model_file",
         hooks="checkpoint._after_step",
         work=r"""
             config = ModelConfig(**job["config"])
             models = [build(seed, config) for seed in job["seeds"]]
             log.write("ready\n")
             for i in range(job["saves"]):
-                save_checkpoint(models[i % len(models)], job["target"])
+                save_model_file(models[i % len(models)], job["target"])
                 log.write("saved\n")
         """,
     )
@@ -57,7 +57,7 @@ class Saver(Worker):
 def identify(directory, candidates: dict[str, TransformerLM]) -> str:
     """Which candidate the checkpoint in ``directory`` holds, bit for bit, or 'nothing'."""
     try:
-        loaded = load_checkpoint(directory).state_dict()
+        loaded = load_model_file(directory).state_dict()
     except FileNotFoundError:
         return "nothing"
     for label, model in candidates.items():
@@ -85,7 +85,7 @@ EXPECTED = {
 def prepare(directory, before: str) -> None:
     directory.mkdir()
     if before == "current":
-        save_checkpoint(build(OLD, SMALL), directory)
+        save_model_file(build(OLD, SMALL), directory)
 
 
 @pytest.mark.parametrize("before", ["empty", "current"])
@@ -108,7 +108,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
     landed = []
     for trial in range(12):
         directory = tmp_path / str(trial)
-        save_checkpoint(candidates["A"], directory)
+        save_model_file(candidates["A"], directory)
         saver = Saver(zygote, tmp_path / f"{trial}.log", directory, [11, 10], saves=1000, config=MEDIUM)
         saver.wait_for("ready")
         time.sleep(rng.uniform(0.0, 0.3))
@@ -122,7 +122,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
 
 def test_two_savers_and_a_reader_race(tmp_path, zygote):
     a, b = build(20, SMALL), build(21, SMALL)
-    save_checkpoint(a, tmp_path / "ckpt")
+    save_model_file(a, tmp_path / "ckpt")
     savers = [Saver(zygote, tmp_path / f"{seed}.log", tmp_path / "ckpt", [seed], saves=40) for seed in (20, 21)]
     seen = []
     while any(s.alive() for s in savers):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tlm_model import PRESETS, ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import PRESETS, ModelConfig, TransformerLM, load_model_file, save_model_file
 
 SMALL = {"vocab_size": 50, "context_length": 16, "d_model": 24, "num_layers": 2, "num_heads": 4, "d_ff": 40}
 
@@ -53,8 +53,8 @@ def test_tied_embeddings_are_one_parameter_through_save_and_load(tmp_path):
     assert tied.lm_head.weight is tied.token_embeddings.weight
     assert tied.num_parameters() == untied.num_parameters() - SMALL["vocab_size"] * SMALL["d_model"]
     assert "lm_head.weight" not in tied.state_dict()
-    save_checkpoint(tied, tmp_path)
-    loaded = load_checkpoint(tmp_path)
+    save_model_file(tied, tmp_path)
+    loaded = load_model_file(tmp_path)
     assert loaded.config == tied.config and loaded.lm_head.weight is loaded.token_embeddings.weight
     ids = torch.randint(0, 50, (2, 7))
     torch.testing.assert_close(loaded(ids), tied(ids), rtol=0, atol=0)
@@ -89,8 +89,8 @@ def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path
     ids = torch.randint(0, 50, (2, 9))
     steps = [model(ids[:, :4], kv_cache=caches)] + [model(ids[:, i : i + 1], kv_cache=caches) for i in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), model(ids), rtol=1e-5, atol=1e-5)
-    save_checkpoint(model, tmp_path)
-    loaded = load_checkpoint(tmp_path, fused=fused)
+    save_model_file(model, tmp_path)
+    loaded = load_model_file(tmp_path, fused=fused)
     assert dataclasses.asdict(loaded.config) == dataclasses.asdict(model.config)
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 
@@ -101,8 +101,8 @@ def test_rope_scaling_round_trips_through_a_checkpoint(tmp_path):
     scaling["factor"] = 3.0  # the config keeps its own copy
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert model.rope.scaling == {"rope_type": "linear", "factor": 2.0}
-    save_checkpoint(model, tmp_path)
-    loaded = load_checkpoint(tmp_path)
+    save_model_file(model, tmp_path)
+    loaded = load_model_file(tmp_path)
     assert loaded.config == model.config
     ids = torch.randint(0, 50, (1, 16))
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
@@ -115,8 +115,8 @@ def test_bad_rope_scaling_is_refused():
 
 def test_rope_layout_round_trips_and_is_checked(tmp_path):
     model = TransformerLM(ModelConfig(**SMALL, rope_layout="half"))
-    save_checkpoint(model, tmp_path)
-    assert load_checkpoint(tmp_path).rope.layout == "half"
+    save_model_file(model, tmp_path)
+    assert load_model_file(tmp_path).rope.layout == "half"
     with pytest.raises(ValueError, match=r"rope_layout must be one of \['half', 'interleaved'\], got 'neox'"):
         ModelConfig(**SMALL, rope_layout="neox")
 

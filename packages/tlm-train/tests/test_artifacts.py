@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, save_model_file
 from tlm_train import CheckpointManager, RunDir, capture_state, load_model, load_tokenizer, resolve
 from tlm_train.artifacts import model_config
 
@@ -33,7 +33,7 @@ def test_each_kind_resolves_to_its_model_and_tokenizer_place(tmp_path):
     assert step.kind == "step" and step.tokenizer_path == run / "tokenizer" and step.run.path == run
     file = resolve(manager.path(1) / "model.safetensors")
     assert file.kind == "model"
-    save_checkpoint(TransformerLM(CONFIG), tmp_path / "loose")
+    save_model_file(TransformerLM(CONFIG), tmp_path / "loose")
     (tmp_path / "loose" / "tokenizer").mkdir()
     assert resolve(tmp_path / "loose").tokenizer_path == tmp_path / "loose" / "tokenizer"
     (tmp_path / "hf").mkdir()

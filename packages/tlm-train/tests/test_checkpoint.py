@@ -264,7 +264,7 @@ def _save(manager, step, seed=0):
 
 
 def test_a_step_folder_holds_the_model_file_and_the_training_state(tmp_path):
-    from tlm_model import load_checkpoint as load_model
+    from tlm_model import load_model_file as load_model
     from tlm_train import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "checkpoints", keep=3)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 from tlm_train import NonFiniteLossError, RunDir, TrainConfig, default_corpus, train
 from tlm_train.metrics import TIMING_FIELDS
 
@@ -39,13 +39,13 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     assert abs(result.val_losses[0][1] - math.log(300)) < 0.5
     assert isinstance(result.sample, str) and result.sample
     assert not result.interrupted and result.step == 4
-    assert load_checkpoint(run / "checkpoints" / "step_00000004").config.vocab_size == 300
+    assert load_model_file(run / "checkpoints" / "step_00000004").config.vocab_size == 300
 
 
 def test_model_fields_as_settings_train_a_gqa_tied_model_and_the_checkpoint_says_so(make_config, tmp_path) -> None:
     config = make_config(model={**make_config().model, "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": True})
     train(config)
-    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000004")
+    model = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000004")
     assert (model.config.num_heads, model.config.kv_heads, model.config.tie_word_embeddings) == (4, 2, True)
     assert model.lm_head.weight is model.token_embeddings.weight
     assert model.state_dict()["layers.0.attn.k_proj.weight"].shape == (2 * 8, 32)  # 2 kv heads of d_head 8
@@ -77,7 +77,7 @@ def test_nan_loss_names_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_path, 
     good = int(message.split("finite loss is step ")[1].split(":")[0])
     assert good <= failed - 2 and good in manager.steps()  # pruning waited for a finite step after each save
     # The named checkpoint really gives a finite loss on the training data.
-    model = load_checkpoint(manager.path(good))
+    model = load_model_file(manager.path(good))
     ids = torch.from_numpy(np.load(config.data[0])[:17].astype(np.int64))
     assert math.isfinite(float(model.loss(ids[None, :-1], ids[None, 1:])))
 
@@ -166,7 +166,7 @@ def test_train_toml_records_one_vocabulary_size_the_models(tmp_path, make_config
 def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, make_config) -> None:
     torch.manual_seed(5)
     source = TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40, num_kv_heads=1, tie_word_embeddings=True))
-    save_checkpoint(source, tmp_path / "source")
+    save_model_file(source, tmp_path / "source")
     config = make_config(init_from=str(tmp_path / "source"), steps=1, model={}, lr=1e-9, min_lr=0.0, warmup_steps=0)
     result = train(config)
     # Step 0's validation loss is the source model's own on the same windows.
@@ -176,13 +176,13 @@ def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, m
     val = val[len(val) - max(1, round(len(val) * 0.1)) :]
     expected = evaluate(source, EvalBatches(val, 4, 16, max_batches=2)).loss
     assert result.val_losses[0][1] == pytest.approx(expected, rel=1e-6)
-    tuned = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000001")
+    tuned = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000001")
     assert tuned.config == source.config
     assert TrainConfig.from_toml(tmp_path / "run" / "train.toml").model_config() == source.config
 
 
 def test_init_from_refuses_a_shape_change(tmp_path, make_config) -> None:
-    save_checkpoint(TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40)), tmp_path / "source")
+    save_model_file(TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40)), tmp_path / "source")
     with pytest.raises(ValueError, match="--d-model 32 differs from the --init-from model's 24"):
         train(make_config(init_from=str(tmp_path / "source")))
 
@@ -190,7 +190,7 @@ def test_init_from_refuses_a_shape_change(tmp_path, make_config) -> None:
 def test_bfloat16_autocast_trains_with_float32_weights(tmp_path, make_config) -> None:
     result = train(make_config(dtype="bfloat16", steps=3))
     assert all(math.isfinite(loss) for _, loss in result.val_losses)
-    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
+    model = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000003")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -214,7 +214,7 @@ def test_compile_trains_like_eager(tmp_path, make_config) -> None:
         result = train(make_config(out_dir=str(out), steps=3, compile=compiled))
         graphs[compiled] = counters["stats"]["unique_graphs"]
         losses = [r.get("train_loss") for r in _records(out)]
-        state = load_checkpoint(out / "checkpoints" / "step_00000003").state_dict()
+        state = load_model_file(out / "checkpoints" / "step_00000003").state_dict()
         runs[compiled] = (losses[1:], [loss for _, loss in result.val_losses], state)
     (eager_train, eager_val, eager_state), (compiled_train, compiled_val, compiled_state) = runs[False], runs[True]
     assert compiled_train == pytest.approx(eager_train, rel=1e-5, abs=0)

@@ -58,7 +58,7 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 def run(args: argparse.Namespace) -> int:
     from tlm_core.tensors import dtype_from_name
-    from tlm_model import save_checkpoint, save_hf
+    from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
     from tlm_train import artifacts
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         model, _ = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         out = Path(args.out)
-        save_checkpoint(model, out)
+        save_model_file(model, out)
         if tokenizer is not None:
             tokenizer.save(out / "tokenizer")
         source_kind, target = "HF Llama folder", "tlm model folder"

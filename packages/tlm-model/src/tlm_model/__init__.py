@@ -19,14 +19,14 @@ _HOMES = {
     "compile_for_inference": "tlm_model.inference",
     "TransformerBlock": "tlm_model.block",
     "TransformerLM": "tlm_model.lm",
-    "unwrap": "tlm_model.lm",
+    "unwrap": "tlm_model.inference",
     "chunked_cross_entropy": "tlm_model.loss",
     "cross_entropy": "tlm_model.cross_entropy",
     "from_hf": "tlm_model.interop",
     "save_hf": "tlm_model.interop",
     "generate": "tlm_model.generate",
-    "load_checkpoint": "tlm_model.checkpoint",
-    "save_checkpoint": "tlm_model.checkpoint",
+    "load_model_file": "tlm_model.checkpoint",
+    "save_model_file": "tlm_model.checkpoint",
 }
 
 __all__ = [
@@ -41,21 +41,21 @@ __all__ = [
     "cross_entropy",
     "from_hf",
     "generate",
-    "load_checkpoint",
-    "save_checkpoint",
+    "load_model_file",
     "save_hf",
+    "save_model_file",
     "unwrap",
 ]
 
 if TYPE_CHECKING:
     from tlm_model.block import TransformerBlock
-    from tlm_model.checkpoint import load_checkpoint, save_checkpoint
+    from tlm_model.checkpoint import load_model_file, save_model_file
     from tlm_model.config import PRESETS, ModelConfig
     from tlm_model.cross_entropy import cross_entropy
     from tlm_model.generate import generate
-    from tlm_model.inference import InferenceModel, compile_for_inference
+    from tlm_model.inference import InferenceModel, compile_for_inference, unwrap
     from tlm_model.interop import from_hf, save_hf
-    from tlm_model.lm import TransformerLM, unwrap
+    from tlm_model.lm import TransformerLM
     from tlm_model.loss import chunked_cross_entropy
 
 

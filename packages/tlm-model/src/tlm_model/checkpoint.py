@@ -30,7 +30,8 @@ from tlm_core.atomic import atomic_write
 from tlm_core.checks import short_repr
 from tlm_model import _weights
 from tlm_model.config import ModelConfig
-from tlm_model.lm import COMPILED_PREFIX, TransformerLM, unwrap
+from tlm_model.inference import unwrap
+from tlm_model.lm import COMPILED_PREFIX, TransformerLM
 
 FORMAT_VERSION = 2
 WEIGHTS_NAME = "model.safetensors"
@@ -51,7 +52,7 @@ def _step(name: str) -> None:
 # Saving
 
 
-def save_checkpoint(
+def save_model_file(
     model: nn.Module, path: str | os.PathLike[str], *, state_dict: Mapping[str, torch.Tensor] | None = None
 ) -> Path:
     """Write ``model``'s weights and config to ``path`` all-or-nothing; return the path.
@@ -117,7 +118,7 @@ def _canonical(header: Mapping[str, Any]) -> bytes:
 # Loading
 
 
-def load_checkpoint(
+def load_model_file(
     path: str | os.PathLike[str],
     *,
     config: ModelConfig | None = None,
@@ -127,7 +128,7 @@ def load_checkpoint(
 ) -> TransformerLM:
     """Build the TransformerLM saved at ``path`` and load its weights.
 
-    ``path`` is what :func:`save_checkpoint` wrote (a folder or a ``.safetensors`` file), or a plain
+    ``path`` is what :func:`save_model_file` wrote (a folder or a ``.safetensors`` file), or a plain
     state-dict file (``.safetensors`` without tlm metadata, or a ``torch.save`` file read with
     ``weights_only``), which needs ``config=``. ``config``, when given, must equal the saved one;
     otherwise ``ValueError`` names every field that differs. Every tensor name and shape is checked
@@ -146,7 +147,7 @@ def load_checkpoint(
     weights = _weights_path(path)
     if not weights.is_file():
         raise FileNotFoundError(
-            errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME} (save_checkpoint writes it)", str(weights)
+            errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME} (save_model_file writes it)", str(weights)
         )
     if weights.suffix != ".safetensors":
         saved, state = _load_torch_file(weights, config)
@@ -256,7 +257,7 @@ def _metadata(path: Path) -> dict[str, str]:
 
 def read_digest(path: str | os.PathLike[str]) -> str:
     """The SHA-256 that the header of a tlm model file records (its header alone is read, not checked
-    against the tensors: :func:`load_checkpoint` does that). ``path`` is the file or its folder."""
+    against the tensors: :func:`load_model_file` does that). ``path`` is the file or its folder."""
     weights = _weights_path(Path(path))
     digest = _metadata(weights).get("tlm_sha256")
     if digest is None:
@@ -264,9 +265,9 @@ def read_digest(path: str | os.PathLike[str]) -> str:
     return digest
 
 
-def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_model_file(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The config and the state dict of a tlm model file (or its folder), checked like
-    :func:`load_checkpoint` checks them (tensor table against the config, SHA-256), without building a model."""
+    :func:`load_model_file` checks them (tensor table against the config, SHA-256), without building a model."""
     weights = _weights_path(Path(path))
     if not weights.is_file():
         raise FileNotFoundError(errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME}", str(weights))
@@ -275,7 +276,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     """The config a tlm model file (or its folder) records, from its header alone (fast; the tensors and
-    their SHA-256 are :func:`load_checkpoint`'s to check)."""
+    their SHA-256 are :func:`load_model_file`'s to check)."""
     weights = _weights_path(Path(path))
     meta = _metadata(weights)
     if not _TLM_KEYS & set(meta):

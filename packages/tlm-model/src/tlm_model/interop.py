@@ -33,7 +33,8 @@ from tlm_core.atomic import remove_leftovers, replace_dir
 from tlm_core.checks import check_bool, check_int, check_number, short_repr
 from tlm_model import _folder, _weights
 from tlm_model.config import LIMITS, ModelConfig
-from tlm_model.lm import TransformerLM, unwrap
+from tlm_model.inference import unwrap
+from tlm_model.lm import TransformerLM
 from tlm_rope import SCALINGS
 
 _BLOCK = {  # tlm key inside a layer -> HF key inside a layer
@@ -211,8 +212,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
         if key in hf and not (nullable and hf[key] is None):
             fields[field] = check_int(f"{source}: {key}", hf[key], low=1, high=LIMITS[field])
     fields["norm_eps"] = check_number(f"{source}: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), low=0.0)  # HF's default
-    # LlamaConfig's default (PretrainedConfig ties).
-    fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    # transformers' LlamaConfig defaults to an untied head (tie_word_embeddings: bool = False).
+    fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", False))
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     if theta is not None:
         fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
@@ -438,10 +439,7 @@ _EXPORT_NAMES = frozenset(
         "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     }
 )  # fmt: skip
-_EXPORT_PATTERN = re.compile(
-    r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin"
-    r"|\.model\.safetensors\.\d+-[0-9a-f]{16}\.tmp"  # a temporary file of tlm-model 0.2.0's save_hf
-)
+_EXPORT_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin")
 #: Files save_hf writes, or that transformers would read as weights: no extra file may take these names.
 _RESERVED = frozenset({CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json"})
 _RESERVED_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin", re.IGNORECASE)

@@ -120,13 +120,6 @@ class TransformerLM(nn.Module):
         return self
 
     @classmethod
-    def from_hf(cls, directory: Any, **kwargs: Any) -> "TransformerLM":
-        """Load an HF Llama folder (``config.json`` + safetensors); see :func:`tlm_model.interop.from_hf`."""
-        from tlm_model.interop import from_hf  # interop builds TransformerLMs: imported late, no cycle
-
-        return from_hf(directory, **kwargs)
-
-    @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
         """``TransformerLM(ModelConfig.from_preset(name), **kwargs)``."""
         return cls(ModelConfig.from_preset(name), **kwargs)
@@ -232,22 +225,3 @@ class TransformerLM(nn.Module):
         """
         hidden = self.hidden_states(in_indices)
         return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside the wrappers tlm and torch put around a model: ``torch.compile``'s
-    (``_orig_mod``), :func:`~tlm_model.compile_for_inference`'s and DDP's (``module``)."""
-    from tlm_model.inference import InferenceModel  # inference imports this module
-
-    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
-        if isinstance(model, TransformerLM):
-            break
-        if isinstance(model, InferenceModel):
-            model = model.model
-            continue
-        inner = getattr(model, "_orig_mod", None)
-        inner = getattr(model, "module", None) if inner is None else inner
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model

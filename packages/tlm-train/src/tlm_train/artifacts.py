@@ -132,15 +132,15 @@ def load_model(
         from tlm_model import from_hf
 
         return from_hf(artifact.path, device=device, dtype=dtype, **options), None
-    from tlm_model import load_checkpoint
+    from tlm_model import load_model_file
 
     path, step = model_file(artifact)
     if artifact.kind != "run":
-        return load_checkpoint(path, device=device, dtype=dtype, **options), step
+        return load_model_file(path, device=device, dtype=dtype, **options), step
     manager = CheckpointManager(artifact.model_path)
     for step in reversed(manager.steps()):
         try:
-            return load_checkpoint(manager.path(step), device=device, dtype=dtype, **options), step
+            return load_model_file(manager.path(step), device=device, dtype=dtype, **options), step
         except (ValueError, OSError) as err:  # damaged: say so and take the step before
             if on_damaged is not None:
                 on_damaged(step, err)
@@ -148,8 +148,9 @@ def load_model(
 
 
 def load_tokenizer(artifact: Artifact) -> Any:
-    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has none tlm can read; an HF tokenizer
-    tlm cannot reproduce exactly (another pre-tokenizer, say) is None with the reason in ``.reason``."""
+    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has no tokenizer file; an HF tokenizer
+    tlm cannot reproduce exactly (another pre-tokenizer, say) raises :class:`UnreadableTokenizer`, whose
+    message gives the reason."""
     if artifact.tokenizer_path is None or not artifact.tokenizer_path.exists():
         return None
     from tlm_tokenizer import Tokenizer

@@ -35,10 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
-from tlm_model import ModelConfig, unwrap
-from tlm_model import save_checkpoint as save_model_file
-from tlm_model.checkpoint import WEIGHTS_NAME, read_digest
-from tlm_model.checkpoint import read_checkpoint as read_model_file
+from tlm_model import ModelConfig, save_model_file, unwrap
+from tlm_model.checkpoint import WEIGHTS_NAME, read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
 FORMAT = "tlm-train-state/1"

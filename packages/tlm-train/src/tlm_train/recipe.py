@@ -41,7 +41,7 @@ from tlm_train.distributed import DistInfo, barrier, build_model, init_distribut
 from tlm_train.evaluate import evaluate
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
-from tlm_train.run_dir import RunDir, RunLock, check_apart
+from tlm_train.run_dir import RunDir, check_apart
 from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
@@ -135,7 +135,7 @@ class Recipe:
         if info.is_main:
             self.run_dir.check_links()
             self.run_dir.check_layout()
-            self._lock = self._exit.enter_context(_held(self.run_dir))
+            self._lock = self._exit.enter_context(self.run_dir.lock())
         saved = self._check_resume() if self.resume else None
         if not self.resume:
             self._check_fresh()
@@ -301,7 +301,6 @@ class Recipe:
                     "read back, so nothing was resumed"
                 )
             checkpoint = latest
-        self._resumed = checkpoint
         return self._load(checkpoint)
 
     def _load(self, checkpoint: Checkpoint) -> int:
@@ -500,9 +499,9 @@ class Recipe:
 
     def _sample(self) -> str:
         # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
-        from tlm_model import load_checkpoint
+        from tlm_model import load_model_file
 
-        model = load_checkpoint(cast(Path, self.last_checkpoint)).eval()
+        model = load_model_file(cast(Path, self.last_checkpoint)).eval()
         tokenizer, config = self.data.tokenizer, self.config
         if tokenizer is not None:
             prompt = tokenizer.encode(config.sample_prompt) or [0]
@@ -519,12 +518,6 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
-
-
-@contextlib.contextmanager
-def _held(run_dir: RunDir) -> Iterator[RunLock]:
-    with run_dir.lock() as held:
-        yield held
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
