@@ -61,6 +61,8 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
         run = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
         if run is not None and RunDir.is_run(run):
             return Artifact("step", path, path, run / TOKENIZER_DIR, RunDir(run))
+        if not (path / WEIGHTS_NAME).is_file():  # a sharded step folder copied out of its run
+            return Artifact("step", path, path, _tokenizer_near(path))
         return Artifact("model", path, path, _tokenizer_near(path))
     raise ValueError(
         f"{path} is not a tlm run folder, step folder or model folder (no {WEIGHTS_NAME}), nor an HF Llama folder "
