@@ -41,6 +41,26 @@ def test_each_kind_resolves_to_its_model_and_tokenizer_place(tmp_path):
     assert resolve(tmp_path / "hf").kind == "hf" and resolve(tmp_path / "hf").tokenizer_path is None
 
 
+def test_a_sharded_step_gives_its_model_in_one_process_in_its_run_and_copied_out(tmp_path):
+    import shutil
+
+    from tlm_optim import AdamW
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run / "checkpoints", keep=5)
+    torch.manual_seed(3)
+    model = TransformerLM(CONFIG, fused=False)
+    state = capture_state(model, AdamW(model.parameters()), step=4)
+    manager.save(model, {**state, "sharded": True})  # as DDP/FSDP2 ranks write it, with one rank here
+    copy = shutil.copytree(manager.path(4), tmp_path / "elsewhere" / "step_00000004")
+    for path, kind in [(run, "run"), (manager.path(4), "step"), (copy, "step")]:
+        artifact = resolve(path)
+        assert artifact.kind == kind and model_config(artifact) == CONFIG
+        loaded, step = load_model(artifact)
+        assert step == 4 and loaded.state_dict().keys() == model.state_dict().keys()
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_run_gives_its_newest_verified_step_and_falls_back_saying_so(tmp_path):
     run, manager = _run(tmp_path)
     model, step = load_model(resolve(run))

@@ -414,6 +414,103 @@ def test_a_step_folder_removed_by_hand_leaves_the_listing_to_the_folders_left(tm
     assert manager.prune() == [1] and manager.steps() == [2, 3]
 
 
+def _save_sharded(manager, step, seed=0):
+    from tlm_train import capture_state
+
+    model, opt = _lm_state(seed)
+    state = capture_state(model, opt, step=step)
+    state["sharded"] = True  # as DDP/FSDP2 ranks save it; here DCP writes the one rank's part
+    return model, opt, manager.save(model, state)
+
+
+def test_a_sharded_step_folder_restores_model_and_optimizer_exactly_and_gives_the_model(tmp_path):
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import load_step_model, read_model_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    model, opt, path = _save_sharded(manager, 3)
+    assert sorted(os.listdir(path)) == ["shards", "train_state.pt"] and manager.steps() == [3]
+    other, other_opt = _lm_state(seed=5)
+    assert restore_state(manager.load(3).state, other, other_opt) == 3
+    assert _same_state(model.state_dict(), other.state_dict())
+    assert _same_state(opt.state_dict(), other_opt.state_dict())  # torch's own view of the optimizer
+    config, weights = read_model_state(path)  # what generate/eval/convert read: the model's tensors only
+    assert config == model.config and _same_state(weights, model.state_dict())
+    assert _same_state(load_step_model(path).state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("flip .metadata", "do not match the SHA-256"),
+        ("flip __0_0.distcp", "do not match the SHA-256"),
+        ("add __1_0.distcp", "holds files .*__1_0.distcp"),
+        ("remove __0_0.distcp", "lacks the shard files .*__0_0.distcp"),
+    ],
+)
+def test_a_sharded_step_folder_whose_files_changed_is_refused_before_dcp_reads_it(tmp_path, change, match):
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import read_model_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _, _, path = _save_sharded(manager, 1)
+    action, name = change.split()
+    shard = path / "shards" / name
+    if action == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif action == "add":
+        shard.write_bytes(b"")
+    else:
+        shard.unlink()
+    for read in (lambda: manager.load(1), lambda: read_model_state(path)):
+        with pytest.raises(ValueError, match=match):
+            read()
+
+
+@pytest.mark.parametrize(
+    ("craft", "match"),
+    [
+        ("code", "not a readable DCP metadata file .*may not build builtins.exec"),
+        ("bytes item", "lists non-tensor items \\['model.ln_final.weight'\\]"),  # DCP would torch.load it unsafely
+    ],
+)
+def test_a_crafted_dcp_metadata_pickle_runs_nothing_even_when_its_digest_is_recorded(tmp_path, craft, match):
+    import hashlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import load_train_state, read_model_state, save_train_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _, _, path = _save_sharded(manager, 1)
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(ran)!r}, 'w').close()",))
+
+    if craft == "code":
+        crafted = pickle.dumps(Payload())
+    else:
+        metadata = pickle.loads((path / "shards" / ".metadata").read_bytes())
+        metadata.state_dict_metadata["model.ln_final.weight"] = BytesStorageMetadata()
+        crafted = pickle.dumps(metadata)
+    (path / "shards" / ".metadata").write_bytes(crafted)
+    state = load_train_state(path / "train_state.pt")  # the attacker records the crafted file's digest too
+    state["shard_files"][".metadata"] = hashlib.sha256(crafted).hexdigest()
+    save_train_state(path / "train_state.pt", state)
+    checkpoint = manager.load(1)
+    other, other_opt = _lm_state(seed=5)
+    for read in (lambda: restore_state(checkpoint.state, other, other_opt), lambda: read_model_state(path)):
+        with pytest.raises(ValueError, match=match):
+            read()
+    assert not ran.exists()
+
+
 def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
     from tlm_train import CheckpointManager
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tlm_core.lazy import lazy_exports
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _HOMES = {
     "Artifact": "tlm_train.artifacts",

@@ -34,7 +34,7 @@ from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
-from tlm_train.checkpoint import Checkpoint, capture_state, restore_state
+from tlm_train.checkpoint import Checkpoint, capture_state, load_step_model, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
@@ -459,14 +459,14 @@ class Recipe:
         state["sampler"] = sampler_state
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self._any_rank(not _finite(state["model"])):
+            raise NonFiniteLossError(
+                f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
+            )
+        manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
         if self.info.is_main:
-            weights = state["model"]
-            if not all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point()):
-                raise NonFiniteLossError(
-                    f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
-                )
-            manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
+        if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
             self.last_checkpoint = manager.save(unwrap(self.model), state)
             self._prune_pending = True
         barrier()
@@ -499,9 +499,7 @@ class Recipe:
 
     def _sample(self) -> str:
         # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
-        from tlm_model import load_model_file
-
-        model = load_model_file(cast(Path, self.last_checkpoint)).eval()
+        model = load_step_model(cast(Path, self.last_checkpoint)).eval()
         tokenizer, config = self.data.tokenizer, self.config
         if tokenizer is not None:
             prompt = tokenizer.encode(config.sample_prompt) or [0]
@@ -518,6 +516,14 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
+
+
+def _finite(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether this rank's part of the weights (its FSDP2 shards, or the whole model) is finite."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in weights.values()]
+    return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
