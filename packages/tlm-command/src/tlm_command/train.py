@@ -65,6 +65,7 @@ _HELP = {
     "distributed": "under torchrun: ddp or fsdp (FSDP2, fully_shard per block)",
     "activation_checkpointing": "recompute each block's activations in the backward pass",
     "peak_flops": "the device's FLOP/s for MFU (default: measured with a float32 GEMM at start-up)",
+    "tensorboard": "also write TensorBoard event files to RUN/tensorboard/ (pip install 'tlm-train[tensorboard]')",
     "sample_prompt": "the prompt of the sample printed at the end",
     "sample_tokens": "tokens of the sample printed at the end (0: none)",
     "sample_temperature": "temperature of the sample printed at the end",

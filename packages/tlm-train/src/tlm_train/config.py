@@ -81,6 +81,7 @@ class TrainConfig:
     distributed: str = "none"  # "ddp" or "fsdp" under torchrun
     activation_checkpointing: bool = False
     peak_flops: float | None = None  # FLOP/s for MFU; None measures a float32 GEMM at start-up
+    tensorboard: bool = False  # also log to TensorBoard event files in RUN/tensorboard/ (metrics.jsonl always)
     # The sample printed at the end.
     sample_prompt: str = "The "
     sample_tokens: int = 64
@@ -113,7 +114,7 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in ("out_dir", "token_dtype", "preset", "device", "dtype", "distributed", "sample_prompt"):
             if not isinstance(getattr(self, name), str):
