@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -41,6 +42,25 @@ def test_matches_float64_rederivation(backend, fused, device, lm_reference):
     assert logits.shape == (3, SMALL.context_length, SMALL.vocab_size)
     expected = lm_reference(model.state_dict(), ids, SMALL)
     torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+ABLATIONS = [dict(norm_placement="post"), dict(norm_placement="none"), dict(positions="none"), dict(ffn="silu")]
+
+
+@pytest.mark.parametrize("fields", ABLATIONS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_ablations_match_float64_rederivation(fields, device, lm_reference, course_lm_keys):
+    cfg = dataclasses.replace(SMALL, **fields)
+    model = randomized(TransformerLM(cfg, device=device))
+    keys = course_lm_keys(cfg.num_layers)
+    if cfg.norm_placement == "none":
+        keys = {k for k in keys if ".ln" not in k and not k.startswith("ln")}
+    if cfg.ffn == "silu":
+        keys = {k for k in keys if not k.endswith("ffn.w3.weight")}
+    assert set(model.state_dict()) == keys
+    assert (model.rope is None) == (cfg.positions == "none")
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), device=device)
+    expected = lm_reference(model.state_dict(), ids, cfg)
+    torch.testing.assert_close(model(ids).double(), expected, rtol=1e-4, atol=1e-5)  # as the course model above
 
 
 def test_explicit_positions(lm_reference):

@@ -3,6 +3,6 @@
 
 from tlm_command.main import main
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["__version__", "main"]

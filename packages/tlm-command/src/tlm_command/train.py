@@ -24,8 +24,8 @@ from typing import Any
 
 from tlm_command.args import UserError, description
 from tlm_model import PRESETS
+from tlm_model.config import FFN_KINDS, NORM_PLACEMENTS, POSITIONS, ModelConfig
 from tlm_model.config import FIELDS as MODEL_FIELDS
-from tlm_model.config import ModelConfig
 from tlm_train.config import DISTRIBUTED_MODES, DTYPES, TOKEN_DTYPES, TrainConfig
 
 _HELP = {
@@ -75,7 +75,7 @@ _MODEL_HELP = {
     "d_model": "width of the residual stream",
     "num_layers": "Transformer blocks",
     "num_heads": "query heads",
-    "d_ff": "SwiGLU hidden width",
+    "d_ff": "FFN hidden width",
     "rope_theta": "RoPE base",
     "norm_eps": "RMSNorm epsilon",
     "num_kv_heads": "key/value heads (fewer than --num-heads: grouped-query attention)",
@@ -83,6 +83,10 @@ _MODEL_HELP = {
     "tie_word_embeddings": "the LM head reuses the token embedding matrix",
     "rope_scaling": 'RoPE scaling as JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'',
     "rope_layout": "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)",
+    "norm_placement": "where RMSNorm goes: pre (the course's), post (norm(x + sublayer(x))) or none (nowhere, "
+    "the final norm included)",
+    "positions": "rope, or none (NoPE: only the causal mask carries position)",
+    "ffn": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: --d-ff 4·d_model)",
 }
 _CHOICES = {
     "distributed": DISTRIBUTED_MODES,
@@ -90,6 +94,9 @@ _CHOICES = {
     "token_dtype": TOKEN_DTYPES,
     "preset": sorted(PRESETS),
     "rope_layout": ("interleaved", "half"),
+    "norm_placement": NORM_PLACEMENTS,
+    "positions": POSITIONS,
+    "ffn": FFN_KINDS,
 }
 _MODEL_FLAGS = [name for name in MODEL_FIELDS if name != "vocab_size"]  # the vocabulary is the tokenizer's
 

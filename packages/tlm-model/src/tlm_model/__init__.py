@@ -11,7 +11,7 @@ from tlm_model.interop import from_hf, save_hf
 from tlm_model.lm import TransformerLM, unwrap
 from tlm_model.loss import chunked_cross_entropy
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "PRESETS",

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
+from tlm_ffn import FFN_KINDS
 from tlm_rope import LAYOUTS
 from tlm_rope.scaling import check_scaling
 
@@ -23,6 +24,11 @@ LIMITS = {
     "head_dim": 1 << 12,
 }
 
+#: Where a block's RMSNorms sit: before each sublayer (the course's), after each residual add, or nowhere.
+NORM_PLACEMENTS = ("pre", "post", "none")
+#: How attention sees positions: RoPE, or nothing but the causal mask (NoPE).
+POSITIONS = ("rope", "none")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -36,6 +42,20 @@ class ModelConfig:
     (None, or a dict with HF's ``rope_parameters`` keys such as ``{"rope_type": "llama3", ...}``) is
     passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``; ``rope_layout`` is
     its ``layout`` (``"interleaved"``, the course's, or ``"half"``, HF's rotate-half).
+
+    Three fields select the ablations of CS336 §7 (each default is the course model):
+
+    - ``norm_placement``: ``"pre"`` (x + sublayer(norm(x)), then a final norm), ``"post"``
+      (norm(x + sublayer(x)), the original Transformer's; the final norm stays) or ``"none"`` (no RMSNorm
+      anywhere, the final one included: the model has no norm weights);
+    - ``positions``: ``"rope"`` or ``"none"`` (NoPE: causal attention with no positional signal; the
+      ``rope_*`` fields then go unused, and ``rope_scaling`` must stay None);
+    - ``ffn``: ``"swiglu"`` (w2(silu(w1 x) ⊙ w3 x), 3·d_model·d_ff parameters) or ``"silu"`` (w2 silu(w1 x),
+      2·d_model·d_ff). ``d_ff`` is given either way; the course's widths, which give both about
+      8·d_model² parameters, are ``tlm_ffn.default_d_ff(d_model, kind=ffn)``: 8/3·d_model rounded up to
+      64, and 4·d_model.
+
+    Only the defaults are a Llama: :func:`tlm_model.save_hf` refuses the others.
     """
 
     vocab_size: int
@@ -51,6 +71,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     rope_scaling: dict[str, Any] | None = None
     rope_layout: str = "interleaved"
+    norm_placement: str = "pre"
+    positions: str = "rope"
+    ffn: str = "swiglu"
 
     def __post_init__(self) -> None:
         # Field types and ranges first: the cross-field rules below need them, and a config read
@@ -71,6 +94,9 @@ class ModelConfig:
         except (TypeError, ValueError) as err:
             raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
         check_choice("ModelConfig.rope_layout", self.rope_layout, LAYOUTS)
+        check_choice("ModelConfig.norm_placement", self.norm_placement, NORM_PLACEMENTS)
+        check_choice("ModelConfig.positions", self.positions, POSITIONS)
+        check_choice("ModelConfig.ffn", self.ffn, FFN_KINDS)
         if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
@@ -81,8 +107,13 @@ class ModelConfig:
                 f"ModelConfig.num_kv_heads must divide num_heads, got num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if self.d_head % 2 != 0:
+        if self.positions == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head} (or head_dim)")
+        if self.positions == "none" and self.rope_scaling is not None:
+            raise ValueError(
+                f"ModelConfig.rope_scaling must be None with positions='none' (no RoPE to scale), "
+                f"got {self.rope_scaling}"
+            )
 
     @property
     def d_head(self) -> int:

@@ -8,10 +8,9 @@ from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
-from tlm_model.block import TransformerBlock, build_rope
+from tlm_model.block import TransformerBlock, build_norm, build_rope
 from tlm_model.config import ModelConfig
 from tlm_model.loss import chunked_cross_entropy
-from tlm_norm import RMSNorm
 
 #: What ``torch.compile`` puts before every state-dict key of the module it wraps.
 COMPILED_PREFIX = "_orig_mod."
@@ -47,7 +46,7 @@ def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: st
 
 
 class TransformerLM(nn.Module):
-    """token embedding → ``num_layers`` pre-norm blocks → final RMSNorm → LM head.
+    """token embedding → ``num_layers`` (pre-norm) blocks → final RMSNorm → LM head.
 
     Built from one :class:`ModelConfig` (``TransformerLM(config)``, or ``from_preset(name)``), kept as
     ``model.config``. ``forward`` returns unnormalised next-token logits (batch, seq, vocab). All layers
@@ -56,7 +55,9 @@ class TransformerLM(nn.Module):
     ``torch.compile``d model (keys prefixed ``_orig_mod.``) load as they are. With
     ``tie_word_embeddings=True`` ``lm_head.weight`` *is* ``token_embeddings.weight`` (one
     parameter); state dicts then leave out ``lm_head.weight`` and loading restores the tie.
-    The config's ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size.
+    The config's ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size;
+    its ``norm_placement``, ``positions`` and ``ffn`` the ablations of CS336 §7 (``norm_placement="none"``
+    drops ``ln_final`` too; ``positions="none"`` leaves ``model.rope`` None).
 
     Build on ``device="meta"`` to get shapes and parameter counts without allocating; then
     ``to_empty(device=...)`` and ``reset_parameters()`` to materialise it.
@@ -94,7 +95,7 @@ class TransformerLM(nn.Module):
             )
             for _ in range(config.num_layers)
         )
-        self.ln_final = RMSNorm(config.d_model, eps=config.norm_eps, device=device, dtype=dtype)
+        self.ln_final = build_norm(config, device, dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         self.register_load_state_dict_pre_hook(_strip_compiled_prefix)
         if config.tie_word_embeddings:
