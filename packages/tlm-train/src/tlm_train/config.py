@@ -141,6 +141,13 @@ class TrainConfig:
         default=None,
         metadata={"help": "the device's FLOP/s for MFU", "shown": "measured with a float32 GEMM at start-up"},
     )
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "also write TensorBoard event files to RUN/tensorboard/ (pip install 'tlm-train[tensorboard]'); "
+            "metrics.jsonl is always written"
+        },
+    )
     # The sample printed at the end.
     sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
     sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
@@ -173,7 +180,7 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in (
             "out_dir",

@@ -39,6 +39,7 @@ from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
+from tlm_train.loggers import Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
@@ -120,6 +121,8 @@ class Recipe:
         self.val_losses: list[tuple[int, float]] = []
         self.last_checkpoint: Path | None = None
         self._prune_pending = False
+        self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
+        self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
 
     def __enter__(self) -> "Recipe":
         return self
@@ -334,10 +337,14 @@ class Recipe:
                 self.say("settings changed from the resumed step on: " + ", ".join(
                     f"{flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()))  # fmt: skip
         self.metrics.truncate(self.start if self.start else -1)  # the file reads as if the run never stopped
+        # Wall-clock time continues from the last record kept: a resumed run's curve does not count the pause.
+        earlier = [r["time_s"] for r in self.metrics.read() if isinstance(r.get("time_s"), (int, float))]
+        self._clock = (time.perf_counter(), earlier[-1] if earlier else 0.0)
+        names = ["tensorboard"] if self.config.tensorboard else []
+        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start)
+        self._exit.callback(self.loggers.close)
         if self.resume and getattr(self, "applied", None):
-            self.metrics.append(
-                {"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}}
-            )
+            self._log({"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}})
         # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
         # the shape --init-from gave), so a resume or `--config train.toml` builds the same model; its one
         # vocabulary size is the model's (a --tokenizer's or --init-from's may differ from the flag's default).
@@ -354,6 +361,7 @@ class Recipe:
         self.flops_per_token = training_flops_per_token(self.model_config, self.model_config.context_length)
         self.peak = config.peak_flops or measure_gemm_flops(info.device)
         self.tokens_per_step = tokens_per_step
+        self._clock = (time.perf_counter(), self._clock[1])  # set-up (data, model, GEMM rate) is not training time
         if self.start == 0:
             self.maybe_evaluate(0, force=True)
         step, interrupted = self.start, False
@@ -400,7 +408,19 @@ class Recipe:
                 scaler=self.scaler,
             )
         except NonFiniteLossError as err:
-            raise NonFiniteLossError(f"step {step}: {err}; {self._good_checkpoint(step)}") from None
+            raise self._diverged(f"step {step}: {err}; {self._good_checkpoint(step)}", step) from None
+
+    def _diverged(self, message: str, step: int) -> NonFiniteLossError:
+        """The error that stops a run whose loss or weights stopped being finite, recorded in the log first
+        (``event: diverged``), so that the run folder says how it ended."""
+        self._log({"step": step, "event": "diverged", "message": message})
+        return NonFiniteLossError(message)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Give ``record`` to every logging backend (rank 0), with the seconds since training began."""
+        if self.info.is_main:
+            began, before = self._clock
+            self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
 
     def _good_checkpoint(self, failed: int) -> str:
         # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
@@ -433,8 +453,8 @@ class Recipe:
         }
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{stats.lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         bar.update()
-        if self.info.is_main and step % config.eval_interval and step != self.steps:
-            self.metrics.append(self._record)
+        if step % config.eval_interval and step != self.steps:
+            self._log(self._record)
         return True
 
     def maybe_evaluate(self, step: int, *, force: bool = False) -> None:
@@ -444,13 +464,11 @@ class Recipe:
         self.val_losses.append((step, loss))
         if step == 0:
             self.say(f"step 0: validation loss {loss:.4f} (ln(vocab) = {math.log(self.model_config.vocab_size):.4f})")
-            if self.info.is_main:
-                self.metrics.append({"step": 0, "tokens": 0, "val_loss": loss})
+            self._log({"step": 0, "tokens": 0, "val_loss": loss})
             return
         record = {**self._record, "val_loss": loss}
         self.say(f"step {step}: validation loss {loss:.4f}, train loss {record['train_loss']:.4f}")
-        if self.info.is_main:
-            self.metrics.append(record)
+        self._log(record)
 
     def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
         if not (force or step % self.config.checkpoint_interval == 0 or step == self.steps):
@@ -460,8 +478,8 @@ class Recipe:
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         if self._any_rank(not _finite(state["model"])):
-            raise NonFiniteLossError(
-                f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
+            raise self._diverged(
+                f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}", step
             )
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
         if self.info.is_main:
