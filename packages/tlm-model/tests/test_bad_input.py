@@ -220,9 +220,9 @@ RAISES = [
            lambda: CausalMultiHeadSelfAttention(16, 2)(torch.randn(3, 16), torch.arange(3)), ValueError,
            "token_positions was given but this attention module has no rope to use it"),
     # wiring: one source of truth (issue 9)
-    Raises("lm-cache-positions-disagree", lambda: _cached_step(torch.tensor([0])), ValueError,
-           "token_positions must be the KV cache's positions 3..3 (the cache holds 3 tokens); pass "
-           "token_positions=None to take them from the cache, got [0]"),
+    Raises("lm-cache-positions-given", lambda: _cached_step(torch.tensor([3])), ValueError,
+           "token_positions must be None with a kv_cache: the positions come from the cache (each row's length "
+           "onwards)"),
     Raises("lm-cache-lengths-disagree", lambda: _uneven_caches(), ValueError,
            "the layers' KV caches disagree on their length: [2, 0]"),
     Raises("kv-cache-kv-mismatch",

@@ -117,20 +117,20 @@ class CausalMultiHeadSelfAttention(nn.Module):
     ) -> Float[Tensor, "... seq d_model"]:
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.
 
-        With a cache the tokens sit at positions ``kv_cache.length`` onwards (0 onwards without
-        one); explicit ``token_positions`` must then say the same, or are refused.
+        With a cache and no ``token_positions`` the tokens continue every row at ``kv_cache.length``
+        (the rows must agree on their length). With a cache and ``token_positions`` (batch, seq), each
+        token is stored at the cache slot its position names and attends to the slots up to it: pass
+        ``kv_cache.positions(seq)`` to continue rows of different lengths, each from its own.
         """
         if x.ndim < 2 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape (..., seq, d_model={self.d_model}), got {tuple(x.shape)}")
-        if token_positions is not None and self.rope is None:
+        if token_positions is not None and self.rope is None and kv_cache is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
         if token_positions is not None:
             _check_positions_shape(token_positions, x.shape[:-1])
         if kv_cache is not None and x.ndim != 3:
             raise ValueError(f"with a kv_cache, x must have shape (batch, seq, d_model), got {tuple(x.shape)}")
         start = 0 if kv_cache is None else kv_cache.length
-        if kv_cache is not None and token_positions is not None:
-            _check_cache_positions(token_positions, start, x.shape[-2])
 
         if self.fused:
             q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
@@ -148,10 +148,16 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
                 positions = rearrange(token_positions, "... seq -> ... 1 seq")
                 q, k = self.rope(q, positions), self.rope(k, positions)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-
-        out = self._attention_fn(q, k, v)
+        if kv_cache is not None and token_positions is not None:
+            # Rows of their own lengths: each token goes to its position's slot and sees the slots up to it.
+            slots = token_positions.expand(x.shape[:-1])
+            k, v = kv_cache.update(k, v, slots)
+            visible = torch.arange(k.shape[-2], device=k.device) <= slots.unsqueeze(-1)
+            out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)
+            out = self._attention_fn(q, k, v)
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
 
     def extra_repr(self) -> str:
@@ -174,25 +180,4 @@ def _check_positions_shape(token_positions: object, lead_shape: torch.Size) -> N
         raise ValueError(
             f"token_positions of shape {tuple(token_positions.shape)} must broadcast to the input's "
             f"(..., seq) = {tuple(lead_shape)}"
-        )
-
-
-def _check_cache_positions(token_positions: Tensor, start: int, seq: int) -> None:
-    """With a KV cache the positions are ``start .. start + seq - 1``; explicit ones must agree.
-
-    On CPU the values are compared here; on an accelerator (or inside ``torch.compile``) a
-    device-side assert does it, so a forward never waits for the device.
-    """
-    if token_positions.is_floating_point() or token_positions.is_complex() or token_positions.dtype == torch.bool:
-        raise TypeError(f"token_positions must be an integer tensor, got dtype {token_positions.dtype}")
-    if token_positions.device.type == "meta":
-        return
-    agree = token_positions.long() == torch.arange(start, start + seq, device=token_positions.device)
-    if torch.compiler.is_compiling() or token_positions.device.type != "cpu":
-        # A fixed message: under torch.compile start and seq may be symbolic.
-        torch._assert_async(agree.all(), "token_positions must be the KV cache's positions (its length onwards)")
-    elif not bool(agree.all()):
-        raise ValueError(
-            f"token_positions must be the KV cache's positions {start}..{start + seq - 1} (the cache holds "
-            f"{start} tokens); pass token_positions=None to take them from the cache, got {token_positions.tolist()}"
         )

@@ -196,8 +196,18 @@ class TransformerLM(nn.Module):
             )
         if kv_cache is None:
             return self._run_layers(in_indices, token_positions, None)
-        if any(cache.length != start for cache in kv_cache):
-            raise ValueError(f"the layers' KV caches disagree on their length: {[c.length for c in kv_cache]}")
+        lengths = kv_cache[0].lengths
+        if any(cache.lengths != lengths for cache in kv_cache):
+            seen = [c.lengths if c.ragged else c.length for c in kv_cache]
+            raise ValueError(f"the layers' KV caches disagree on their length: {seen}")
+        if token_positions is not None:
+            raise ValueError(
+                "token_positions must be None with a kv_cache: the positions come from the cache (each row's "
+                "length onwards)"
+            )
+        if kv_cache[0].ragged:
+            # Rows of different lengths: each continues from its own length (host-side ints, no sync).
+            token_positions = kv_cache[0].positions(seq)
         if torch.compiler.is_compiling():
             # A compiled graph applies the caches' new lengths only after the whole graph ran.
             return self._run_layers(in_indices, token_positions, kv_cache)
@@ -207,7 +217,7 @@ class TransformerLM(nn.Module):
             # All-or-nothing: a step interrupted in any layer (an error, Ctrl-C) leaves every cache
             # as it was, so the next step neither sees a half-written token nor lengths that differ.
             for cache in kv_cache:
-                cache.truncate(start)
+                cache.truncate(lengths)
             raise
 
     def _run_layers(self, in_indices: Tensor, token_positions: Tensor | None, kv_cache: list[KVCache] | None) -> Tensor:
@@ -223,7 +233,8 @@ class TransformerLM(nn.Module):
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
         """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
-        the cached sequence, at positions ``cache length`` onwards."""
+        the cached sequence of each row, at positions that row's length onwards (rows of different
+        lengths: see :class:`~tlm_attention.KVCache`)."""
         return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
 
     def loss(
