@@ -1,6 +1,7 @@
 """The composition layer of tlm: ModelConfig and its presets, the pre-norm Transformer block, the LM,
 its loss, generation, the model file and HF Llama interop."""
 
+from tlm_model.batching import DecodeBatch
 from tlm_model.block import TransformerBlock
 from tlm_model.checkpoint import load_checkpoint, save_checkpoint
 from tlm_model.config import PRESETS, ModelConfig
@@ -15,6 +16,7 @@ __version__ = "0.4.0"
 
 __all__ = [
     "PRESETS",
+    "DecodeBatch",
     "InferenceModel",
     "ModelConfig",
     "TransformerBlock",
