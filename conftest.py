@@ -179,3 +179,51 @@ def _ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def ulp_distance():
     """``ulp_distance(a, b)``: elementwise distance in units in the last place of their dtype."""
     return _ulp_distance
+
+
+class _HostReads:
+    """Counts the reads of tensor values back to the host while active: ``aten::_local_scalar_dense``
+    (what ``.item()``, ``int(t)``, ``bool(t)`` dispatch to) seen by a ``TorchDispatchMode``, and the
+    Python-level ``Tensor.item``/``tolist``/``__bool__``/``__int__``/``__float__``/``__index__`` calls and
+    ``Tensor.numpy``, seen by a ``TorchFunctionMode`` (``tolist`` of a CPU tensor reads memory without
+    dispatching). On an accelerator each of these waits for the device."""
+
+    _PYTHON_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"})
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    def __enter__(self) -> "list[str]":
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.reads
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    reads.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = getattr(func, "__name__", "")
+                if name in _HostReads._PYTHON_READS:
+                    reads.append(f"Tensor.{name}")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (Function(), Dispatch())
+        for mode in self._modes:
+            mode.__enter__()
+        return reads
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+@pytest.fixture
+def host_reads() -> Callable[[], _HostReads]:
+    """``with host_reads() as reads: ...``: ``reads`` lists every read of a tensor value back to the host
+    (``aten::_local_scalar_dense`` and ``Tensor.item``/``tolist``/``bool``/...) made inside the block."""
+    return _HostReads

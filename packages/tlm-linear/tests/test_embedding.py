@@ -65,22 +65,23 @@ def test_repeated_ids_accumulate_gradient():
     torch.testing.assert_close(emb.weight.grad, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
-def test_non_integer_ids(dtype):
-    with pytest.raises(TypeError, match=f"integer tensor, got dtype {dtype}"):
-        Embedding(5, 2)(torch.zeros(3, dtype=dtype))
+# The lookup is index_select, whose kernel refuses what indexing would not: a negative id (indexing wraps
+# it to the end of the table) and one past the table, of any integer dtype and shape. No value is read back
+# to the host for it (on an accelerator the kernel asserts on the device).
+@pytest.mark.parametrize(
+    "ids, dtype",
+    [([0, 2, 5], torch.int64), ([-1, 2], torch.int64), (5, torch.int64), (-1, torch.int32), ([2, 12], torch.uint8),
+     ([2, 12], torch.uint16), ([-3], torch.int8)],
+)  # fmt: skip
+def test_ids_outside_the_table_are_refused_not_wrapped(ids, dtype):
+    with pytest.raises(IndexError, match="index out of range in self"):
+        Embedding(5, 2)(torch.tensor(ids, dtype=dtype))
 
 
-@pytest.mark.parametrize("bad, shown", [(5, r"\[0, 5\]"), (-1, r"\[-1, 2\]")])
-def test_ids_outside_vocabulary(bad, shown):
-    ids = torch.tensor([0, 2, bad])
-    with pytest.raises(ValueError, match=r"\[0, num_embeddings=5\), got values in " + shown):
+@pytest.mark.parametrize("ids", [torch.zeros(3), torch.tensor([True]), torch.tensor([1 + 0j])])
+def test_ids_that_are_not_integers_are_refused(ids):
+    with pytest.raises(RuntimeError, match="Expected dtype int32 or int64 for index"):
         Embedding(5, 2)(ids)
-
-
-def test_not_a_tensor():
-    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor, got list"):
-        Embedding(5, 2)([1, 2])
 
 
 @pytest.mark.parametrize("args", [(0, 3), (3, 0)])
@@ -94,34 +95,23 @@ INTEGER_DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.i
 
 @pytest.mark.parametrize("dtype", INTEGER_DTYPES)
 def test_every_integer_dtype_is_an_id_never_a_mask(dtype, device):
-    # uint8 would be read as a boolean mask by advanced indexing; uint16/32/64 have no min/max.
+    # uint8 would be read as a boolean mask by advanced indexing; index_select takes only int32/int64.
     emb = Embedding(120, 4, device=device)
     ids = torch.tensor([[0, 1, 1, 119], [5, 0, 2, 3]], device=device)
     expected = F.embedding(ids, emb.weight)
     torch.testing.assert_close(emb(ids.to(dtype)), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint16, torch.int16])
-def test_out_of_range_ids_of_narrow_dtypes_are_refused(dtype):
-    with pytest.raises(ValueError, match=r"token_ids must lie in \[0, num_embeddings=10\), got values in \[2, 12\]"):
-        Embedding(10, 4)(torch.tensor([2, 12], dtype=dtype))
-
-
 @pytest.mark.slow  # the first torch.compile in a process costs ~7 s of dynamo start-up
 @pytest.mark.parametrize("bad", [[-1, 2], [2, 10]])
 def test_out_of_range_ids_are_refused_under_torch_compile(bad):
-    # A compiled graph cannot branch on values: a device-side assert (torch._assert_async) refuses them.
+    # A compiled graph cannot branch on values: the lookup's kernel refuses them there too.
     torch._dynamo.reset()
     compiled = torch.compile(Embedding(10, 4), backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(torch.tensor([1, 9])).shape, torch.Size([2, 4]))
-    with pytest.raises(RuntimeError, match=r"token_ids must lie in \[0, num_embeddings=10\)"):
+    with pytest.raises(IndexError, match="index out of range in self"):
         compiled(torch.tensor(bad))
     torch._dynamo.reset()
-
-
-def test_ids_that_are_not_a_tensor_are_refused():
-    with pytest.raises(TypeError, match="token_ids must be a torch.Tensor, got list"):
-        Embedding(10, 4)([1, 2])
 
 
 # Scalar and empty id tensors (issue 9, item 6), checked against F.embedding.
@@ -142,14 +132,6 @@ def test_empty_ids_give_an_empty_result(shape):
     torch.testing.assert_close(got, F.embedding(ids, emb.weight))
 
 
-def test_scalar_id_out_of_range_is_refused():
-    emb = Embedding(10, 4)
-    with pytest.raises(ValueError, match=r"token_ids must lie in \[0, num_embeddings=10\), got values in \[10, 10\]"):
-        emb(torch.tensor(10))
-    with pytest.raises(ValueError, match=r"got values in \[-1, -1\]"):
-        emb(torch.tensor(-1))
-
-
 @pytest.mark.parametrize("ids", [[0, 9], [9], [0]])
 def test_the_edges_of_the_vocabulary_are_accepted(ids):
     emb = Embedding(10, 4)
@@ -161,10 +143,3 @@ def test_uint8_ids_are_ids_not_a_mask():
     emb = Embedding(10, 4)
     ids = torch.tensor([1, 0, 1], dtype=torch.uint8)
     torch.testing.assert_close(emb(ids), F.embedding(ids.long(), emb.weight), rtol=0, atol=0)
-
-
-def test_complex_and_bool_ids_are_refused():
-    emb = Embedding(10, 4)
-    for ids in (torch.tensor([1 + 0j]), torch.tensor([True])):
-        with pytest.raises(TypeError, match="token_ids must be an integer tensor"):
-            emb(ids)

@@ -1,8 +1,10 @@
 """Bad input, end to end: what a user gets from every public module and function.
 
 Each row of the table in docs/reliability.md ("Bad input") is one case here, under the same id;
-``test_every_documented_row_is_a_test`` keeps the two in step. The model package depends on every
-other tlm package, so this one file can exercise them all.
+``test_every_documented_row_is_a_test`` keeps the two in step, and the "Errors" table is generated
+from ``RAISES`` (``python packages/tlm-model/tests/test_bad_input.py``), the one place its messages
+are written. The model package depends on every other tlm package, so this one file can exercise
+them all.
 """
 
 import dataclasses
@@ -83,174 +85,152 @@ def _replace(state: dict, key: str, value: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Raises:
     id: str
+    input: str  # the docs' "input" column
     call: Callable[[], object]
     exception: type[Exception]
-    message: str  # a literal substring of the message (escaped before matching)
+    message: str  # a literal substring of the message (escaped before matching), quoted in the docs
+    note: str = ""  # said in the docs after the message
 
 
+# The single source of these messages: docs/reliability.md's "Errors" table is generated from this list
+# (python packages/tlm-model/tests/test_bad_input.py), and test_the_errors_table_is_generated_from_raises
+# fails when the two differ. Only constructors, loaders and the public functions check their arguments;
+# a module's forward does not (the annotations state the shapes), so a wrong dtype or shape there gets
+# torch's own error, and values are never read back to the host: ids and positions outside their tables
+# are refused by the lookup's kernel (index_select), not by a comparison on the host.
 RAISES = [
-    # wrong dtype
-    Raises("lm-float-ids", lambda: lm()(torch.zeros(1, 4)), TypeError,
-           "token_ids must be an integer tensor, got dtype torch.float32"),
-    Raises("lm-bool-ids", lambda: lm()(torch.zeros(1, 4, dtype=torch.bool)), TypeError,
-           "token_ids must be an integer tensor, got dtype torch.bool"),
-    Raises("lm-ids-not-a-tensor", lambda: lm()([[1, 2]]), TypeError,
-           "in_indices must be a torch.Tensor of token ids, got list"),
-    Raises("embedding-float-ids", lambda: Embedding(11, 4)(torch.tensor([1.0])), TypeError,
-           "token_ids must be an integer tensor, got dtype torch.float32"),
-    Raises("lm-float-positions", lambda: lm()(ids(1, 3), torch.arange(3.0)), TypeError,
-           "token_positions must be an integer tensor, got dtype torch.float32"),
-    Raises("linear-int-activations", lambda: Linear(4, 3)(torch.ones(2, 4, dtype=torch.long)), TypeError,
-           "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("rmsnorm-int-activations", lambda: RMSNorm(4)(torch.ones(2, 4, dtype=torch.long)), TypeError,
-           "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("silu-int-activations", lambda: silu(torch.ones(3, dtype=torch.int32)), TypeError,
+    # wrong dtype, rank or shape, given to the public functions
+    Raises("silu-int-activations", "`silu`, int32", lambda: silu(torch.ones(3, dtype=torch.int32)), TypeError,
            "x must be a floating-point tensor, got dtype torch.int32"),
-    Raises("swiglu-int-activations", lambda: SwiGLU(4, 8)(torch.ones(2, 4, dtype=torch.long)), TypeError,
+    Raises("rope-int-activations", "`RotaryPositionalEmbedding`, int64",
+           lambda: rope()(torch.ones(3, 8, dtype=torch.long)), TypeError,
            "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("rope-int-activations", lambda: rope()(torch.ones(3, 8, dtype=torch.long)), TypeError,
+    Raises("softmax-int-activations", "`softmax`, int64", lambda: softmax(torch.arange(3), 0), TypeError,
            "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("softmax-int-activations", lambda: softmax(torch.arange(3), 0), TypeError,
-           "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("sdpa-int-activations",
+    Raises("sdpa-int-activations", "`scaled_dot_product_attention`, int64 Q",
            lambda: scaled_dot_product_attention(torch.ones(3, 4, dtype=torch.long), *qkv()[1:]), TypeError,
-           "Q must be a floating-point tensor, got dtype torch.int64"),
-    Raises("mha-int-activations", lambda: mha()(torch.ones(2, 3, 16, dtype=torch.long)), TypeError,
-           "x must be a floating-point tensor, got dtype torch.int64"),
-    Raises("block-int-activations", lambda: block()(torch.ones(2, 3, 16, dtype=torch.long)), TypeError,
-           "x must be a floating-point tensor, got dtype torch.int64"),
-    # wrong rank or shape
-    Raises("lm-0d-ids", lambda: lm()(torch.tensor(3)), ValueError,
-           "in_indices must have shape (..., seq), got a 0-d tensor"),
-    Raises("linear-0d", lambda: Linear(4, 3)(torch.tensor(1.0)), ValueError,
-           "x must have last dimension in_features=4, got shape ()"),
-    Raises("linear-wrong-last-dim", lambda: Linear(4, 3)(torch.randn(2, 5)), ValueError,
-           "x must have last dimension in_features=4, got shape (2, 5)"),
-    Raises("rmsnorm-wrong-last-dim", lambda: RMSNorm(4)(torch.randn(2, 5)), ValueError,
-           "x must have last dimension d_model=4, got shape (2, 5)"),
-    Raises("rope-1d", lambda: rope()(torch.randn(8)), ValueError,
+           "Q must be a floating-point tensor, got dtype torch.int64", "(K, V likewise)"),
+    Raises("rope-1d", "RoPE given a 1-d tensor", lambda: rope()(torch.randn(8)), ValueError,
            "x must have shape (..., seq, d_k=8), got (8,)"),
-    Raises("mha-1d", lambda: mha()(torch.randn(16)), ValueError,
-           "x must have shape (..., seq, d_model=16), got (16,)"),
-    Raises("sdpa-1d", lambda: scaled_dot_product_attention(torch.randn(4), *qkv()[1:]), ValueError,
-           "Q must have shape (..., seq, dim), got (4,)"),
-    Raises("sdpa-d_k-mismatch",
+    Raises("sdpa-1d", "SDPA given a 1-d Q", lambda: scaled_dot_product_attention(torch.randn(4), *qkv()[1:]),
+           ValueError, "Q must have shape (..., seq, dim), got (4,)"),
+    Raises("sdpa-d_k-mismatch", "Q and K with different last dimensions",
            lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(2, 5, 3), torch.randn(2, 5, 6)),
            ValueError, "Q and K must share their last dimension d_k, got Q (2, 3, 4) and K (2, 5, 3)"),
-    Raises("sdpa-keys-mismatch",
+    Raises("sdpa-keys-mismatch", "K and V with different numbers of keys",
            lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 4, 6)),
            ValueError, "K and V must have the same number of keys (dim -2), got K (2, 5, 4) and V (2, 4, 6)"),
-    Raises("sdpa-batch-mismatch",
+    Raises("sdpa-batch-mismatch", "leading dimensions that do not broadcast",
            lambda: scaled_dot_product_attention(torch.randn(2, 3, 4), torch.randn(3, 5, 4), torch.randn(3, 5, 6)),
            ValueError, "the leading (batch-like) dimensions of Q (2, 3, 4), K (3, 5, 4) and V (3, 5, 6) do not "
            "broadcast together"),
-    Raises("softmax-dim-out-of-range", lambda: softmax(torch.randn(2, 3), 2), ValueError,
-           "dim must be in [-2, 1] for a tensor of rank 2, got 2"),
-    Raises("rope-positions-wrong-shape", lambda: rope()(torch.randn(2, 3, 8), torch.arange(4)), ValueError,
+    Raises("softmax-dim-out-of-range", "`dim=2` for a rank-2 tensor", lambda: softmax(torch.randn(2, 3), 2),
+           ValueError, "dim must be in [-2, 1] for a tensor of rank 2, got 2"),
+    Raises("rope-positions-wrong-shape", "4 positions for a 3-token input",
+           lambda: rope()(torch.randn(2, 3, 8), torch.arange(4)), ValueError,
            "token_positions of shape (4,) must broadcast to x.shape[:-1] = (2, 3) (that is, (..., seq))"),
-    # Checked by the attention module before it adds a heads axis, so the shapes are the caller's.
-    Raises("lm-positions-wrong-shape", lambda: lm()(ids(2, 3), torch.arange(4)), ValueError,
-           "token_positions of shape (4,) must broadcast to the input's (..., seq) = (2, 3)"),
-    # ids outside the vocabulary
-    Raises("lm-ids-too-large", lambda: lm()(torch.tensor([[0, 11]])), ValueError,
-           "token_ids must lie in [0, num_embeddings=11), got values in [0, 11]"),
-    Raises("lm-negative-ids", lambda: lm()(torch.tensor([[-1, 3]])), ValueError,
-           "token_ids must lie in [0, num_embeddings=11), got values in [-1, 3]"),
+    # ids and positions outside their tables: refused by the lookup, never wrapped
+    Raises("lm-ids-too-large", "id 11 with vocab 11", lambda: lm()(torch.tensor([[0, 11]])), IndexError,
+           "index out of range in self",
+           "(from `index_select`, the embedding's lookup; on an accelerator a device-side assert)"),
+    Raises("lm-negative-ids", "id −1", lambda: lm()(torch.tensor([[-1, 3]])), IndexError,
+           "index out of range in self", "(indexing would have wrapped it to the end of the table)"),
+    Raises("lm-uint16-ids-too-large", "uint16 id 300 with vocab 11",
+           lambda: lm()(torch.tensor([[0, 300]], dtype=torch.uint16)), IndexError, "index out of range in self",
+           "(narrow integer ids are widened to int64 first, never read as a mask)"),
+    Raises("lm-negative-ids-compiled", "id −1 to `torch.compile(model)`",
+           lambda: torch.compile(lm(), backend="aot_eager")(torch.tensor([[-1, 3]])), IndexError,
+           "index out of range in self", "(the same kernel refuses it inside a compiled graph)"),
+    Raises("rope-position-too-large", "position 8 with max_seq_len 8",
+           lambda: rope()(torch.randn(3, 8), torch.tensor([0, 1, 8])), IndexError, "index out of range in self"),
+    Raises("rope-negative-position", "position −1", lambda: rope()(torch.randn(3, 8), torch.tensor([-1, 0, 1])),
+           IndexError, "index out of range in self"),
+    Raises("lm-uint8-position-too-large", "uint8 positions 6–8 through the LM (context 8)",
+           lambda: lm()(ids(1, 3), torch.tensor([6, 7, 8], dtype=torch.uint8)), IndexError,
+           "index out of range in self", "(uint8 positions are widened, not read as a mask)"),
+    Raises("loss-uint16-targets-too-large", "`chunked_cross_entropy` with uint16 target 11, vocab 11",
+           lambda: chunked_cross_entropy(torch.randn(2, 16), torch.randn(11, 16), torch.tensor([0, 11]).to(U16)),
+           RuntimeError, "index 11 is out of bounds for dimension 1 with size 11", "(from `gather`)"),
     # too long
-    Raises("lm-too-long", lambda: lm()(ids(1, 9)), ValueError,
-           "in_indices has 9 tokens but the model's context_length is 8"),
-    Raises("rope-too-long", lambda: rope()(torch.randn(9, 8)), ValueError,
-           "x has seq=9 positions but the tables hold max_seq_len=8; pass token_positions or build the module "
-           "with a larger max_seq_len"),
-    Raises("mha-too-long", lambda: mha()(torch.randn(1, 9, 16)), ValueError,
-           "x has seq=9 positions but the tables hold max_seq_len=8"),
+    Raises("lm-too-long", "9 tokens, context 8", lambda: lm()(ids(1, 9)), ValueError,
+           "x has seq=9 positions but the tables hold max_seq_len=8",
+           "(the RoPE tables hold `context_length` positions)"),
+    Raises("rope-too-long", "9 positions, max_seq_len 8, no explicit positions", lambda: rope()(torch.randn(9, 8)),
+           ValueError, "x has seq=9 positions but the tables hold max_seq_len=8; pass token_positions or build the "
+           "module with a larger max_seq_len"),
+    Raises("kv-cache-full", "a decoding step past a 4-token KV cache's capacity", lambda: _past_the_cache(),
+           ValueError, "the KV cache holds 4 tokens; 4 stored + 1 new is too many", "(no cache is changed)"),
     # masks
-    Raises("sdpa-mask-not-broadcastable", lambda: sdpa_with_mask(torch.ones(3, 4, dtype=torch.bool)), ValueError,
+    Raises("sdpa-mask-not-broadcastable", "mask (3, 4) for scores (2, 3, 5)",
+           lambda: sdpa_with_mask(torch.ones(3, 4, dtype=torch.bool)), ValueError,
            "mask of shape (3, 4) does not broadcast to (..., queries, keys) = (2, 3, 5)"),
-    Raises("sdpa-mask-1d", lambda: sdpa_with_mask(torch.ones(5, dtype=torch.bool)), ValueError,
+    Raises("sdpa-mask-1d", "a 1-d mask (5,), though it would broadcast",
+           lambda: sdpa_with_mask(torch.ones(5, dtype=torch.bool)), ValueError,
            "mask must have shape (..., queries, keys), got (5,)"),
-    Raises("sdpa-mask-float", lambda: sdpa_with_mask(torch.ones(3, 5)), TypeError,
+    Raises("sdpa-mask-float", "a float mask", lambda: sdpa_with_mask(torch.ones(3, 5)), TypeError,
            "mask must have dtype torch.bool (True = may attend), got torch.float32; an additive float mask is not "
            "supported"),
-    Raises("sdpa-mask-int", lambda: sdpa_with_mask(torch.ones(3, 5, dtype=torch.long)), TypeError,
-           "mask must have dtype torch.bool (True = may attend), got torch.int64"),
-    Raises("sdpa-mask-not-a-tensor", lambda: sdpa_with_mask([[True] * 5] * 3), TypeError,
+    Raises("sdpa-mask-int", "an int64 mask", lambda: sdpa_with_mask(torch.ones(3, 5, dtype=torch.long)), TypeError,
+           "mask must have dtype torch.bool (True = may attend), got torch.int64; an additive float mask is not "
+           "supported"),
+    Raises("sdpa-mask-not-a-tensor", "a nested list", lambda: sdpa_with_mask([[True] * 5] * 3), TypeError,
            "mask must be a torch.Tensor of dtype torch.bool, got list"),
-    # empty sequence
-    Raises("lm-empty-sequence", lambda: lm()(torch.zeros(2, 0, dtype=torch.long)), ValueError,
-           "in_indices must hold at least one token, got shape (2, 0)"),
     # state dicts (torch's load_state_dict, strict=True by default)
-    Raises("state-dict-missing-key", lambda: load_into_lm(lambda sd: sd.pop("lm_head.weight")), RuntimeError,
-           'Error(s) in loading state_dict for TransformerLM:\n\tMissing key(s) in state_dict: "lm_head.weight". '),
-    Raises("state-dict-unexpected-key", lambda: load_into_lm(lambda sd: _replace(sd, "extra.weight", torch.ones(1))),
-           RuntimeError,
+    Raises("state-dict-missing-key", "`load_state_dict` without `lm_head.weight`",
+           lambda: load_into_lm(lambda sd: sd.pop("lm_head.weight")), RuntimeError,
+           'Error(s) in loading state_dict for TransformerLM:\n\tMissing key(s) in state_dict: "lm_head.weight". ',
+           "(torch's message)"),
+    Raises("state-dict-unexpected-key", "an extra key `extra.weight`",
+           lambda: load_into_lm(lambda sd: _replace(sd, "extra.weight", torch.ones(1))), RuntimeError,
            'Error(s) in loading state_dict for TransformerLM:\n\tUnexpected key(s) in state_dict: "extra.weight". '),
-    Raises("state-dict-wrong-shape", lambda: load_into_lm(lambda sd: _replace(sd, "lm_head.weight", torch.ones(3, 3))),
-           RuntimeError, "Error(s) in loading state_dict for TransformerLM:\n\tsize mismatch for lm_head.weight: "
-           "copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is "
-           "torch.Size([11, 16])."),
+    Raises("state-dict-wrong-shape", "`lm_head.weight` of shape (3, 3)",
+           lambda: load_into_lm(lambda sd: _replace(sd, "lm_head.weight", torch.ones(3, 3))), RuntimeError,
+           "Error(s) in loading state_dict for TransformerLM:\n\tsize mismatch for lm_head.weight: copying a param "
+           "with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([11, 16])."),
     # hyperparameters
-    Raises("rope-odd-d_k", lambda: RotaryPositionalEmbedding(10_000.0, 7, 8), ValueError,
+    Raises("rope-odd-d_k", "`RotaryPositionalEmbedding(10000.0, 7, 8)`",
+           lambda: RotaryPositionalEmbedding(10_000.0, 7, 8), ValueError,
            "d_k must be even (RoPE rotates pairs of dimensions), got 7"),
-    Raises("config-odd-head-dim",
+    Raises("config-odd-head-dim", "`ModelConfig` with d_model 15, 5 heads",
            lambda: ModelConfig(vocab_size=11, context_length=8, d_model=15, num_layers=1, num_heads=5, d_ff=8),
            ValueError, "ModelConfig: d_model / num_heads must be even for RoPE, got 3"),
-    Raises("mha-heads-not-dividing", lambda: CausalMultiHeadSelfAttention(10, 3), ValueError,
+    Raises("mha-heads-not-dividing", "`CausalMultiHeadSelfAttention(10, 3)`",
+           lambda: CausalMultiHeadSelfAttention(10, 3), ValueError,
            "d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
-    Raises("config-heads-not-dividing", lambda: ModelConfig(11, 8, 10, 1, 3, 8), ValueError,
+    Raises("config-heads-not-dividing",
+           "`ModelConfig` with d_model 10, 3 heads (what every block and LM is built from)",
+           lambda: ModelConfig(11, 8, 10, 1, 3, 8), ValueError,
            "ModelConfig.d_model must be divisible by num_heads, got d_model=10, num_heads=3"),
-    Raises("lm-not-a-config", lambda: TransformerLM(11, 8, 10, 1, 3, 8), TypeError,
+    Raises("lm-not-a-config", "`TransformerLM(11, 8, 10, 1, 3, 8)`: the 0.2 scalar signature",
+           lambda: TransformerLM(11, 8, 10, 1, 3, 8), TypeError,
            "__init__() takes 2 positional arguments but 7 were given"),
-    Raises("lm-dict-config", lambda: TransformerLM(CFG.to_dict()), TypeError,
+    Raises("lm-dict-config", "`TransformerLM({...})`", lambda: TransformerLM(CFG.to_dict()), TypeError,
            "config must be a ModelConfig, got dict"),
-    Raises("block-dict-config", lambda: TransformerBlock(CFG.to_dict()), TypeError,
+    Raises("block-dict-config", "`TransformerBlock({...})`", lambda: TransformerBlock(CFG.to_dict()), TypeError,
            "config must be a ModelConfig, got dict"),
-    Raises("config-unknown-field", lambda: ModelConfig.from_dict({**CFG.to_dict(), "dropout": 0.1}), ValueError,
-           "unknown ModelConfig fields ['dropout']; expected a subset of"),
-    # positions
-    Raises("rope-position-too-large", lambda: rope()(torch.randn(3, 8), torch.tensor([0, 1, 8])), ValueError,
-           "token_positions must lie in [0, max_seq_len=8), got values in [0, 8]"),
-    Raises("rope-negative-position", lambda: rope()(torch.randn(3, 8), torch.tensor([-1, 0, 1])), ValueError,
-           "token_positions must lie in [0, max_seq_len=8), got values in [-1, 1]"),
-    Raises("lm-position-too-large", lambda: lm()(ids(1, 3), torch.arange(6, 9)), ValueError,
-           "token_positions must lie in [0, max_seq_len=8), got values in [6, 8]"),
-    Raises("lm-negative-position", lambda: lm()(ids(1, 3), torch.arange(-1, 2)), ValueError,
-           "token_positions must lie in [0, max_seq_len=8), got values in [-1, 1]"),
-    Raises("mha-positions-without-rope",
+    Raises("config-unknown-field", '`ModelConfig.from_dict` with `"dropout"`',
+           lambda: ModelConfig.from_dict({**CFG.to_dict(), "dropout": 0.1}), ValueError,
+           "unknown ModelConfig fields ['dropout']; expected a subset of", "(then every field's name)"),
+    Raises("mha-positions-without-rope", "positions given to attention built without RoPE",
            lambda: CausalMultiHeadSelfAttention(16, 2)(torch.randn(3, 16), torch.arange(3)), ValueError,
            "token_positions was given but this attention module has no rope to use it"),
-    # wiring: one source of truth (issue 9)
-    Raises("lm-cache-positions-given", lambda: _cached_step(torch.tensor([3])), ValueError,
-           "token_positions must be None with a kv_cache: the positions come from the cache (each row's length "
-           "onwards)"),
-    Raises("lm-cache-lengths-disagree", lambda: _uneven_caches(), ValueError,
-           "the layers' KV caches disagree on their length: [2, 0]"),
-    Raises("kv-cache-kv-mismatch",
+    # wiring
+    Raises("kv-cache-kv-mismatch", "`KVCache.update` with 1 key and 2 values",
            lambda: KVCache(1, 2, 4, 8).update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 2, 8)), ValueError,
            "keys and values must have shape (batch, heads, new, d_head) = (1, 2, new, 8), got (1, 2, 1, 8) and "
            "(1, 2, 2, 8)"),
-    Raises("mha-unknown-backend", lambda: mha(attention_backend="flash"), ValueError,
+    Raises("mha-unknown-backend", '`attention_backend="flash"` when building attention',
+           lambda: mha(attention_backend="flash"), ValueError,
            "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
-    Raises("causal-attention-unknown-backend",
+    Raises("causal-attention-unknown-backend", "the same name given to `causal_attention`",
            lambda: causal_attention(*torch.randn(3, 2, 4, 8), attention_backend="flash"), ValueError,
            "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
-    Raises("lm-unknown-backend", lambda: lm(attention_backend="flash"), ValueError,
-           "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'"),
-    Raises("lm-backends-disagree", lambda: _disagreeing_backends().attention_backend, ValueError,
+    Raises("lm-unknown-backend", "the same name given to `TransformerLM`", lambda: lm(attention_backend="flash"),
+           ValueError, "attention_backend must be one of ('auto', 'reference', 'blockwise', 'torch'), got 'flash'",
+           "(before any weight is allocated)"),
+    Raises("lm-backends-disagree", "`model.attention_backend` read after one layer's backend was changed alone",
+           lambda: _disagreeing_backends().attention_backend, ValueError,
            "the layers use different attention backends: ['auto', 'reference']; set model.attention_backend"),
-    # dtypes
-    Raises("linear-dtype-mismatch", lambda: Linear(4, 3)(torch.randn(2, 4, dtype=torch.float64)), TypeError,
-           "x must have the weight's dtype torch.float32, got torch.float64; convert one of them (x.to(...) or "
-           "module.to(...)) or run under torch.autocast"),
-    Raises("lm-uint16-ids-too-large", lambda: lm()(torch.tensor([[0, 300]], dtype=torch.uint16)), ValueError,
-           "token_ids must lie in [0, num_embeddings=11), got values in [0, 300]"),
-    Raises("lm-uint8-position-too-large", lambda: lm()(ids(1, 3), torch.tensor([6, 7, 8], dtype=torch.uint8)),
-           ValueError, "token_positions must lie in [0, max_seq_len=8), got values in [6, 8]"),
-    Raises("loss-uint16-targets-too-large",
-           lambda: chunked_cross_entropy(torch.randn(2, 16), torch.randn(11, 16), torch.tensor([0, 11]).to(U16)),
-           ValueError, "targets must lie in [0, vocab=11), got values in [0, 11]"),
-    Raises("lm-negative-ids-compiled", lambda: torch.compile(lm(), backend="aot_eager")(torch.tensor([[-1, 3]])),
-           RuntimeError, "token_ids must lie in [0, num_embeddings=11)"),
 ]  # fmt: skip
 
 
@@ -258,18 +238,14 @@ def _two_layers() -> TransformerLM:
     return TransformerLM(dataclasses.replace(CFG, num_layers=2))
 
 
-def _cached_step(positions: torch.Tensor) -> torch.Tensor:
+def _past_the_cache() -> torch.Tensor:
     model = lm()
-    cache = model.new_kv_cache(1)
-    model(ids(1, 3), kv_cache=cache)
-    return model(ids(1, 1), positions, kv_cache=cache)
-
-
-def _uneven_caches() -> torch.Tensor:
-    model = _two_layers()
-    cache = model.new_kv_cache(1)
-    cache[0].update(torch.zeros(1, 2, 2, 8), torch.zeros(1, 2, 2, 8))
-    return model(ids(1, 1), kv_cache=cache)
+    cache = model.new_kv_cache(1, capacity=4)
+    model(ids(1, 4), kv_cache=cache)
+    try:
+        return model(ids(1, 1), kv_cache=cache)
+    finally:
+        assert [c.length for c in cache] == [4]
 
 
 def _disagreeing_backends() -> TransformerLM:
@@ -297,6 +273,10 @@ def _lm_batch_dims():
 
 def _lm_empty_batch():
     assert lm()(torch.zeros(0, 4, dtype=torch.long)).shape == (0, 4, CFG.vocab_size)
+
+
+def _lm_empty_sequence():
+    assert lm()(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, CFG.vocab_size)
 
 
 def _lm_uint8_ids():
@@ -365,6 +345,7 @@ def _mha_empty_sequence(backend):
 BEHAVES = {
     "lm-extra-batch-dims": _lm_batch_dims,
     "lm-empty-batch": _lm_empty_batch,
+    "lm-empty-sequence": _lm_empty_sequence,
     "lm-uint8-ids": _lm_uint8_ids,
     "rope-empty-sequence": _empty_passes_through(rope(), (2, 0, 8)),
     "linear-empty": _empty_passes_through(Linear(4, 3), (0, 4)),
@@ -500,10 +481,42 @@ def test_nan_propagates_without_raising(check):
 # ------------------------------------------------------------------------- documentation in step
 
 
+ERRORS_BEGIN = (
+    "<!-- errors: generated from RAISES in packages/tlm-model/tests/test_bad_input.py "
+    "(python packages/tlm-model/tests/test_bad_input.py); do not edit by hand -->\n"
+)
+ERRORS_END = "<!-- /errors -->\n"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def errors_table() -> str:
+    """The docs' "Errors" table, one row per entry of RAISES: id, input, and the exception with its message."""
+    lines = ["| id | input | what the user gets |", "|---|---|---|"]
+    for row in RAISES:
+        message = row.message.replace("\n", "\\n").replace("\t", "\\t")
+        got = f"`{row.exception.__name__}: {message}`" + (f" {row.note}" if row.note else "")
+        lines.append(f"| `{row.id}` | {_cell(row.input)} | {_cell(got)} |")
+    return ERRORS_BEGIN + "\n".join(lines) + "\n" + ERRORS_END
+
+
+def _with_errors_table(text: str) -> str:
+    begin, end = text.index(ERRORS_BEGIN), text.index(ERRORS_END) + len(ERRORS_END)
+    return text[:begin] + errors_table() + text[end:]
+
+
 def documented_ids() -> list[str]:
     text = DOC.read_text(encoding="utf-8")
     section = text.split("## Bad input", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([a-z0-9_-]+)` \|", section, flags=re.MULTILINE)
+
+
+@pytest.mark.skipif(not DOC.exists(), reason="docs/reliability.md lives in the tlm monorepo, not in this copy")
+def test_the_errors_table_is_generated_from_raises():
+    text = DOC.read_text(encoding="utf-8")
+    assert text == _with_errors_table(text), "run python packages/tlm-model/tests/test_bad_input.py"
 
 
 @pytest.mark.skipif(not DOC.exists(), reason="docs/reliability.md lives in the tlm monorepo, not in this copy")
@@ -580,3 +593,8 @@ def test_load_state_dict_leaves_the_callers_dict_alone():
     lm().load_state_dict(state)
     assert list(state) == keys
     _assert_unchanged(snapshot)
+
+
+if __name__ == "__main__":  # regenerate docs/reliability.md's "Errors" table from RAISES
+    DOC.write_text(_with_errors_table(DOC.read_text(encoding="utf-8")), encoding="utf-8")
+    print(f"wrote the errors table of {DOC}")

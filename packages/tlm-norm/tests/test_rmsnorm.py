@@ -89,14 +89,6 @@ def test_bad_constructor_arguments(kwargs, exc, match):
         RMSNorm(**kwargs)
 
 
-def test_bad_inputs():
-    norm = RMSNorm(8)
-    with pytest.raises(ValueError, match=r"d_model=8, got shape \(2, 7\)"):
-        norm(torch.randn(2, 7))
-    with pytest.raises(TypeError, match="floating-point tensor, got dtype torch.int64"):
-        norm(torch.ones(2, 8, dtype=torch.long))
-
-
 @pytest.mark.parametrize(
     "dtype, scale",
     [
@@ -132,18 +124,13 @@ def test_large_inputs_match_f_rms_norm_on_the_rescaled_input():
     torch.testing.assert_close(norm(x), expected, rtol=1e-6, atol=1e-6)
 
 
-# Edges that a mutation run found unpinned: eps at its bounds, 0-d input, one-element rows.
+# Edges that a mutation run found unpinned: eps at its bounds, one-element rows.
 @pytest.mark.parametrize("eps", [0, 0.0, 1e-30, 3])
 def test_eps_at_and_near_zero_is_accepted_and_used(eps):
     norm = RMSNorm(6, eps=eps)
     assert norm.eps == float(eps) and isinstance(norm.eps, float)
     x = torch.randn(4, 6, dtype=torch.float64)
     torch.testing.assert_close(norm.double()(x), F.rms_norm(x, (6,), eps=float(eps)))
-
-
-def test_zero_dimensional_input_is_a_value_error():
-    with pytest.raises(ValueError, match=r"x must have last dimension d_model=1, got shape \(\)"):
-        RMSNorm(1)(torch.tensor(2.0))
 
 
 def test_one_element_rows_normalise_to_the_sign():
@@ -221,7 +208,7 @@ def test_a_tensor_without_the_model_axis_is_refused_by_the_annotation(shape_chec
     shape_checks(tlm_norm.rmsnorm, lambda: norm(torch.tensor(1.0)))  # "... d_model" needs one axis at least
 
 
-@pytest.mark.parametrize("scale", [1.0, 1e30])  # 1e30: the squares overflow float32, so that row is rescaled
+@pytest.mark.parametrize("scale", [1.0, 1e30])  # 1e30: the squares overflow float32 (they are summed in float64)
 def test_gradients_match_float64_autograd_of_the_formula(scale):
     norm = random_norm(48)
     x = torch.randn(3, 5, 48)
@@ -259,14 +246,3 @@ def test_backward_keeps_only_the_input_and_one_value_per_row():
         norm(x)
     assert {tuple(t.shape) for t in saved} == {(2, 7, 16), (16,), (2, 7, 1)}  # x, the gain, 1/rms
     assert any(t.data_ptr() == x.data_ptr() for t in saved)  # the input itself, not a copy
-
-
-def test_overflowing_rows_agree_with_the_sync_free_form_used_under_torch_compile():
-    # On the CPU the eager path reads an overflow flag; compiled code selects per row instead.
-    torch._dynamo.reset()
-    norm = random_norm(32)
-    x = torch.randn(4, 32)
-    x[2] *= 3e37
-    compiled = torch.compile(norm, backend="aot_eager", fullgraph=True)
-    torch.testing.assert_close(compiled(x), norm(x), rtol=1e-6, atol=1e-6)
-    torch._dynamo.reset()

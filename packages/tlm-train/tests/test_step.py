@@ -156,3 +156,15 @@ def test_parameter_groups_exempt_norm_gains_from_weight_decay() -> None:
     optimizer.step()
     assert torch.equal(model.ln_final.weight, gain)
     torch.testing.assert_close(model.lm_head.weight, head * (1 - 0.5 * 0.1))  # decoupled decay: θ(1 - αλ)
+
+
+@pytest.mark.parametrize("fused", [None, False])  # torch's fused AdamW kernel, and the foreach path
+def test_a_step_after_the_first_reads_nothing_back_to_the_host(fused, host_reads) -> None:
+    # On an accelerator a read (.item(), bool(t)) waits for the device; the step returns its stats as tensors and
+    # checks finiteness with a device-side assert. The first step builds the optimizer state, so it is not counted.
+    model = _model()
+    optimizer, loss_module = AdamW(model.parameters(), lr=1e-3, fused=fused), LanguageModelLoss(model)
+    train_step(loss_module, optimizer, [_batch(2, 0)], max_grad_norm=1.0)
+    with host_reads() as reads:
+        train_step(loss_module, optimizer, [_batch(2, 1), _batch(2, 2)], max_grad_norm=1.0)
+    assert reads == []

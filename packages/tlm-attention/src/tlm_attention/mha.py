@@ -118,18 +118,14 @@ class CausalMultiHeadSelfAttention(nn.Module):
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.
 
         With a cache and no ``token_positions`` the tokens continue every row at ``kv_cache.length``
-        (the rows must agree on their length). With a cache and ``token_positions`` (batch, seq), each
-        token is stored at the cache slot its position names and attends to the slots up to it: pass
-        ``kv_cache.positions(seq)`` to continue rows of different lengths, each from its own.
+        (the rows agree on their length). With a cache and ``token_positions`` (batch, seq), each token
+        is stored at the cache slot its position names and attends to the slots up to it:
+        ``kv_cache.positions(seq)`` continues rows of different lengths, each from its own. The caller
+        guarantees the shapes (the annotations state them) and the positions: nothing here re-checks
+        them or reads a value back to the host.
         """
-        if x.ndim < 2 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape (..., seq, d_model={self.d_model}), got {tuple(x.shape)}")
         if token_positions is not None and self.rope is None and kv_cache is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
-        if token_positions is not None:
-            _check_positions_shape(token_positions, x.shape[:-1])
-        if kv_cache is not None and x.ndim != 3:
-            raise ValueError(f"with a kv_cache, x must have shape (batch, seq, d_model), got {tuple(x.shape)}")
         start = 0 if kv_cache is None else kv_cache.length
 
         if self.fused:
@@ -165,19 +161,4 @@ class CausalMultiHeadSelfAttention(nn.Module):
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.d_head}, "
             f"attention_backend={self._requested_backend!r} ({self._backend}), fused={self.fused}"
-        )
-
-
-def _check_positions_shape(token_positions: object, lead_shape: torch.Size) -> None:
-    # Checked before a heads axis is added, so the message quotes the caller's shapes.
-    if not isinstance(token_positions, Tensor):
-        raise TypeError(f"token_positions must be a torch.Tensor, got {type(token_positions).__name__}")
-    try:
-        fits = torch.broadcast_shapes(token_positions.shape, lead_shape) == lead_shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"token_positions of shape {tuple(token_positions.shape)} must broadcast to the input's "
-            f"(..., seq) = {tuple(lead_shape)}"
         )

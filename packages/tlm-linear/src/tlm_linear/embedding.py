@@ -5,7 +5,9 @@ from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_core.checks import check_positive_int
-from tlm_core.tensors import as_index_tensor
+
+#: Integer dtypes that index_select does not take directly, widened to int64 (never read as a mask).
+_WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
 
 class Embedding(nn.Module):
@@ -13,10 +15,10 @@ class Embedding(nn.Module):
 
     Initialisation (CS336 §1.4.1): N(0, 1) truncated at ±3.
 
-    Ids may have any integer dtype (uint8 ... int64) and are checked against
-    ``[0, num_embeddings)``: a negative id would otherwise silently wrap around to the end of the
-    table. CPU ids are checked eagerly (``ValueError``); on an accelerator and inside
-    ``torch.compile`` a device-side assert (``torch._assert_async``) refuses them without a host sync.
+    Ids may have any integer dtype (uint8 ... int64). The lookup is ``index_select``, whose kernel
+    refuses an id outside ``[0, num_embeddings)`` (``IndexError`` on the CPU, a device-side assert on
+    an accelerator) where indexing would wrap a negative id to the end of the table; no value is read
+    back to the host. A float or bool tensor is refused by ``index_select`` itself.
     """
 
     def __init__(
@@ -36,8 +38,8 @@ class Embedding(nn.Module):
         nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
 
     def forward(self, token_ids: Integer[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
-        token_ids = as_index_tensor("token_ids", token_ids, self.num_embeddings, "num_embeddings")
-        return self.weight[token_ids]
+        ids = token_ids.long() if token_ids.dtype in _WIDEN else token_ids
+        return self.weight.index_select(0, ids.reshape(-1)).view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}"

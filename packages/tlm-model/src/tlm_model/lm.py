@@ -173,44 +173,21 @@ class TransformerLM(nn.Module):
         token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
-        """The final-normed activations that the LM head turns into logits."""
-        if not isinstance(in_indices, Tensor):
-            raise TypeError(f"in_indices must be a torch.Tensor of token ids, got {type(in_indices).__name__}")
-        if in_indices.ndim == 0:
-            raise ValueError("in_indices must have shape (..., seq), got a 0-d tensor")
-        seq = in_indices.shape[-1]
-        if seq == 0:
-            raise ValueError(f"in_indices must hold at least one token, got shape {tuple(in_indices.shape)}")
-        start = 0
-        if kv_cache is not None:
-            if len(kv_cache) != self.config.num_layers:
-                raise ValueError(
-                    f"kv_cache must hold one KVCache per layer ({self.config.num_layers}), got {len(kv_cache)}"
-                )
-            start = kv_cache[0].length
-        if start + seq > self.config.context_length:
-            raise ValueError(
-                f"in_indices has {seq} tokens"
-                + (f" after {start} cached" if start else "")
-                + f" but the model's context_length is {self.config.context_length}"
-            )
-        if kv_cache is None:
-            return self._run_layers(in_indices, token_positions, None)
-        lengths = kv_cache[0].lengths
-        if any(cache.lengths != lengths for cache in kv_cache):
-            seen = [c.lengths if c.ragged else c.length for c in kv_cache]
-            raise ValueError(f"the layers' KV caches disagree on their length: {seen}")
-        if token_positions is not None:
-            raise ValueError(
-                "token_positions must be None with a kv_cache: the positions come from the cache (each row's "
-                "length onwards)"
-            )
-        if kv_cache[0].ragged:
+        """The final-normed activations that the LM head turns into logits.
+
+        The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens with
+        those cached, the caches from :meth:`new_kv_cache` and of one length per row, no explicit
+        ``token_positions`` with a cache, which supplies them): the boundaries check it
+        (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state the shapes,
+        and nothing here reads a value back to the host.
+        """
+        if kv_cache is not None and kv_cache[0].ragged:
             # Rows of different lengths: each continues from its own length (host-side ints, no sync).
-            token_positions = kv_cache[0].positions(seq)
-        if torch.compiler.is_compiling():
-            # A compiled graph applies the caches' new lengths only after the whole graph ran.
+            token_positions = kv_cache[0].positions(in_indices.shape[-1])
+        if kv_cache is None or torch.compiler.is_compiling():
+            # No cache, nothing to undo; a compiled graph applies the caches' new lengths only after it ran.
             return self._run_layers(in_indices, token_positions, kv_cache)
+        lengths = kv_cache[0].lengths
         try:
             return self._run_layers(in_indices, token_positions, kv_cache)
         except BaseException:
@@ -249,11 +226,6 @@ class TransformerLM(nn.Module):
         The LM head and the loss run ``chunk_size`` tokens at a time, so neither the full
         (tokens × vocab) float32 logits nor their gradient is ever held in memory.
         """
-        if not isinstance(targets, Tensor) or targets.shape != in_indices.shape:
-            raise ValueError(
-                f"targets must be a tensor shaped like in_indices {tuple(in_indices.shape)}, "
-                f"got {tuple(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__}"
-            )
         hidden = self.hidden_states(in_indices)
         return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
 

@@ -11,7 +11,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
-from tlm_core.tensors import as_index_tensor
+#: Integer dtypes that gather does not take, widened to int64 (never read as a mask).
+_WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
 
 def _chunked_loss(
@@ -77,7 +78,9 @@ def chunked_cross_entropy(
 
     With gradients enabled and an input that requires grad, the gradients are computed during this
     forward pass (and handed to autograd); otherwise (evaluation under ``torch.no_grad()``) only the
-    loss is, with no gradient buffer built.
+    loss is, with no gradient buffer built. The shapes are checked here; the values are not: a target
+    outside ``[0, vocab)`` is refused by ``gather``'s kernel (``RuntimeError`` on the CPU, a device-side
+    assert elsewhere), so no value is read back to the host.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -86,9 +89,9 @@ def chunked_cross_entropy(
         )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    targets = as_index_tensor("targets", targets, weight.shape[0], "vocab")
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must have shape ({hidden.shape[0]},), got {tuple(targets.shape)}")
+    targets = targets.long() if targets.dtype in _WIDEN else targets
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
     # No gradient can be asked for (torch.no_grad(), inference_mode, or inputs that do not require

@@ -82,8 +82,9 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # The groups were checked when they were added (the constructor, add_param_group); a step
+        # trusts them, as it trusts a schedule that sets "lr".
         for group in self.param_groups:
-            _check_group(group)
             # Parameters are batched by (device, dtype, step): the step sets the bias correction.
             batches: dict[tuple[torch.device, torch.dtype, int], tuple[list[Tensor], ...]] = {}
             for p in group["params"]:

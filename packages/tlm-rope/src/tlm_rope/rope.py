@@ -9,8 +9,11 @@ from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_core.checks import check_choice, check_number, check_positive_int
-from tlm_core.tensors import as_index_tensor, check_float_tensor
+from tlm_core.tensors import check_float_tensor
 from tlm_rope.scaling import check_scaling, inv_freq_and_factor
+
+#: Integer dtypes that index_select does not take directly, widened to int64.
+_WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
 LAYOUTS = ("interleaved", "half")
 #: Devices whose kernels multiply complex tensors (elsewhere the interleaved layout uses the real form).
@@ -156,7 +159,11 @@ class RotaryPositionalEmbedding(nn.Module):
                 length = int(token_positions.max()) + 1  # a host sync, only for dynamic scaling
                 if self._dynamic_past_original(length):
                     tables = self._dynamic_tables(length, use_complex)
-            tables = tuple(t[token_positions] for t in tables)
+            # index_select, not indexing: its kernel refuses a position outside the tables (IndexError on
+            # the CPU, a device-side assert elsewhere) where indexing would wrap a negative one, and no
+            # value is read back to the host.
+            flat = token_positions.reshape(-1)
+            tables = tuple(t.index_select(0, flat).view(*token_positions.shape, *t.shape[1:]) for t in tables)
         if self.seq_dim == -3:  # one rotation for every head at a position
             tables = tuple(t.unsqueeze(-3 if use_complex else -2) for t in tables)
 
@@ -205,7 +212,9 @@ class RotaryPositionalEmbedding(nn.Module):
                 f"token_positions of shape {tuple(token_positions.shape)} must broadcast to "
                 f"x.shape[:{self.seq_dim + 1}] = {tuple(lead_shape)} (that is, (..., seq))"
             )
-        return as_index_tensor("token_positions", token_positions, self.max_seq_len, "max_seq_len")
+        if token_positions.dtype in _WIDEN:  # uint8 would be read as a mask; index_select takes int32/int64
+            return token_positions.long()
+        return token_positions
 
     def extra_repr(self) -> str:
         extra = "" if self.rotary_dim == self.d_k else f", rotary_dim={self.rotary_dim}"

@@ -4,8 +4,8 @@ Works unchanged on a plain module, under DDP and under FSDP2: the loss is the wr
 ``forward`` (the call DDP and FSDP hook), and the loss is averaged over the ranks with an all-reduce
 (no host synchronisation). The step returns its loss and gradient norm as tensors on the device, so a
 loop reads them (``.item()``, a device round trip) only when it logs. A non-finite loss or gradient
-norm stops the step before the update: checked on the host where that costs nothing (the CPU), by a
-device-side assert elsewhere.
+norm stops the step before the update, through a device-side assert (``torch._assert_async``): the
+step never reads a value back to the host.
 """
 
 import contextlib
@@ -132,14 +132,15 @@ def train_step(
     norm = grad_norm_(loss_module.parameters(), max_grad_norm)
     # With a scaler, a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
     finite = torch.isfinite(mean) if scaler is not None else torch.isfinite(mean) & torch.isfinite(norm)
-    if finite.device.type == "cpu":
-        if not bool(finite):
-            optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLossError(
-                f"training loss is {float(mean)}, gradient norm {float(norm)}: stopped before the update"
-            )
-    else:
+    try:
+        # A device-side assert, so the step never waits for the device: on the CPU it raises here,
+        # before the update; on an accelerator the device raises it, and the update does not run.
         torch._assert_async(finite, "training loss or gradient norm is not finite: stopped before the update")
+    except RuntimeError:
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(
+            f"training loss is {float(mean)}, gradient norm {float(norm)}: stopped before the update"
+        ) from None
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()

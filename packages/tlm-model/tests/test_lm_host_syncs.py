@@ -1,0 +1,46 @@
+"""The model's hot path never reads a tensor value back to the host.
+
+On an accelerator each read (``.item()``, ``bool(t)``, ``int(t.max())``, ``.tolist()``) waits for every
+queued kernel, so a forward with one in it cannot run ahead of the device. The root conftest's
+``host_reads`` counts them: ``aten::_local_scalar_dense`` under a ``TorchDispatchMode`` and the
+Python-level reads under a ``TorchFunctionMode``. On the CPU the reads would cost little, but the code
+path is the one every device runs.
+"""
+
+import pytest
+import torch
+
+from tlm_model import ModelConfig, TransformerLM
+
+CFG = ModelConfig(vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48)
+GQA = ModelConfig(
+    vocab_size=64, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=48, num_kv_heads=2,
+    tie_word_embeddings=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, options",
+    [
+        (CFG, {}),
+        (CFG, {"fused": False, "attention_backend": "reference"}),
+        (CFG, {"attention_backend": "blockwise"}),
+        (GQA, {}),
+    ],
+    ids=["default", "unfused-reference", "blockwise", "gqa-tied"],
+)
+def test_forward_loss_backward_and_a_cached_decode_step_read_nothing(config, options, host_reads):
+    model = TransformerLM(config, **options)
+    ids = torch.randint(0, config.vocab_size, (2, 8), dtype=torch.int32)  # a narrow dtype is widened, not read
+    targets = torch.randint(0, config.vocab_size, (2, 8))
+    cache = model.new_kv_cache(2)
+    with torch.no_grad():
+        model(ids, kv_cache=cache)  # the prefill
+    with host_reads() as reads:
+        model(ids)
+        model.loss(ids, targets).backward()
+        with torch.no_grad():
+            model(ids[:, :1], kv_cache=cache)  # one decode step
+            model.loss(ids, targets)  # evaluation
+    assert reads == []
+    assert [c.length for c in cache] == [9] * config.num_layers
