@@ -63,7 +63,9 @@ class TextStream:
 
     def add(self, token: int) -> tuple[str, bool]:
         """(text that can be sent now, whether a stop text was reached: the text before it is all that is left)."""
-        self.pending += self.decoder.decode(self.tokenizer.decode_bytes([token]))
+        # A model's vocabulary may be larger than its tokenizer's (padded): such an id has no text.
+        piece = self.tokenizer.decode_bytes([token]) if token < self.tokenizer.vocab_size else b""
+        self.pending += self.decoder.decode(piece)
         found = [at for at in (self.pending.find(stop) for stop in self.stops) if at >= 0]
         if found:
             text, self.pending = self.pending[: min(found)], ""
@@ -190,15 +192,15 @@ class Scheduler:
             self._rows.append(_Row(request, TextStream(self.tokenizer, request.stop), generator, logits))
         if not self._rows:
             return True
-        tokens = []
-        for row in self._rows:
+        tokens = [
+            sample_next_token(row.logits, temperature=row.request.temperature, top_p=row.request.top_p,
+                              generator=row.generator)
+            for row in self._rows
+        ]  # fmt: skip
+        # The one read of the step back to the host: the text needs the ids.
+        for row, token_id in zip(self._rows, torch.stack(tokens).tolist(), strict=True):
             request = row.request
-            token = sample_next_token(
-                row.logits, temperature=request.temperature, top_p=request.top_p, generator=row.generator
-            )
-            tokens.append(token)
             request.completion_tokens += 1
-            token_id = int(token)
             if token_id in self.eos:
                 request.emit(row.stream.close(), "stop")
                 request.cancelled.set()
