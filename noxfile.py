@@ -355,7 +355,7 @@ def train(session: nox.Session) -> None:
     session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
 
 
-BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train"]
+BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train", "serve"]
 # The references each benchmark measures against, beside tlm's own packages.
 BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15"]
 
@@ -366,7 +366,7 @@ def bench(session: nox.Session) -> None:
 
     ``nox -s bench -- tokenizer optim`` runs only the named ones (run = the model vs HF Llama).
     """
-    _install(session, *_editable(_workspace_closure()), *BENCH_REQUIREMENTS)
+    _install(session, *_editable(_workspace_closure(), {"tlm-command": "serve"}), *BENCH_REQUIREMENTS)
     unknown = sorted(set(session.posargs) - set(BENCHMARKS))
     if unknown:
         session.error(f"unknown benchmarks {unknown}; choose from {BENCHMARKS}")

@@ -115,3 +115,51 @@ def test_constructor_arguments_must_be_positive_ints(name, bad, exc, message):
     kwargs[name] = bad
     with pytest.raises(exc, match=f"{name} {message}"):
         KVCache(**kwargs)
+
+
+# Rows of their own lengths (issue 25): expected contents are built by hand from the tokens written.
+def test_rows_of_different_lengths_write_each_at_its_own_positions():
+    cache = KVCache(2, 1, capacity=6, d_head=2)
+    k, v = torch.randn(2, 1, 3, 2), torch.randn(2, 1, 3, 2)
+    cache.update(k, v)
+    cache.truncate([3, 1])  # row 1 keeps its first token only
+    assert cache.lengths == (3, 1) and cache.ragged and cache.length == 3
+    assert torch.equal(cache.positions(2), torch.tensor([[3, 4], [1, 2]]))
+    k2, v2 = torch.randn(2, 1, 2, 2), torch.randn(2, 1, 2, 2)
+    got_k, got_v = cache.update(k2, v2, cache.positions(2))
+    assert cache.lengths == (5, 3) and got_k.shape == (2, 1, 5, 2)
+    assert torch.equal(got_k[0], torch.cat([k[0], k2[0]], 1)) and torch.equal(got_v[0], torch.cat([v[0], v2[0]], 1))
+    assert torch.equal(got_k[1, :, :3], torch.cat([k[1, :, :1], k2[1]], 1))
+    with pytest.raises(ValueError, match=r"different numbers of tokens \(5, 3\): update needs positions"):
+        cache.update(k2[:, :, :1], v2[:, :, :1])
+    cache.truncate([3, 3])
+    assert not cache.ragged and cache.length == 3
+    with pytest.raises(ValueError, match=r"length must be in \[0, 3\], got 4"):
+        cache.truncate([4, 3])
+    with pytest.raises(ValueError, match=r"length must hold one int per row \(2\), got 1"):
+        cache.truncate([1])
+
+
+def test_rows_leave_join_and_are_replaced_between_steps():
+    cache = KVCache(3, 1, capacity=4, d_head=2)
+    k = torch.arange(3 * 4 * 2, dtype=torch.float32).reshape(3, 1, 4, 2)
+    cache.update(k, -k)
+    cache.truncate([4, 2, 3])
+    cache.select_rows([2, 0])  # row 1 leaves; the others swap places
+    assert cache.batch_size == 2 and cache.lengths == (3, 4)
+    assert torch.equal(cache.keys[0], k[2]) and torch.equal(cache.keys[1], k[0]) and torch.equal(cache.values[0], -k[2])
+    joining = KVCache(1, 1, capacity=2, d_head=2)
+    new = torch.randn(1, 1, 2, 2)
+    joining.update(new, new)
+    assert cache.append_row(joining) == 2
+    assert cache.lengths == (3, 4, 2) and torch.equal(cache.keys[2, :, :2], new[0])
+    with pytest.raises(ValueError, match="room for 3 rows, all in use"):
+        cache.append_row(joining)
+    cache.set_row(1, joining)
+    assert cache.lengths == (3, 2, 2) and torch.equal(cache.values[1, :, :2], new[0])
+    for bad, match in (([0, 0], "must not repeat a row, got \\[0, 0\\]"), ([5], r"rows must be in \[0, 2\], got 5")):
+        with pytest.raises(ValueError, match=match):
+            cache.select_rows(bad)
+    assert cache.lengths == (3, 2, 2)
+    cache.select_rows([])
+    assert cache.batch_size == 0 and cache.length == 0

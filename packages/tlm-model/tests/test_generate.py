@@ -5,6 +5,8 @@ only), from uncached greedy decoding with full forwards, or from closed-form sam
 with fixed seeds.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -421,3 +423,51 @@ def test_zero_new_tokens_never_runs_the_model(model):
     finally:
         hook.remove()
     assert calls == [] and out.shape == (2, 3)
+
+
+def _left_padded(prompts, pad=0):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p) :] = p
+    return ids, [len(p) for p in prompts]
+
+
+@pytest.mark.parametrize(("backend", "kv_heads"), [*((b, None) for b in BACKENDS), ("reference", 2), ("torch", 2)])
+def test_each_row_of_a_ragged_batch_decodes_as_its_prompt_alone_and_as_full_recompute(backend, kv_heads):
+    cfg = CFG if kv_heads is None else dataclasses.replace(CFG, num_kv_heads=kv_heads)
+    model = TransformerLM(cfg, attention_backend=backend).eval()
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (1, 7, 3, 12)]
+    ids, lengths = _left_padded(prompts, pad=CFG.vocab_size - 1)
+    out = generate(model, ids, 20, temperature=0, prompt_lengths=lengths)
+    assert torch.equal(out[:, : ids.shape[1]], ids)  # the padding comes back as it came
+    for b, prompt in enumerate(prompts):
+        alone = generate(model, prompt, 20, temperature=0)
+        with torch.no_grad():
+            recomputed = greedy_without_cache(model, prompt.unsqueeze(0), 20)[0]  # independent of any cache
+        assert torch.equal(alone, recomputed)
+        assert torch.equal(out[b, ids.shape[1] - len(prompt) :], alone)
+
+
+def test_ragged_rows_past_the_context_slide_each_on_its_own_like_their_prompt_alone(model):
+    # 1 + 60 tokens overflow a 40-token context; 30 + 60 too, and a 45-token prompt starts past it.
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (1, 30, 45)]
+    ids, lengths = _left_padded(prompts)
+    out = generate(model, ids, 60, temperature=0, prompt_lengths=lengths)
+    for b, prompt in enumerate(prompts):
+        assert torch.equal(out[b, ids.shape[1] - len(prompt) :], generate(model, prompt, 60, temperature=0))
+
+
+@pytest.mark.parametrize(
+    ("lengths", "exc", "match"),
+    [([3], ValueError, r"prompt_lengths must hold one int per row \(2\), got 1"),
+     ([3, 0], ValueError, r"prompt_lengths must be in \[1, 4\], got 0"),
+     ([3, 5], ValueError, r"prompt_lengths must be in \[1, 4\], got 5"),
+     ([3, 2.0], TypeError, "prompt_lengths must be an int, got float"),
+     (3, TypeError, "prompt_lengths must be a sequence of ints, one per row, got int")],
+)  # fmt: skip
+def test_bad_prompt_lengths_are_refused(model, lengths, exc, match):
+    with pytest.raises(exc, match=match):
+        generate(model, torch.zeros(2, 4, dtype=torch.long), 2, prompt_lengths=lengths)

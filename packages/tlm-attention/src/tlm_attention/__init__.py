@@ -13,7 +13,7 @@ from tlm_attention.mha import CausalMultiHeadSelfAttention
 from tlm_attention.sdpa import scaled_dot_product_attention
 from tlm_attention.softmax import softmax
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "ATTENTION_BACKENDS",

@@ -6,6 +6,9 @@ That is ordinary causal attention when queries == keys, and new tokens attending
 a KV cache otherwise. ``kv_heads`` divides ``heads`` (grouped-query attention, Ainslie et al. 2023):
 query head h reads key/value head h // (heads / kv_heads), as in HF's ``repeat_kv``.
 ``"auto"`` is not an entry: :func:`resolve_attention_backend` turns it into ``"torch"``.
+
+Rows of different lengths in a KV cache need more than one causal offset: then an entry is called with
+``mask=`` a boolean (..., 1, queries, keys) tensor (True = may attend) that replaces the causal mask.
 """
 
 from collections.abc import Callable, Mapping
@@ -20,7 +23,7 @@ from torch import Tensor
 from tlm_attention.blockwise import blockwise_attention
 from tlm_attention.sdpa import scaled_dot_product_attention
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+AttentionFn = Callable[..., Tensor]
 
 
 def _causal_mask(num_q: int, num_k: int, device: torch.device) -> Tensor:
@@ -42,27 +45,35 @@ def repeat_kv(kv: Float[Tensor, "... kv_heads keys d_head"], groups: int) -> Flo
     return kv if groups == 1 else kv.repeat_interleave(groups, dim=-3)
 
 
-def reference_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """tlm's own softmax(QKᵀ/√d)V with a boolean mask (what the course grades)."""
     groups = _kv_groups(q, k, v)
-    mask = _causal_mask(q.shape[-2], k.shape[-2], q.device)
+    mask = _causal_mask(q.shape[-2], k.shape[-2], q.device) if mask is None else mask
     if groups == 1:
         return scaled_dot_product_attention(q, k, v, mask)
     # Grouped: a unit axis lets one kv head broadcast over its query heads without a copy.
     grouped = rearrange(q, "... (kv_heads group) seq d -> ... kv_heads group seq d", group=groups)
+    mask = mask if mask.ndim < 3 else mask.unsqueeze(-3)
     out = scaled_dot_product_attention(grouped, k.unsqueeze(-3), v.unsqueeze(-3), mask)
     return rearrange(out, "... kv_heads group seq d -> ... (kv_heads group) seq d")
 
 
-def blockwise_causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Online softmax over key blocks in plain PyTorch: O(seq) memory, future blocks skipped."""
+def blockwise_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Online softmax over key blocks in plain PyTorch: O(seq) memory, future blocks skipped.
+
+    With a ``mask`` (decoding rows of different lengths, a few queries each) the scores are small and
+    computed whole by :func:`scaled_dot_product_attention`."""
     groups = _kv_groups(q, k, v)
+    if mask is not None:
+        return scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)
     return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)
 
 
-def torch_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``: torch's fused kernels."""
     gqa = _kv_groups(q, k, v) > 1
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     num_q, num_k = q.shape[-2], k.shape[-2]
     if num_q == num_k:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -79,9 +90,10 @@ class _RepeatKV:
     def __init__(self, fn: "AttentionFn") -> None:
         self.fn = fn
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         groups = _kv_groups(q, k, v)
-        return self.fn(q, repeat_kv(k, groups), repeat_kv(v, groups))
+        masked = {} if mask is None else {"mask": mask}
+        return self.fn(q, repeat_kv(k, groups), repeat_kv(v, groups), **masked)
 
 
 _REGISTRY: dict[str, AttentionFn] = {
@@ -101,6 +113,9 @@ BACKENDS = ("auto", "reference", "blockwise", "torch")
 
 def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool = False) -> None:
     """Make ``fn(q, k, v)`` (causal, bottom-right aligned) available as ``attention_backend=name``.
+
+    Decoding rows of different lengths calls ``fn(q, k, v, mask=mask)`` with a boolean mask that replaces
+    the causal one; a backend without a ``mask`` argument serves every other use.
 
     ``fn`` should be a module-level function so that modules using it still pickle. With
     ``grouped_kv=False`` (the default) ``fn`` always gets as many key/value heads as query heads

@@ -119,12 +119,14 @@ class CausalMultiHeadSelfAttention(nn.Module):
     ) -> Float[Tensor, "... seq d_model"]:
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.
 
-        With a cache the tokens sit at positions ``kv_cache.length`` onwards (0 onwards without
-        one); explicit ``token_positions`` must then say the same. The caller guarantees the shapes
-        (the annotations state them) and the positions: nothing here re-checks them or reads a value
-        back to the host.
+        With a cache and no ``token_positions`` the tokens continue every row at ``kv_cache.length``
+        (the rows agree on their length). With a cache and ``token_positions`` (batch, seq), each token
+        is stored at the cache slot its position names and attends to the slots up to it:
+        ``kv_cache.positions(seq)`` continues rows of different lengths, each from its own. The caller
+        guarantees the shapes (the annotations state them) and the positions: nothing here re-checks
+        them or reads a value back to the host.
         """
-        if token_positions is not None and self.rope is None:
+        if token_positions is not None and self.rope is None and kv_cache is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
         start = 0 if kv_cache is None else kv_cache.length
 
@@ -144,10 +146,16 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
                 positions = rearrange(token_positions, "... seq -> ... 1 seq")
                 q, k = self.rope(q, positions), self.rope(k, positions)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
-
-        out = self._attention_fn(q, k, v)
+        if kv_cache is not None and token_positions is not None:
+            # Rows of their own lengths: each token goes to its position's slot and sees the slots up to it.
+            slots = token_positions.expand(x.shape[:-1])
+            k, v = kv_cache.update(k, v, slots)
+            visible = torch.arange(k.shape[-2], device=k.device) <= slots.unsqueeze(-1)
+            out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(k, v)
+            out = self._attention_fn(q, k, v)
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
 
     def extra_repr(self) -> str:

@@ -1,5 +1,5 @@
 """The ``tlm`` command: one module per subcommand (``info``, ``accounting``, ``generate``, ``eval``,
-``convert``, ``tokenizer``, ``train``), each a thin layer over the library packages."""
+``convert``, ``tokenizer``, ``train``, ``serve``), each a thin layer over the library packages."""
 
 from tlm_command.main import main
 

@@ -25,12 +25,15 @@ _HOMES = {
     "from_hf": "tlm_model.interop",
     "save_hf": "tlm_model.interop",
     "generate": "tlm_model.generate",
+    "sample_next_token": "tlm_model.generate",
+    "DecodeBatch": "tlm_model.batching",
     "load_model_file": "tlm_model.checkpoint",
     "save_model_file": "tlm_model.checkpoint",
 }
 
 __all__ = [
     "PRESETS",
+    "DecodeBatch",
     "InferenceModel",
     "ModelConfig",
     "TransformerBlock",
@@ -42,17 +45,19 @@ __all__ = [
     "from_hf",
     "generate",
     "load_model_file",
+    "sample_next_token",
     "save_hf",
     "save_model_file",
     "unwrap",
 ]
 
 if TYPE_CHECKING:
+    from tlm_model.batching import DecodeBatch
     from tlm_model.block import TransformerBlock
     from tlm_model.checkpoint import load_model_file, save_model_file
     from tlm_model.config import PRESETS, ModelConfig
     from tlm_model.cross_entropy import cross_entropy
-    from tlm_model.generate import generate
+    from tlm_model.generate import generate, sample_next_token
     from tlm_model.inference import InferenceModel, compile_for_inference, unwrap
     from tlm_model.interop import from_hf, save_hf
     from tlm_model.lm import TransformerLM

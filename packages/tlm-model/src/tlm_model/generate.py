@@ -3,7 +3,7 @@
 from collections.abc import Callable, Sequence
 
 import torch
-from jaxtyping import Int, Integer
+from jaxtyping import Float, Int, Integer
 from torch import Tensor
 
 from tlm_core.checks import check_int, check_number, check_positive_int
@@ -45,6 +45,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     on_token: Callable[[Tensor], bool | None] | None = None,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> Int[Tensor, "... total"]:
     """Continue ``prompt_ids`` (shape (prompt,) or (batch, prompt)) by up to ``max_new_tokens`` tokens.
 
@@ -61,6 +62,12 @@ def generate(
     from the newest ``context_length - context_length // 4`` tokens, so each new token is predicted from
     at least three quarters of a full context and the rebuild costs one prefill every
     ``context_length // 4`` tokens. Within the context nothing slides and the result is exact.
+
+    **Prompts of different lengths.** ``prompt_lengths`` (one int per row) says how many of each row's
+    ids are its prompt: the rows are *left*-padded, row ``b``'s prompt being its last ``prompt_lengths[b]``
+    ids, and the padding ids are returned as they came, before the prompt. Each row keeps its own
+    positions in the KV cache, so row ``b`` gets the tokens its prompt gets alone (up to float rounding of
+    a batched matmul), and slides its own window when it alone fills the context.
 
     ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
     """
@@ -81,25 +88,43 @@ def generate(
     # int64 whatever the prompt's integer dtype (a uint16 memmap, say): new ids may not fit in it.
     ids = as_index_tensor("prompt_ids", prompt_ids, vocab, "vocab_size")
     ids = ids.unsqueeze(0) if squeeze else ids
+    lengths = _prompt_lengths(prompt_lengths, ids.shape)
     if max_new_tokens == 0:
         return (ids.squeeze(0) if squeeze else ids).clone()
     keep, _ = _window(context)
-    capacity = min(ids.shape[1] + max_new_tokens, context)
+    width = ids.shape[1]
+    capacity = min(max(lengths) + max_new_tokens, context)
 
     def prefill(tokens: Tensor) -> tuple[list, Tensor]:
         cache = model.new_kv_cache(tokens.shape[0], capacity=capacity)
         return cache, model(tokens, kv_cache=cache)[:, -1]
 
-    cache, logits = prefill(ids if ids.shape[1] <= capacity else ids[:, -keep:])
+    def prefill_rows(rows: list[Tensor]) -> tuple[list, Tensor]:
+        # Right-padded for the prefill (a padded token comes after every real one, so no real token
+        # sees it); then each row's cache is cut back to its own length and its last real token's
+        # logits kept. The slots of the padding are overwritten by the row's next tokens.
+        sizes = [len(row) for row in rows]
+        padded = torch.zeros(len(rows), max(sizes), dtype=ids.dtype, device=ids.device)
+        for b, row in enumerate(rows):
+            padded[b, : len(row)] = row
+        cache = model.new_kv_cache(len(rows), capacity=capacity)
+        all_logits = model(padded, kv_cache=cache)
+        for layer in cache:
+            layer.truncate(sizes)
+        return cache, all_logits[torch.arange(len(rows), device=ids.device), torch.tensor(sizes, device=ids.device) - 1]
+
+    ragged = any(n != width for n in lengths)
+    if not ragged:
+        cache, logits = prefill(ids if width <= capacity else ids[:, -keep:])
+    else:
+        # A prompt longer than the context keeps its newest tokens, as a lone prompt does.
+        rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
+        cache, logits = prefill_rows([row if len(row) <= capacity else row[-keep:] for row in rows])
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     out = [ids]
     eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     for step in range(max_new_tokens):
-        if temperature == 0:
-            token = logits.argmax(-1)
-        else:
-            filtered = _filter_logits(logits.float() / temperature, top_k, top_p)
-            token = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
+        token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if eos_tensor is not None:
             token = torch.where(finished, eos_tensor[0], token)
             finished |= torch.isin(token, eos_tensor)
@@ -107,12 +132,66 @@ def generate(
         stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
         if stop or step + 1 == max_new_tokens or (eos_tensor is not None and bool(finished.all())):
             break
-        if cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
+        if not ragged and cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
             cache, logits = prefill(torch.cat(out, dim=1)[:, -keep:])
-        else:
-            logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
+            continue
+        if ragged and cache[0].length == capacity:
+            # Each full row alone is rebuilt from its newest tokens but the one it is about to take.
+            before = torch.cat(out[:-1], dim=1)
+            for b, n in enumerate(cache[0].lengths):
+                if n == capacity:
+                    row = before[b, width - lengths[b] :]
+                    _rebuild_row(model, cache, b, row[len(row) - (keep - 1) :])
+        logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
     result = torch.cat(out, dim=1)
     return result.squeeze(0) if squeeze else result
+
+
+def sample_next_token(
+    logits: Float[Tensor, "... vocab"],
+    *,
+    temperature: float,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, "..."]:
+    """The next token of each row of ``logits``: the argmax at ``temperature=0``, else a draw from
+    softmax(logits / temperature) restricted by ``top_k`` and ``top_p`` (what :func:`generate` does each step).
+
+    Arguments are not checked here (a decoding loop calls this every step): :func:`generate` checks them.
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    filtered = _filter_logits(logits.float() / temperature, top_k, top_p)
+    flat = torch.softmax(filtered, -1).reshape(-1, filtered.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(filtered.shape[:-1])
+
+
+def _rebuild_row(model: TransformerLM | InferenceModel, cache: list, row: int, tokens: Tensor) -> None:
+    """Row ``row`` of every layer's cache holds exactly ``tokens``'s keys and values (a slid window)."""
+    if len(tokens) == 0:
+        lengths = list(cache[0].lengths)
+        lengths[row] = 0
+        for layer in cache:
+            layer.truncate(lengths)
+        return
+    alone = model.new_kv_cache(1, capacity=len(tokens))
+    model(tokens.unsqueeze(0), kv_cache=alone)
+    for layer, source in zip(cache, alone, strict=True):
+        layer.set_row(row, source)
+
+
+def _prompt_lengths(prompt_lengths: Sequence[int] | None, shape: torch.Size) -> list[int]:
+    batch, width = shape
+    if prompt_lengths is None:
+        return [width] * batch
+    if isinstance(prompt_lengths, Tensor):
+        prompt_lengths = prompt_lengths.tolist()
+    if isinstance(prompt_lengths, (str, bytes)) or not isinstance(prompt_lengths, Sequence):
+        raise TypeError(f"prompt_lengths must be a sequence of ints, one per row, got {type(prompt_lengths).__name__}")
+    if len(prompt_lengths) != batch:
+        raise ValueError(f"prompt_lengths must hold one int per row ({batch}), got {len(prompt_lengths)}")
+    return [check_int("prompt_lengths", n, low=1, high=width) for n in prompt_lengths]
 
 
 def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int] | None:

@@ -178,21 +178,25 @@ class TransformerLM(nn.Module):
         """The final-normed activations that the LM head turns into logits.
 
         The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens with
-        those cached, the caches from :meth:`new_kv_cache` and of one length): the boundaries check it
+        those cached, the caches from :meth:`new_kv_cache` and of one length per row, no explicit
+        ``token_positions`` with a cache, which supplies them): the boundaries check it
         (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state the shapes,
         and nothing here reads a value back to the host.
         """
+        if kv_cache is not None and kv_cache[0].ragged:
+            # Rows of different lengths: each continues from its own length (host-side ints, no sync).
+            token_positions = kv_cache[0].positions(in_indices.shape[-1])
         if kv_cache is None or torch.compiler.is_compiling():
             # No cache, nothing to undo; a compiled graph applies the caches' new lengths only after it ran.
             return self._run_layers(in_indices, token_positions, kv_cache)
-        start = kv_cache[0].length
+        lengths = kv_cache[0].lengths
         try:
             return self._run_layers(in_indices, token_positions, kv_cache)
         except BaseException:
             # All-or-nothing: a step interrupted in any layer (an error, Ctrl-C) leaves every cache
             # as it was, so the next step neither sees a half-written token nor lengths that differ.
             for cache in kv_cache:
-                cache.truncate(start)
+                cache.truncate(lengths)
             raise
 
     def _run_layers(self, in_indices: Tensor, token_positions: Tensor | None, kv_cache: list[KVCache] | None) -> Tensor:
@@ -208,7 +212,8 @@ class TransformerLM(nn.Module):
         kv_cache: list[KVCache] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
         """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
-        the cached sequence, at positions ``cache length`` onwards."""
+        the cached sequence of each row, at positions that row's length onwards (rows of different
+        lengths: see :class:`~tlm_attention.KVCache`)."""
         return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
 
     def loss(

@@ -1,0 +1,245 @@
+"""`tlm serve` under load: 1, 4 and 16 concurrent clients against the same requests one at a time, and against
+HF transformers' batched ``generate`` on the HF export of the same model.
+
+Run through ``nox -s bench -- serve`` to write its section of docs/benchmarks.md; ``python bench/serve.py
+--quick`` is a short smoke run that prints the table.
+
+Method. The course model's shape (``course-tinystories``) with random weights and a BPE tokenizer trained on
+the text that ships with Python, saved as a model folder; ``tlm serve`` runs it in its own process on
+127.0.0.1 (eager, the scheduler's one thread plus torch's intra-op threads). Each client sends the same
+``--requests`` streamed greedy completions (prompts of different lengths, ``--max-tokens`` each), one after
+another; with C clients C·R requests are in flight at most C at a time. "One at a time" sends all C·R
+requests of the 16-client run from one client, in order. Measured per run: generated tokens (the answers'
+``usage``) per second of wall time, and each request's time to its first streamed token and to its last (p50
+and p99 over the run's requests). HF's row is ``LlamaForCausalLM.generate`` (greedy, left-padded batches of
+16 prompts, the same new-token count) in this process on the export of the same weights. Everything is on
+loopback and bounded: a few hundred requests at most and a timeout per request.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from _common import cpu_description, load_average, write_section
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Once upon a time",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "def main(argv):\n    parser = argparse.ArgumentParser()\n",
+    "In the beginning",
+    "A list of the standard library modules that deal with files and folders:",
+    "x",
+    "Python is a programming language that lets you work quickly and integrate systems more effectively. It",
+    "import os",
+]
+
+
+def _model_folder(out: pathlib.Path) -> pathlib.Path:
+    import torch
+
+    from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+    from tlm_tokenizer import Tokenizer, train_bpe
+    from tlm_train import default_corpus
+
+    cfg = ModelConfig.from_preset("course-tinystories")
+    text = out / "corpus.txt"
+    text.write_text(default_corpus(), encoding="utf-8")
+    vocab, merges = train_bpe(text, cfg.vocab_size, ["<|endoftext|>"], num_workers=1)
+    torch.manual_seed(0)
+    folder = out / "course"
+    save_checkpoint(TransformerLM(cfg).eval(), folder)
+    Tokenizer(vocab, merges, ["<|endoftext|>"]).save(folder / "tokenizer")
+    return folder
+
+
+class _Server:
+    def __init__(self, folder: pathlib.Path, max_batch: int) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
+             str(max_batch), "--max-queue", "256", "--model-name", "course"],
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        line = self.process.stderr.readline()
+        self.port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        for _ in range(600):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).read()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("the server never answered /health")
+
+    def stream(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
+        """(seconds to the first streamed token, to the last, tokens generated) of one greedy completion."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                           "stop": []}).encode()  # fmt: skip
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        start = time.perf_counter()
+        first, tokens = None, 0
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if first is None:
+                    first = time.perf_counter() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+        return first if first is not None else float("nan"), time.perf_counter() - start, tokens
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=60)
+
+
+def _clients(server: _Server, clients: int, requests: list[str], max_tokens: int) -> dict:
+    results: list[tuple[float, float, int]] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        # Each client starts at another of the same requests, so the rows in flight have different lengths.
+        for prompt in requests[k % len(requests) :] + requests[: k % len(requests)]:
+            outcome = server.stream(prompt, max_tokens)
+            with lock:
+                results.append(outcome)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    return _summary(results, wall, f"{clients} client{'s' if clients > 1 else ''}")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def _summary(results: list[tuple[float, float, int]], wall: float, label: str) -> dict:
+    firsts, lasts = [r[0] for r in results], [r[1] for r in results]
+    tokens = sum(r[2] for r in results)
+    return {"label": label, "requests": len(results), "tokens": tokens, "wall": wall, "tok_s": tokens / wall,
+            "ttft_p50": _percentile(firsts, 0.5), "ttft_p99": _percentile(firsts, 0.99),
+            "last_p50": _percentile(lasts, 0.5), "last_p99": _percentile(lasts, 0.99)}  # fmt: skip
+
+
+def _hf_batched(folder: pathlib.Path, out: pathlib.Path, requests: list[str], max_tokens: int, batch: int) -> dict:
+    """transformers' batched greedy generate on the HF export of the same weights, ``batch`` prompts at a time."""
+    import torch
+    import transformers
+
+    from tlm_model import load_checkpoint, save_hf
+    from tlm_tokenizer import Tokenizer
+
+    model = load_checkpoint(folder)
+    tokenizer = Tokenizer.load(folder / "tokenizer")
+    save_hf(model, out / "hf")
+    hf = transformers.LlamaForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()
+    encoded = [tokenizer.encode(p) for p in requests]
+    tokens, start = 0, time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(encoded), batch):
+            group = encoded[i : i + batch]
+            width = max(map(len, group))
+            ids = torch.tensor([[0] * (width - len(g)) + g for g in group])
+            mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+            new = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=0)  # fmt: skip
+            tokens += (new.shape[1] - width) * len(group)
+    wall = time.perf_counter() - start
+    return {"label": f"HF generate, batches of {batch}", "requests": len(encoded), "tokens": tokens, "wall": wall,
+            "tok_s": tokens / wall}  # fmt: skip
+
+
+def render(rows: list[dict], meta: dict) -> str:
+    alone = next(r for r in rows if r["label"] == "one at a time")
+    lines = [
+        "## Serving: `tlm serve` under concurrent clients",
+        "",
+        "<!-- Generated by bench/serve.py (`nox -s bench -- serve`); do not edit by hand. -->",
+        "",
+        f"Machine: {meta['cpu']}; torch {meta['torch']}, {meta['threads']} threads; 1-minute load average "
+        f"{meta['load_before']:.1f} before and {meta['load_after']:.1f} after (the machine is shared with other "
+        "jobs, whose load moves between the rows, so each figure is rough: compare the 1-client row with the "
+        "one-at-a-time row, the same work).",
+        f"Model: `course-tinystories` shape with random weights; each request a streamed greedy completion of "
+        f"{meta['max_tokens']} tokens from one of {len(PROMPTS)} prompts of different lengths; each client sends "
+        f"{meta['requests']} requests one after another. `tlm serve --max-batch {meta['max_batch']}`, on 127.0.0.1.",
+        "",
+        "| run | requests | tokens | tokens/s | × one at a time | TTFT p50 / p99 (s) | last token p50 / p99 (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ttft = f"{r['ttft_p50']:.2f} / {r['ttft_p99']:.2f}" if "ttft_p50" in r else "–"
+        last = f"{r['last_p50']:.2f} / {r['last_p99']:.2f}" if "last_p50" in r else "–"
+        lines.append(
+            f"| {r['label']} | {r['requests']} | {r['tokens']} | {r['tok_s']:.0f} | "
+            f"{r['tok_s'] / alone['tok_s']:.2f} | {ttft} | {last} |"
+        )
+    lines += [
+        "",
+        '"One at a time" is the 16-client run\'s requests sent by one client in order: the server decodes one row '
+        "a step. With C clients the scheduler runs one batched forward a step for up to C rows, so the throughput "
+        "gained is what batching the matmuls gains on this CPU; time to first token grows with the queue and the "
+        "prefills that share its steps. HF's row has no HTTP, no streaming and no scheduler: whole batches, each "
+        "finished before the next starts.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2, help="requests each client sends")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 tokens, no doc written")
+    args = parser.parse_args()
+    import torch
+
+    max_tokens = 16 if args.quick else args.max_tokens
+    counts = [1, 4] if args.quick else [1, 4, 16]
+    load_before = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp)
+        folder = _model_folder(out)
+        server = _Server(folder, max_batch=max(counts))
+        try:
+            server.stream(PROMPTS[0], 4)  # warm-up
+            per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+            rows = []
+            for clients in counts:
+                rows.append(_clients(server, clients, per_client, max_tokens))
+                print(rows[-1], file=sys.stderr)
+            everything = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests * max(counts))]
+            alone = _clients(server, 1, everything, max_tokens)
+            alone["label"] = "one at a time"
+            rows.insert(0, alone)
+            print(alone, file=sys.stderr)
+        finally:
+            server.stop()
+        rows.append(_hf_batched(folder, out, everything, max_tokens, batch=max(counts)))
+        print(rows[-1], file=sys.stderr)
+    meta = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "load_before": load_before, "load_after": load_average(), "max_tokens": max_tokens,
+            "requests": args.requests, "max_batch": max(counts)}  # fmt: skip
+    text = render(rows, meta)
+    print(text)
+    if not args.quick:
+        write_section("serve", text)
+        print(f"wrote {os.path.relpath(ROOT / 'docs' / 'benchmarks.md')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

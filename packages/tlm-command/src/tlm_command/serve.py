@@ -1,0 +1,151 @@
+"""``tlm serve``: an OpenAI-compatible HTTP server for a model, with streaming and continuous batching.
+
+Serves ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``:
+server-sent events ending with ``data: [DONE]``) and ``GET /health`` on 127.0.0.1 unless ``--host``
+says otherwise; any OpenAI client works against ``http://HOST:PORT/v1``. One scheduler thread owns the
+model: every step is one batched forward for every request in flight, and requests join and leave
+between steps. A greedy request (``temperature: 0``) gets exactly what ``tlm generate --temperature 0``
+prints; a request with a ``seed`` gets the same tokens whatever shares its batch. A prompt that does
+not fit the context with its ``max_tokens`` is refused (400), never slid. Past ``--max-batch`` requests
+in flight, requests wait in a queue of ``--max-queue``; past that the answer is 429 with Retry-After.
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for up to
+``--drain-timeout`` seconds, and exits 0.
+
+Chat prompts use the tokenizer's own chat template when the artifact has one (an HF folder's
+``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``, rendered with jinja2); otherwise
+the plain template for base models: one "Role: content" line per message, then "Assistant:", with
+"\\nUser:" as a stop text. Needs the ``serve`` extra: ``pip install 'tlm-command[serve]'``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tlm_command.args import UserError, description, positive_int
+
+#: What the serve extra installs, by import name (for the message when one is missing).
+SERVE_MODULES = ("fastapi", "uvicorn")
+
+
+def add_parser(commands: Any) -> None:
+    from tlm_command.loading import add_model_arguments
+
+    parser = commands.add_parser(
+        "serve",
+        help="serve a model over HTTP with OpenAI's API (streaming, continuous batching)",
+        description=description(__doc__),
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--model-name", default=None, help="the model id clients name (default: the checkpoint's name)")
+    parser.add_argument("--max-batch", type=positive_int, default=16, metavar="N", help="requests decoded together")
+    parser.add_argument(
+        "--max-queue", type=positive_int, default=64, metavar="N", help="requests waiting for a row; then 429"
+    )
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds to finish requests"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device to run on")
+    parser.add_argument("--dtype", default=None, help="weights' dtype (default: the checkpoint's)")
+    parser.set_defaults(run=run)
+
+
+def _chat_template(artifact: Any, tokenizer: Any) -> Any:
+    """The artifact's own chat template as ``messages -> text``, or None when it has none."""
+    folder = artifact.tokenizer_path if artifact.tokenizer_path is not None else artifact.model_path
+    folder = folder if folder.is_dir() else folder.parent
+    source = None
+    if (folder / "chat_template.jinja").is_file():
+        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "tokenizer_config.json").is_file():
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        source = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+    if source is None:
+        return None
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise UserError(f"{folder} has a chat template, which needs jinja2: pip install 'tlm-command[serve]'") from None
+    # As transformers renders templates: sandboxed, whitespace kept as the template writes it.
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    specials = {"bos_token": "", "eos_token": "<|endoftext|>" if "<|endoftext|>" in tokenizer.special_tokens else ""}
+
+    def render(messages: list[dict[str, str]]) -> str:
+        return str(template.render(messages=messages, add_generation_prompt=True, **specials))
+
+    return render
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = [name for name in SERVE_MODULES if _missing(name)]
+    if missing:
+        raise UserError(f"tlm serve needs {' and '.join(missing)}: pip install 'tlm-command[serve]'")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.drain_timeout >= 0:
+        raise UserError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    import signal
+    import socket
+
+    import uvicorn
+
+    from tlm_command.args import device as parse_device
+    from tlm_command.loading import load_model
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+    from tlm_tokenizer.hf_json import EOS_TOKEN
+
+    device = parse_device(args.device)
+    model, tokenizer, artifact = load_model(args, device)
+    if tokenizer is None:
+        raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
+    chat_template = _chat_template(artifact, tokenizer)
+    stops = [EOS_TOKEN] if EOS_TOKEN in tokenizer.special_tokens else []
+    eos_ids = [tokenizer.encode(s)[0] for s in stops]
+    name = args.model_name or Path(args.checkpoint).resolve().name
+    # Bound before the model thread starts, so a taken port is one line and no thread is left behind.
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    scheduler = Scheduler(
+        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device
+    )
+    app = create_app(
+        scheduler,
+        tokenizer,
+        model_name=name,
+        context_length=model.config.context_length,
+        chat_template=chat_template,
+        default_stops=stops,
+    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.draining = True  # /health says 503 and new requests are refused while the rest finish
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app, log_level="warning", timeout_graceful_shutdown=args.drain_timeout, lifespan="off", access_log=False
+    )
+    server = Server(config)
+    host, port = sock.getsockname()[:2]
+    print(f"tlm serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has drained, under the handler found before it
+    # ran: for SIGTERM that handler is this no-op, so a drained server exits 0 (Ctrl-C still exits 130).
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    server.run(sockets=[sock])
+    finished = scheduler.close(timeout=max(args.drain_timeout, 0.1))
+    print(f"tlm serve: stopped{'' if finished else ' (requests still running were cut)'}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
