@@ -7,7 +7,7 @@ packages that have it; ``tlm_core.progress`` imports tqdm only when a bar shows.
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 _HOMES = {
     "atomic_file": "tlm_core.atomic",

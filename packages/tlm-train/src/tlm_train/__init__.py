@@ -26,7 +26,7 @@ from tlm_train.rng import rng_state, seed_everything, set_rng_state
 from tlm_train.run_dir import RunDir, RunInUseError
 from tlm_train.step import LanguageModelLoss, NonFiniteLossError, StepStats, train_step
 
-__version__ = "0.2.0"
+__version__ = "0.2.1"
 
 __all__ = [
     "Artifact",

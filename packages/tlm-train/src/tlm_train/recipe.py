@@ -543,7 +543,9 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
-    inputs = {"--init-from": [config.init_from], "--tokenizer": [config.tokenizer], "--data": config.data}
+    inputs: dict[str, list[str | None]] = {
+        "--init-from": [config.init_from], "--tokenizer": [config.tokenizer], "--data": list(config.data)
+    }  # fmt: skip
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
