@@ -161,9 +161,9 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
         # A fresh name created exclusively: a symlink planted in the run folder is never followed.
         remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer
         corpus = temp_path(run.path / CORPUS)
-        with create_new(corpus) as file:
-            file.write(SEPARATOR.join(texts).encode("utf-8"))
         try:
+            with create_new(corpus) as file:
+                file.write(SEPARATOR.join(texts).encode("utf-8"))
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
         finally:
             corpus.unlink(missing_ok=True)
