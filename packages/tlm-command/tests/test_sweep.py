@@ -17,7 +17,7 @@ import torch
 from tlm_command import sweep
 from tlm_command.compare import TIMING_FIELDS
 from tlm_command.main import main
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 from tlm_train import RunDir
 
 # The tiny model on a token file; lr 1e6 without decay or clipping diverges in a few steps.
@@ -60,7 +60,7 @@ def _summary(folder):
 
 
 def _weights(run):
-    return load_checkpoint(RunDir(run).checkpoints().path(RunDir(run).checkpoints().steps()[-1])).state_dict()
+    return load_model_file(RunDir(run).checkpoints().path(RunDir(run).checkpoints().steps()[-1])).state_dict()
 
 
 @pytest.mark.slow

@@ -14,11 +14,19 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import IO, BinaryIO, Protocol, cast, runtime_checkable
 
 COMPRESSED = (".gz", ".zst")
 JSONL = (".jsonl",)
 _CHUNK = 1 << 20
+
+
+@runtime_checkable
+class Readable(Protocol):
+    """What a document source is read through: a file, or a gzip or zstandard stream (zstandard's reader is
+    no ``io.IOBase``, and gzip's ``mode`` is a number, so neither passes for ``BinaryIO`` at run time)."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 def is_jsonl(path: str | Path) -> bool:
@@ -30,12 +38,12 @@ def is_jsonl(path: str | Path) -> bool:
 
 
 @contextmanager
-def open_binary(path: str | Path) -> Iterator[BinaryIO]:
+def open_binary(path: str | Path) -> Iterator[Readable]:
     """``path``'s bytes, decompressed as its suffix says (``.gz``: gzip; ``.zst``: Zstandard)."""
     suffix = Path(path).suffix
     if suffix == ".gz":
         with gzip.open(path, "rb") as stream:
-            yield stream  # type: ignore[misc]
+            yield stream
     elif suffix == ".zst":
         try:
             import zstandard
@@ -50,7 +58,7 @@ def open_binary(path: str | Path) -> Iterator[BinaryIO]:
             yield stream
 
 
-def _text_chunks(stream: BinaryIO) -> Iterator[str]:
+def _text_chunks(stream: Readable) -> Iterator[str]:
     # UTF-8 decoded as it comes; a character split between two reads is decoded whole. Bytes that are not
     # UTF-8 become U+FFFD, as the text of a plain file always has.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -61,8 +69,8 @@ def _text_chunks(stream: BinaryIO) -> Iterator[str]:
         yield tail
 
 
-def _jsonl_texts(path: str | Path, stream: BinaryIO, text_field: str) -> Iterator[str]:
-    lines = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
+def _jsonl_texts(path: str | Path, stream: Readable, text_field: str) -> Iterator[str]:
+    lines = io.TextIOWrapper(cast(IO[bytes], stream), encoding="utf-8", newline="\n")
     number = 0
     try:
         for number, line in enumerate(lines, 1):
