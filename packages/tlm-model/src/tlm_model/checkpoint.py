@@ -100,7 +100,7 @@ def _bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
-def _digest(header: Mapping[str, Any], chunks: Iterable[torch.Tensor | memoryview]) -> str:
+def _digest(header: Mapping[str, Any], chunks: Iterable[torch.Tensor | memoryview | bytes]) -> str:
     h = hashlib.sha256(_canonical(header))
     for chunk in chunks:
         h.update(_bytes(chunk) if isinstance(chunk, torch.Tensor) else chunk)
