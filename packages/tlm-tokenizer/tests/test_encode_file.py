@@ -64,13 +64,13 @@ def test_a_killed_runs_leftovers_are_removed_by_the_next(gpt2_tokenizer, tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.bin", "in.txt"]
 
 
-def test_method_and_uint32_for_large_vocabularies(tmp_path):
+def test_uint32_for_large_vocabularies(tmp_path):
     vocab = {i: bytes([i]) for i in range(256)} | {70_000: b"<|big|>"}
     tokenizer = Tokenizer(vocab, [], ["<|big|>"])
     source = tmp_path / "in.txt"
     source.write_bytes("a<|big|>é".encode())
     assert tokenizer.id_dtype == "uint32"
-    assert tokenizer.encode_file(source, tmp_path / "out.bin") == 4
+    assert encode_file(tokenizer, source, tmp_path / "out.bin") == 4
     assert np.fromfile(tmp_path / "out.bin", dtype="<u4").tolist() == [97, 70_000, 0xC3, 0xA9]
 
 

@@ -1,5 +1,5 @@
 """GPT-2's byte-level text and its files vocab.json and merges.txt (GPT-2's own encoder.json and
-vocab.bpe, and the folders tlm-tokenizer 0.1 wrote), against tiktoken and HF tokenizers."""
+vocab.bpe included), against tiktoken and HF tokenizers."""
 
 import json
 
@@ -43,10 +43,7 @@ def test_merges_txt_lines(tmp_path):
     assert parse_merges_txt(b"a b", "m") == [(b"a", b"b")]  # no #version line, no final newline
 
 
-OLD_FOLDER_ERRORS = [
-    ("special_tokens.json", b'{"specials": []}', "expected {\"special_tokens\": [...]}, got {'specials': []}"),
-    ("special_tokens.json", b'["<|endoftext|>"]', "expected {\"special_tokens\": [...]}, got ['<|endoftext|>']"),
-    ("special_tokens.json", b"{", "not JSON (Expecting property name"),
+FILE_ERRORS = [
     ("vocab.json", b"[1, 2]", "expected a JSON object of token -> id, got list"),
     ("vocab.json", b'{"a": "1"}', "expected int ids, got '1' for 'a'"),
     ("vocab.json", b'{"a": 1, "b": 1}', "expected distinct ids, got 1 for two tokens"),
@@ -56,47 +53,29 @@ OLD_FOLDER_ERRORS = [
 ]
 
 
-def write_old_folder(folder) -> None:
-    """A small folder in tlm-tokenizer 0.1's layout: the 256 bytes, the merge (a, b), one special token."""
+def write_files(folder) -> tuple:
+    """A small vocab.json and merges.txt: the 256 bytes and the merge (a, b); returns their paths."""
     vocab = {char: byte for byte, char in bytes_to_unicode().items()} | {"ab": 256}
     (folder / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
     (folder / "merges.txt").write_text("#version: 0.2\na b\n", encoding="utf-8")
-    (folder / "special_tokens.json").write_text(json.dumps({"special_tokens": ["<|endoftext|>"]}), encoding="utf-8")
+    return folder / "vocab.json", folder / "merges.txt"
 
 
-def test_the_small_old_folder_loads_with_or_without_special_tokens(tmp_path):
-    write_old_folder(tmp_path)
-    assert Tokenizer.load(tmp_path).encode("abc<|endoftext|>") == [256, 99, 257]
-    (tmp_path / "special_tokens.json").unlink()  # optional
-    assert Tokenizer.load(tmp_path).special_tokens == []
+def test_small_files_load_with_special_tokens(tmp_path):
+    assert Tokenizer.from_files(*write_files(tmp_path), ["<|endoftext|>"]).encode("abc<|endoftext|>") == [256, 99, 257]
 
 
-@pytest.mark.parametrize(("name", "data", "message"), OLD_FOLDER_ERRORS)
-def test_a_malformed_old_folder_is_refused_naming_the_file(tmp_path, name, data, message):
-    write_old_folder(tmp_path)
+@pytest.mark.parametrize(("name", "data", "message"), FILE_ERRORS)
+def test_a_malformed_file_is_refused_naming_it(tmp_path, name, data, message):
+    paths = write_files(tmp_path)
     (tmp_path / name).write_bytes(data)
     with pytest.raises(ValueError) as raised:
-        Tokenizer.load(tmp_path)
+        Tokenizer.from_files(*paths)
     assert str(raised.value).startswith(f"{tmp_path / name}: ") and message in str(raised.value)
 
 
-def test_an_old_folder_that_makes_no_tokenizer_is_refused_naming_it(tmp_path):
-    write_old_folder(tmp_path)
+def test_files_that_make_no_tokenizer_are_refused(tmp_path):
+    paths = write_files(tmp_path)
     (tmp_path / "merges.txt").write_text("#version: 0.2\nĠ zzzq\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"merges\[0\] \(b' ', b'zzzq'\) needs b'zzzq', which vocab lacks") as raised:
-        Tokenizer.load(tmp_path)
-    assert str(raised.value).startswith(f"{tmp_path}: ")
-    (tmp_path / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
-    (tmp_path / "special_tokens.json").write_text('{"special_tokens": [7]}')
-    with pytest.raises(ValueError, match="special_tokens must hold non-empty str, got 7"):
-        Tokenizer.load(tmp_path)
-
-
-def test_from_files_names_the_file(tmp_path):
-    write_old_folder(tmp_path)
-    (tmp_path / "merges.txt").write_text("a b c")
-    with pytest.raises(ValueError, match=f"{tmp_path / 'merges.txt'}: expected two tokens on line 1"):
-        Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
-    (tmp_path / "vocab.json").write_text('{"a": 1, "b": 1}')
-    with pytest.raises(ValueError, match=f"{tmp_path / 'vocab.json'}: expected distinct ids"):
-        Tokenizer.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    with pytest.raises(ValueError, match=r"merges\[0\] \(b' ', b'zzzq'\) needs b'zzzq', which vocab lacks"):
+        Tokenizer.from_files(*paths)

@@ -77,14 +77,14 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _encode(args: argparse.Namespace) -> int:
-    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer import Tokenizer, encode_file
 
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"--input: expected a text file, got {args.input!r} (no such file)")
     check_output(args.out, args.input, args.tokenizer)
     tokenizer = Tokenizer.load(args.tokenizer)
-    count = tokenizer.encode_file(
-        args.input, args.out, num_workers=args.workers, progress=False if args.quiet else None
+    count = encode_file(
+        tokenizer, args.input, args.out, num_workers=args.workers, progress=False if args.quiet else None
     )
     summary = {"out": args.out, "tokens": count, "dtype": tokenizer.id_dtype}
     if args.json:

@@ -9,7 +9,7 @@ part of a course-sized training run. ``tests/test_imports.py`` holds this.
 import importlib
 from typing import TYPE_CHECKING
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
 
 __all__ = ["GPT2_PATTERN", "Tokenizer", "__version__", "bytes_to_unicode", "encode_file", "train_bpe"]
 

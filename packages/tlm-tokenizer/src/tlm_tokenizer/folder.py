@@ -20,8 +20,8 @@ from tlm_core.atomic import read_dir_files, remove_leftovers, replace_dir
 
 __all__ = ["READ_NAMES", "TOKENIZER_FILES", "read_folder", "write_folder"]
 
-# What may be in a folder that save() replaces: the files of tlm's formats, old and new, and those
-# HF's save_pretrained writes for a tokenizer. Anything else means the folder is not only a tokenizer.
+# What may be in a folder that save() replaces: the files tlm writes and those HF's save_pretrained
+# writes for a tokenizer. Anything else means the folder is not only a tokenizer.
 TOKENIZER_FILES = frozenset(
     {
         "tokenizer.json",
@@ -30,10 +30,9 @@ TOKENIZER_FILES = frozenset(
         "added_tokens.json",
         "vocab.json",
         "merges.txt",
-        "special_tokens.json",
     }
 )
-READ_NAMES = ("tokenizer.json", "vocab.json", "merges.txt", "special_tokens.json")
+READ_NAMES = ("tokenizer.json",)
 _RETRIES = 20  # attempts at a folder that is missing: a racing writer puts it back within one
 
 

@@ -11,12 +11,11 @@ from tlm_core.checks import short_repr
 from tlm_tokenizer import bpe, hf_json
 from tlm_tokenizer._gc import gc_paused
 from tlm_tokenizer.folder import read_folder, write_folder
-from tlm_tokenizer.gpt2_format import parse_json, parse_merges_txt, parse_vocab_json, read_gpt2_files
+from tlm_tokenizer.gpt2_format import read_gpt2_files
 from tlm_tokenizer.pretokenize import LAST_WHITESPACE_CUT, pretokenize, special_splitter
 
 __all__ = ["Tokenizer"]
 
-SPECIAL_TOKENS_FILE = "special_tokens.json"  # tlm-tokenizer 0.1's folders: GPT-2's two files and this
 _STREAM_BLOCK = 1 << 16  # characters gathered before encode_iterable looks for a cut
 _ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uint32 at most (encode_file)
 # Capacity of the cache of ids per pre-token. A full cache keeps what it holds and stops adding: on
@@ -118,26 +117,12 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str]) -> "Tokenizer":
-        """Load a folder written by :meth:`save` (or by HF, see :meth:`from_hf`), or tlm-tokenizer 0.1's
-        GPT-2-format folder (``vocab.json`` + ``merges.txt`` + optional ``special_tokens.json``)."""
+        """Load a folder written by :meth:`save` (or by HF, see :meth:`from_hf`): its ``tokenizer.json``."""
         folder = Path(directory)
-        files = read_folder(folder)
-        if hf_json.TOKENIZER_JSON in files:
-            return cls._from_hf_bytes(files[hf_json.TOKENIZER_JSON], str(folder / hf_json.TOKENIZER_JSON))
-        if "vocab.json" not in files or "merges.txt" not in files:
-            raise FileNotFoundError(
-                f"directory must hold tokenizer.json (or vocab.json and merges.txt), got {folder} without them"
-            )
-        vocab = parse_vocab_json(files["vocab.json"], str(folder / "vocab.json"))
-        merges = parse_merges_txt(files["merges.txt"], str(folder / "merges.txt"))
-        special_tokens: list[str] = []
-        if SPECIAL_TOKENS_FILE in files:
-            where = str(folder / SPECIAL_TOKENS_FILE)
-            payload = parse_json(files[SPECIAL_TOKENS_FILE], where)
-            if not isinstance(payload, dict) or not isinstance(payload.get("special_tokens"), list):
-                raise ValueError(f'{where}: expected {{"special_tokens": [...]}}, got {short_repr(payload)}')
-            special_tokens = payload["special_tokens"]
-        return _built(cls, str(folder), vocab, merges, special_tokens)
+        data = read_folder(folder).get(hf_json.TOKENIZER_JSON)
+        if data is None:
+            raise FileNotFoundError(f"directory must hold tokenizer.json, got {folder} without it")
+        return cls._from_hf_bytes(data, str(folder / hf_json.TOKENIZER_JSON))
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
@@ -311,21 +296,6 @@ class Tokenizer:
     def id_dtype(self) -> str:
         """``"uint16"`` when every id fits in 16 bits, else ``"uint32"``: what ``encode_file`` writes."""
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
-
-    def encode_file(
-        self,
-        path: str | os.PathLike[str],
-        out_path: str | os.PathLike[str],
-        num_workers: int = 1,
-        progress: bool | None = None,
-    ) -> int:
-        """Encode a UTF-8 file into a raw little-endian array of ``id_dtype``; returns the token count.
-
-        See ``tlm_tokenizer.encode_file`` (the function).
-        """
-        from tlm_tokenizer._encode_file import encode_file
-
-        return encode_file(self, path, out_path, num_workers=num_workers, progress=progress)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"vocab": self._vocab, "merges": self._merges, "special_tokens": self.special_tokens}
