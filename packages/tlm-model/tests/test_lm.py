@@ -161,21 +161,6 @@ def test_fused_and_plain_models_share_checkpoints():
     torch.testing.assert_close(plain(ids), fused(ids), rtol=1e-5, atol=1e-5)
 
 
-def test_attention_backend_getter_reports_every_layer():
-    model = TransformerLM(SMALL)
-    model.layers[1].attn.attention_backend = "blockwise"
-    with pytest.raises(
-        ValueError, match=r"the layers use different attention backends: \['auto', 'blockwise', 'auto'\]"
-    ):
-        _ = model.attention_backend
-    model.attention_backend = "reference"  # the setter brings every layer back into line
-    assert model.attention_backend == "reference"
-    assert [layer.attn.resolved_attention_backend for layer in model.layers] == ["reference"] * 3
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
-        model.attention_backend = "flash"
-    assert [layer.attn.attention_backend for layer in model.layers] == ["reference"] * 3
-
-
 def test_rope_is_built_once_and_handed_to_every_layer():
     model = TransformerLM(SMALL)
     assert all(layer.attn.rope is model.rope for layer in model.layers)
