@@ -6,7 +6,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
                         one exists) a CUDA device, with jaxtyping's runtime shape checks
     nox -s quick        the same without the tests marked ``slow`` (compile, subprocess kills, distributed):
                         the tier to run while working
-    nox -s standalone   each package installed alone from its wheel into a clean venv, then used
+    nox -s standalone   each package installed alone into a clean venv by its README's install line, then used
     nox -s lint         ruff check + ruff format --check, mypy, tools/check_deps.py, tools/check_packaging.py
     nox -s dev          .venv/ at the root: every package editable with its test extra, and the tools
     nox -s tests_lowest each package's suite on the lowest torch its pyproject declares (not a default session)
@@ -16,7 +16,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s docs         regenerate docs/accounting.md and its plot
     nox -s bench        every benchmark against its reference; writes docs/benchmarks.md (not part of tests)
     nox -s mutate       mutation testing (tools/mutate.py)
-    nox -s build        wheel + sdist of every package into dist/
+    nox -s build        wheel + sdist of every package into dist/ (the README's wheelhouse; release.yml publishes it)
 
 ``tests`` and ``quick`` take package names, then pytest arguments, after ``--``:
 ``nox -s tests -- tlm-rope tlm-norm -x -k half``. Both are one pytest run over the chosen suites, their test
@@ -33,6 +33,7 @@ for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``). Both are installe
 import atexit
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import subprocess
@@ -306,7 +307,8 @@ def dev(session: nox.Session) -> None:
     Activate it (``. .venv/bin/activate``) and run ``pytest packages/tlm-rope/tests`` directly.
     """
     requirements = [*_editable(_workspace_closure(), _all_extras()), *TEST_REQUIREMENTS, *COURSE_REQUIREMENTS]
-    tools = ["nox", "ruff>=0.6", "mypy>=1.10", "hypothesis>=6", "jaxtyping>=0.2.28", XDIST]
+    # pip too: a uv-made venv has none, and the README's journey runs `pip download` inside this one.
+    tools = ["nox", "ruff>=0.6", "mypy>=1.10", "hypothesis>=6", "jaxtyping>=0.2.28", XDIST, "pip"]
     venv = ROOT / ".venv"
     if shutil.which("uv"):
         session.run("uv", "venv", "--allow-existing", str(venv), external=True)
@@ -408,24 +410,42 @@ def _wheel(session: nox.Session, dist: str) -> pathlib.Path:
     return _WHEELS[dist]
 
 
+#: The line each package README gives to install it from a checkout: after ``nox -s build``, from dist/.
+INSTALL_LINE = re.compile(r"^python -m pip install --find-links dist (tlm-[a-z-]+)$", re.M)
+
+
+def _readme_install_line(dist: str) -> str:
+    """The install line of ``dist``'s README, which must name ``dist`` itself."""
+    readme = (PACKAGES[dist]["dir"] / "README.md").read_text(encoding="utf-8")
+    lines = INSTALL_LINE.findall(readme)
+    if lines != [dist]:
+        raise ValueError(f"{dist}/README.md must hold one line 'python -m pip install --find-links dist {dist}'")
+    return f"python -m pip install --find-links dist {dist}"
+
+
 @nox.session(reuse_venv=False)
 @nox.parametrize("package", list(PACKAGES), ids=list(PACKAGES))
 def standalone(session: nox.Session, package: str) -> None:
-    """Install one package alone from its wheel into a clean venv and run its README example."""
-    wheelhouse = pathlib.Path(session.create_tmp()) / "wheelhouse"
+    """Install one package alone by its README's install line into a clean venv and run its README example."""
+    line = _readme_install_line(package)
+    here = pathlib.Path(session.create_tmp())
+    wheelhouse = here / "dist"  # what `nox -s build` makes, as the README's line reads it
     shutil.rmtree(wheelhouse, ignore_errors=True)
     wheelhouse.mkdir(parents=True)
     for dist in _local_closure(package):
         shutil.copy2(_wheel(session, dist), wheelhouse)
-    # --find-links serves our unreleased wheels; third-party deps (einops, jaxtyping) come from the index.
-    # On uv's command line it replaces UV_FIND_LINKS, so the folders that hold torch are named again.
-    links = [str(wheelhouse), *_find_links()]
-    # uv caches a find-links wheel by its name and version, and ours keep their version while their
-    # contents change: without a refresh, a second run installs the first run's wheels.
-    refresh = (
-        [arg for dist in _local_closure(package) for arg in ("--refresh-package", dist)] if _uses_uv(session) else []
+    # torch first, from the pin (TLM_TORCH): pip would otherwise take the newest torch on the index, a CUDA
+    # build of several GB. The README's line then installs the package and its siblings from dist/, and the
+    # third-party requirements from the index. A uv-made venv has no pip: it gets one.
+    needs_torch = any(
+        _requirement_name(r) == "torch" for d in _local_closure(package) for r in PACKAGES[d]["project"]["dependencies"]
     )
-    _install(session, *refresh, *[arg for link in links for arg in ("--find-links", link)], package)
+    if needs_torch:
+        _install(session)
+    if _uses_uv(session):
+        session.install("pip")
+    with session.chdir(here):
+        session.run(*shlex.split(line))  # verbatim
     session.run(
         "python",
         str(ROOT / "tools" / "check_standalone.py"),

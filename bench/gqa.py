@@ -6,7 +6,7 @@ installed). Writes docs/benchmarks-gqa.md.
 
 Method. One random-weight ``LlamaForCausalLM`` with Llama-3.2-1B's GQA ratio (4 query heads per kv
 head), head_dim 64, θ = 500 000, tied embeddings and llama3 RoPE scaling, shrunk in layers, width and
-vocabulary; tlm's model is ``TransformerLM.from_hf`` of it. Each row times greedy decoding of the same
+vocabulary; tlm's model is ``from_hf`` of it. Each row times greedy decoding of the same
 prompt (tlm ``generate(temperature=0)`` against HF ``generate(do_sample=False)``), alternating
 (ours, theirs, ours, ...) after a warm-up each, and reports medians and their ratio, so drift on a
 shared machine hits both alike; the tokens are checked equal. Cache memory is counted from the
@@ -34,7 +34,7 @@ except ImportError:  # run from a checkout: use the workspace sources
 
 import transformers  # noqa: E402
 
-from tlm_model import TransformerLM, generate  # noqa: E402
+from tlm_model import TransformerLM, from_hf, generate  # noqa: E402
 
 DOC = ROOT / "docs" / "benchmarks.md"
 LLAMA3 = {
@@ -53,7 +53,7 @@ def build(layers: int) -> tuple[transformers.LlamaForCausalLM, TransformerLM]:
     hf = transformers.LlamaForCausalLM(config).eval()
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder)
-        ours = TransformerLM.from_hf(folder).eval()
+        ours = from_hf(folder).eval()
     return hf, ours
 
 
@@ -122,7 +122,7 @@ def main() -> None:
             f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s).",
             f"Model: Llama-3.2-1B's attention shape shrunk to {args.layers} layers, d_model 512, 8 query heads over "
             "2 kv heads, head_dim 64, vocab 8192, tied embeddings, llama3 RoPE scaling; random weights, "
-            "tlm's model loaded with `TransformerLM.from_hf`. Tokens checked equal on every run.",
+            "tlm's model loaded with `from_hf`. Tokens checked equal on every run.",
             "Timings alternate tlm and HF in one process; read the ratio, not the absolute times (a shared "
             "machine). tlm runs eager here; `compile_for_inference` is its fast decoding path (docs/benchmarks.md).",
             "",

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import pathlib
 
+from tlm_ffn import default_d_ff
 from tlm_model.accounting import COMPONENTS, Accounting, account
 from tlm_model.config import PRESETS
 
@@ -36,6 +37,50 @@ def share_table(reports: list[tuple[str, Accounting]], causal: bool = False) -> 
     totals = [tflop(r.forward_flops_causal if causal else r.forward_flops) for _, r in reports]
     lines.append("| **forward total** | " + " | ".join(totals) + " |")
     return lines
+
+
+def ablation_section() -> list[str]:
+    """CS336 §7's ablations of the course model, each counted as built: parameters and forward FLOPs."""
+    base = PRESETS["course-tinystories"]
+    d = base.d_model
+    variants = [
+        ("the course model (pre-norm, RoPE, SwiGLU)", base),
+        ('post-norm (`norm_placement="post"`)', dataclasses.replace(base, norm_placement="post")),
+        ('no RMSNorm (`norm_placement="none"`)', dataclasses.replace(base, norm_placement="none")),
+        ('NoPE (`positions="none"`)', dataclasses.replace(base, positions="none")),
+        (
+            f'SiLU FFN, d_ff = 4·d_model = {4 * d:,} (`ffn="silu"`)',
+            dataclasses.replace(base, ffn="silu", d_ff=default_d_ff(d, kind="silu")),
+        ),
+    ]
+    reports = [(name, account(cfg)) for name, cfg in variants]
+    baseline = reports[0][1]
+    swiglu, silu = 3 * d * base.d_ff, 2 * d * 4 * d
+    lines = [
+        "## (f) The ablations of §7 at the course model's size",
+        "",
+        f"The TinyStories model (`course-tinystories`: d_model {d}, d_ff {base.d_ff:,}, {base.num_layers} layers, "
+        f"context {base.context_length}) and the four ablations, one `ModelConfig` field each. Per layer the "
+        "SwiGLU FFN holds 3·d_model·d_ff parameters",
+        f"({swiglu:,} here) and the SiLU FFN 2·d_model·d_ff ({silu:,} at d_ff = 4·d_model = 8·d_model²), so "
+        "the two are matched to within",
+        f"{100 * abs(swiglu - silu) / silu:.1f}%; removing RMSNorm drops 2·d_model gains per layer and the final "
+        "d_model, and NoPE changes no parameter (RoPE has none).",
+        "",
+        "Forward FLOPs are the matmul count at the full context, batch 1; the elementwise estimate is apart, as above.",
+        "",
+        "| model | parameters | vs. the course model | forward matmul FLOPs | vs. the course model "
+        "| elementwise (estimate) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, report in reports:
+        lines.append(
+            f"| {name} | {report.params_total:,} | {report.params_total - baseline.params_total:+,} | "
+            f"{report.forward_flops / 1e9:.3f} GFLOP | "
+            f"{100 * (report.forward_flops / baseline.forward_flops - 1):+.2f}% | "
+            f"{report.elementwise_flops_total / 1e6:.1f} MFLOP |"
+        )
+    return [*lines, ""]
 
 
 def render() -> str:
@@ -157,6 +202,7 @@ def render() -> str:
         f"the FFN falls from {pct(shares['ffn'])} to {pct(long_shares['ffn'])} and every other component shrinks "
         "in proportion. The parameter count does not change (RoPE has no parameters).",
         "",
+        *ablation_section(),
         "## Reproduce",
         "",
         "```bash",

@@ -110,6 +110,24 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_nope_with_a_kv_cache_is_sdpa_on_the_unrotated_projections(backend, device):
+    # No rotary module: the prefix and each decoded token attend over the cache exactly as causal SDPA does over
+    # the whole sequence, with q and k as projected.
+    attn = CausalMultiHeadSelfAttention(32, 4, device=device, attention_backend=backend, num_kv_heads=2)
+    x = torch.randn(2, 9, 32, device=device)
+    weights = attn.state_dict()
+    q, k, v = (
+        F.linear(x, weights[f"{p}.weight"]).unflatten(-1, (-1, 8)).transpose(1, 2)
+        for p in ("q_proj", "k_proj", "v_proj")
+    )
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    expected = F.linear(out.transpose(1, 2).flatten(-2), weights["output_proj.weight"])
+    cache = KVCache(2, 2, capacity=9, d_head=8, device=device)
+    steps = [attn(x[:, :6], kv_cache=cache)] + [attn(x[:, t : t + 1], kv_cache=cache) for t in range(6, 9)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fused", [False, True])
 def test_kv_cache_decoding_matches_full_attention(backend, fused, device):
     rope = RotaryPositionalEmbedding(10_000.0, 8, max_seq_len=32, device=device)

@@ -75,9 +75,9 @@ def tlm():
 
 @pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory):
-    """(model, folder) of a small random model saved with tlm-model's save_checkpoint."""
-    from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+    """(model, folder) of a small random model saved with tlm-model's save_model_file."""
+    from tlm_model import ModelConfig, TransformerLM, save_model_file
 
     torch.manual_seed(3)
     model = TransformerLM(ModelConfig(50, 16, 16, 1, 2, 24)).eval()
-    return model, save_checkpoint(model, tmp_path_factory.mktemp("small"))
+    return model, save_model_file(model, tmp_path_factory.mktemp("small"))

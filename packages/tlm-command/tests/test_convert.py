@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +28,7 @@ def test_round_trip_through_the_command_keeps_hf_logits(tie, tmp_path, capsys):
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tlm"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["config"]["num_kv_heads"] == 2 and report["config"]["tie_word_embeddings"] is tie
-    model = load_checkpoint(tmp_path / "tlm")
+    model = load_model_file(tmp_path / "tlm")
     ids = torch.randint(0, 128, (2, 12))
     with torch.no_grad():
         ref = hf(ids).logits

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from tlm_command.main import main
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 from tlm_train import RunDir
 
 
@@ -28,7 +28,7 @@ def _reference(model, ids, context):
 def test_a_text_file_against_an_independent_computation(run, held_out, capsys):
     assert main(["eval", "--checkpoint", str(run), "--data", str(held_out), "--json", "--quiet"]) == 0
     report = json.loads(capsys.readouterr().out)
-    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(RunDir(run).checkpoints().path(24)).eval()
+    tokenizer, model = RunDir(run).tokenizer(), load_model_file(RunDir(run).checkpoints().path(24)).eval()
     ids = np.asarray(tokenizer.encode(held_out.read_text(encoding="utf-8")))
     nats, targets = _reference(model, ids, model.config.context_length)
     text_bytes = sum(len(tokenizer.decode_bytes([t])) for t in targets if t != tokenizer.encode("<|endoftext|>")[0])
@@ -47,7 +47,7 @@ def test_a_token_file_and_a_shorter_window(run, held_out, tmp_path, capsys):
             "--max-tokens", "400", "--batch-size", "3", "--json", "--quiet"]  # fmt: skip
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    model = load_checkpoint(RunDir(run).checkpoints().path(24)).eval()
+    model = load_model_file(RunDir(run).checkpoints().path(24)).eval()
     nats, targets = _reference(model, ids[:400], 8)
     assert (report["tokens"], report["context_length"]) == (len(targets), 8)
     assert report["loss"] == pytest.approx(nats / len(targets), rel=1e-6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_model import ModelConfig, TransformerLM, generate, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, generate, load_model_file, save_model_file
 from tlm_train import RunDir
 
 
@@ -36,7 +36,7 @@ def test_text_from_every_kind_of_checkpoint_is_the_librarys(run, capsys, kind):
     if kind in ("folder", "file"):
         argv += ["--tokenizer", str(run / "tokenizer")]
     assert main([*argv, "--stop", ""]) == 0
-    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(step).eval()
+    tokenizer, model = RunDir(run).tokenizer(), load_model_file(step).eval()
     ids = tokenizer.encode("The ")
     assert capsys.readouterr().out == tokenizer.decode(library(model, ids, 12)) + "\n"
 
@@ -65,7 +65,7 @@ def test_text_is_printed_as_it_is_generated_and_multibyte_characters_print_whole
 
 
 def test_stop_text_ends_generation_and_is_not_printed(run, capsys):
-    tokenizer, model = RunDir(run).tokenizer(), load_checkpoint(RunDir(run).checkpoints().path(24)).eval()
+    tokenizer, model = RunDir(run).tokenizer(), load_model_file(RunDir(run).checkpoints().path(24)).eval()
     ids = tokenizer.encode("The ")
     full = tokenizer.decode(library(model, ids, 30))
     stop = full[5:8]  # a stop text from the middle of what greedy decoding writes (it may span tokens)
@@ -102,6 +102,21 @@ def test_a_generation_longer_than_the_context_slides_instead_of_failing(small_ch
     assert main(["generate", "--checkpoint", str(path), "--prompt-ids", " ".join(map(str, prompt)),
                  "--max-new-tokens", "40", "--temperature", "0", "--json"]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)["ids"] == library(model, prompt, 40)
+
+
+def test_a_prompt_longer_than_the_context_is_reported_in_one_line_unless_quiet(small_checkpoint, capsys):
+    model, path = small_checkpoint  # context 16: a longer prompt keeps its newest 16 - 16 // 4 = 12 tokens
+    prompt = list(range(1, 21))
+    argv = ["generate", "--checkpoint", str(path), "--prompt-ids", " ".join(map(str, prompt)), "--max-new-tokens",
+            "3", "--temperature", "0", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ids"] == library(model, prompt[-12:], 3)  # what it says it kept
+    assert captured.err == (
+        "tlm: the prompt has 20 tokens, more than the model's context of 16: generating from its last 12 "
+        "(the window keeps room for new tokens)\n"
+    )
+    assert main([*argv, "--quiet"]) == 0 and capsys.readouterr().err == ""
 
 
 def test_device_and_dtype(small_checkpoint, capsys):
@@ -148,7 +163,7 @@ def test_missing_damaged_and_foreign_checkpoints_are_one_line(tmp_path, fails):
     fails(["generate", "--checkpoint", str(tmp_path / "nowhere"), *argv], "no such file or folder")
     fails(["generate", "--checkpoint", str(tmp_path), *argv], "is not a tlm run folder, step folder or model folder")
     fails(["generate", *argv], "generate needs --checkpoint PATH (or --preset NAME for random weights)")
-    save_checkpoint(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path / "m")
+    save_model_file(TransformerLM(ModelConfig(11, 8, 8, 1, 2, 8)), tmp_path / "m")
     data = bytearray((tmp_path / "m" / "model.safetensors").read_bytes())
     data[-1] ^= 0x10
     (tmp_path / "m" / "model.safetensors").write_bytes(bytes(data))

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 from tlm_tokenizer import Tokenizer
 from tlm_train import RunDir
 
@@ -49,7 +49,7 @@ def test_from_text_to_hugging_face_and_back(tmp_path, corpus, held_out, tlm, rec
         assert auto(text)["input_ids"] == ours.encode(text), text
         assert auto.decode(ours.encode(text)) == text
     model = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
-    tlm_model = load_checkpoint(RunDir(run).checkpoints().path(30)).eval()
+    tlm_model = load_model_file(RunDir(run).checkpoints().path(30)).eval()
     ids = torch.tensor([ours.encode(TEXTS[0] + " " + TEXTS[4])[:32]])  # at most the context length
     with torch.no_grad():
         record_error("journey: HF export logits vs tlm", model(ids).logits, tlm_model(ids))
@@ -93,7 +93,7 @@ def test_an_hf_llama_folder_fine_tuned_and_exported_back(tmp_path, corpus, tlm, 
             "--quiet",
         )
     )
-    tuned = load_checkpoint(RunDir(run).checkpoints().path(10)).eval()
+    tuned = load_model_file(RunDir(run).checkpoints().path(10)).eval()
     assert (tuned.config.kv_heads, tuned.config.tie_word_embeddings, tuned.config.vocab_size) == (2, True, 320)
     assert ok(tlm("generate", "--checkpoint", run, "--prompt", "The ", "--max-new-tokens", 8, "--quiet"))
     ok(tlm("convert", "--to-hf", run, "--out", back))

@@ -2,9 +2,13 @@
 
 import argparse
 import importlib.metadata
+import json
+import subprocess
+import sys
 
 import pytest
 
+from tlm_command.args import _HelpAll
 from tlm_command.main import COMMANDS, build_parser, main
 
 
@@ -48,7 +52,7 @@ def _actions(parser: argparse.ArgumentParser):
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
                 yield from _actions(sub)
-        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+        elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction, _HelpAll)):
             yield parser.prog, action
 
 
@@ -60,11 +64,87 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default():
             continue
         assert action.help, f"{prog} {action.option_strings[0]} has no help"
         rendered = parser._get_formatter()._get_help_string(action)  # what --help prints for it
-        shown = "(default:" in rendered or action.required or isinstance(action, argparse._StoreTrueAction)
-        assert shown, f"{prog} {action.option_strings[0]}: {rendered}"
-    text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
-    assert "(default: 0.003)" in text and "(default: tiny)" in text and "(default: the preset's)" in text
-    assert "{course-tinystories,gpt2-large,gpt2-medium,gpt2-small,gpt2-xl,tiny}" in text  # choices listed
+        shown = "(default:" in rendered or "(tiny:" in rendered or action.required
+        if prog == "tlm train" and action.dest not in ("config", "resume", "quiet"):
+            assert shown, f"{prog} {action.option_strings[0]}: {rendered}"  # a setting: its dataclass default
+        else:
+            assert shown or action.default in (None, False), f"{prog} {action.option_strings[0]}: {rendered}"
+        assert rendered.count("default:") <= 1, f"{prog} {action.option_strings[0]} shows its default twice: {rendered}"
+
+
+def _train_parser():
+    return build_parser()._subparsers._group_actions[0].choices["train"]
+
+
+def test_train_help_is_short_and_help_all_shows_every_flag_with_its_one_default(capsys):
+    parser = _train_parser()
+    short = parser.format_help()
+    assert "(default: 0.003)" in short and "(default: tiny)" in short and "--help-all" in short
+    assert "{tiny,course-tinystories,gpt2-small,gpt2-medium,gpt2-large,gpt2-xl}" in short  # choices listed
+    assert "--beta1" in short and "AdamW β1" not in short  # named, explained only by --help-all
+    with pytest.raises(SystemExit):
+        main(["train", "--help-all"])
+    full = capsys.readouterr().out
+    assert "AdamW β1 (default: 0.9)" in full and "(default: lr / 10)" in full
+    # Model flags sit under the preset they override, each showing that preset's value once.
+    assert "width of the residual stream (tiny: 128)" in full and "the preset's" not in full
+    assert len(short.splitlines()) < 60 and len(full.splitlines()) < len(short.splitlines()) * 3
+
+
+def test_each_train_flag_takes_its_help_default_and_choices_from_the_field_it_sets():
+    import dataclasses
+
+    from tlm_model import PRESETS, ModelConfig
+    from tlm_train import TrainConfig
+
+    actions = {a.dest: a for a in _train_parser()._actions}
+    sources = [
+        (f.name, f, TrainConfig().to_dict()[f.name]) for f in dataclasses.fields(TrainConfig) if f.name != "model"
+    ]
+    sources += [(f"model.{f.name}", f, getattr(PRESETS["tiny"], f.name)) for f in dataclasses.fields(ModelConfig)]
+    for dest, field, default in sources:
+        if dest == "model.vocab_size":  # the tokenizer's: no flag
+            assert dest not in actions
+            continue
+        assert field.metadata.get("help"), f"{field.name} has no help in its field metadata"
+        action = actions[dest]
+        assert action.help.startswith(field.metadata["help"].replace("%", "%%")), dest
+        assert list(action.choices or []) == list(field.metadata.get("choices", [])), dest
+        if default not in (None, [], {}) and not isinstance(default, bool):
+            rendered = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+            assert rendered.strip() in action.help, (dest, action.help)
+
+
+def test_parsing_imports_no_torch_for_help_or_for_any_argument_error():
+    # A fresh interpreter: this one has torch already. Each argv parses (and fails or prints help) before torch loads.
+    argvs = [["--help"], ["train", "--help"], ["train", "--help-all"], ["train", "--lr", "-1"],
+             ["train", "--steps", "x"], ["train", "--d-model", "30"], ["train", "--rope-layout", "diagonal"],
+             ["frobnicate"], *[[name, "--help"] for name in COMMANDS]]  # fmt: skip
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from tlm_command.main import main\n"
+        "codes = []\n"
+        f"for argv in {argvs!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as exit:\n"
+        "            codes.append((exit.code, err.getvalue().count('\\n')))\n"
+        "print(json.dumps({'codes': codes, 'torch': 'torch' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    result = json.loads(out)
+    assert result["torch"] is False
+    # Help exits 0 with nothing on stderr; each error exits 2 with one stderr line.
+    assert result["codes"] == [[0, 0]] * 3 + [[2, 1]] * 5 + [[0, 0]] * len(COMMANDS), result
+
+
+def test_the_dtype_names_parsed_without_torch_are_tlm_cores():
+    from tlm_command.args import DTYPE_NAMES
+    from tlm_core.tensors import DTYPES
+
+    assert sorted(DTYPE_NAMES) == sorted(DTYPES)
 
 
 def test_every_command_is_a_module_with_a_parser():

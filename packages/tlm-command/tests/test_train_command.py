@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_model import load_checkpoint
+from tlm_model import load_model_file
 from tlm_train import RunDir, TrainConfig
 
 SMALL = ["--context-length", "16", "--d-model", "32", "--num-layers", "1", "--num-heads", "4", "--d-ff", "48",
@@ -43,7 +43,7 @@ def test_gqa_and_tied_embeddings_from_flags_and_the_checkpoint_says_so(tmp_path,
     assert main(argv) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("sample: ") and "step 0: validation loss" in captured.err
-    model = load_checkpoint(RunDir(out).checkpoints().path(2))
+    model = load_model_file(RunDir(out).checkpoints().path(2))
     assert (model.config.kv_heads, model.config.tie_word_embeddings) == (2, True)
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     saved = TrainConfig.from_toml(out / "train.toml")
@@ -80,6 +80,20 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, tokens, fai
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--init-from", "--tokenizer"])
+def test_an_out_dir_that_is_its_own_input_is_refused_in_one_line(tmp_path, small_checkpoint, fails, flag):
+    from tlm_tokenizer import Tokenizer
+
+    if flag == "--init-from":
+        folder = small_checkpoint[1]
+    else:
+        folder = tmp_path / "tok"
+        Tokenizer({i: bytes([i]) for i in range(256)}, []).save(folder)
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    fails(["train", flag, str(folder), "--out-dir", str(folder), "--quiet", *SMALL], f"--out-dir {folder} is {flag}")
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untouched(tmp_path, tokens, fails):
     out = tmp_path / "run"
     assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]) == 0
@@ -110,3 +124,52 @@ def test_a_diverging_run_stops_with_one_line_and_exit_1(tmp_path, tokens, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("tlm: error: step ") and "Traceback" not in err
     assert "training loss is" in err or "the weights hold NaN" in err
+
+
+# CS336 §7's ablations, each one flag: it trains, the checkpoint carries it and round-trips, generate and eval read
+# it, and the HF export refuses it in one line naming the field (a Llama is pre-norm, RoPE and SwiGLU).
+ABLATION_FLAGS = [
+    (["--norm-placement", "post"], "norm_placement", "post"),
+    (["--norm-placement", "none"], "norm_placement", "none"),
+    (["--positions", "none"], "positions", "none"),
+    (["--ffn", "silu", "--d-ff", "128"], "ffn", "silu"),  # 4·d_model, the course's SiLU width
+]
+
+
+@pytest.mark.parametrize(("flags", "field", "value"), ABLATION_FLAGS, ids=[" ".join(f[0][:2]) for f in ABLATION_FLAGS])
+def test_an_ablation_trains_round_trips_generates_evaluates_and_is_refused_by_the_hf_export(
+    flags, field, value, tmp_path, tokens, fails, capsys
+):
+    from tlm_model import load_model_file, save_model_file
+
+    out = tmp_path / "run"
+    assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL,
+                 *flags]) == 0  # fmt: skip
+    assert TrainConfig.from_toml(out / "train.toml").model[field] == value
+    model = load_model_file(RunDir(out).checkpoints().path(2)).eval()
+    assert getattr(model.config, field) == value
+    again = load_model_file(save_model_file(model, tmp_path / "again"))
+    assert again.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values(), strict=True))
+
+    # Greedy generation (KV-cached in the command) against recomputing the whole sequence at every step.
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(out), "--prompt-ids", "3 1 4", "--max-new-tokens", "6",
+                 "--temperature", "0", "--json"]) == 0  # fmt: skip
+    ids = [3, 1, 4]
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert json.loads(capsys.readouterr().out)["ids"] == ids[3:]
+
+    # One window of context + 1 tokens: the mean next-token cross-entropy of the model's logits.
+    window = np.load(tokens)[:17]
+    np.save(tmp_path / "window.npy", window)
+    assert main(["eval", "--checkpoint", str(out), "--data", str(tmp_path / "window.npy"), "--json", "--quiet"]) == 0
+    ids = torch.from_numpy(window.astype(np.int64))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(ids[:-1][None])[0], ids[1:]).item()
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(expected, rel=1e-6)
+
+    fails(["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")], f"ModelConfig.{field}={value!r}")
+    assert not (tmp_path / "hf").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tlm_core import atomic
-from tlm_core.atomic import atomic_file, atomic_write, read_dir_files, remove_leftovers, replace_dir
+from tlm_core.atomic import atomic_file, atomic_write, is_current, read_dir_files, remove_leftovers, replace_dir
 
 
 def _run(code: str, *args: str, umask: int | None = None) -> subprocess.CompletedProcess:
@@ -227,3 +227,28 @@ def test_read_dir_files_optional_and_missing(tmp_path):
         read_dir_files(tmp_path / "d", ["nope"])
     with pytest.raises(NotADirectoryError):
         read_dir_files(tmp_path / "d" / "a", ["x"])
+
+
+def test_create_new_never_follows_a_planted_symlink_nor_truncates_a_file(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "link").symlink_to(victim)
+    for name in ("link", "victim.txt"):
+        with pytest.raises(FileExistsError):
+            atomic.create_new(tmp_path / name)
+    assert victim.read_text() == "precious\n"
+    with atomic.create_new(tmp_path / "fresh") as file:
+        file.write(b"new")
+    assert (tmp_path / "fresh").read_bytes() == b"new"
+
+
+def test_is_current_until_the_folder_is_replaced_or_removed(tmp_path):
+    replace_dir(tmp_path / "d", _version(1))
+    fd = os.open(tmp_path / "d", os.O_RDONLY)
+    try:
+        assert is_current(fd, tmp_path / "d")
+        replace_dir(tmp_path / "d", _version(2))  # same path, another folder
+        assert not is_current(fd, tmp_path / "d")
+        assert not is_current(fd, tmp_path / "gone")
+    finally:
+        os.close(fd)

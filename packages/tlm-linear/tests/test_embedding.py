@@ -34,14 +34,16 @@ def test_does_not_call_f_embedding(monkeypatch):
     assert not any(isinstance(m, torch.nn.Embedding) for m in emb.modules())
 
 
-def test_init_statistics():
-    emb = Embedding(4096, 256)
+@pytest.mark.parametrize("sigma", [1.0, 0.0625])  # the course's rule; 1/sqrt(256), a tied table's
+def test_init_statistics(sigma):
+    torch.manual_seed(0)
+    emb = Embedding(4096, 256) if sigma == 1.0 else Embedding(4096, 256, init_std=sigma)
     w = emb.weight.detach().double()
-    assert w.abs().max().item() <= 3.0
-    assert abs(w.mean().item()) < 0.01
-    # N(0, 1) truncated at ±3 has std sqrt(1 - 6 φ(3) / (Φ(3) - Φ(-3))).
+    assert w.abs().max().item() <= 3.0 * sigma
+    assert abs(w.mean().item()) < 0.01 * sigma
+    # N(0, σ²) truncated at ±3σ has std σ·sqrt(1 - 6 φ(3) / (Φ(3) - Φ(-3))).
     expected_std = math.sqrt(1 - 6 * math.exp(-4.5) / math.sqrt(2 * math.pi) / math.erf(3 / math.sqrt(2)))
-    assert w.std().item() == pytest.approx(expected_std, rel=0.02)
+    assert w.std().item() == pytest.approx(sigma * expected_std, rel=0.02)
 
 
 def test_layout_and_dtype(device):

@@ -17,8 +17,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 
-def reference_block(sd, x, heads, theta, rope_reference, positions=None, eps=1e-5):
-    """The pre-norm block re-derived in float64 from torch built-ins and the complex-number RoPE."""
+def reference_block(
+    sd, x, heads, theta, rope_reference, positions=None, eps=1e-5, norm_placement="pre", rope=True, ffn="swiglu"
+):
+    """The block re-derived in float64 from torch built-ins and the complex-number RoPE: pre-norm
+    x + f(norm(x)), post-norm norm(x + f(x)) or no norm x + f(x); RoPE or none; SwiGLU or the SiLU FFN."""
     sd = {k: v.double() for k, v in sd.items()}
     x = x.double()
     seq = x.shape[-2]
@@ -27,33 +30,51 @@ def reference_block(sd, x, heads, theta, rope_reference, positions=None, eps=1e-
     def split(t):
         return t.unflatten(-1, (heads, -1)).transpose(-2, -3)
 
-    h = F.rms_norm(x, (x.shape[-1],), sd["ln1.weight"], eps)
-    q, k, v = (split(F.linear(h, sd[f"attn.{n}_proj.weight"])) for n in "qkv")
-    q, k = rope_reference(q, positions, theta), rope_reference(k, positions, theta)
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(-2, -3).flatten(-2)
-    y = x + F.linear(attn, sd["attn.output_proj.weight"])
-    h = F.rms_norm(y, (y.shape[-1],), sd["ln2.weight"], eps)
-    gated = F.silu(F.linear(h, sd["ffn.w1.weight"])) * F.linear(h, sd["ffn.w3.weight"])
-    return y + F.linear(gated, sd["ffn.w2.weight"])
+    def norm(h, name):
+        return h if norm_placement == "none" else F.rms_norm(h, (h.shape[-1],), sd[name], eps)
+
+    def attention(h):
+        q, k, v = (split(F.linear(h, sd[f"attn.{n}_proj.weight"])) for n in "qkv")
+        if rope:
+            q, k = rope_reference(q, positions, theta), rope_reference(k, positions, theta)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(-2, -3).flatten(-2)
+        return F.linear(out, sd["attn.output_proj.weight"])
+
+    def feed_forward(h):
+        hidden = F.silu(F.linear(h, sd["ffn.w1.weight"]))
+        if ffn == "swiglu":
+            hidden = hidden * F.linear(h, sd["ffn.w3.weight"])
+        return F.linear(hidden, sd["ffn.w2.weight"])
+
+    if norm_placement == "post":
+        y = norm(x + attention(x), "ln1.weight")
+        return norm(y + feed_forward(y), "ln2.weight")
+    y = x + attention(norm(x, "ln1.weight"))
+    return y + feed_forward(norm(y, "ln2.weight"))
 
 
 def reference_lm(sd, ids, cfg, rope_reference, positions=None):
     """TransformerLM's logits from its state dict ``sd`` and config ``cfg``, in float64."""
     x = sd["token_embeddings.weight"].double()[ids]
+    variant = dict(norm_placement=cfg.norm_placement, rope=cfg.positions == "rope", ffn=cfg.ffn)
     for i in range(cfg.num_layers):
         prefix = f"layers.{i}."
         block_sd = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-        x = reference_block(block_sd, x, cfg.num_heads, cfg.rope_theta, rope_reference, positions, cfg.norm_eps)
-    x = F.rms_norm(x, (cfg.d_model,), sd["ln_final.weight"].double(), cfg.norm_eps)
+        x = reference_block(
+            block_sd, x, cfg.num_heads, cfg.rope_theta, rope_reference, positions, cfg.norm_eps, **variant
+        )
+    if cfg.norm_placement != "none":
+        x = F.rms_norm(x, (cfg.d_model,), sd["ln_final.weight"].double(), cfg.norm_eps)
     return F.linear(x, sd["lm_head.weight"].double())
 
 
 @pytest.fixture
 def block_reference(rope_reference):
-    """``block_reference(state_dict, x, heads, theta, positions=None, eps=1e-5)`` in float64."""
+    """``block_reference(state_dict, x, heads, theta, positions=None, eps=1e-5, **variant)`` in float64; the
+    variant keywords are ``norm_placement``, ``rope`` (a bool) and ``ffn``."""
 
-    def run(sd, x, heads, theta, positions=None, eps=1e-5):
-        return reference_block(sd, x, heads, theta, rope_reference, positions, eps)
+    def run(sd, x, heads, theta, positions=None, eps=1e-5, **variant):
+        return reference_block(sd, x, heads, theta, rope_reference, positions, eps, **variant)
 
     return run
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -8,9 +10,10 @@ from tlm_model.accounting import COMPONENTS, account, count_parameters
 
 def closed_form_forward_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
     """The course's (full QKᵀ) count, written out: per layer 4 d×d projections, QKᵀ and AV over seq², three
-    d×d_ff FFN matrices; then the LM head."""
+    d×d_ff FFN matrices (two for the SiLU FFN); then the LM head."""
     d, t = cfg.d_model, seq
-    per_layer = 4 * 2 * t * d * d + 2 * 2 * t * t * d + 3 * 2 * t * d * cfg.d_ff
+    ffn_matrices = 2 if cfg.ffn == "silu" else 3
+    per_layer = 4 * 2 * t * d * d + 2 * 2 * t * t * d + ffn_matrices * 2 * t * d * cfg.d_ff
     return batch * (cfg.num_layers * per_layer + 2 * t * d * cfg.vocab_size)
 
 
@@ -158,3 +161,27 @@ def test_gqa_forward_flops_equal_flop_counter_mode(cfg):
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(ids)
     assert counter.get_total_flops() == account(cfg, batch_size=2, seq_len=11).forward_flops
+
+
+# The ablations of CS336 §7: norms, RoPE and the FFN's third matrix are counted as the model builds them.
+ABLATIONS = [dict(norm_placement="post"), dict(norm_placement="none"), dict(positions="none"), dict(ffn="silu")]
+
+
+@pytest.mark.parametrize("fields", ABLATIONS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_ablations_count_what_the_built_model_holds_and_runs(fields):
+    cfg = dataclasses.replace(
+        ModelConfig(vocab_size=97, context_length=24, d_model=32, num_layers=3, num_heads=4, d_ff=80), **fields
+    )
+    model = TransformerLM(cfg, attention_backend="reference")
+    report = account(cfg, batch_size=2, seq_len=11)
+    # Closed form: 4·d² attention, 3·d·d_ff SwiGLU or 2·d·d_ff SiLU, 2·d norm gains per layer; a final norm; untied.
+    d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+    norms = 0 if cfg.norm_placement == "none" else d
+    block = 4 * d * d + (2 if cfg.ffn == "silu" else 3) * d * f + 2 * norms
+    assert report.params_total == sum(p.numel() for p in model.parameters()) == 2 * v * d + 3 * block + norms
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(torch.randint(0, v, (2, 11)))
+    assert counter.get_total_flops() == report.forward_flops == closed_form_forward_flops(cfg, 2, 11)
+    estimate = report.elementwise_flops
+    assert (estimate["rmsnorm"] == 0) == (cfg.norm_placement == "none")
+    assert (estimate["rope"] == 0) == (cfg.positions == "none")

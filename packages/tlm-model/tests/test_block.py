@@ -62,6 +62,34 @@ def test_block_config_fields_reach_the_modules():
         TransformerBlock(config.to_dict())
 
 
+# The ablations of CS336 §7, one field each, against the float64 formula of each block (conftest.reference_block).
+ABLATIONS = [dict(norm_placement="post"), dict(norm_placement="none"), dict(positions="none"), dict(ffn="silu")]
+
+
+@pytest.mark.parametrize("fields", ABLATIONS, ids=lambda f: "-".join(f"{k}={v}" for k, v in f.items()))
+def test_ablation_blocks_match_float64_rederivation(fields, device, block_reference, course_block_keys):
+    config = block_config(32, 4, 96, max_seq_len=64, **fields)
+    block = randomized(TransformerBlock(config, device=device))
+    absent = {
+        "norm_placement": {"ln1.weight", "ln2.weight"} if config.norm_placement == "none" else set(),
+        "ffn": {"ffn.w3.weight"} if config.ffn == "silu" else set(),
+    }
+    assert set(block.state_dict()) == course_block_keys - set().union(*absent.values())
+    assert (block.attn.rope is None) == (config.positions == "none")
+    x = torch.randn(3, 12, 32, device=device)
+    variant = dict(norm_placement=config.norm_placement, rope=config.positions == "rope", ffn=config.ffn)
+    expected = block_reference(block.state_dict(), x, 4, 10_000.0, **variant)
+    torch.testing.assert_close(block(x).double(), expected, rtol=1e-5, atol=1e-5)  # as the pre-norm test above
+    if config.norm_placement == "post":
+        # The placement is what is tested: the same weights read as pre-norm give another function.
+        assert (block_reference(block.state_dict(), x, 4, 10_000.0) - expected).abs().max() > 1e-2
+
+
+def test_a_rope_module_for_a_nope_block_is_refused():
+    with pytest.raises(ValueError, match="rope was given but config.positions is 'none'"):
+        TransformerBlock(block_config(16, 4, 32, positions="none"), rope=RotaryPositionalEmbedding(10_000.0, 4, 16))
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="d_model must be divisible by num_heads"):
         TransformerBlock(block_config(30, 4, 64))

@@ -1,13 +1,12 @@
 """Faults injected into a real saving process: SIGKILL at every step, at random times, and races.
 
-Each test forks ``python`` processes that call ``save_checkpoint`` (fault_processes.py); a hook in
+Each test forks ``python`` processes that call ``save_model_file`` (fault_processes.py); a hook in
 ``tlm_model.checkpoint`` logs every step the save completes, and can park the process there so
 the test kills it with SIGKILL at a known point. After the kill the test looks at what is on disk
 and loads it: the result must be the old checkpoint or the new one, bit for bit, never a mix.
 docs/reliability.md tabulates these cases.
 """
 
-import json
 import os
 import random
 import re
@@ -18,7 +17,7 @@ import pytest
 import torch
 from fault_processes import Worker, build
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 
 # slow: every test starts python subprocesses and kills them.
 pytestmark = [
@@ -34,14 +33,14 @@ MEDIUM = ModelConfig(vocab_size=4000, context_length=32, d_model=128, num_layers
 @pytest.fixture(scope="module")
 def zygote():
     yield from fault_processes.zygote(
-        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_checkpoint",
+        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_model_file",
         hooks="checkpoint._after_step",
         work=r"""
             config = ModelConfig(**job["config"])
             models = [build(seed, config) for seed in job["seeds"]]
             log.write("ready\n")
             for i in range(job["saves"]):
-                save_checkpoint(models[i % len(models)], job["target"])
+                save_model_file(models[i % len(models)], job["target"])
                 log.write("saved\n")
         """,
     )
@@ -58,7 +57,7 @@ class Saver(Worker):
 def identify(directory, candidates: dict[str, TransformerLM]) -> str:
     """Which candidate the checkpoint in ``directory`` holds, bit for bit, or 'nothing'."""
     try:
-        loaded = load_checkpoint(directory).state_dict()
+        loaded = load_model_file(directory).state_dict()
     except FileNotFoundError:
         return "nothing"
     for label, model in candidates.items():
@@ -72,35 +71,24 @@ def on_disk(directory) -> list[str]:
     return sorted("temporary file" if temporary.fullmatch(p.name) else p.name for p in directory.iterdir())
 
 
-STEPS = ["temp-created", "header-written", "tensor-written", "fsynced", "renamed", "folder-fsynced",
-         "legacy-config-removed"]  # fmt: skip
+STEPS = ["temp-created", "written", "replaced"]
 OLD, NEW = 1, 2
 # (what the folder held before, step after which the saver was killed) -> (files afterwards, what loads)
 EXPECTED = {
-    **{("empty", s): (["temporary file"], "nothing") for s in STEPS[:4]},
-    **{("empty", s): (["model.safetensors"], "new") for s in STEPS[4:]},
-    **{("current", s): (["model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
-    **{("current", s): (["model.safetensors"], "new") for s in STEPS[4:]},
-    **{("0.1.0", s): (["config.json", "model.safetensors", "temporary file"], "old") for s in STEPS[:4]},
-    **{("0.1.0", s): (["config.json", "model.safetensors"], "new") for s in STEPS[4:6]},
-    ("0.1.0", "legacy-config-removed"): (["model.safetensors"], "new"),
+    **{("empty", s): (["temporary file"], "nothing") for s in STEPS[:2]},
+    ("empty", "replaced"): (["model.safetensors"], "new"),
+    **{("current", s): (["model.safetensors", "temporary file"], "old") for s in STEPS[:2]},
+    ("current", "replaced"): (["model.safetensors"], "new"),
 }
 
 
 def prepare(directory, before: str) -> None:
     directory.mkdir()
-    old = build(OLD, SMALL)
     if before == "current":
-        save_checkpoint(old, directory)
-    elif before == "0.1.0":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(directory / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
-        (directory / "config.json").write_text(json.dumps({"format": 1, **SMALL.to_dict()}))
+        save_model_file(build(OLD, SMALL), directory)
 
 
-@pytest.mark.parametrize("before", ["empty", "current", "0.1.0"])
+@pytest.mark.parametrize("before", ["empty", "current"])
 def test_sigkill_after_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path, zygote, before):
     candidates = {"old": build(OLD, SMALL), "new": build(NEW, SMALL)}
     for step in STEPS:
@@ -120,7 +108,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
     landed = []
     for trial in range(12):
         directory = tmp_path / str(trial)
-        save_checkpoint(candidates["A"], directory)
+        save_model_file(candidates["A"], directory)
         saver = Saver(zygote, tmp_path / f"{trial}.log", directory, [11, 10], saves=1000, config=MEDIUM)
         saver.wait_for("ready")
         time.sleep(rng.uniform(0.0, 0.3))
@@ -134,7 +122,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
 
 def test_two_savers_and_a_reader_race(tmp_path, zygote):
     a, b = build(20, SMALL), build(21, SMALL)
-    save_checkpoint(a, tmp_path / "ckpt")
+    save_model_file(a, tmp_path / "ckpt")
     savers = [Saver(zygote, tmp_path / f"{seed}.log", tmp_path / "ckpt", [seed], saves=40) for seed in (20, 21)]
     seen = []
     while any(s.alive() for s in savers):

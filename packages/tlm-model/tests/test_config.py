@@ -52,8 +52,29 @@ BASE = dict(vocab_size=100, context_length=16, d_model=32, num_layers=2, num_hea
         (dict(d_ff=64.0), TypeError, "d_ff must be an int, got float"),
         (dict(rope_theta=-1.0), ValueError, "rope_theta must be a finite number > 0, got -1.0"),
         (dict(norm_eps="x"), TypeError, "norm_eps must be a number, got str"),
+        (
+            dict(norm_placement="sandwich"),
+            ValueError,
+            r"norm_placement must be one of \['none', 'post', 'pre'\], got 's",
+        ),
+        (dict(positions="alibi"), ValueError, r"ModelConfig.positions must be one of \['none', 'rope'\], got 'alibi'"),
+        (dict(ffn="relu"), ValueError, r"ModelConfig.ffn must be one of \['silu', 'swiglu'\], got 'relu'"),
+        (
+            dict(positions="none", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+            ValueError,
+            "rope_scaling must be None with positions='none'",
+        ),
     ],
 )
 def test_validation(change, exc, match):
     with pytest.raises(exc, match=match):
         ModelConfig(**{**BASE, **change})
+
+
+def test_the_ablation_fields_default_to_the_course_model_and_round_trip():
+    cfg = ModelConfig(**BASE)
+    assert (cfg.norm_placement, cfg.positions, cfg.ffn) == ("pre", "rope", "swiglu")
+    ablated = ModelConfig(**BASE, norm_placement="post", positions="none", ffn="silu")
+    assert ModelConfig.from_dict(ablated.to_dict()) == ablated
+    # RoPE pairs features; without it an odd head width is a valid model.
+    assert ModelConfig(**{**BASE, "num_heads": 32}, positions="none").d_head == 1

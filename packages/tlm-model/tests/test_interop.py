@@ -1,6 +1,9 @@
+import dataclasses
+
+import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM
+from tlm_model import ModelConfig, TransformerLM, save_hf
 from tlm_model.interop import from_hf_llama_state_dict, hf_llama_config_kwargs, to_hf_llama_state_dict
 
 CFG = ModelConfig(vocab_size=31, context_length=8, d_model=24, num_layers=2, num_heads=3, d_ff=40)
@@ -30,3 +33,20 @@ def test_config_kwargs():
     kwargs = hf_llama_config_kwargs(CFG)
     assert kwargs["hidden_size"] == 24 and kwargs["num_key_value_heads"] == 3
     assert kwargs["rope_parameters"]["rope_theta"] == CFG.rope_theta
+
+
+def test_an_ablation_is_refused_by_every_export_function_naming_each_field(tmp_path):
+    cfg = dataclasses.replace(CFG, norm_placement="post", positions="none", ffn="silu")
+    model = TransformerLM(cfg)
+    message = (
+        r"an HF Llama cannot express ModelConfig.norm_placement='post' \(.*only norm_placement='pre' exports\); "
+        r"ModelConfig.positions='none' \(.*\); ModelConfig.ffn='silu' \(.*only ffn='swiglu' exports\)$"
+    )
+    for export in (
+        lambda: hf_llama_config_kwargs(cfg),
+        lambda: to_hf_llama_state_dict(model.state_dict(), cfg),
+        lambda: save_hf(model, tmp_path / "hf"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            export()
+    assert not (tmp_path / "hf").exists()

@@ -174,15 +174,15 @@ def test_a_folder_replaced_in_the_middle_of_a_read_is_read_whole(tmp_path, monke
         monkeypatch.setattr(interop, "config_from_hf", config_from_hf)
         from_hf_result = from_hf(tmp_path / "out")
     else:
-        import tlm_model.checkpoint as checkpoint
+        from tlm_model import _weights
 
-        original_problems = checkpoint._table_problems
+        original_problems = _weights.table_problems
 
         def table_problems(*args, **kwargs):
             replace_once()
             return original_problems(*args, **kwargs)
 
-        monkeypatch.setattr(checkpoint, "_table_problems", table_problems)
+        monkeypatch.setattr(_weights, "table_problems", table_problems)
         from_hf_result = from_hf(tmp_path / "out")
     assert replaced
     config = CANDIDATES[loads][1]

@@ -1,4 +1,4 @@
-"""TransformerLM.from_hf / save_hf against HF transformers' LlamaForCausalLM, with random weights.
+"""from_hf / save_hf against HF transformers' LlamaForCausalLM, with random weights.
 
 The configurations are the published ones of SmolLM2-135M, TinyLlama-1.1B and Llama-3.2-1B, shrunk
 in layers, width and vocabulary for a 2-core CPU while keeping each model's GQA ratio, head_dim,
@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, generate, save_hf
+from tlm_model import ModelConfig, TransformerLM, from_hf, generate, save_hf
 from tlm_model.interop import config_from_hf, hf_llama_config_kwargs, to_hf_llama_state_dict
 
 transformers = pytest.importorskip("transformers")
@@ -69,7 +69,7 @@ def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path, r
     hf = random_hf_model(name)
     hf.save_pretrained(tmp_path, max_shard_size="1MB" if shard else "50GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == shard
-    model = TransformerLM.from_hf(tmp_path)
+    model = from_hf(tmp_path)
     assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
     assert model.config.kv_heads == hf.config.num_key_value_heads
     ids = torch.randint(0, 512, (2, 24))
@@ -89,7 +89,7 @@ def test_from_hf_matches_llama_logits_and_greedy_tokens(name, shard, tmp_path, r
 def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path, record_error):
     hf = random_hf_model(name)
     hf.save_pretrained(tmp_path / "hf")
-    model = TransformerLM.from_hf(tmp_path / "hf")
+    model = from_hf(tmp_path / "hf")
     save_hf(model, tmp_path / "out")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert back.config.tie_word_embeddings == model.config.tie_word_embeddings
@@ -102,7 +102,7 @@ def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path, record_
     assert err < 1e-5
     torch.testing.assert_close(ref, original, rtol=0, atol=0)  # the exported weights are HF's exactly
     # And back again: the exported folder imports to the same model.
-    again = TransformerLM.from_hf(tmp_path / "out")
+    again = from_hf(tmp_path / "out")
     assert again.config == model.config
     mine, theirs = model.state_dict(), again.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -110,8 +110,22 @@ def test_save_hf_loads_in_transformers_with_equal_logits(name, tmp_path, record_
 
 def test_tied_import_is_one_parameter(tmp_path):
     random_hf_model("SmolLM2-135M").save_pretrained(tmp_path)
-    model = TransformerLM.from_hf(tmp_path)
+    model = from_hf(tmp_path)
     assert model.lm_head.weight is model.token_embeddings.weight
+
+
+def test_a_config_without_tie_word_embeddings_is_untied_as_in_transformers(tmp_path):
+    # transformers' LlamaConfig decides the default: an untied head, read from the folder's lm_head.weight.
+    model = random_hf_model("TinyLlama-1.1B")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["tie_word_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).tie_word_embeddings is False
+    assert config_from_hf(config).tie_word_embeddings is False
+    ids = torch.randint(0, 512, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path)(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_llama3_scaling_is_applied_over_a_full_context(tmp_path, record_error):
@@ -120,7 +134,7 @@ def test_llama3_scaling_is_applied_over_a_full_context(tmp_path, record_error):
     hf = random_hf_model("Llama-3.2-1B")
     assert hf.config.rope_parameters["rope_type"] == "llama3"
     hf.save_pretrained(tmp_path)
-    model = TransformerLM.from_hf(tmp_path)
+    model = from_hf(tmp_path)
     assert model.config.rope_scaling == LLAMA3
     unscaled = TransformerLM(dataclasses.replace(model.config, rope_scaling=None))
     unscaled.load_state_dict(model.state_dict())
@@ -144,7 +158,7 @@ def test_llama3_scaling_is_applied_over_a_full_context(tmp_path, record_error):
 def test_other_scalings_import_with_hf_logits(scaling, tmp_path, record_error):
     hf = random_hf_model("TinyLlama-1.1B", scaling)
     hf.save_pretrained(tmp_path)
-    model = TransformerLM.from_hf(tmp_path)
+    model = from_hf(tmp_path)
     ids = torch.randint(0, 512, (2, 24))
     with torch.no_grad():
         ref, got = hf(ids).logits, model(ids)
@@ -194,18 +208,18 @@ def test_attention_bias_tensors_are_refused_by_name(tmp_path):
     config["attention_bias"] = False  # a config that lies: the bias tensors must still be refused
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"no place for tensors \['model.layers.0.self_attn.k_proj.bias'"):
-        TransformerLM.from_hf(tmp_path)
+        from_hf(tmp_path)
 
 
 def test_missing_folder_is_an_oserror(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
-        TransformerLM.from_hf(tmp_path)
+        from_hf(tmp_path)
 
 
 def test_half_layout_import_keeps_hf_rows_and_logits(tmp_path, record_error):
     hf = random_hf_model("Llama-3.2-1B")
     hf.save_pretrained(tmp_path / "hf")
-    model = TransformerLM.from_hf(tmp_path / "hf", rope_layout="half")
+    model = from_hf(tmp_path / "hf", rope_layout="half")
     assert model.config.rope_layout == "half" and model.rope.layout == "half"
     # No reordering: tlm's q rows are HF's rows as they are.
     torch.testing.assert_close(

@@ -19,6 +19,8 @@ from tlm_model.interop import from_hf
 
 transformers = pytest.importorskip("transformers")
 
+# What a file the safetensors library refuses is called, before the library's own words.
+LIBRARY = "not a valid safetensors file: Error while deserializing header: "
 IDS = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
@@ -332,7 +334,7 @@ def test_integer_and_bool_weights_are_refused_by_name(single, built, dtype):
     write_safetensors(path, header, data)
     message = refused(single, dtype=torch.float32)  # asking for float32 must not convert integers silently
     if size == 4:
-        assert f"model.norm.weight is torch.{dtype.lower().replace('i', 'int')}, not a floating dtype" in message
+        assert f"model.norm.weight is {dtype}, not a floating dtype (BF16, F16, F32, F64)" in message
     else:
         assert "model.norm.weight has shape" in message
     assert built == [(1, {"device": "meta"})]
@@ -345,8 +347,8 @@ def test_an_integer_table_of_the_right_shape_names_every_such_tensor(single, bui
         header[name]["dtype"] = "I32"
     write_safetensors(path, header, data)
     message = refused(single)
-    assert "model.layers.0.input_layernorm.weight is torch.int32, not a floating dtype" in message
-    assert "model.norm.weight is torch.int32, not a floating dtype" in message
+    assert "model.layers.0.input_layernorm.weight is I32, not a floating dtype" in message
+    assert "model.norm.weight is I32, not a floating dtype" in message
     assert built == [(1, {"device": "meta"})]
 
 
@@ -385,12 +387,30 @@ def test_every_truncation_of_a_shard_is_one_line_naming_it(sharded):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda h, a, b: h[a].update(data_offsets=h[b]["data_offsets"]), "is corrupt: tensor"),  # overlap
-        (lambda h, a, b: h[a].update(data_offsets=[0, 2**62]), "needs 64 bytes, its offsets span"),
-        (lambda h, a, b: h[a].update(data_offsets=[2**40, 2**40 + 64]), "is corrupt: tensor"),  # out of range
-        (lambda h, a, b: h[a].update(dtype="F8_E4M3"), "header entry 'model.norm.weight' is not a valid tensor"),
-        (lambda h, a, b: h[a].update(shape=[4, 4, 1, 2]), "needs 128 bytes, its offsets span 64"),
-        (lambda h, a, b: h.update(__metadata__={"format": ["pt"]}), "__metadata__ must map strings to strings"),
+        (
+            lambda h, a, b: h[a].update(data_offsets=h[b]["data_offsets"]),
+            LIBRARY + "invalid offset for tensor",
+        ),  # overlap
+        (
+            lambda h, a, b: h[a].update(data_offsets=[0, 2**62]),
+            LIBRARY + "invalid offset for tensor",
+        ),
+        (
+            lambda h, a, b: h[a].update(data_offsets=[2**40, 2**40 + 64]),
+            LIBRARY + "invalid offset for tensor",
+        ),
+        (
+            lambda h, a, b: h[a].update(dtype="F8_E4M3"),
+            LIBRARY + "invalid shape, data type, or offset",
+        ),  # 1-byte items
+        (
+            lambda h, a, b: h[a].update(shape=[4, 4, 1, 2]),
+            LIBRARY + "invalid shape, data type, or offset",
+        ),
+        (
+            lambda h, a, b: h.update(__metadata__={"format": ["pt"]}),
+            LIBRARY + "invalid JSON in header: invalid type",
+        ),
     ],
     ids=["overlapping", "offsets-disagree", "out-of-range", "unknown-dtype", "shape-lies", "metadata"],
 )

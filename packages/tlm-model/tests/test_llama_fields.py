@@ -1,11 +1,12 @@
 """ModelConfig's Llama-family fields: num_kv_heads, head_dim, tie_word_embeddings."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from tlm_model import PRESETS, ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import PRESETS, ModelConfig, TransformerLM, load_model_file, save_model_file
 
 SMALL = {"vocab_size": 50, "context_length": 16, "d_model": 24, "num_layers": 2, "num_heads": 4, "d_ff": 40}
 
@@ -52,8 +53,8 @@ def test_tied_embeddings_are_one_parameter_through_save_and_load(tmp_path):
     assert tied.lm_head.weight is tied.token_embeddings.weight
     assert tied.num_parameters() == untied.num_parameters() - SMALL["vocab_size"] * SMALL["d_model"]
     assert "lm_head.weight" not in tied.state_dict()
-    save_checkpoint(tied, tmp_path)
-    loaded = load_checkpoint(tmp_path)
+    save_model_file(tied, tmp_path)
+    loaded = load_model_file(tmp_path)
     assert loaded.config == tied.config and loaded.lm_head.weight is loaded.token_embeddings.weight
     ids = torch.randint(0, 50, (2, 7))
     torch.testing.assert_close(loaded(ids), tied(ids), rtol=0, atol=0)
@@ -88,8 +89,8 @@ def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path
     ids = torch.randint(0, 50, (2, 9))
     steps = [model(ids[:, :4], kv_cache=caches)] + [model(ids[:, i : i + 1], kv_cache=caches) for i in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), model(ids), rtol=1e-5, atol=1e-5)
-    save_checkpoint(model, tmp_path)
-    loaded = load_checkpoint(tmp_path, fused=fused)
+    save_model_file(model, tmp_path)
+    loaded = load_model_file(tmp_path, fused=fused)
     assert dataclasses.asdict(loaded.config) == dataclasses.asdict(model.config)
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
 
@@ -100,8 +101,8 @@ def test_rope_scaling_round_trips_through_a_checkpoint(tmp_path):
     scaling["factor"] = 3.0  # the config keeps its own copy
     assert model.config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert model.rope.scaling == {"rope_type": "linear", "factor": 2.0}
-    save_checkpoint(model, tmp_path)
-    loaded = load_checkpoint(tmp_path)
+    save_model_file(model, tmp_path)
+    loaded = load_model_file(tmp_path)
     assert loaded.config == model.config
     ids = torch.randint(0, 50, (1, 16))
     torch.testing.assert_close(loaded(ids), model(ids), rtol=0, atol=0)
@@ -114,7 +115,47 @@ def test_bad_rope_scaling_is_refused():
 
 def test_rope_layout_round_trips_and_is_checked(tmp_path):
     model = TransformerLM(ModelConfig(**SMALL, rope_layout="half"))
-    save_checkpoint(model, tmp_path)
-    assert load_checkpoint(tmp_path).rope.layout == "half"
+    save_model_file(model, tmp_path)
+    assert load_model_file(tmp_path).rope.layout == "half"
     with pytest.raises(ValueError, match=r"rope_layout must be one of \['half', 'interleaved'\], got 'neox'"):
         ModelConfig(**SMALL, rope_layout="neox")
+
+
+def _gqa(heads: int) -> int:
+    return next(k for k in range(2, heads + 1) if heads % k == 0)  # the smallest group count > 1
+
+
+def _step0_loss(config: ModelConfig, seed: int) -> float:
+    """Cross-entropy of a freshly initialised model on random ids (batch 1, 32 tokens), in float64 via F."""
+    torch.manual_seed(seed)
+    model = TransformerLM(config)
+    ids = torch.randint(0, config.vocab_size, (1, 33))
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).double()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+
+
+# The GPT-2 presets are 100-500 MB of weights to draw even with one block (tens of seconds on a shared CPU),
+# so one of them is checked, with one block instead of 12: the first loss is set by the logits' scale, which
+# the final RMSNorm makes independent of depth (|h|² = d_model whatever the blocks did), and by d_model and
+# the vocabulary, which the check keeps: GPT-2's 50,257 ids, tied (the case that was broken) and with GQA.
+_STEP0 = [(n, tied, gqa) for n in ("tiny", "course-tinystories") for tied in (False, True) for gqa in (False, True)]
+_STEP0_GPT2 = [("gpt2-small", True, True)]
+
+
+@pytest.mark.parametrize(
+    ("name", "tied", "gqa"),
+    [*_STEP0, *(pytest.param(*case, marks=pytest.mark.slow) for case in _STEP0_GPT2)],
+)
+def test_a_fresh_model_starts_near_the_uniform_loss_tied_or_not(name, tied, gqa):
+    # A uniform guess costs ln(V). A tied embedding drawn with the course's σ = 1 gave logits of variance
+    # d_model and a first loss of tens of nats; σ = 1/sqrt(d_model) gives unit variance, ln(V) + ~0.5.
+    preset = PRESETS[name]
+    config = dataclasses.replace(
+        preset,
+        tie_word_embeddings=tied,
+        num_kv_heads=_gqa(preset.num_heads) if gqa else None,
+        num_layers=preset.num_layers if name in ("tiny", "course-tinystories") else 1,
+    )
+    loss = _step0_loss(config, seed=0)
+    assert loss == pytest.approx(math.log(config.vocab_size), rel=0.10), (name, tied, gqa, loss)

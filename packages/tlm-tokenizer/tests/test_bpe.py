@@ -75,6 +75,58 @@ def test_merge_takes_the_heap_from_heap_min_on(monkeypatch):
     assert calls == [bpe.HEAP_MIN]
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    length=st.integers(0, 300),
+    alphabet=st.sampled_from([b"ab", b"abc", b"a", b"abcd"]),
+)
+def test_rank_order_follows_the_textbook_rule_where_ranks_follow_creation(seed, length, alphabet):
+    from tlm_tokenizer._rank_order import RankOrderMerge
+
+    rng = random.Random(seed)
+    tokens = [bytes([byte]) for byte in alphabet]
+    merges: list[tuple[bytes, bytes]] = []
+    for _ in range(rng.randint(1, 40)):  # each merge makes a new token from ones made before: creation order
+        pair = (rng.choice(tokens), rng.choice(tokens))
+        if pair[0] + pair[1] not in tokens:
+            merges.append(pair)
+            tokens.append(pair[0] + pair[1])
+    table, ids = table_of(merges)
+    token = bytes(rng.choice(alphabet) for _ in range(length))
+    expected = [ids[part] for part in naive_bpe(token, {pair: rank for rank, pair in enumerate(merges)})]
+    merge = RankOrderMerge.build(table)
+    assert merge is not None and merge(list(token)) == expected
+
+
+def test_rank_order_refuses_a_table_whose_merge_uses_a_later_token_and_encode_takes_the_heap(monkeypatch):
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer._rank_order import RankOrderMerge
+
+    # (aa, a) at rank 0 uses "aa", which rank 1 makes: "aaa" merges (a, a) then (aa, a), lower rank second.
+    merges = [(b"aa", b"a"), (b"a", b"a")]
+    table, ids = table_of(merges)
+    assert RankOrderMerge.build(table) is None
+    tokenizer = Tokenizer({i: token for token, i in ids.items()}, merges)
+    calls = []
+    monkeypatch.setattr(bpe, "merge", lambda parts, table: calls.append(len(parts)) or bpe.merge_heap(parts, table))
+    text = "a" * (3 * 30_000 + 2)
+    ranks = {pair: rank for rank, pair in enumerate(merges)}
+    assert naive_bpe(b"a" * 11, ranks) == [b"aaa"] * 3 + [b"aa"]  # the pattern, in small
+    assert tokenizer.encode(text) == [ids[b"aaa"]] * 30_000 + [ids[b"aa"]] and calls == [len(text)]
+
+
+def test_encode_takes_rank_order_steps_from_rank_order_min_on(gpt2_tokenizer, monkeypatch):
+    from tlm_tokenizer._rank_order import RankOrderMerge
+
+    calls = []
+    real = RankOrderMerge.__call__
+    monkeypatch.setattr(RankOrderMerge, "__call__", lambda self, parts: calls.append(len(parts)) or real(self, parts))
+    gpt2_tokenizer.encode("x" * (bpe.RANK_ORDER_MIN - 1))
+    gpt2_tokenizer.encode("y" * bpe.RANK_ORDER_MIN)
+    assert calls == [bpe.RANK_ORDER_MIN]
+
+
 def long_pretokens(rng: random.Random, length: int) -> list[str]:
     """Strings that GPT-2's pattern keeps whole: runs of letters, of digits, of punctuation, one letter."""
     return [
@@ -86,7 +138,7 @@ def long_pretokens(rng: random.Random, length: int) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("length", [bpe.HEAP_MIN - 1, bpe.HEAP_MIN, 1_000, 20_000])
+@pytest.mark.parametrize("length", [bpe.HEAP_MIN - 1, bpe.HEAP_MIN, 1_000, 20_000, bpe.RANK_ORDER_MIN])
 def test_long_pretokens_match_tiktoken(gpt2_tokenizer, tiktoken_gpt2, length):
     for text in long_pretokens(random.Random(length), length):
         assert gpt2_tokenizer.encode(text) == tiktoken_gpt2.encode_ordinary(text)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, save_model_file
 from tlm_train import CheckpointManager, RunDir, capture_state, load_model, load_tokenizer, resolve
 from tlm_train.artifacts import model_config
 
@@ -33,12 +33,32 @@ def test_each_kind_resolves_to_its_model_and_tokenizer_place(tmp_path):
     assert step.kind == "step" and step.tokenizer_path == run / "tokenizer" and step.run.path == run
     file = resolve(manager.path(1) / "model.safetensors")
     assert file.kind == "model"
-    save_checkpoint(TransformerLM(CONFIG), tmp_path / "loose")
+    save_model_file(TransformerLM(CONFIG), tmp_path / "loose")
     (tmp_path / "loose" / "tokenizer").mkdir()
     assert resolve(tmp_path / "loose").tokenizer_path == tmp_path / "loose" / "tokenizer"
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     assert resolve(tmp_path / "hf").kind == "hf" and resolve(tmp_path / "hf").tokenizer_path is None
+
+
+def test_a_sharded_step_gives_its_model_in_one_process_in_its_run_and_copied_out(tmp_path):
+    import shutil
+
+    from tlm_optim import AdamW
+
+    run = tmp_path / "run"
+    manager = CheckpointManager(run / "checkpoints", keep=5)
+    torch.manual_seed(3)
+    model = TransformerLM(CONFIG, fused=False)
+    state = capture_state(model, AdamW(model.parameters()), step=4)
+    manager.save(model, {**state, "sharded": True})  # as DDP/FSDP2 ranks write it, with one rank here
+    copy = shutil.copytree(manager.path(4), tmp_path / "elsewhere" / "step_00000004")
+    for path, kind in [(run, "run"), (manager.path(4), "step"), (copy, "step")]:
+        artifact = resolve(path)
+        assert artifact.kind == kind and model_config(artifact) == CONFIG
+        loaded, step = load_model(artifact)
+        assert step == 4 and loaded.state_dict().keys() == model.state_dict().keys()
+        assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
 def test_a_run_gives_its_newest_verified_step_and_falls_back_saying_so(tmp_path):

@@ -4,7 +4,6 @@ step folders (CheckpointManager): round trips, all-or-nothing writes, refusal of
 import io
 import os
 import shutil
-import threading
 
 import pytest
 import torch
@@ -265,7 +264,7 @@ def _save(manager, step, seed=0):
 
 
 def test_a_step_folder_holds_the_model_file_and_the_training_state(tmp_path):
-    from tlm_model import load_checkpoint as load_model
+    from tlm_model import load_model_file as load_model
     from tlm_train import CheckpointManager
 
     manager = CheckpointManager(tmp_path / "checkpoints", keep=3)
@@ -344,6 +343,7 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_killed_saves(tmp_path):
     (leftover / "model.safetensors").write_bytes(b"half")
     assert manager.prune() == [1] and manager.steps() == [2, 3]
     assert manager.remove_leftovers() == [leftover] and sorted(os.listdir(tmp_path)) == [
+        "latest",
         "step_00000002",
         "step_00000003",
     ]
@@ -352,26 +352,163 @@ def test_prune_keeps_the_newest_and_removes_leftovers_of_killed_saves(tmp_path):
     assert single.steps() == [3]  # never the newest
 
 
-def test_a_reader_never_misses_a_checkpoint_while_a_writer_saves_and_prunes(tmp_path):
+@pytest.mark.slow  # a writer process (importing torch takes seconds on a busy machine)
+def test_a_reader_never_misses_a_checkpoint_while_another_process_saves_and_prunes(tmp_path, python, monkeypatch):
+    import subprocess
+    import time
+
     from tlm_train import CheckpointManager
 
-    writer, reader = CheckpointManager(tmp_path, keep=1), CheckpointManager(tmp_path, keep=1)
-    _save(writer, 0)
-    stop, misses = threading.Event(), []
+    code = """
+    import os, sys
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_optim import AdamW
+    from tlm_train import CheckpointManager, capture_state
+    manager = CheckpointManager(sys.argv[1], keep=1)
+    model = TransformerLM(ModelConfig(16, 4, 8, 1, 1, 8), fused=False)
+    opt = AdamW(model.parameters())
+    manager.save(model, capture_state(model, opt, step=0))
+    print("ready", flush=True)
+    step, parent = 0, os.getppid()
+    while os.getppid() == parent:  # until killed, or orphaned
+        step += 1
+        manager.save(model, capture_state(model, opt, step=step))
+        manager.prune()
+    """
+    child = python(code, str(tmp_path), wait=False, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        listing = os.scandir
 
-    def read():
-        while not stop.is_set():
-            if reader.load_latest() is None:
-                misses.append(1)
+        def stale(path):  # the reader is held up after reading the folder, until the writer replaced what it saw
+            entries = list(listing(path))
+            seen = [entry.path for entry in entries if entry.name.startswith("step_")]
+            deadline = time.monotonic() + 5
+            while any(os.path.lexists(folder) for folder in seen) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return iter(entries)
 
-    thread = threading.Thread(target=read)
-    thread.start()
-    for step in range(1, 25):
-        _save(writer, step)
-        writer.prune()
-    stop.set()
-    thread.join()
-    assert misses == [] and writer.steps() == [24]
+        monkeypatch.setattr(os, "scandir", stale)
+        reader = CheckpointManager(tmp_path, keep=1)
+        found = [reader.load_latest() for _ in range(5)]
+        monkeypatch.undo()
+    finally:
+        child.kill()
+        child.wait()
+    assert [checkpoint is not None for checkpoint in found] == [True] * 5
+    steps = [checkpoint.step for checkpoint in found]
+    assert steps == sorted(steps) and steps[-1] > 0  # each read saw the writer's newest step, not step 0 left over
+
+
+def test_a_step_folder_removed_by_hand_leaves_the_listing_to_the_folders_left(tmp_path):
+    from tlm_train import CheckpointManager
+
+    manager = CheckpointManager(tmp_path, keep=1)
+    for step in (1, 2):
+        _save(manager, step)
+    assert (tmp_path / "latest").read_text() == "step_00000002\n"
+    shutil.rmtree(manager.path(2))  # the step `latest` names
+    assert manager.steps() == [1] and manager.load_latest().step == 1
+    _save(manager, 3)
+    _save(manager, 2)  # an older step saved after a newer one: the newest save is kept, and the newest step
+    assert manager.prune() == [1] and manager.steps() == [2, 3]
+
+
+def _save_sharded(manager, step, seed=0):
+    from tlm_train import capture_state
+
+    model, opt = _lm_state(seed)
+    state = capture_state(model, opt, step=step)
+    state["sharded"] = True  # as DDP/FSDP2 ranks save it; here DCP writes the one rank's part
+    return model, opt, manager.save(model, state)
+
+
+def test_a_sharded_step_folder_restores_model_and_optimizer_exactly_and_gives_the_model(tmp_path):
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import load_step_model, read_model_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    model, opt, path = _save_sharded(manager, 3)
+    assert sorted(os.listdir(path)) == ["shards", "train_state.pt"] and manager.steps() == [3]
+    other, other_opt = _lm_state(seed=5)
+    assert restore_state(manager.load(3).state, other, other_opt) == 3
+    assert _same_state(model.state_dict(), other.state_dict())
+    assert _same_state(opt.state_dict(), other_opt.state_dict())  # torch's own view of the optimizer
+    config, weights = read_model_state(path)  # what generate/eval/convert read: the model's tensors only
+    assert config == model.config and _same_state(weights, model.state_dict())
+    assert _same_state(load_step_model(path).state_dict(), model.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ("flip .metadata", "do not match the SHA-256"),
+        ("flip __0_0.distcp", "do not match the SHA-256"),
+        ("add __1_0.distcp", "holds files .*__1_0.distcp"),
+        ("remove __0_0.distcp", "lacks the shard files .*__0_0.distcp"),
+    ],
+)
+def test_a_sharded_step_folder_whose_files_changed_is_refused_before_dcp_reads_it(tmp_path, change, match):
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import read_model_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _, _, path = _save_sharded(manager, 1)
+    action, name = change.split()
+    shard = path / "shards" / name
+    if action == "flip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif action == "add":
+        shard.write_bytes(b"")
+    else:
+        shard.unlink()
+    for read in (lambda: manager.load(1), lambda: read_model_state(path)):
+        with pytest.raises(ValueError, match=match):
+            read()
+
+
+@pytest.mark.parametrize(
+    ("craft", "match"),
+    [
+        ("code", "not a readable DCP metadata file .*may not build builtins.exec"),
+        ("bytes item", "lists non-tensor items \\['model.ln_final.weight'\\]"),  # DCP would torch.load it unsafely
+    ],
+)
+def test_a_crafted_dcp_metadata_pickle_runs_nothing_even_when_its_digest_is_recorded(tmp_path, craft, match):
+    import hashlib
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import load_train_state, read_model_state, save_train_state
+
+    manager = CheckpointManager(tmp_path, keep=5)
+    _, _, path = _save_sharded(manager, 1)
+    ran = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (exec, (f"open({str(ran)!r}, 'w').close()",))
+
+    if craft == "code":
+        crafted = pickle.dumps(Payload())
+    else:
+        metadata = pickle.loads((path / "shards" / ".metadata").read_bytes())
+        metadata.state_dict_metadata["model.ln_final.weight"] = BytesStorageMetadata()
+        crafted = pickle.dumps(metadata)
+    (path / "shards" / ".metadata").write_bytes(crafted)
+    state = load_train_state(path / "train_state.pt")  # the attacker records the crafted file's digest too
+    state["shard_files"][".metadata"] = hashlib.sha256(crafted).hexdigest()
+    save_train_state(path / "train_state.pt", state)
+    checkpoint = manager.load(1)
+    other, other_opt = _lm_state(seed=5)
+    for read in (lambda: restore_state(checkpoint.state, other, other_opt), lambda: read_model_state(path)):
+        with pytest.raises(ValueError, match=match):
+            read()
+    assert not ran.exists()
 
 
 def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
@@ -426,4 +563,4 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
         done = latest.step
     manager = CheckpointManager(tmp_path, keep=2)
     manager.remove_leftovers()
-    assert all(name.startswith("step_") for name in os.listdir(tmp_path))
+    assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))

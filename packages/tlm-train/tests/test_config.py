@@ -105,3 +105,22 @@ def test_the_default_tokenizer_vocabulary_is_the_default_presets() -> None:
 def test_total_steps_from_a_token_budget() -> None:
     assert TrainConfig(steps=5).total_steps() == 5
     assert TrainConfig(max_tokens=10_000, batch_size=8).total_steps() == 10  # 8 × 128 tokens a step
+
+
+def test_the_settings_import_without_torch_and_a_bad_one_is_refused_before_torch_loads() -> None:
+    # A fresh interpreter (this one has torch): TrainConfig, ModelConfig and RoPE's names load, and every
+    # check but the device's runs, with no torch, which lets `tlm train` refuse a wrong flag at once.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tlm_train.config import TrainConfig\n"
+        "try:\n"
+        "    TrainConfig(lr=-1.0)\n"
+        "except ValueError as err:\n"
+        "    print(err)\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["TrainConfig.lr must be a finite number > 0, got -1.0", "False"]

@@ -56,3 +56,23 @@ def test_a_pickled_npy_is_refused(tmp_path) -> None:
     np.save(tmp_path / "t.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="is not a readable .npy file"):
         prepare_data(TrainConfig(data=[str(tmp_path / "t.npy")]), RunDir(tmp_path / "run"))
+
+
+def test_a_token_file_changed_in_place_is_refused_on_resume(tmp_path, make_config, tokens, snapshot) -> None:
+    import hashlib
+    import json
+
+    from tlm_train import train
+
+    original = tokens.read_bytes()
+    train(make_config(steps=2))
+    run = tmp_path / "run"
+    recorded = json.loads((run / "data" / "info.json").read_text())["token_file"]
+    assert recorded == {"path": str(tokens), "bytes": len(original), "sha256": hashlib.sha256(original).hexdigest()}
+    ids = np.load(tokens)
+    np.save(tokens, np.roll(ids, 1))  # same path, length, dtype and id range; other tokens
+    assert tokens.stat().st_size == len(original) and tokens.read_bytes() != original
+    before = snapshot(run)
+    with pytest.raises(ValueError, match=rf"^--data {tokens} changed since the run started \({len(original)} bytes"):
+        train(make_config(steps=3), resume=True)
+    assert snapshot(run) == before

@@ -1,5 +1,6 @@
 """torchrun with 2 gloo processes: DDP and FSDP2 equal one process on the same global batch, a
-2-process run resumes bit-exactly, and a 2-rank checkpoint resumes on 1 rank (all slow); and, quickly,
+2-process run resumes bit-exactly, each rank writes its own DCP shards, and a 2-rank checkpoint resumes
+on 1 rank (all slow); and, quickly,
 what the helpers do in one process without torchrun.
 
 Tolerance: the ranks' gradients are averaged by an all-reduce (FSDP2: a reduce-scatter) instead of
@@ -22,6 +23,7 @@ import torch
 
 from tlm_model import ModelConfig, TransformerLM
 from tlm_train import DistInfo, LanguageModelLoss, RunDir, init_distributed, wrap_model
+from tlm_train.checkpoint import read_model_state
 from tlm_train.distributed import barrier
 from tlm_train.metrics import TIMING_FIELDS
 
@@ -58,7 +60,7 @@ def _train(tokens: Path, out: Path, nproc: int = 1, **changes) -> None:
 
 
 def _weights(run: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
-    return RunDir(run).checkpoints().load(step).state["model"]
+    return read_model_state(RunDir(run).checkpoints().path(step))[1]
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -130,6 +132,33 @@ def test_two_process_fsdp2_resume_is_bit_identical(tokens: Path, fsdp: Path, tmp
     got, want = _weights(out), _weights(fsdp)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert _metrics(out) == _metrics(fsdp)
+
+
+@pytest.mark.slow
+def test_each_rank_writes_its_own_shards_and_dcp_reads_them_back_whole(fsdp: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = RunDir(fsdp).checkpoints().path(4)
+    assert sorted(p.name for p in folder.iterdir()) == ["shards", "train_state.pt"]  # no gathered model file
+    assert sorted(p.name for p in (folder / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # DCP's own index of the files: every tensor (weights and both AdamW moments) is in two halves by rows,
+    # rank 0's half in rank 0's file and rank 1's in rank 1's; no file holds a whole tensor.
+    metadata = FileSystemReader(folder / "shards").read_metadata()
+    parts: dict[str, dict[str, int]] = {}
+    for index, info in metadata.storage_data.items():
+        parts.setdefault(index.fqn, {})[info.relative_path] = index.offset[0]
+    tensors = {k: v.size for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    assert len(tensors) == 3 * len(_weights(fsdp, 4))
+    for key, size in tensors.items():
+        assert parts[key] == {"__0_0.distcp": 0, "__1_0.distcp": size[0] // 2}, key
+    # What tlm's commands read equals DCP's own consolidation of the same files.
+    dcp_to_torch_save(folder / "shards", tmp_path / "consolidated.pt")
+    whole = torch.load(tmp_path / "consolidated.pt", weights_only=True)
+    want = {key.removeprefix("model."): value for key, value in whole.items() if key.startswith("model.")}
+    got = read_model_state(folder)[1]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 @pytest.mark.slow

@@ -88,3 +88,12 @@ def test_the_plot_draws_each_logged_loss_against_its_step(tmp_path, monkeypatch)
         "validation": ([2, 4], [2.0, 1.5]),
     }
     assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+
+
+def test_a_symlink_planted_at_the_log_mid_run_is_an_error_not_followed(tmp_path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "m.jsonl").symlink_to(victim)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        MetricsLog(tmp_path / "m.jsonl").append({"step": 1})
+    assert victim.read_text() == "precious\n"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_model import ModelConfig, TransformerLM, load_checkpoint, save_checkpoint
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 from tlm_train import NonFiniteLossError, RunDir, TrainConfig, default_corpus, train
 from tlm_train.metrics import TIMING_FIELDS
 
@@ -28,7 +28,7 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     # train.toml records what ran: the model resolved field by field (vocabulary from the tokenizer).
     assert saved == config.replace(model=config.model_config(300).to_dict(drop_none=True))
     assert RunDir(run).tokenizer().vocab_size == 300 and (run / "loss.png").stat().st_size > 0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000004"]
     assert sorted(p.name for p in (run / "data").iterdir()) == ["info.json", "train.npy", "val.npy"]
     records = _records(run)
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
@@ -39,13 +39,13 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     assert abs(result.val_losses[0][1] - math.log(300)) < 0.5
     assert isinstance(result.sample, str) and result.sample
     assert not result.interrupted and result.step == 4
-    assert load_checkpoint(run / "checkpoints" / "step_00000004").config.vocab_size == 300
+    assert load_model_file(run / "checkpoints" / "step_00000004").config.vocab_size == 300
 
 
 def test_model_fields_as_settings_train_a_gqa_tied_model_and_the_checkpoint_says_so(make_config, tmp_path) -> None:
     config = make_config(model={**make_config().model, "num_heads": 4, "num_kv_heads": 2, "tie_word_embeddings": True})
     train(config)
-    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000004")
+    model = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000004")
     assert (model.config.num_heads, model.config.kv_heads, model.config.tie_word_embeddings) == (4, 2, True)
     assert model.lm_head.weight is model.token_embeddings.weight
     assert model.state_dict()["layers.0.attn.k_proj.weight"].shape == (2 * 8, 32)  # 2 kv heads of d_head 8
@@ -77,7 +77,7 @@ def test_nan_loss_names_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_path, 
     good = int(message.split("finite loss is step ")[1].split(":")[0])
     assert good <= failed - 2 and good in manager.steps()  # pruning waited for a finite step after each save
     # The named checkpoint really gives a finite loss on the training data.
-    model = load_checkpoint(manager.path(good))
+    model = load_model_file(manager.path(good))
     ids = torch.from_numpy(np.load(config.data[0])[:17].astype(np.int64))
     assert math.isfinite(float(model.loss(ids[None, :-1], ids[None, 1:])))
 
@@ -151,10 +151,22 @@ def test_a_token_file_with_a_tokenizer_keeps_it_and_samples_text(tmp_path, make_
     assert result.sample is not None and not result.sample.replace(" ", "").isdigit()  # text, not ids
 
 
+def test_train_toml_records_one_vocabulary_size_the_models(tmp_path, make_config) -> None:
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(default_corpus()[:20_000], encoding="utf-8")
+    Tokenizer(*train_bpe(str(corpus), 300, ["<|endoftext|>"]), ["<|endoftext|>"]).save(tmp_path / "tok")
+    # --tokenizer with text: the flag's vocabulary (1024, its default) trains nothing; the model has 300 ids.
+    train(make_config(data=[str(corpus)], tokenizer=str(tmp_path / "tok"), vocab_size=1024, steps=1))
+    saved = TrainConfig.from_toml(tmp_path / "run" / "train.toml")
+    assert saved.vocab_size == saved.model["vocab_size"] == 300
+
+
 def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, make_config) -> None:
     torch.manual_seed(5)
     source = TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40, num_kv_heads=1, tie_word_embeddings=True))
-    save_checkpoint(source, tmp_path / "source")
+    save_model_file(source, tmp_path / "source")
     config = make_config(init_from=str(tmp_path / "source"), steps=1, model={}, lr=1e-9, min_lr=0.0, warmup_steps=0)
     result = train(config)
     # Step 0's validation loss is the source model's own on the same windows.
@@ -164,13 +176,13 @@ def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, m
     val = val[len(val) - max(1, round(len(val) * 0.1)) :]
     expected = evaluate(source, EvalBatches(val, 4, 16, max_batches=2)).loss
     assert result.val_losses[0][1] == pytest.approx(expected, rel=1e-6)
-    tuned = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000001")
+    tuned = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000001")
     assert tuned.config == source.config
     assert TrainConfig.from_toml(tmp_path / "run" / "train.toml").model_config() == source.config
 
 
 def test_init_from_refuses_a_shape_change(tmp_path, make_config) -> None:
-    save_checkpoint(TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40)), tmp_path / "source")
+    save_model_file(TransformerLM(ModelConfig(32, 16, 24, 1, 3, 40)), tmp_path / "source")
     with pytest.raises(ValueError, match="--d-model 32 differs from the --init-from model's 24"):
         train(make_config(init_from=str(tmp_path / "source")))
 
@@ -178,7 +190,7 @@ def test_init_from_refuses_a_shape_change(tmp_path, make_config) -> None:
 def test_bfloat16_autocast_trains_with_float32_weights(tmp_path, make_config) -> None:
     result = train(make_config(dtype="bfloat16", steps=3))
     assert all(math.isfinite(loss) for _, loss in result.val_losses)
-    model = load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003")
+    model = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000003")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
@@ -202,10 +214,88 @@ def test_compile_trains_like_eager(tmp_path, make_config) -> None:
         result = train(make_config(out_dir=str(out), steps=3, compile=compiled))
         graphs[compiled] = counters["stats"]["unique_graphs"]
         losses = [r.get("train_loss") for r in _records(out)]
-        state = load_checkpoint(out / "checkpoints" / "step_00000003").state_dict()
+        state = load_model_file(out / "checkpoints" / "step_00000003").state_dict()
         runs[compiled] = (losses[1:], [loss for _, loss in result.val_losses], state)
     (eager_train, eager_val, eager_state), (compiled_train, compiled_val, compiled_state) = runs[False], runs[True]
     assert compiled_train == pytest.approx(eager_train, rel=1e-5, abs=0)
     assert compiled_val == pytest.approx(eager_val, rel=1e-5, abs=0)
     assert compiled_state.keys() == eager_state.keys()
     assert graphs[False] == 0 and graphs[True] >= 1  # the flag really compiled something
+
+
+def test_an_out_dir_holding_the_token_file_is_refused_before_anything_is_written(tmp_path, make_config, snapshot):
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=f"--out-dir {tmp_path} holds --data {tmp_path / 'tokens.npy'}"):
+        train(make_config(out_dir=str(tmp_path)))
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["tokens.npy"]
+
+
+def test_a_warm_up_longer_than_the_run_is_clamped_to_it_with_a_one_line_notice(tmp_path, make_config) -> None:
+    lines: list[str] = []
+    train(make_config(steps=3, warmup_steps=50, lr=1e-3, log_interval=1), log=lines.append)
+    notices = [line for line in lines if "warm" in line]
+    assert notices == [
+        "--warmup-steps 50 is longer than the run's 3 steps: the learning rate warms up over all 3 and never decays"
+    ]
+    # The course's warm-up t / T_w · lr at iteration t = step - 1, with T_w the run's 3 steps.
+    lrs = [r["lr"] for r in _records(tmp_path / "run") if "lr" in r]
+    assert lrs == pytest.approx([0.0, 1e-3 / 3, 2e-3 / 3], rel=1e-12)
+
+
+FILE_NAMES = (".corpus.txt", "corpus.txt", "metrics.jsonl", "train.toml", "loss.png")
+FOLDER_NAMES = ("tokenizer", "data")
+
+
+def test_symlinks_planted_at_every_name_of_the_run_folder_are_never_followed(tmp_path, make_config, snapshot):
+    outside, run = tmp_path / "outside", tmp_path / "run"
+    for name in FILE_NAMES:
+        (outside / "files").mkdir(parents=True, exist_ok=True)
+        (outside / "files" / name).write_text(f"the user's own {name}\n")
+    for name in FOLDER_NAMES:  # a tokenizer.json there would be replaced if the link were followed
+        (outside / name).mkdir()
+        (outside / name / "tokenizer.json").write_text(f"the user's own {name} folder\n")
+    before = snapshot(outside)
+    run.mkdir()
+    for name in FILE_NAMES:
+        (run / name).symlink_to(outside / "files" / name)
+    for name in FOLDER_NAMES:
+        (run / name).symlink_to(outside / name, target_is_directory=True)
+    text = tmp_path / "text.txt"
+    text.write_text(default_corpus()[:20_000], encoding="utf-8")
+    train(make_config(data=[str(text)], vocab_size=280, steps=2, checkpoint_interval=1, sample_tokens=0))
+    assert snapshot(outside) == before
+    assert RunDir(run).checkpoints().steps() == [1, 2] and len(_records(run)) == 3
+    for name in ("metrics.jsonl", "train.toml", "loss.png", "tokenizer", "data", "checkpoints"):
+        assert not (run / name).is_symlink(), name  # replaced by the run's own file or folder
+
+
+@pytest.mark.parametrize(("name", "what"), [(".lock", "follows one"), ("checkpoints", "writes through one")])
+def test_a_symlink_at_the_lock_or_the_checkpoints_is_refused_in_one_line(tmp_path, make_config, snapshot, name, what):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("precious\n")
+    before = snapshot(victim)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / name).symlink_to(victim / "precious.txt" if name == ".lock" else victim)
+    with pytest.raises(ValueError, match=rf"^\S+/run/{name} is a symbolic link: tlm train never {what}; remove it"):
+        train(make_config())
+    assert snapshot(victim) == before and sorted(p.name for p in (tmp_path / "run").iterdir()) == [name]
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_run_folder_of_the_earlier_layout_is_refused_never_restarted(tmp_path, make_config, snapshot, resume):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (100, 200):  # tlm-train 0.1's checkpoint files
+        torch.save({"iteration": step}, run / "checkpoints" / f"step_{step:08d}.pt")
+    RunDir(run).write_config(make_config())
+    (run / "metrics.jsonl").write_text('{"step": 200, "train_loss": 1.5}\n')
+    before = snapshot(run)
+    with pytest.raises(
+        ValueError,
+        match=r"is a tlm-train 0.1 run \(2 checkpoints/step_N.pt files, the newest "
+        r"step_00000200.pt\), which this version cannot read, so it is neither resumed nor overwritten",
+    ):
+        train(make_config(), resume=resume)
+    assert snapshot(run) == before
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "train.toml"]

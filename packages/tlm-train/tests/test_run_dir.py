@@ -44,3 +44,26 @@ def test_a_holder_that_never_recorded_itself_is_described_honestly(tmp_path) -> 
         with pytest.raises(RunInUseError, match="a process that has not recorded itself yet"):
             with run.lock():
                 pass
+
+
+@pytest.mark.parametrize(
+    ("out", "how"),
+    [
+        ("inputs/model", "is"),
+        ("inputs/model/finetune", "lies inside"),
+        ("inputs", "holds"),
+        ("link", "is"),  # a symlink to the input folder
+        ("link/sub", "lies inside"),
+        ("inputs/model/../model", "is"),
+    ],
+)
+def test_an_out_dir_overlapping_an_input_is_refused_through_symlinks(tmp_path, monkeypatch, out, how) -> None:
+    from tlm_train.run_dir import check_apart
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inputs" / "model").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "inputs" / "model", target_is_directory=True)
+    with pytest.raises(ValueError, match=f"^--out-dir {out} {how} --init-from inputs/model: a run writes into"):
+        check_apart(out, {"--tokenizer": [], "--init-from": ["inputs/model"]})
+    check_apart("inputs/model2", {"--init-from": ["inputs/model"]})  # a sibling whose name extends it is apart
+    check_apart("runs/a", {"--data": ["inputs/model", "runs/ab.npy"]})

@@ -5,7 +5,7 @@ Every entry computes the same causal attention of (..., heads, queries, d_head) 
 That is ordinary causal attention when queries == keys, and new tokens attending to themselves and
 a KV cache otherwise. ``kv_heads`` divides ``heads`` (grouped-query attention, Ainslie et al. 2023):
 query head h reads key/value head h // (heads / kv_heads), as in HF's ``repeat_kv``.
-``"auto"`` is not an entry: :func:`resolve_attention_backend` turns it into one, per device.
+``"auto"`` is not an entry: :func:`resolve_attention_backend` turns it into ``"torch"``.
 
 Rows of different lengths in a KV cache need more than one causal offset: then an entry is called with
 ``mask=`` a boolean (..., 1, queries, keys) tensor (True = may attend) that replaces the causal mask.
@@ -110,9 +110,6 @@ ATTENTION_BACKENDS: Mapping[str, AttentionFn] = MappingProxyType(_REGISTRY)
 #: torch's NaN for such rows cannot occur and "auto" may pick torch's fused kernels.
 BACKENDS = ("auto", "reference", "blockwise", "torch")
 
-#: What "auto" means on each device type; any other device type gets "torch".
-_AUTO = {"cpu": "torch", "cuda": "torch", "meta": "torch"}
-
 
 def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool = False) -> None:
     """Make ``fn(q, k, v)`` (causal, bottom-right aligned) available as ``attention_backend=name``.
@@ -135,14 +132,12 @@ def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool =
 
 
 def resolve_attention_backend(name: object, device: torch.device | str | None = None) -> str:
-    """The registered name that ``name`` stands for on ``device``: ``"auto"`` becomes a concrete
-    name; any other name must be registered. Raises ``ValueError`` for unknown names."""
+    """The registered name that ``name`` stands for: ``"auto"`` becomes ``"torch"`` on every ``device``
+    (torch's fused SDPA picks its own kernel per device); any other name must be registered. Raises
+    ``ValueError`` for unknown names."""
     if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
         raise ValueError(f"attention_backend must be one of {('auto', *_REGISTRY)}, got {name!r}")
-    if name != "auto":
-        return name
-    device_type = torch.device(device if device is not None else torch.get_default_device()).type
-    return _AUTO.get(device_type, "torch")
+    return "torch" if name == "auto" else name
 
 
 def causal_attention(

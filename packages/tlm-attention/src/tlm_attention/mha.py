@@ -24,7 +24,9 @@ class CausalMultiHeadSelfAttention(nn.Module):
     ``k_proj``/``v_proj`` (num_kv_heads·head_dim, d_model) and ``output_proj`` (d_model,
     num_heads·head_dim) fix the state-dict keys. ``rope``, when given, rotates q and k of every
     head by the same position-dependent rotation (never v); one RoPE module can be shared by
-    all layers of a model.
+    all layers of a model. Without it (``rope=None``) q and k are used as projected: attention with
+    no positional signal (NoPE), where only the causal mask tells tokens apart by position
+    (Haviv et al. 2022; Kazemnejad et al. 2023), and ``token_positions`` has nothing to act on.
 
     ``attention_backend`` names the attention implementation (a key of
     :data:`~tlm_attention.ATTENTION_BACKENDS`, or ``"auto"``); it is resolved once, here, for

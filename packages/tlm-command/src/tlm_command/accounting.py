@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from tlm_command.args import UserError, positive_int
-from tlm_model import PRESETS, ModelConfig
 from tlm_model.accounting import account, compare_text
+from tlm_model.config import PRESETS, ModelConfig
 
 
 def add_parser(commands: Any) -> None:

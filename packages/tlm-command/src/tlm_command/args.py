@@ -1,15 +1,24 @@
-"""What the commands share: argument types, the help format, and the checks of paths a command writes."""
+"""What the commands share: argument types, the help format, and the checks of paths a command writes.
+
+Standard library only: every command parses its arguments, and prints its help or a usage error,
+before torch is imported (a subcommand module imports torch inside its ``run``).
+"""
 
 import argparse
 import math
 import os
+import shutil
 import sys
+import textwrap
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from tlm_core.tensors import DTYPES, device_from_name
+#: The dtype names ``--dtype`` takes: ``tlm_core.tensors.DTYPES``'s keys (a test holds them equal), named
+#: here so that parsing needs no torch.
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 
 
 class UserError(Exception):
@@ -17,20 +26,78 @@ class UserError(Exception):
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Every flag's help ends with its default; descriptions keep their line breaks."""
+    """Every flag's help ends with its default, once; descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        # No default to show (None, off, or none given), or the help already says it.
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line: ``tlm: error: <command>: <message>``."""
+    """argparse, with its errors as one line: ``tlm: error: <command>: <message>``.
+
+    A parser with many flags puts its less common ones in groups made with ``more_group``: ``--help``
+    lists their flags by name under one line each, and ``--help-all`` shows them in full.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", Formatter)
         super().__init__(*args, **kwargs)
+        self.more: list[Any] = []  # argument groups that only --help-all shows in full
+        self.full_help = False
+
+    def more_group(self, title: str, description: str | None = None) -> Any:
+        """An argument group that ``--help`` lists by flag names only (``--help-all`` in full)."""
+        if not self.more:
+            self.add_argument("--help-all", action=_HelpAll, help="show every flag with its help and default")
+        group = self.add_argument_group(title, description)
+        self.more.append(group)
+        return group
+
+    def format_help(self) -> str:
+        if self.full_help or not self.more:
+            return super().format_help()
+        hidden = [a for group in self.more for a in group._group_actions]
+        helps, descriptions = [a.help for a in hidden], [group.description for group in self.more]
+        for action in hidden:
+            action.help = argparse.SUPPRESS
+        for group in self.more:
+            group.description = None
+        try:
+            text = super().format_help()
+        finally:
+            for action, help_text in zip(hidden, helps, strict=True):
+                action.help = help_text
+            for group, text_ in zip(self.more, descriptions, strict=True):
+                group.description = text_
+        width = min(shutil.get_terminal_size().columns, 120) - 2
+        lines = [f"more flags ({self.prog} --help-all shows each with its help and default):"]
+        for group in self.more:
+            names = " ".join(a.option_strings[0] for a in group._group_actions)
+            lines.append(
+                textwrap.fill(
+                    names, width, initial_indent=f"  {group.title}: ", subsequent_indent="    ", break_on_hyphens=False
+                )
+            )
+        return text + "\n" + "\n".join(lines) + "\n"
 
     def error(self, message: str) -> NoReturn:
         command = self.prog.removeprefix("tlm").strip()
         where = f"{command}: " if command else ""
         self.exit(2, f"tlm: error: {where}{message} (see {self.prog} --help)\n")
+
+
+class _HelpAll(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.full_help = True  # type: ignore[attr-defined]
+        parser.print_help()
+        parser.exit()
 
 
 def positive_int(text: str) -> int:
@@ -65,11 +132,14 @@ def top_p(text: str) -> float:
 
 
 def dtype_choices() -> list[str]:
-    return sorted(DTYPES)
+    return list(DTYPE_NAMES)
 
 
-def device(text: str) -> torch.device:
-    """A torch device this process can use; a clear one-line error otherwise."""
+def device(text: str) -> "torch.device":
+    """A torch device this process can use; a clear one-line error otherwise. Imports torch: call it in
+    ``run``, after parsing, not as an argparse ``type``."""
+    from tlm_core.tensors import device_from_name
+
     return device_from_name(text, "--device")
 
 

@@ -15,10 +15,6 @@ from typing import Any
 
 from tlm_command.args import UserError, check_output, description, dtype_choices
 from tlm_command.loading import load_tokenizer
-from tlm_core.tensors import dtype_from_name
-from tlm_model import save_checkpoint, save_hf
-from tlm_model.accounting import human
-from tlm_model.interop import hf_generation_config
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
 
@@ -47,6 +43,8 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
     Without an end-of-text token the generation config says so with explicit nulls: left out,
     transformers would fall back to LlamaConfig's bos 1 and eos 2, which mean nothing to a tlm tokenizer."""
+    from tlm_model.interop import hf_generation_config
+
     files: dict[str, bytes] = {}
     generation: dict[str, Any] = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     if tokenizer is not None:
@@ -59,6 +57,9 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tlm_core.tensors import dtype_from_name
+    from tlm_model import save_hf, save_model_file
+    from tlm_model.accounting import human
     from tlm_train import artifacts
 
     source = args.from_hf if args.from_hf is not None else args.to_hf
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         model, _ = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         out = Path(args.out)
-        save_checkpoint(model, out)
+        save_model_file(model, out)
         if tokenizer is not None:
             tokenizer.save(out / "tokenizer")
         source_kind, target = "HF Llama folder", "tlm model folder"

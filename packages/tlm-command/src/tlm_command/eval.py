@@ -10,16 +10,15 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tlm_command.args import UserError, description, dtype_choices, positive_int, say
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model
-from tlm_core.progress import progress_bar
-from tlm_core.tensors import dtype_from_name
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 def add_parser(commands: Any) -> None:
@@ -65,7 +64,9 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> np.ndarray:
+def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> "np.ndarray":
+    import numpy as np
+
     from tlm_train.data import is_token_file, read_token_file
 
     if is_token_file(path):
@@ -79,8 +80,10 @@ def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
-def _token_bytes(tokenizer: Any, vocab: int) -> torch.Tensor | None:
+def _token_bytes(tokenizer: Any, vocab: int) -> "torch.Tensor | None":
     """The UTF-8 length of each id's text (special tokens: 0, they stand for no text)."""
+    import torch
+
     if tokenizer is None:
         return None
     specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
@@ -89,6 +92,8 @@ def _token_bytes(tokenizer: Any, vocab: int) -> torch.Tensor | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tlm_core.progress import progress_bar
+    from tlm_core.tensors import dtype_from_name
     from tlm_train import EvalBatches, evaluate
 
     device = parse_device(args.device)

@@ -11,16 +11,18 @@ import argparse
 import codecs
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tlm_command.args import UserError, description, dtype_choices, positive_int, temperature, top_p
+from tlm_command.args import UserError, description, dtype_choices, positive_int, say, temperature, top_p
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
-from tlm_core.progress import progress_bar
-from tlm_model import PRESETS, TransformerLM, compile_for_inference, generate
+from tlm_model.config import PRESETS
 from tlm_tokenizer.hf_json import EOS_TOKEN
+
+if TYPE_CHECKING:
+    import torch
+
+    from tlm_model import TransformerLM
 
 
 def add_parser(commands: Any) -> None:
@@ -78,11 +80,14 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _model(args: argparse.Namespace, device: torch.device) -> tuple[TransformerLM, Any]:
+def _model(args: argparse.Namespace, device: "torch.device") -> "tuple[TransformerLM, Any]":
+    import torch
+
     if args.checkpoint is None:
         if args.preset is None:
             raise UserError("generate needs --checkpoint PATH (or --preset NAME for random weights)")
         from tlm_core.tensors import dtype_from_name
+        from tlm_model import TransformerLM
 
         torch.manual_seed(args.seed)
         dtype = dtype_from_name(args.dtype) if args.dtype else None
@@ -122,7 +127,7 @@ class _Stream:
         self.hold = max(map(len, self.stops), default=1) - 1
         self.stopped = False
 
-    def add(self, ids: torch.Tensor) -> bool:
+    def add(self, ids: "torch.Tensor") -> bool:
         token = int(ids)
         self.ids.append(token)
         if self.tokenizer is None:
@@ -156,6 +161,11 @@ class _Stream:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlm_core.progress import progress_bar
+    from tlm_model import compile_for_inference, generate
+
     device = parse_device(args.device)
     model, tokenizer = _model(args, device)
     vocab = model.config.vocab_size
@@ -171,6 +181,15 @@ def run(args: argparse.Namespace) -> int:
         prompt = _ids(args.prompt_ids)
     if bad := [i for i in prompt if not 0 <= i < vocab]:
         raise UserError(f"--prompt-ids must be in [0, {vocab}) for this model's vocabulary, got {bad[:5]}")
+    context = model.config.context_length
+    if len(prompt) > context and not args.quiet:
+        from tlm_model.generate import _window  # the rule generate() keeps the newest tokens by
+
+        kept = _window(context)[0]
+        say(
+            f"the prompt has {len(prompt)} tokens, more than the model's context of {context}: generating from its "
+            f"last {kept} (the window keeps room for new tokens)"
+        )
     eos = _eos(args, tokenizer, vocab)
     stops = (
         args.stop
@@ -190,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with progress_bar(show, total=args.max_new_tokens, unit="tok", desc="generating") as bar:
 
-        def on_token(ids: torch.Tensor) -> bool:
+        def on_token(ids: "torch.Tensor") -> bool:
             bar.update()
             return stream.add(ids)
 

@@ -4,8 +4,7 @@ import argparse
 import json
 from typing import Any
 
-from tlm_model import PRESETS, ModelConfig
-from tlm_model.accounting import shape_model
+from tlm_model.config import PRESETS, ModelConfig
 
 
 def add_parser(commands: Any) -> None:
@@ -24,6 +23,8 @@ def add_parser(commands: Any) -> None:
 
 
 def _count(config: ModelConfig) -> int:
+    from tlm_model.accounting import shape_model
+
     return sum(p.numel() for p in shape_model(config).parameters())  # meta device: shapes, no memory
 
 

@@ -1,13 +1,14 @@
 """What ``generate``, ``eval`` and ``convert`` share: a model and its tokenizer from ``--checkpoint X``."""
 
 import argparse
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tlm_command.args import UserError, damaged, say
-from tlm_core.tensors import dtype_from_name
-from tlm_model import TransformerLM
+
+if TYPE_CHECKING:
+    import torch
+
+    from tlm_model import TransformerLM
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
@@ -37,9 +38,10 @@ def load_tokenizer(path: str | None, artifact: Any) -> Any:
 
 
 def load_model(
-    args: argparse.Namespace, device: torch.device, *, compile: bool = False
-) -> tuple[TransformerLM, Any, Any]:
+    args: argparse.Namespace, device: "torch.device", *, compile: bool = False
+) -> "tuple[TransformerLM, Any, Any]":
     """(model in eval mode, tokenizer or None, the resolved artifact) for ``--checkpoint``."""
+    from tlm_core.tensors import dtype_from_name
     from tlm_train import artifacts
 
     dtype = dtype_from_name(args.dtype, "--dtype") if getattr(args, "dtype", None) else None

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from tlm_command.args import Parser, UserError
 
 #: The subcommands, in the order ``tlm --help`` lists them; each is the module ``tlm_command.<name>``.
-COMMANDS = ("train", "generate", "eval", "convert", "tokenizer", "info", "accounting", "serve")
+COMMANDS = ("train", "sweep", "compare", "generate", "eval", "convert", "tokenizer", "info", "accounting", "serve")
 
 
 def _version() -> str:

@@ -23,80 +23,18 @@ from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, description
-from tlm_model import PRESETS
-from tlm_model.config import FIELDS as MODEL_FIELDS
-from tlm_model.config import ModelConfig
-from tlm_train.config import DISTRIBUTED_MODES, DTYPES, TOKEN_DTYPES, TrainConfig
+from tlm_model.config import PRESETS, ModelConfig
+from tlm_train.config import TrainConfig
 
-_HELP = {
-    "out_dir": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/",
-    "data": "text files (encoded with the run's tokenizer) or one token-id file (.npy, .bin); "
-    "none: Python's own pydoc topics, no download",
-    "token_dtype": "the id type of a raw token file (.bin, .u16, .u32)",
-    "val_fraction": "share of the tokens held out for validation (the end of the data)",
-    "tokenizer": "a tokenizer folder to use instead of training one",
-    "vocab_size": "vocabulary of the tokenizer to train (or the id range of a token file)",
-    "special_tokens": "special tokens of the tokenizer to train",
-    "init_from": "fine-tune: start from this run, checkpoint or HF Llama folder (its weights, shape and tokenizer)",
-    "preset": "the model to start from (the [model] flags below change its fields)",
-    "lr": "peak learning rate (AdamW)",
-    "min_lr": "the cosine schedule's floor (default: lr / 10)",
-    "beta1": "AdamW β1",
-    "beta2": "AdamW β2",
-    "eps": "AdamW ε",
-    "weight_decay": "decoupled weight decay of the matrices",
-    "decay_norms": "also decay 1-D parameters (RMSNorm gains)",
-    "warmup_steps": "linear warm-up steps before the cosine decay",
-    "grad_clip": "clip the global gradient L2 norm to this (0: off)",
-    "batch_size": "sequences per optimizer step, over all ranks and accumulation steps",
-    "grad_accum": "micro-batches per optimizer step",
-    "steps": "optimizer steps",
-    "max_tokens": "a token budget instead of --steps",
-    "eval_interval": "steps between validation losses",
-    "eval_batches": "validation batches per evaluation",
-    "log_interval": "steps between logged training losses (each log reads the device)",
-    "checkpoint_interval": "steps between checkpoints",
-    "keep_checkpoints": "checkpoints kept (the newest always)",
-    "device": "cpu, cuda, cuda:1, mps, ...",
-    "dtype": "autocast dtype for forward/backward (bfloat16 on GPUs; float16 adds loss scaling); weights stay float32",
-    "compile": "torch.compile each block",
-    "seed": "seeds the weights, the batches and every RNG",
-    "deterministic": "deterministic kernels (bit-exact resume)",
-    "distributed": "under torchrun: ddp or fsdp (FSDP2, fully_shard per block)",
-    "activation_checkpointing": "recompute each block's activations in the backward pass",
-    "peak_flops": "the device's FLOP/s for MFU (default: measured with a float32 GEMM at start-up)",
-    "sample_prompt": "the prompt of the sample printed at the end",
-    "sample_tokens": "tokens of the sample printed at the end (0: none)",
-    "sample_temperature": "temperature of the sample printed at the end",
-}
-_MODEL_HELP = {
-    "context_length": "tokens per training window, and the model's context",
-    "d_model": "width of the residual stream",
-    "num_layers": "Transformer blocks",
-    "num_heads": "query heads",
-    "d_ff": "SwiGLU hidden width",
-    "rope_theta": "RoPE base",
-    "norm_eps": "RMSNorm epsilon",
-    "num_kv_heads": "key/value heads (fewer than --num-heads: grouped-query attention)",
-    "head_dim": "per-head width (default d_model / num_heads)",
-    "tie_word_embeddings": "the LM head reuses the token embedding matrix",
-    "rope_scaling": 'RoPE scaling as JSON, e.g. \'{"rope_type": "linear", "factor": 2.0}\'',
-    "rope_layout": "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)",
-}
-_CHOICES = {
-    "distributed": DISTRIBUTED_MODES,
-    "dtype": DTYPES,
-    "token_dtype": TOKEN_DTYPES,
-    "preset": sorted(PRESETS),
-    "rope_layout": ("interleaved", "half"),
-}
-_MODEL_FLAGS = [name for name in MODEL_FIELDS if name != "vocab_size"]  # the vocabulary is the tokenizer's
+#: The settings ``tlm train --help`` shows first; ``--help-all`` adds the rest. Every flag's help, default
+#: and choices come from the dataclass field it sets (:class:`TrainConfig`, :class:`ModelConfig`).
+COMMON = ("out_dir", "data", "tokenizer", "vocab_size", "preset", "steps", "batch_size", "lr", "device")
+#: Model fields with no flag: the vocabulary is the tokenizer's.
+_NO_FLAG = ("vocab_size",)
 
 
 def _flag_type(annotation: Any) -> tuple[Any, bool]:
     """(scalar type, is_list) of a field annotation such as ``int | None`` or ``list[str]``."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {"list": list, "dict": dict, "Any": Any})  # annotations are plain builtins
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is list:
         return args[0], True
@@ -115,25 +53,42 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _add(parser: Any, name: str, annotation: Any, default: str, help_text: str, dest: str) -> None:
-    kind, is_list = _flag_type(annotation)
-    flag = "--" + name.replace("_", "-")
-    common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": f"{help_text} (default: {default})"}
+def shown(field: dataclasses.Field[Any], value: Any) -> str:
+    """A field's value as ``--help`` shows it: the field's ``shown`` text for None or [], ``on``/``off``
+    for a switch, a list space-separated."""
+    if value is None or value == []:
+        return str(field.metadata.get("shown", "none"))
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, str) and value != value.strip():
+        return repr(value)
+    return str(value)
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    # Read from the field, not from TrainConfig(): building one checks the device, which imports torch.
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) -> None:
+    kind, is_list = _flag_type(field.type)
+    flag = "--" + field.name.replace("_", "-")
+    help_text = f"{field.metadata.get('help', '')} ({default})".replace("%", "%%")
+    common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
     elif kind is dict or typing.get_origin(kind) is dict:
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
-        metavar = "FILE" if name == "data" else name.upper()
-        choices = _CHOICES.get(name)
-        parser.add_argument(
-            flag,
-            type=kind,
-            nargs="+" if is_list else None,
-            metavar=None if choices else metavar,
-            choices=choices,
-            **common,
-        )
+        choices = field.metadata.get("choices")
+        metavar = None if choices else "FILE" if field.name == "data" else field.name.upper()
+        parser.add_argument(flag, type=kind, nargs="+" if is_list else None, metavar=metavar, choices=choices, **common)
 
 
 def add_parser(commands: Any) -> None:
@@ -141,30 +96,34 @@ def add_parser(commands: Any) -> None:
         "train",
         help="train a tokenizer and a model (default data needs no download); fine-tune with --init-from",
         description=description(__doc__),
+        usage="%(prog)s [--config FILE.toml | --resume RUN] [--quiet] [--SETTING VALUE ...]",
     )
-    parser.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
-    parser.add_argument("--resume", metavar="RUN", help="continue a run folder (or a step folder of one)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
-    defaults = TrainConfig()
-    for field in dataclasses.fields(TrainConfig):
-        if field.name == "model":
-            continue
-        default = getattr(defaults, field.name)
-        shown = (
-            "none" if default in (None, []) else " ".join(map(str, default)) if isinstance(default, list) else default
-        )
-        _add(parser, field.name, field.type, str(shown), _HELP[field.name], field.name)
-    model = parser.add_argument_group("model (the [model] table: fields over --preset; defaults are the preset's)")
+    common = parser.add_argument_group("common flags")
+    common.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
+    common.add_argument("--resume", metavar="RUN", help="continue a run folder (or a step folder of one)")
+    common.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
+    more = parser.more_group("training settings")
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    for name in (*COMMON, *(n for n in fields if n not in COMMON)):
+        field = fields[name]
+        value = f"default: {shown(field, _default(field))}"
+        _add(common if name in COMMON else more, field, value, name)
+    base = _default(fields["preset"])
+    model = parser.more_group(
+        "model flags (the [model] table)",
+        f"Each sets one ModelConfig field over the --preset's; the value shown is the {base} preset's.",
+    )
     for field in dataclasses.fields(ModelConfig):
-        if field.name in _MODEL_FLAGS:
-            _add(model, field.name, field.type, "the preset's", _MODEL_HELP[field.name], f"model.{field.name}")
+        if field.name not in _NO_FLAG:
+            value = f"{base}: {shown(field, getattr(PRESETS[base], field.name))}"
+            _add(model, field, value, f"model.{field.name}")
     parser.set_defaults(run=run)
 
 
 def _settings(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     values = vars(args)
     train = {f.name: values[f.name] for f in dataclasses.fields(TrainConfig) if f.name in values and f.name != "model"}
-    model = {name: values[f"model.{name}"] for name in _MODEL_FLAGS if f"model.{name}" in values}
+    model = {key.removeprefix("model."): value for key, value in values.items() if key.startswith("model.")}
     return train, model
 
 
@@ -217,12 +176,12 @@ def _log(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tlm_train import NonFiniteLossError, RunInUseError, train
-
-    try:
+    try:  # the settings are checked before torch is imported: a wrong flag is refused at once
         config, step, resume = config_from_args(args)
     except (TypeError, ValueError) as err:
         raise type(err)(_flags(str(err))) from None
+    from tlm_train import NonFiniteLossError, RunInUseError, train
+
     try:
         result = train(
             config,

@@ -7,7 +7,7 @@ packages that have it; ``tlm_core.progress`` imports tqdm only when a bar shows.
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 _HOMES = {
     "atomic_file": "tlm_core.atomic",
@@ -21,6 +21,7 @@ _HOMES = {
     "check_number": "tlm_core.checks",
     "check_positive_int": "tlm_core.checks",
     "short_repr": "tlm_core.checks",
+    "lazy_exports": "tlm_core.lazy",
     "progress_bar": "tlm_core.progress",
 }
 

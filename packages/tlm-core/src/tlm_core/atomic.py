@@ -27,7 +27,9 @@ from typing import BinaryIO
 __all__ = [
     "atomic_file",
     "atomic_write",
+    "create_new",
     "fsync_dir",
+    "is_current",
     "read_dir_files",
     "remove_leftovers",
     "replace_dir",
@@ -104,6 +106,13 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | str | Callable[[Bin
         else:
             data(handle)
     return Path(path)
+
+
+def create_new(path: str | os.PathLike[str]) -> BinaryIO:
+    """A new file at ``path`` open for writing, created with ``O_EXCL | O_NOFOLLOW``: an existing file or a
+    symlink planted there raises ``FileExistsError`` and is never followed or truncated. Name it with
+    :func:`temp_path` for a scratch file that :func:`remove_leftovers` can clean up after a kill."""
+    return os.fdopen(os.open(path, _CREATE, 0o666), "wb")
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -220,7 +229,7 @@ def read_dir_files(
                 try:
                     fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
                 except FileNotFoundError:
-                    if os.stat(dir_fd).st_nlink == 0 or not _same_folder(dir_fd, folder):
+                    if os.stat(dir_fd).st_nlink == 0 or not is_current(dir_fd, folder):
                         retired = True  # replaced while we read: read the new folder instead
                         break
                     if name in optional:
@@ -235,13 +244,12 @@ def read_dir_files(
     raise OSError(errno.EBUSY, "the folder kept changing while it was read", str(folder))  # pragma: no cover
 
 
-def _same_folder(dir_fd: int, folder: Path) -> bool:
+def is_current(fd: int, path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` still names the file or folder open as ``fd`` (False once it was replaced or removed)."""
     try:
-        now = os.stat(folder)
+        return os.path.samestat(os.stat(path), os.fstat(fd))
     except FileNotFoundError:
         return False
-    held = os.fstat(dir_fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def remove_leftovers(directory: str | os.PathLike[str], name: str | None = None) -> list[Path]:

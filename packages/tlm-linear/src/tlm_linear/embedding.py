@@ -4,7 +4,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_core.checks import check_positive_int
+from tlm_core.checks import check_number, check_positive_int
 
 #: Integer dtypes that index_select does not take directly, widened to int64 (never read as a mask).
 _WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
@@ -13,7 +13,8 @@ _WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.ui
 class Embedding(nn.Module):
     """Maps integer token ids of any shape to rows of ``weight`` (num_embeddings, embedding_dim).
 
-    Initialisation (CS336 §1.4.1): N(0, 1) truncated at ±3.
+    Initialisation (CS336 §1.4.1): N(0, 1) truncated at ±3; ``init_std`` sets σ (truncated at ±3σ), for
+    a table that is also an LM head (tied weights), whose logits need a smaller scale.
 
     Ids may have any integer dtype (uint8 ... int64). The lookup is ``index_select``, whose kernel
     refuses an id outside ``[0, num_embeddings)`` (``IndexError`` on the CPU, a device-side assert on
@@ -27,15 +28,18 @@ class Embedding(nn.Module):
         embedding_dim: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        init_std: float = 1.0,
     ) -> None:
         super().__init__()
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
+        self.init_std = check_number("init_std", init_std, low=0.0, low_open=True)
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=1.0, a=-3.0, b=3.0)
+        std = self.init_std
+        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
 
     def forward(self, token_ids: Integer[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
         ids = token_ids.long() if token_ids.dtype in _WIDEN else token_ids

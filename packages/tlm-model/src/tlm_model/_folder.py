@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from tlm_core.atomic import is_current
 from tlm_core.checks import short_repr
 
 T = TypeVar("T")
@@ -54,7 +55,7 @@ class Folder:
         self.fd = os.open(path, _DIR_FLAGS)
         try:
             self.real = Path(os.path.realpath(path))
-            if not _same(self.fd, self.real):
+            if not is_current(self.fd, self.real):
                 raise Retired  # replaced between the open and realpath
         except BaseException:
             os.close(self.fd)
@@ -115,16 +116,7 @@ class Folder:
             raise FileNotFoundError(errno.ENOENT, "a symlink to a missing file", str(self.path / name)) from None
 
     def _retired(self) -> bool:
-        return os.fstat(self.fd).st_nlink == 0 or not _same(self.fd, self.path)
-
-
-def _same(fd: int, path: Path) -> bool:
-    try:
-        now = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
-    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        return os.fstat(self.fd).st_nlink == 0 or not is_current(self.fd, self.path)
 
 
 def read_consistently(path: Path, read: Callable[[Folder], T]) -> T:

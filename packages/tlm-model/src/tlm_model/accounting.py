@@ -15,6 +15,9 @@ config field or module changes the report without an edit here. What each number
 - **Elementwise FLOPs** (softmax, RMSNorm, SiLU and gating, RoPE, residual adds) are an
   *estimate* from per-element operation counts stated in :data:`ELEMENTWISE_COST`, kept apart from
   the matmul total.
+- **Ablations** (``norm_placement``, ``positions``, ``ffn``) are counted as built: no RMSNorm
+  parameters or work with ``norm_placement="none"``, no RoPE work with ``positions="none"``, and two
+  FFN matrices (no ``ffn_w3``, SiLU without the gate) with ``ffn="silu"``.
 - **Training**: backward ≈ 2 × forward matmul FLOPs, so one training step ≈ 3 × forward.
 """
 
@@ -43,6 +46,8 @@ ELEMENTWISE_COST = {
     "rmsnorm": 4,
     # per hidden unit: SiLU = x·σ(x) (negate, exp, add, divide, multiply) and the gate multiply
     "silu_gate": 6,
+    # per hidden unit of the ungated SiLU FFN (ffn="silu"): SiLU alone
+    "silu": 5,
     # per rotated q or k element: two multiplies and one add
     "rope": 3,
     # per activation: one add per residual connection
@@ -284,6 +289,8 @@ def forward_matmuls(config: ModelConfig, batch_size: int, seq_len: int) -> tuple
     per_head, d_head = batch_size * int(attention.num_heads) * layers, int(attention.d_head)
     out = []
     for component, (group, label) in _MATMULS.items():
+        if component not in weights:  # ffn_w3 of the two-matrix SiLU FFN
+            continue
         rows, cols = (int(n) for n in weights[component].shape)  # (out_features, in_features)
         out.append(MatMul(label, group, tokens, cols, rows, 1 if component == "lm_head" else layers))
         if component == "attn_v_proj":
@@ -296,11 +303,13 @@ def elementwise_estimate(config: ModelConfig, batch_size: int, seq_len: int) -> 
     d, layers, tokens = config.d_model, config.num_layers, batch_size * seq_len
     scores = batch_size * config.num_heads * seq_len * seq_len * layers
     cost = ELEMENTWISE_COST
+    norms = 0 if config.norm_placement == "none" else 2 * layers + 1  # pre and post: two per block and the final
+    rotated = 0 if config.positions == "none" else (config.num_heads + config.kv_heads) * config.d_head
     return {
         "softmax": cost["softmax"] * scores,
-        "rmsnorm": cost["rmsnorm"] * tokens * d * (2 * layers + 1),
-        "silu_gate": cost["silu_gate"] * tokens * config.d_ff * layers,
-        "rope": cost["rope"] * tokens * (config.num_heads + config.kv_heads) * config.d_head * layers,
+        "rmsnorm": cost["rmsnorm"] * tokens * d * norms,
+        "silu_gate": cost["silu_gate" if config.ffn == "swiglu" else "silu"] * tokens * config.d_ff * layers,
+        "rope": cost["rope"] * tokens * rotated * layers,
         "residual": cost["residual"] * 2 * tokens * d * layers,
     }
 

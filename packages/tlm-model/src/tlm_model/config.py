@@ -1,12 +1,12 @@
 """Model hyperparameters as data, with the named presets of CS336 assignment 1."""
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
-from tlm_rope import LAYOUTS
-from tlm_rope.scaling import check_scaling
+from tlm_ffn.options import FFN_KINDS
+from tlm_rope.options import LAYOUTS, check_scaling
 
 #: Upper bounds on the sizes a config may claim: each is many times what any released model uses
 #: (Llama 3.1 405B: 126 layers, d_model 16,384, d_ff 53,248, 128K context), and together they keep a
@@ -23,54 +23,101 @@ LIMITS = {
     "head_dim": 1 << 12,
 }
 
+#: Where a block's RMSNorms sit: before each sublayer (the course's), after each residual add, or nowhere.
+NORM_PLACEMENTS = ("pre", "post", "none")
+#: How attention sees positions: RoPE, or nothing but the causal mask (NoPE).
+POSITIONS = ("rope", "none")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build a :class:`~tlm_model.TransformerLM`.
 
-    Field names follow the course's ``run_transformer_lm`` adapter. ``norm_eps`` is the RMSNorm
-    epsilon (CS336 §1.5.1 uses 1e-5). The Llama-family fields default to the course model:
-    ``num_kv_heads`` (None: ``num_heads``; fewer is grouped-query attention), ``head_dim`` (None:
-    ``d_model / num_heads``) and ``tie_word_embeddings`` (the LM head reuses the token embedding
-    matrix, one parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B). ``rope_scaling``
-    (None, or a dict with HF's ``rope_parameters`` keys such as ``{"rope_type": "llama3", ...}``) is
-    passed to :class:`tlm_rope.RotaryPositionalEmbedding` as its ``scaling``; ``rope_layout`` is
-    its ``layout`` (``"interleaved"``, the course's, or ``"half"``, HF's rotate-half).
+    Field names follow the course's ``run_transformer_lm`` adapter; the Llama-family fields default
+    to the course model. Each field says what it is in its metadata: ``help``, ``choices`` for a
+    name, and ``shown``, what a default of None means; ``tlm train --help`` shows these, and the
+    checks below read ``choices``. ``norm_eps`` follows CS336 §1.5.1 (1e-5); a tied head is one
+    parameter, as in Press & Wolf 2017 and SmolLM2/Llama-3.2-1B; ``rope_scaling`` takes HF's
+    ``rope_parameters`` keys and ``rope_layout`` is :class:`tlm_rope.RotaryPositionalEmbedding`'s
+    ``layout``.
+
+    Three fields select the ablations of CS336 §7 (each default is the course model):
+
+    - ``norm_placement``: ``"pre"`` (x + sublayer(norm(x)), then a final norm), ``"post"``
+      (norm(x + sublayer(x)), the original Transformer's; the final norm stays) or ``"none"`` (no RMSNorm
+      anywhere, the final one included: the model has no norm weights);
+    - ``positions``: ``"rope"`` or ``"none"`` (NoPE: causal attention with no positional signal; the
+      ``rope_*`` fields then go unused, and ``rope_scaling`` must stay None);
+    - ``ffn``: ``"swiglu"`` (w2(silu(w1 x) ⊙ w3 x), 3·d_model·d_ff parameters) or ``"silu"`` (w2 silu(w1 x),
+      2·d_model·d_ff). ``d_ff`` is given either way; the course's widths, which give both about
+      8·d_model² parameters, are ``tlm_ffn.default_d_ff(d_model, kind=ffn)``: 8/3·d_model rounded up to
+      64, and 4·d_model.
+
+    Only the defaults are a Llama: :func:`tlm_model.save_hf` refuses the others.
     """
 
-    vocab_size: int
-    context_length: int
-    d_model: int
-    num_layers: int
-    num_heads: int
-    d_ff: int
-    rope_theta: float = 10_000.0
-    norm_eps: float = 1e-5
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-    tie_word_embeddings: bool = False
-    rope_scaling: dict[str, Any] | None = None
-    rope_layout: str = "interleaved"
+    vocab_size: int = field(metadata={"help": "token ids the model embeds and predicts"})
+    context_length: int = field(metadata={"help": "the longest sequence the model reads (the training window)"})
+    d_model: int = field(metadata={"help": "width of the residual stream"})
+    num_layers: int = field(metadata={"help": "Transformer blocks"})
+    num_heads: int = field(metadata={"help": "query heads"})
+    d_ff: int = field(metadata={"help": "FFN hidden width"})
+    rope_theta: float = field(default=10_000.0, metadata={"help": "RoPE base Θ"})
+    norm_eps: float = field(default=1e-5, metadata={"help": "RMSNorm epsilon"})
+    num_kv_heads: int | None = field(
+        default=None,
+        metadata={"help": "key/value heads (fewer than num_heads: grouped-query attention)", "shown": "num_heads"},
+    )
+    head_dim: int | None = field(default=None, metadata={"help": "per-head width", "shown": "d_model / num_heads"})
+    tie_word_embeddings: bool = field(default=False, metadata={"help": "the LM head reuses the token embedding matrix"})
+    rope_scaling: dict[str, Any] | None = field(
+        default=None,
+        metadata={"help": 'RoPE context extension, e.g. {"rope_type": "linear", "factor": 2.0}'},
+    )
+    rope_layout: str = field(
+        default="interleaved",
+        metadata={"help": "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)", "choices": LAYOUTS},
+    )
+    norm_placement: str = field(
+        default="pre",
+        metadata={
+            "help": "where RMSNorm goes: pre (the course's), post (norm(x + sublayer(x))) or none (nowhere, the "
+            "final norm included)",
+            "choices": NORM_PLACEMENTS,
+        },
+    )
+    positions: str = field(
+        default="rope",
+        metadata={"help": "rope, or none (NoPE: only the causal mask carries position)", "choices": POSITIONS},
+    )
+    ffn: str = field(
+        default="swiglu",
+        metadata={
+            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: d_ff 4·d_model)",
+            "choices": FFN_KINDS,
+        },
+    )
 
     def __post_init__(self) -> None:
         # Field types and ranges first: the cross-field rules below need them, and a config read
         # from config.json or built for accounting is checked before any module exists.
-        for field in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
-            check_positive_int(f"ModelConfig.{field}", getattr(self, field))
-            _check_limit(field, getattr(self, field))
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads", "d_ff"):
+            check_positive_int(f"ModelConfig.{name}", getattr(self, name))
+            _check_limit(name, getattr(self, name))
         check_number("ModelConfig.rope_theta", self.rope_theta, low=0.0, low_open=True)
         check_number("ModelConfig.norm_eps", self.norm_eps, low=0.0)
-        for field in ("num_kv_heads", "head_dim"):
-            if getattr(self, field) is not None:
-                check_positive_int(f"ModelConfig.{field}", getattr(self, field))
-                _check_limit(field, getattr(self, field))
+        for name in ("num_kv_heads", "head_dim"):
+            if getattr(self, name) is not None:
+                check_positive_int(f"ModelConfig.{name}", getattr(self, name))
+                _check_limit(name, getattr(self, name))
         check_bool("ModelConfig.tie_word_embeddings", self.tie_word_embeddings)
         try:
             # A private copy: the caller's dict may change later, a frozen config must not.
             object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
         except (TypeError, ValueError) as err:
             raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
-        check_choice("ModelConfig.rope_layout", self.rope_layout, LAYOUTS)
+        for name, choices in _CHOICES.items():
+            check_choice(f"ModelConfig.{name}", getattr(self, name), choices)
         if self.head_dim is None and self.d_model % self.num_heads != 0:
             raise ValueError(
                 f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
@@ -81,8 +128,13 @@ class ModelConfig:
                 f"ModelConfig.num_kv_heads must divide num_heads, got num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}"
             )
-        if self.d_head % 2 != 0:
+        if self.positions == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head} (or head_dim)")
+        if self.positions == "none" and self.rope_scaling is not None:
+            raise ValueError(
+                f"ModelConfig.rope_scaling must be None with positions='none' (no RoPE to scale), "
+                f"got {self.rope_scaling}"
+            )
 
     @property
     def d_head(self) -> int:
@@ -117,6 +169,8 @@ class ModelConfig:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+#: The fields whose values are names, and the names each takes (read from the field's ``choices``).
+_CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(ModelConfig) if "choices" in f.metadata}
 
 
 def _check_limit(field: str, value: int) -> None:

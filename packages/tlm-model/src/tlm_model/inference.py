@@ -1,4 +1,5 @@
-"""A compiled, weight-frozen view of a TransformerLM for inference (prefill and KV-cached decoding)."""
+"""A compiled, weight-frozen view of a TransformerLM for inference (prefill and KV-cached decoding), and
+:func:`unwrap`, which finds the model inside it and the other wrappers."""
 
 from typing import Any
 
@@ -55,3 +56,20 @@ def compile_for_inference(model: TransformerLM) -> InferenceModel:
     docs/benchmarks.md). Outputs match the eager model to float32 rounding.
     """
     return InferenceModel(model)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside the wrappers tlm and torch put around a model: ``torch.compile``'s
+    (``_orig_mod``), :func:`~tlm_model.compile_for_inference`'s and DDP's (``module``)."""
+    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
+        if isinstance(model, TransformerLM):
+            break
+        if isinstance(model, InferenceModel):
+            model = model.model
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        inner = getattr(model, "module", None) if inner is None else inner
+        if not isinstance(inner, nn.Module):
+            break
+        model = inner
+    return model

@@ -5,7 +5,8 @@ The architectures are the same except for RoPE's pairing: tlm rotates interleave
 ("rotate-half"). Reordering the rows of each head's q and k projections maps one onto the other;
 q·k is unchanged because both move together. Nothing here imports transformers: the HF folder
 (``config.json`` + ``model.safetensors`` or a sharded ``model.safetensors.index.json``) is read and
-written directly, and anything tlm cannot represent is refused by name, never dropped.
+written with the safetensors library (``tlm_model._weights``), and anything tlm cannot represent is
+refused by name, never dropped.
 
 A folder is read as untrusted input: every file is confined to it (``tlm_model._folder``), every
 config value is type- and range-checked by its HF key, and the tensor table (names, shapes, dtypes)
@@ -17,12 +18,10 @@ the new one, never new weights beside an old config or stale shards beside new w
 import contextlib
 import dataclasses
 import errno
-import io
 import json
 import os
 import re
 import stat
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,10 @@ from torch import Tensor, nn
 
 from tlm_core.atomic import remove_leftovers, replace_dir
 from tlm_core.checks import check_bool, check_int, check_number, short_repr
-from tlm_model import _folder
-from tlm_model import checkpoint as _ckpt
+from tlm_model import _folder, _weights
 from tlm_model.config import LIMITS, ModelConfig
-from tlm_model.lm import TransformerLM, unwrap
+from tlm_model.inference import unwrap
+from tlm_model.lm import TransformerLM
 from tlm_rope import SCALINGS
 
 _BLOCK = {  # tlm key inside a layer -> HF key inside a layer
@@ -79,8 +78,29 @@ def _convert(state_dict: dict[str, Tensor], config: ModelConfig, to_hf: bool) ->
     return out
 
 
+#: The ModelConfig fields a Llama fixes, with the one value it can express and why.
+_LLAMA_ONLY = {
+    "norm_placement": ("pre", "LlamaForCausalLM normalises each sublayer's input"),
+    "positions": ("rope", "LlamaForCausalLM always rotates q and k"),
+    "ffn": ("swiglu", "LlamaForCausalLM's MLP is SwiGLU"),
+}
+
+
+def check_llama_exportable(config: ModelConfig) -> None:
+    """Refuse, in one line naming the field, a config (an ablation) that an HF Llama config cannot express."""
+    problems = [
+        f"ModelConfig.{field}={getattr(config, field)!r} ({why}; only {field}={llama!r} exports)"
+        for field, (llama, why) in _LLAMA_ONLY.items()
+        if getattr(config, field) != llama
+    ]
+    if problems:
+        raise ValueError("an HF Llama cannot express " + "; ".join(problems))
+
+
 def to_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
-    """A tlm ``TransformerLM`` state dict as ``LlamaForCausalLM`` keys and row order."""
+    """A tlm ``TransformerLM`` state dict as ``LlamaForCausalLM`` keys and row order; a config that a
+    Llama cannot express (:func:`check_llama_exportable`) is refused."""
+    check_llama_exportable(config)
     return _convert(state_dict, config, to_hf=True)
 
 
@@ -91,6 +111,7 @@ def from_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig)
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for ``transformers.LlamaConfig`` (transformers 5) describing ``config``."""
+    check_llama_exportable(config)
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
@@ -178,7 +199,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
     rope, rope_problems = _rope_parameters(hf)
     problems += rope_problems
     if unknown := sorted(set(hf) - _IGNORED - set(_FIXED) - set(_INTS) - _OTHER_KEYS):
-        problems.append(f"unknown keys {_ckpt._names(unknown)}")
+        problems.append(f"unknown keys {_weights.names(unknown)}")
     if problems:
         raise ValueError(f"{source} has settings tlm cannot compute: " + "; ".join(problems))
     required = [key for key, (_, nullable) in _INTS.items() if not nullable]
@@ -191,8 +212,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
         if key in hf and not (nullable and hf[key] is None):
             fields[field] = check_int(f"{source}: {key}", hf[key], low=1, high=LIMITS[field])
     fields["norm_eps"] = check_number(f"{source}: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), low=0.0)  # HF's default
-    # LlamaConfig's default (PretrainedConfig ties).
-    fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", True))
+    # transformers' LlamaConfig defaults to an untied head (tie_word_embeddings: bool = False).
+    fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", False))
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     if theta is not None:
         fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
@@ -210,7 +231,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
     try:
         return ModelConfig(**fields)
     except (TypeError, ValueError) as err:
-        raise _ckpt._one_line(err, source) from None
+        raise _weights.one_line(err, source) from None
 
 
 def _rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -232,7 +253,7 @@ def _rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(kind, str) or kind not in _SUPPORTED_ROPE_TYPES:
         return {}, [f"{key}.rope_type={short_repr(kind)} (supported: {_SUPPORTED_ROPE_TYPES})"]
     if kind == "default" and (extra := sorted(set(rope) - {"rope_type", "rope_theta"})):
-        return {}, [f"{key} keys {_ckpt._names(extra)} with rope_type 'default'"]
+        return {}, [f"{key} keys {_weights.names(extra)} with rope_type 'default'"]
     theta = hf.get("rope_theta")
     if theta is not None and rope.get("rope_theta", theta) != theta:
         return {}, [f"rope_theta={short_repr(theta)} disagrees with {key}.rope_theta={short_repr(rope['rope_theta'])}"]
@@ -257,7 +278,7 @@ def _scaling_values(rope: dict[str, Any], kind: str, source: str) -> dict[str, A
 
 def _expected_tensors(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every tensor an HF folder of ``config`` holds, from ``config`` alone."""
-    shapes = _ckpt._expected_shapes(config)
+    shapes = _weights.expected_shapes(config)
     return {hf: shapes[ours] for ours, hf in _pairs(config)}
 
 
@@ -314,26 +335,22 @@ def from_hf(
 
 def _read_folder(folder: _folder.Folder, rope_layout: str = "interleaved") -> tuple[ModelConfig, dict[str, Tensor]]:
     config_path = folder.path / CONFIG_NAME
-    raw = folder.read(CONFIG_NAME, _ckpt._MAX_JSON_BYTES)
+    raw = folder.read(CONFIG_NAME, _weights.MAX_JSON_BYTES)
     if raw is None:
         raise FileNotFoundError(errno.ENOENT, f"not an HF model folder: it has no {CONFIG_NAME}", str(config_path))
-    config = config_from_hf(_ckpt._parse_json_object(raw, config_path), source=str(config_path))
+    config = config_from_hf(_weights.parse_json_object(raw, config_path), source=str(config_path))
     config = dataclasses.replace(config, rope_layout=rope_layout)
     expected = _expected_tensors(config)
     with contextlib.ExitStack() as stack:
         shards = _open_weights(folder, expected, config, stack)
-        found = {name: (path, entry) for path, _, entries in shards for name, entry in entries.items()}
-        where = shards[0][0] if len(shards) == 1 else folder.path
-        table = {name: (entry.dtype, entry.shape) for name, (_, entry) in found.items()}
-        if problems := _ckpt._table_problems(_with_tied_head(expected, config, table), table, CONFIG_NAME,
-                                             unexpected="tlm has no place for tensors"):  # fmt: skip
+        table = {name: entry for file in shards for name, entry in file.table.items()}
+        where = shards[0].path if len(shards) == 1 else folder.path
+        if problems := _weights.table_problems(_with_tied_head(expected, config, table), table, CONFIG_NAME,
+                                               unexpected="tlm has no place for tensors"):  # fmt: skip
             raise ValueError(f"{where} does not fit {config_path}: " + "; ".join(problems))
         state: dict[str, Tensor] = {}
-        for path, handle, entries in shards:
-            try:
-                state.update(_ckpt._read_tensors(handle, entries))
-            except EOFError:
-                raise ValueError(f"{path} is truncated: it shrank while being read") from None
+        for file in shards:
+            state.update(file.tensors())
     return config, state
 
 
@@ -348,15 +365,18 @@ def _with_tied_head(
 
 def _open_weights(
     folder: _folder.Folder, expected: dict[str, tuple[int, ...]], config: ModelConfig, stack: contextlib.ExitStack
-) -> list[tuple[Path, io.BufferedReader, dict[str, _ckpt._Entry]]]:
-    """(path, open file, header entries) of the single weights file, or of each shard the index names."""
+) -> list[_weights.TensorFile]:
+    """The single weights file, or each shard the index names, open (headers read, no tensor yet)."""
+
+    def open_file(name: str, handle: Any) -> _weights.TensorFile:
+        stack.enter_context(handle)
+        return stack.enter_context(_weights.TensorFile(handle, folder.path / name))
+
     single = folder.open(WEIGHTS_NAME)
     if single is not None:  # transformers' precedence: the single file wins over an index beside it
-        handle = stack.enter_context(single)
-        path = folder.path / WEIGHTS_NAME
-        return [(path, handle, _ckpt._read_header(handle, path)[1])]
+        return [open_file(WEIGHTS_NAME, single)]
     index_path = folder.path / INDEX_NAME
-    raw = folder.read(INDEX_NAME, _ckpt._MAX_JSON_BYTES)
+    raw = folder.read(INDEX_NAME, _weights.MAX_JSON_BYTES)
     if raw is None:
         raise FileNotFoundError(
             errno.ENOENT, f"not an HF model folder: no {WEIGHTS_NAME} nor {INDEX_NAME}", str(folder.path)
@@ -364,30 +384,30 @@ def _open_weights(
     weight_map = _weight_map(raw, index_path)
     # The index alone says which tensors the folder holds: a mismatch is refused before a shard is opened.
     names_only = dict.fromkeys(weight_map)
-    if problems := _ckpt._table_problems(_with_tied_head(expected, config, names_only), names_only, CONFIG_NAME,
-                                         unexpected="tlm has no place for tensors"):  # fmt: skip
+    if problems := _weights.table_problems(_with_tied_head(expected, config, names_only), names_only, CONFIG_NAME,
+                                           unexpected="tlm has no place for tensors"):  # fmt: skip
         raise ValueError(f"{index_path} does not fit {folder.path / CONFIG_NAME}: " + "; ".join(problems))
     by_shard: dict[str, set[str]] = {}
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, set()).add(name)
     shards = []
     for shard in sorted(by_shard):
-        path = folder.path / shard
         opened = folder.open(shard)
         if opened is None:
-            raise FileNotFoundError(errno.ENOENT, f"{INDEX_NAME} names this shard; the folder lacks it", str(path))
-        handle = stack.enter_context(opened)
-        entries = _ckpt._read_header(handle, path)[1]
-        if stray := sorted(set(entries) - by_shard[shard]):
-            raise ValueError(f"{path} holds tensors its index does not place there: {_ckpt._names(stray)}")
-        if absent := sorted(by_shard[shard] - set(entries)):
-            raise ValueError(f"{index_path} places tensors in {shard} that it does not hold: {_ckpt._names(absent)}")
-        shards.append((path, handle, entries))
+            raise FileNotFoundError(
+                errno.ENOENT, f"{INDEX_NAME} names this shard; the folder lacks it", str(folder.path / shard)
+            )
+        file = open_file(shard, opened)
+        if stray := sorted(set(file.table) - by_shard[shard]):
+            raise ValueError(f"{file.path} holds tensors its index does not place there: {_weights.names(stray)}")
+        if absent := sorted(by_shard[shard] - set(file.table)):
+            raise ValueError(f"{index_path} places tensors in {shard} that it does not hold: {_weights.names(absent)}")
+        shards.append(file)
     return shards
 
 
 def _weight_map(raw: bytes, path: Path) -> dict[str, str]:
-    weight_map = _ckpt._parse_json_object(raw, path).get("weight_map")
+    weight_map = _weights.parse_json_object(raw, path).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(
             f"{path}: weight_map must be a JSON object (tensor name -> shard file), got {type(weight_map).__name__}"
@@ -419,10 +439,7 @@ _EXPORT_NAMES = frozenset(
         "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
     }
 )  # fmt: skip
-_EXPORT_PATTERN = re.compile(
-    r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin"
-    r"|\.model\.safetensors\.\d+-[0-9a-f]{16}\.tmp"  # a temporary file of tlm-model 0.2.0's save_hf
-)
+_EXPORT_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin")
 #: Files save_hf writes, or that transformers would read as weights: no extra file may take these names.
 _RESERVED = frozenset({CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME, "pytorch_model.bin", "pytorch_model.bin.index.json"})
 _RESERVED_PATTERN = re.compile(r"model-\d+-of-\d+\.safetensors|pytorch_model-\d+-of-\d+\.bin", re.IGNORECASE)
@@ -472,7 +489,7 @@ def save_hf(
         raise TypeError(f"model must be a TransformerLM (or a compiled one), got {type(model).__name__}")
     config = inner.config
     extra = _check_extra_files(extra_files, config)
-    tensors = _ckpt._cpu_tensors(to_hf_llama_state_dict(inner.state_dict(), config))
+    tensors = _weights.cpu_tensors(to_hf_llama_state_dict(inner.state_dict(), config))
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
     hf = {
         "architectures": ["LlamaForCausalLM"],
@@ -480,10 +497,7 @@ def save_hf(
         **hf_llama_config_kwargs(config),
         "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
     }
-    header = _ckpt._header(tensors, {"format": "pt"})
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    weights = [struct.pack("<Q", len(blob)) + blob] + [_ckpt._bytes(tensors[name]) for name in _ckpt._order(tensors)]
+    weights = _weights.serialize(tensors, {"format": "pt"})
     config_json = json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"
 
     directory = Path(directory)
@@ -493,10 +507,10 @@ def save_hf(
     def fill(folder: Path) -> None:
         _write_new(folder / WEIGHTS_NAME, weights)
         _step("weights-written")
-        _write_new(folder / CONFIG_NAME, [config_json])
+        _write_new(folder / CONFIG_NAME, config_json)
         _step("config-written")
         for name, data in extra.items():
-            _write_new(folder / name, [data])
+            _write_new(folder / name, data)
             _step("extra-written")
 
     replace_dir(directory, fill)
@@ -525,7 +539,7 @@ def _check_extra_files(extra_files: Mapping[str, bytes] | None, config: ModelCon
 
 def _check_generation_config(data: bytes, vocab_size: int) -> None:
     where = f"extra_files[{GENERATION_CONFIG_NAME!r}]"
-    payload = _ckpt._parse_json_object(data, where)
+    payload = _weights.parse_json_object(data, where)
     for key in _TOKEN_ID_KEYS:
         value = payload.get(key)
         for i, token in enumerate(value if isinstance(value, list) else [] if value is None else [value]):
@@ -558,14 +572,13 @@ def _check_replaceable(directory: Path, extra_names: set[str]) -> None:
         )
     if foreign:
         raise ValueError(
-            f"directory {directory} holds {_ckpt._names(foreign)}, which an HF model export does not; save_hf "
+            f"directory {directory} holds {_weights.names(foreign)}, which an HF model export does not; save_hf "
             f"replaces the whole folder, so it leaves this one alone (save into a new or empty folder)"
         )
 
 
-def _write_new(path: Path, chunks: list[Any]) -> None:
+def _write_new(path: Path, data: bytes) -> None:
     # Inside the fresh temporary folder replace_dir made; it fsyncs the whole tree before the swap.
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
+        f.write(data)

@@ -8,10 +8,9 @@ from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
-from tlm_model.block import TransformerBlock, build_rope
+from tlm_model.block import TransformerBlock, build_norm, build_rope
 from tlm_model.config import ModelConfig
 from tlm_model.loss import chunked_cross_entropy
-from tlm_norm import RMSNorm
 
 #: What ``torch.compile`` puts before every state-dict key of the module it wraps.
 COMPILED_PREFIX = "_orig_mod."
@@ -47,7 +46,7 @@ def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: st
 
 
 class TransformerLM(nn.Module):
-    """token embedding → ``num_layers`` pre-norm blocks → final RMSNorm → LM head.
+    """token embedding → ``num_layers`` (pre-norm) blocks → final RMSNorm → LM head.
 
     Built from one :class:`ModelConfig` (``TransformerLM(config)``, or ``from_preset(name)``), kept as
     ``model.config``. ``forward`` returns unnormalised next-token logits (batch, seq, vocab). All layers
@@ -56,7 +55,9 @@ class TransformerLM(nn.Module):
     ``torch.compile``d model (keys prefixed ``_orig_mod.``) load as they are. With
     ``tie_word_embeddings=True`` ``lm_head.weight`` *is* ``token_embeddings.weight`` (one
     parameter); state dicts then leave out ``lm_head.weight`` and loading restores the tie.
-    The config's ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size.
+    The config's ``num_kv_heads`` and ``head_dim`` select grouped-query attention and the head size;
+    its ``norm_placement``, ``positions`` and ``ffn`` the ablations of CS336 §7 (``norm_placement="none"``
+    drops ``ln_final`` too; ``positions="none"`` leaves ``model.rope`` None).
 
     Build on ``device="meta"`` to get shapes and parameter counts without allocating; then
     ``to_empty(device=...)`` and ``reset_parameters()`` to materialise it.
@@ -86,7 +87,14 @@ class TransformerLM(nn.Module):
             )
         resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
         self.config = config
-        self.token_embeddings = Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        # A tied table is also the LM head: logit_v = h·e_v with the final RMSNorm's h of norm ~sqrt(d_model),
+        # so σ = 1/sqrt(d_model) gives logits of unit variance and a first loss near ln(vocab_size) (+0.5).
+        # The course's σ = 1 (right for an untied lookup) would give logits of variance d_model: a first
+        # loss of tens of nats. Untied, the course's rule stands (what the course's adapters test).
+        embedding_std = config.d_model**-0.5 if config.tie_word_embeddings else 1.0
+        self.token_embeddings = Embedding(
+            config.vocab_size, config.d_model, device=device, dtype=dtype, init_std=embedding_std
+        )
         self.rope = build_rope(config, device)
         self.layers = nn.ModuleList(
             TransformerBlock(
@@ -94,7 +102,7 @@ class TransformerLM(nn.Module):
             )
             for _ in range(config.num_layers)
         )
-        self.ln_final = RMSNorm(config.d_model, eps=config.norm_eps, device=device, dtype=dtype)
+        self.ln_final = build_norm(config, device, dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         self.register_load_state_dict_pre_hook(_strip_compiled_prefix)
         if config.tie_word_embeddings:
@@ -110,13 +118,6 @@ class TransformerLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.token_embeddings.weight
         return self
-
-    @classmethod
-    def from_hf(cls, directory: Any, **kwargs: Any) -> "TransformerLM":
-        """Load an HF Llama folder (``config.json`` + safetensors); see :func:`tlm_model.interop.from_hf`."""
-        from tlm_model.interop import from_hf  # interop builds TransformerLMs: imported late, no cycle
-
-        return from_hf(directory, **kwargs)
 
     @classmethod
     def from_preset(cls, name: str, **kwargs: Any) -> "TransformerLM":
@@ -156,7 +157,8 @@ class TransformerLM(nn.Module):
         ]
 
     def reset_parameters(self) -> None:
-        """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``)."""
+        """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``); a tied
+        embedding is drawn with σ = 1/sqrt(d_model) instead, since it is also the LM head."""
         tied = self.config.tie_word_embeddings
         for module in self.modules():
             reset = getattr(module, "reset_parameters", None)
@@ -228,22 +230,3 @@ class TransformerLM(nn.Module):
         """
         hidden = self.hidden_states(in_indices)
         return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside the wrappers tlm and torch put around a model: ``torch.compile``'s
-    (``_orig_mod``), :func:`~tlm_model.compile_for_inference`'s and DDP's (``module``)."""
-    from tlm_model.inference import InferenceModel  # inference imports this module
-
-    for _ in range(8):  # wrappers nest at most a few deep; a cycle must not hang
-        if isinstance(model, TransformerLM):
-            break
-        if isinstance(model, InferenceModel):
-            model = model.model
-            continue
-        inner = getattr(model, "_orig_mod", None)
-        inner = getattr(model, "module", None) if inner is None else inner
-        if not isinstance(inner, nn.Module):
-            break
-        model = inner
-    return model

@@ -1,9 +1,31 @@
 """Rotary positional embedding (RoPE, Su et al. 2021): interleaved or rotate-half pairs, partial
-rotary, and context-extension scaling (linear, dynamic NTK, YaRN, Llama 3)."""
+rotary, and context-extension scaling (linear, dynamic NTK, YaRN, Llama 3).
 
-from tlm_rope.rope import LAYOUTS, RotaryPositionalEmbedding
-from tlm_rope.scaling import SCALINGS, inv_freq_and_factor
+Names load on first use (PEP 562): ``from tlm_rope.options import LAYOUTS`` (the layouts and scaling
+rules, with their checks) costs no torch import, which a config or a command line that only names a
+layout relies on.
+"""
 
-__version__ = "0.3.0"
+from typing import TYPE_CHECKING
 
-__all__ = ["LAYOUTS", "SCALINGS", "RotaryPositionalEmbedding", "__version__", "inv_freq_and_factor"]
+from tlm_core.lazy import lazy_exports
+
+__version__ = "0.3.1"
+
+__all__ = ["LAYOUTS", "SCALINGS", "RotaryPositionalEmbedding", "__version__", "check_scaling", "inv_freq_and_factor"]
+
+_HOMES = {
+    "LAYOUTS": "tlm_rope.options",
+    "SCALINGS": "tlm_rope.options",
+    "check_scaling": "tlm_rope.options",
+    "RotaryPositionalEmbedding": "tlm_rope.rope",
+    "inv_freq_and_factor": "tlm_rope.scaling",
+}
+
+if TYPE_CHECKING:
+    from tlm_rope.options import LAYOUTS, SCALINGS, check_scaling
+    from tlm_rope.rope import RotaryPositionalEmbedding
+    from tlm_rope.scaling import inv_freq_and_factor
+
+
+lazy_exports(__name__, _HOMES)

@@ -10,12 +10,12 @@ from torch import Tensor, nn
 
 from tlm_core.checks import check_choice, check_number, check_positive_int
 from tlm_core.tensors import check_float_tensor
-from tlm_rope.scaling import check_scaling, inv_freq_and_factor
+from tlm_rope.options import LAYOUTS, check_scaling
+from tlm_rope.scaling import inv_freq_and_factor
 
 #: Integer dtypes that index_select does not take directly, widened to int64.
 _WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
-LAYOUTS = ("interleaved", "half")
 #: Devices whose kernels multiply complex tensors (elsewhere the interleaved layout uses the real form).
 _COMPLEX = ("cpu", "cuda")
 

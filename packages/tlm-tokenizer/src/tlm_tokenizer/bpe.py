@@ -13,7 +13,7 @@ import heapq
 from array import array
 from itertools import pairwise, repeat
 
-__all__ = ["HEAP_MIN", "ID_MASK", "NO_RANK", "merge", "merge_heap", "merge_scan", "pack"]
+__all__ = ["HEAP_MIN", "ID_MASK", "NO_RANK", "RANK_ORDER_MIN", "merge", "merge_heap", "merge_scan", "pack"]
 
 ID_MASK = (1 << 32) - 1
 NO_RANK = 1 << 62  # above every packed value: ranks stay below 2**30
@@ -21,6 +21,10 @@ NO_RANK = 1 << 62  # above every packed value: ranks stay below 2**30
 # and 192 bytes (random letters, random digits, one repeated letter); below, the scan is up to four
 # times faster, and every word is far below.
 HEAP_MIN = 160
+# Pre-tokens of at least this many bytes take whole-array steps, one per rank (tlm_tokenizer._rank_order,
+# numpy), where the table allows it; the heap is faster below (the two cross between about 15 KB of random
+# digits and 50 KB of random letters with GPT-2's merges).
+RANK_ORDER_MIN = 1 << 16
 
 
 def pack(rank: int, merged_id: int) -> int:

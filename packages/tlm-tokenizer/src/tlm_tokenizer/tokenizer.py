@@ -92,6 +92,7 @@ class Tokenizer:
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
+        self._rank_order: Any = False  # built on the first very long pre-token (None: the table does not allow it)
 
     # -- files ----------------------------------------------------------------------------------
 
@@ -195,7 +196,15 @@ class Tokenizer:
         """GPT-2's rule: repeatedly merge the adjacent pair of lowest rank, leftmost on ties (``bpe.merge``)."""
         if len(token) == 1:
             return [self._byte_ids[token[0]]]
-        return bpe.merge(list(map(self._byte_ids.__getitem__, token)), self._merge_table)
+        parts = list(map(self._byte_ids.__getitem__, token))
+        if len(token) >= bpe.RANK_ORDER_MIN:  # a line without whitespace: whole-array steps, one per rank
+            if self._rank_order is False:
+                from tlm_tokenizer._rank_order import RankOrderMerge  # numpy, imported only when needed
+
+                self._rank_order = RankOrderMerge.build(self._merge_table, self._byte_ids)
+            if self._rank_order is not None:
+                return cast(list[int], self._rank_order(parts))
+        return bpe.merge(parts, self._merge_table)
 
     def _encode_ordinary(self, text: str) -> list[int]:
         """Ids of ``text`` (no special tokens in it): BPE once per distinct pre-token, then a cache.

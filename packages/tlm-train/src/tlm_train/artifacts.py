@@ -6,7 +6,7 @@
 | X | model | tokenizer |
 |---|---|---|
 | a run folder | its newest step that verifies (older ones when newer are damaged) | ``RUN/tokenizer/`` |
-| a step folder ``RUN/checkpoints/step_N`` | its ``model.safetensors`` | the run's |
+| a step folder ``RUN/checkpoints/step_N`` | its ``model.safetensors`` (a sharded step: its DCP shards) | the run's |
 | a folder holding ``model.safetensors`` | that file | ``tokenizer/`` or ``tokenizer.json`` beside it |
 | a ``.safetensors`` file | the file | as for its folder |
 | an HF Llama folder (``config.json``) | ``tlm_model.from_hf`` | its ``tokenizer.json`` when tlm can read it |
@@ -22,7 +22,7 @@ import torch
 
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
-from tlm_train.checkpoint import CheckpointManager
+from tlm_train.checkpoint import STATE_NAME, CheckpointManager, load_step_model, read_step_config
 from tlm_train.run_dir import CHECKPOINT_DIR, TOKENIZER_DIR, RunDir
 
 KINDS = ("run", "step", "model", "hf")
@@ -57,10 +57,12 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
         return Artifact("run", path, path / CHECKPOINT_DIR, path / TOKENIZER_DIR, RunDir(path))
     if (path / HF_CONFIG).is_file() and not _tlm_legacy_config(path / HF_CONFIG):
         return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
-    if (path / WEIGHTS_NAME).is_file():
+    if (path / WEIGHTS_NAME).is_file() or (path / STATE_NAME).is_file():  # a sharded step has no model file
         run = path.parent.parent if path.parent.name == CHECKPOINT_DIR else None
         if run is not None and RunDir.is_run(run):
             return Artifact("step", path, path, run / TOKENIZER_DIR, RunDir(run))
+        if not (path / WEIGHTS_NAME).is_file():  # a sharded step folder copied out of its run
+            return Artifact("step", path, path, _tokenizer_near(path))
         return Artifact("model", path, path, _tokenizer_near(path))
     raise ValueError(
         f"{path} is not a tlm run folder, step folder or model folder (no {WEIGHTS_NAME}), nor an HF Llama folder "
@@ -116,7 +118,7 @@ def model_config(artifact: Artifact) -> ModelConfig:
         except json.JSONDecodeError as err:
             raise ValueError(f"{artifact.path / HF_CONFIG} is not valid JSON ({err})") from None
     path, _ = model_file(artifact)
-    return read_config(path)
+    return read_config(path) if artifact.kind == "model" else read_step_config(path)
 
 
 def load_model(
@@ -132,15 +134,17 @@ def load_model(
         from tlm_model import from_hf
 
         return from_hf(artifact.path, device=device, dtype=dtype, **options), None
-    from tlm_model import load_checkpoint
+    from tlm_model import load_model_file
 
     path, step = model_file(artifact)
-    if artifact.kind != "run":
-        return load_checkpoint(path, device=device, dtype=dtype, **options), step
+    if artifact.kind == "model":
+        return load_model_file(path, device=device, dtype=dtype, **options), step
+    if artifact.kind == "step":  # either layout: a sharded step's weights are gathered here, in this process
+        return load_step_model(path, device=device, dtype=dtype, **options), step
     manager = CheckpointManager(artifact.model_path)
     for step in reversed(manager.steps()):
         try:
-            return load_checkpoint(manager.path(step), device=device, dtype=dtype, **options), step
+            return load_step_model(manager.path(step), device=device, dtype=dtype, **options), step
         except (ValueError, OSError) as err:  # damaged: say so and take the step before
             if on_damaged is not None:
                 on_damaged(step, err)
@@ -148,8 +152,9 @@ def load_model(
 
 
 def load_tokenizer(artifact: Artifact) -> Any:
-    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has none tlm can read; an HF tokenizer
-    tlm cannot reproduce exactly (another pre-tokenizer, say) is None with the reason in ``.reason``."""
+    """The artifact's ``tlm_tokenizer.Tokenizer``, or None when it has no tokenizer file; an HF tokenizer
+    tlm cannot reproduce exactly (another pre-tokenizer, say) raises :class:`UnreadableTokenizer`, whose
+    message gives the reason."""
     if artifact.tokenizer_path is None or not artifact.tokenizer_path.exists():
         return None
     from tlm_tokenizer import Tokenizer

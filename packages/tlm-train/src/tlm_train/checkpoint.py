@@ -9,41 +9,51 @@ headers and padding included, is refused. :func:`save_train_state` writes it all
 **A step folder** (``RUN/checkpoints/step_00000100/``) holds the model in tlm-model's own file
 (``model.safetensors``: weights, ``ModelConfig`` and their SHA-256, the same file ``tlm generate`` reads)
 and ``train_state.pt`` (optimizer, schedule, sampler, RNG, step, world size), which also records the
-model file's SHA-256, so a model file from another step is refused. The folder is built under a
-temporary name and renamed into place: it appears complete or not at all. :class:`CheckpointManager`
-lists, loads, prunes and cleans step folders.
+model file's SHA-256, so a model file from another step is refused. A DDP/FSDP2 run's step folder
+instead holds ``shards/``, written by torch.distributed.checkpoint with each rank writing its own part
+(nothing gathered), and ``train_state.pt`` records the SHA-256 of each of those files. The folder is
+built under a temporary name and renamed into place: it appears complete or not at all.
+:class:`CheckpointManager` lists, loads, prunes and cleans step folders.
 
 **The course's** ``save_checkpoint(model, optimizer, iteration, out)`` / ``load_checkpoint(src, model,
 optimizer)`` write and read one training-state file that also holds the model's state dict (any
 ``nn.Module``), through the same serialiser.
 """
 
+import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import os
+import pathlib
+import pickle
 import re
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-from tlm_core.atomic import atomic_file, remove_leftovers, replace_dir, temp_path
+from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
-from tlm_model import ModelConfig, unwrap
-from tlm_model import save_checkpoint as save_model_file
-from tlm_model.checkpoint import WEIGHTS_NAME, read_digest
-from tlm_model.checkpoint import read_checkpoint as read_model_file
+from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file, unwrap
+from tlm_model.checkpoint import WEIGHTS_NAME, read_config, read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
 FORMAT = "tlm-train-state/1"
 _TRAILER = b"\n#tlm-train-state sha256 "
 _TRAILER_SIZE = len(_TRAILER) + 64 + 1
 STATE_NAME = "train_state.pt"
+#: In a checkpoints folder: the name of the newest saved step folder (see :meth:`CheckpointManager.steps`).
+LATEST_NAME = "latest"
+#: In a sharded step folder: torch.distributed.checkpoint's files (``.metadata``, one ``.distcp`` per rank).
+SHARDS_DIR = "shards"
 # io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
 Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
 
@@ -224,8 +234,6 @@ def _check_fits(name: str, saved: dict[str, Tensor], current: dict[str, Tensor])
 # ---------------------------------------------------------------------------------------------
 # Capturing and restoring a (possibly sharded) model and optimizer
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -248,14 +256,17 @@ def capture_state(
     sampler: Any = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Everything a bit-exact resume needs, as plain tensors and containers: the full model and
-    optimizer state dicts (gathered from all ranks when sharded; every rank must call this, rank 0
-    gets the data), the scheduler's step, the sampler's state, the RNG states and the world size."""
-    if _is_plain(model):
-        model_state, optim_state = model.state_dict(), _named_optimizer_state(model, optimizer)
-    else:
-        model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
+    """Everything a bit-exact resume needs: the model's and the optimizer's state dicts (the optimizer's
+    keyed by parameter name), the scheduler's step, the sampler's state, the RNG states and the world size.
+
+    In one process the state dicts are complete. Under DDP or FSDP2 (every rank calls this) they are
+    each rank's own part, nothing gathered: FSDP2's DTensor shards, or DDP's replica, which
+    torch.distributed.checkpoint writes once across the ranks; ``sharded`` is then True and
+    :meth:`CheckpointManager.save` must be called on every rank."""
+    sharded = not _is_plain(model)
+    model_state, optim_state = model.state_dict(), _named_optimizer_state(model, optimizer)
     return {
+        "sharded": sharded,
         "step": step,
         "model": model_state,
         "optimizer": optim_state,
@@ -282,7 +293,9 @@ def restore_state(
     optimizer keeps the ones it was built with, so a resumed run applies its current settings. The
     schedule likewise keeps its own settings and takes only the step count."""
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    if _is_plain(model):
+    if "shards" in state:  # a sharded step folder: each rank reads its part, resharded to this run's ranks
+        _load_shards(state, model, optimizer)
+    elif _is_plain(model):
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state["optimizer"]))
     else:
@@ -350,13 +363,223 @@ def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 
 
 # ---------------------------------------------------------------------------------------------
+# Sharded training state: torch.distributed.checkpoint (DCP) files inside a step folder
+#
+# Only tensors go through DCP (``model.<name>``, ``optimizer.<name>.<key>``): everything else (optimizer
+# steps and groups, schedule, sampler, RNG) stays in train_state.pt, read with weights_only. DCP's own
+# ``.metadata`` is a pickle, so it is read only after its SHA-256 matched the one train_state.pt records,
+# and then by an unpickler that builds nothing but DCP's metadata classes.
+
+
+@contextlib.contextmanager
+def _one_process_is_meant() -> Iterator[None]:
+    # DCP warns on every call without a process group; reading a sharded step in one process is the intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _tensor_items(state: dict[str, Any]) -> dict[str, Tensor]:
+    """The flat dict DCP writes: every model tensor, every tensor of the optimizer's per-parameter state."""
+    items = {f"model.{name}": value for name, value in state["model"].items()}
+    for name, entries in state["optimizer"]["state"].items():
+        items.update({f"optimizer.{name}.{k}": v for k, v in entries.items() if isinstance(v, Tensor)})
+    return items
+
+
+def _without_tensors(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    state = {name: {k: v for k, v in entries.items() if not isinstance(v, Tensor)} for name, entries in
+             optimizer_state["state"].items()}  # fmt: skip
+    tensors = {name: sorted(k for k, v in entries.items() if isinstance(v, Tensor)) for name, entries in
+               optimizer_state["state"].items()}  # fmt: skip
+    return {"state": state, "tensors": tensors, "param_groups": optimizer_state["param_groups"]}
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    digests = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = Path(root) / name
+            h = hashlib.sha256()
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 20):
+                    h.update(chunk)
+            digests[path.relative_to(folder).as_posix()] = h.hexdigest()
+    return digests
+
+
+def _verify_shards(folder: Path, recorded: dict[str, str]) -> None:
+    """Refuse a DCP folder whose files are not exactly the ones ``train_state.pt`` recorded, byte for byte."""
+    found = _file_digests(folder) if folder.is_dir() else {}
+    if missing := sorted(set(recorded) - set(found)):
+        raise ValueError(f"{folder} lacks the shard files {missing[:5]} that {STATE_NAME} records")
+    if extra := sorted(set(found) - set(recorded)):
+        raise ValueError(f"{folder} holds files {extra[:5]} that {STATE_NAME} does not record")
+    if changed := sorted(name for name in recorded if found[name] != recorded[name]):
+        raise ValueError(f"{folder}: the shard files {changed[:5]} do not match the SHA-256 recorded in {STATE_NAME}")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata and the torch values in it (sizes, dtypes, layouts), nothing else."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch.distributed.checkpoint.filesystem as dcp_fs
+        import torch.distributed.checkpoint.metadata as dcp_meta
+
+        allowed: Any = None
+        if module == dcp_meta.__name__ or (module == dcp_fs.__name__ and name == "_StorageInfo"):
+            allowed = getattr(sys.modules[module], name, None)
+            allowed = allowed if isinstance(allowed, type) else None
+        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            allowed = getattr(torch, name)
+        elif (module, name) == ("torch.serialization", "_get_layout"):
+            allowed = torch.serialization._get_layout
+        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
+            allowed = getattr(pathlib, name)
+        if allowed is None:
+            raise pickle.UnpicklingError(f"DCP metadata may not build {module}.{name}")
+        return allowed
+
+
+def _reader(folder: str | os.PathLike[str]) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+            with open(Path(self.path) / ".metadata", "rb") as handle:
+                try:
+                    metadata = _MetadataUnpickler(handle).load()
+                except Exception as error:  # a foreign or damaged pickle: several types
+                    raise ValueError(f"{self.path}: not a readable DCP metadata file ({error})") from None
+            if not isinstance(metadata, Metadata):
+                raise ValueError(f"{self.path}: its .metadata holds a {type(metadata).__name__}, not DCP metadata")
+            # DCP loads a non-tensor item with torch.load(weights_only=False); tlm writes none, so none is read.
+            items = metadata.state_dict_metadata.items()
+            if other := sorted(key for key, item in items if not isinstance(item, TensorStorageMetadata)):
+                raise ValueError(
+                    f"{self.path}: its .metadata lists non-tensor items {other[:5]}; tlm writes tensors only"
+                )
+            storage = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+            storage.load_id = self.load_id
+            metadata.storage_meta = storage
+            return metadata
+
+    return Reader(folder)
+
+
+def _shard_sizes(folder: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = _reader(folder).read_metadata()
+    return {
+        key: (tuple(item.size), item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
+def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Read a sharded step folder into ``model`` and ``optimizer`` as they are laid out now (FSDP2's
+    shards, a DDP replica or one process): DCP reads each rank's part of every tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    folder, saved = state["shards"], state["optimizer"]
+    sizes = _shard_sizes(folder)
+    params = dict(model.named_parameters())
+    targets = {f"model.{name}": value for name, value in model.state_dict().items()}
+    if unknown := sorted(set(saved["tensors"]) - set(params)):
+        raise ValueError(f"{folder} holds optimizer state for parameters the model lacks: {unknown[:5]}")
+    wanted = [*targets, *(f"optimizer.{name}.{key}" for name, keys in saved["tensors"].items() for key in keys)]
+    if missing := sorted(set(wanted) - set(sizes)):
+        raise ValueError(f"{folder} does not fit the model: its shards lack {missing[:5]}")
+    for name, keys in saved["tensors"].items():
+        for key in keys:  # AdamW's moments: shaped (and under FSDP2 sharded) like their parameter
+            size, dtype = sizes[f"optimizer.{name}.{key}"]
+            param = params[name]
+            like = size == tuple(param.shape)
+            targets[f"optimizer.{name}.{key}"] = (
+                torch.zeros_like(param, dtype=dtype) if like else torch.zeros(size, dtype=dtype)
+            )
+    with _one_process_is_meant():
+        dcp.load(targets, storage_reader=_reader(folder), no_dist=not _distributed())
+    model.load_state_dict({name[len("model.") :]: v for name, v in targets.items() if name.startswith("model.")})
+    named = {
+        "state": {
+            name: {**saved["state"].get(name, {}), **{k: targets[f"optimizer.{name}.{k}"] for k in keys}}
+            for name, keys in saved["tensors"].items()
+        },
+        "param_groups": saved["param_groups"],
+    }
+    optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, named))
+
+
+def read_model_state(folder: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """The config and the complete model weights of a step folder, verified, in this process on the CPU:
+    from its ``model.safetensors``, or gathered from a sharded folder's DCP files (what ``tlm generate``,
+    ``eval`` and ``convert`` read; only the model's tensors are read, never the optimizer's)."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    if (folder / WEIGHTS_NAME).is_file():
+        return read_model_file(folder)
+    state = load_train_state(folder / STATE_NAME)
+    if "shard_files" not in state:
+        raise FileNotFoundError(errno.ENOENT, f"not a step folder: no {WEIGHTS_NAME} and no shards", str(folder))
+    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
+    config = ModelConfig.from_dict(state["model_config"])
+    expected = {name: tuple(t.shape) for name, t in _course_model(config).state_dict().items()}
+    sizes = _shard_sizes(folder / SHARDS_DIR)
+    got = {key[len("model.") :]: size for key, (size, _) in sizes.items() if key.startswith("model.")}
+    if got != expected:  # checked before anything is allocated
+        wrong = sorted(k for k in expected.keys() | got.keys() if got.get(k) != expected.get(k))
+        raise ValueError(f"{folder}: the shards do not fit its model config (tensors {wrong[:5]})")
+    targets = {f"model.{name}": torch.empty(sizes[f"model.{name}"][0], dtype=sizes[f"model.{name}"][1])
+               for name in expected}  # fmt: skip
+    with _one_process_is_meant():
+        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
+    return config, {name: targets[f"model.{name}"] for name in expected}
+
+
+def _course_model(config: ModelConfig) -> nn.Module:
+    return TransformerLM(config, device="meta", fused=False)
+
+
+def load_step_model(
+    folder: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **options: Any,
+) -> TransformerLM:
+    """The TransformerLM of a step folder (either layout), verified; ``dtype`` defaults to the saved one.
+    ``options`` go to ``TransformerLM``."""
+    if (Path(folder) / WEIGHTS_NAME).is_file():
+        return load_model_file(folder, device=device, dtype=dtype, **options)
+    config, weights = read_model_state(folder)
+    saved = next(iter(weights.values())).dtype
+    model = TransformerLM(config, device=device, dtype=dtype or saved, **options)
+    model.load_state_dict(weights)
+    return model
+
+
+def read_step_config(folder: str | os.PathLike[str]) -> ModelConfig:
+    """The ModelConfig of a step folder (either layout), without reading the weights."""
+    if (Path(folder) / WEIGHTS_NAME).is_file():
+        return read_config(folder)
+    return ModelConfig.from_dict(load_train_state(Path(folder) / STATE_NAME)["model_config"])
+
+
+# ---------------------------------------------------------------------------------------------
 # Step folders
 
 
 @dataclasses.dataclass
 class Checkpoint:
     """A verified step folder: its model file and its training state (``state["model"]`` is the model's
-    state dict read from ``model.safetensors``)."""
+    state dict read from ``model.safetensors``; a sharded folder's ``state["shards"]`` is instead the
+    folder of DCP files that :func:`restore_state` reads and :func:`read_model_state` gathers)."""
 
     step: int
     path: Path
@@ -365,7 +588,8 @@ class Checkpoint:
 
 
 class CheckpointManager:
-    """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``.
+    """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``, and ``latest``
+    naming the newest one saved.
 
     :meth:`save` writes a folder all-or-nothing; :meth:`load` verifies both files (their SHA-256s and
     that they belong together); :meth:`load_latest` returns the newest folder that verifies, passing
@@ -383,7 +607,20 @@ class CheckpointManager:
         return self.directory / f"step_{step:08d}"
 
     def steps(self) -> list[int]:
-        """Steps whose folder is complete (both files present), oldest first. Verification is :meth:`load`'s."""
+        """Steps whose folder is complete (every file present), oldest first; never empty while a complete
+        step exists, even as another process saves and prunes. Verification is :meth:`load`'s.
+
+        A folder listing is no snapshot: an entry renamed in or out while it is read may be missed, so a
+        listing taken while a save puts step N+1 in place and a prune takes step N away can hold neither.
+        The ``latest`` file, replaced atomically after each save and naming a step that no prune removes,
+        fills that gap: it is read after the listing, and its step joins it."""
+        found = set(self._listed())
+        newest = self._pointed()
+        if newest is not None:
+            found.add(newest)
+        return sorted(found)
+
+    def _listed(self) -> list[int]:
         try:
             entries = list(os.scandir(self.directory))
         except (FileNotFoundError, NotADirectoryError):
@@ -391,12 +628,40 @@ class CheckpointManager:
         found = []
         for entry in entries:
             match = self.PATTERN.fullmatch(entry.name)
-            if match and entry.is_dir(follow_symlinks=False):
-                if os.path.isfile(os.path.join(entry.path, WEIGHTS_NAME)) and os.path.isfile(
-                    os.path.join(entry.path, STATE_NAME)
-                ):
-                    found.append(int(match.group(1)))
-        return sorted(found)
+            if match and entry.is_dir(follow_symlinks=False) and self._complete(entry.path):
+                found.append(int(match.group(1)))
+        return found
+
+    @staticmethod
+    def _complete(folder: str | os.PathLike[str]) -> bool:
+        # A one-process step has the model file; a sharded one has DCP's metadata (DCP writes it last).
+        return os.path.isfile(os.path.join(folder, STATE_NAME)) and (
+            os.path.isfile(os.path.join(folder, WEIGHTS_NAME))
+            or os.path.isfile(os.path.join(folder, SHARDS_DIR, ".metadata"))
+        )
+
+    def _pointer(self) -> int | None:
+        try:
+            match = self.PATTERN.fullmatch((self.directory / LATEST_NAME).read_text(encoding="utf-8").strip())
+        except (OSError, UnicodeDecodeError):
+            return None
+        return int(match.group(1)) if match else None
+
+    def _pointed(self) -> int | None:
+        """The step ``latest`` names while its folder is complete; None without one, or when its folder
+        was removed by other means than a save (a stale pointer: the listing alone then counts)."""
+        named = self._pointer()
+        for _ in range(1000):
+            if named is None:
+                return None
+            folder = self.path(named)
+            if not folder.is_symlink() and self._complete(folder):
+                return named
+            again = self._pointer()
+            if again == named:
+                return None  # unchanged, so no save moved it on: its folder was taken away by hand
+            named = again  # a save replaced it while we looked: look at the new one
+        raise OSError(errno.EBUSY, "the checkpoints kept changing while they were listed", str(self.directory))
 
     def all_steps(self) -> list[int]:
         """Every step folder, complete or not (a damaged copy, a folder missing a file)."""
@@ -408,8 +673,11 @@ class CheckpointManager:
 
     def save(self, model: nn.Module, state: dict[str, Any], *, model_state: dict[str, Tensor] | None = None) -> Path:
         """Write ``state`` (from :func:`capture_state`: its ``model`` entry, or ``model_state``, is the
-        model's full state dict) as the folder of ``state["step"]``; returns it."""
+        model's state dict) as the folder of ``state["step"]``; returns it. A ``sharded`` state is
+        written by every rank at once (call this on each): see :meth:`_save_shards`."""
         step = check_int("state['step']", state.get("step"), low=0)
+        if state.get("sharded"):
+            return self._save_shards(model, state)
         weights = state["model"] if model_state is None else model_state
         rest = {k: v for k, v in state.items() if k != "model"}
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -418,14 +686,59 @@ class CheckpointManager:
             save_model_file(model, folder, state_dict=weights)
             save_train_state(folder / STATE_NAME, {**rest, "model_sha256": read_digest(folder)})
 
-        return replace_dir(self.path(step), fill)
+        folder = replace_dir(self.path(step), fill)
+        # After the folder is in place, before any prune: a listing that races both still finds a step.
+        atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+        return folder
+
+    def _save_shards(self, model: nn.Module, state: dict[str, Any]) -> Path:
+        """Each rank writes its own part of the model and optimizer into one temporary folder (DCP: no
+        rank gathers either); then rank 0 records every file's SHA-256 in ``train_state.pt``, written
+        last, and renames the folder into place, and every rank waits for that."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        step = state["step"]
+        tensors = _tensor_items(state)
+        rest = {k: v for k, v in state.items() if k not in ("model", "optimizer", "sharded")}
+        rest["optimizer"] = _without_tensors(state["optimizer"])
+        rest["model_config"] = cast(Any, unwrap(model)).config.to_dict()
+        rank = dist.get_rank() if _distributed() else 0
+
+        def write(folder: Path) -> None:
+            with _one_process_is_meant():
+                dcp.save(tensors, storage_writer=FileSystemWriter(folder / SHARDS_DIR), no_dist=not _distributed())
+
+        if rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+            def fill(folder: Path) -> None:
+                _share([str(folder)])
+                write(folder)  # returns once every rank's files and the metadata are written
+                save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
+
+            folder = replace_dir(self.path(step), fill)
+            atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+        else:
+            write(Path(_share([None])[0]))
+            folder = self.path(step)
+        if _distributed():
+            dist.barrier()
+        return folder
 
     def load(self, step: int) -> Checkpoint:
-        """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong."""
+        """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong. A sharded
+        folder's shards are verified here and read by :func:`restore_state` (``state["shards"]``)."""
         folder = self.path(step)
         if not folder.is_dir():
             raise FileNotFoundError(f"no checkpoint folder for step {step}: {folder}")
         state = load_train_state(folder / STATE_NAME)
+        if "shard_files" in state:
+            _verify_shards(folder / SHARDS_DIR, state["shard_files"])
+            if state.get("step") != step:
+                raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
+            state["shards"] = str(folder / SHARDS_DIR)
+            return Checkpoint(step, folder, ModelConfig.from_dict(state["model_config"]), state)
         config, weights = read_model_file(folder)  # verifies the model file's SHA-256
         if state.get("model_sha256") != read_digest(folder):
             raise ValueError(f"{folder}: {STATE_NAME} belongs to another model file (its recorded SHA-256 differs)")
@@ -455,7 +768,8 @@ class CheckpointManager:
 
     def prune(self) -> list[int]:
         """Delete all but the ``keep`` newest complete folders (never the newest); returns the steps removed."""
-        removed = self.steps()[: -self.keep]
+        pointed = self._pointer()  # the newest save: a racing listing relies on it, so it stays
+        removed = [step for step in self.steps()[: -self.keep] if step != pointed]
         for step in removed:
             _remove_folder(self.path(step))
         return removed
@@ -465,11 +779,20 @@ class CheckpointManager:
         removed = [s for s in self.all_steps() if s > step]
         for s in removed:
             _remove_folder(self.path(s))
+        if removed and (kept := self._listed()):
+            atomic_write(self.directory / LATEST_NAME, f"{self.path(max(kept)).name}\n")
         return removed
 
     def remove_leftovers(self) -> list[Path]:
         """Delete the temporary folders of saves that were killed (never a live writer's)."""
         return remove_leftovers(self.directory)
+
+
+def _share(values: list[Any]) -> list[Any]:
+    """Rank 0's ``values`` on every rank (unchanged in one process)."""
+    if _distributed():
+        dist.broadcast_object_list(values, src=0)
+    return values
 
 
 def _remove_folder(folder: Path) -> None:

@@ -23,8 +23,8 @@ else:  # pragma: no cover - Python 3.10
 import tomli_w
 
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
-from tlm_model import PRESETS, ModelConfig
 from tlm_model.config import FIELDS as MODEL_FIELDS
+from tlm_model.config import PRESETS, ModelConfig
 
 CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
@@ -38,53 +38,120 @@ class TrainConfig:
     all ranks and ``grad_accum`` micro-steps together, so a run gives the same batches (and, up to
     float reassociation, the same weights) on 1 process or N."""
 
+    # Each field's metadata says what it is: ``help``, ``choices`` for a name, and ``shown``, the
+    # default as ``tlm train --help`` shows it where the value itself does not say (None, []).
     # Output.
-    out_dir: str = "runs/default"
-    # Data: text files (encoded with the run's tokenizer), or one token-id file (.npy, or raw
-    # .bin/.u16/.u32 with ``token_dtype``). Empty: the default corpus, which needs no download.
-    data: list[str] = field(default_factory=list)
-    token_dtype: str = "uint16"
-    val_fraction: float = 0.1
-    tokenizer: str | None = None  # a tokenizer folder to use instead of training one
-    vocab_size: int = 1024  # the vocabulary to train a tokenizer to (or the id range of a token file)
-    special_tokens: list[str] = field(default_factory=lambda: ["<|endoftext|>"])
+    out_dir: str = field(
+        default="runs/default",
+        metadata={"help": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/"},
+    )
+    # Data.
+    data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "text or JSON Lines files (.txt, .jsonl; either may end in .gz or .zst), encoded with the run's "
+            "tokenizer, or one token-id file (.npy, or raw .bin/.u16/.u32 with token_dtype)",
+            "shown": "Python's own pydoc topics, no download",
+        },
+    )
+    text_field: str = field(
+        default="text", metadata={"help": "the field of each JSON Lines record that holds its text"}
+    )
+    token_dtype: str = field(
+        default="uint16", metadata={"help": "the id type of a raw token file", "choices": TOKEN_DTYPES}
+    )
+    val_fraction: float = field(
+        default=0.1, metadata={"help": "share of the tokens held out for validation (the end of the data)"}
+    )
+    tokenizer: str | None = field(
+        default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
+    )
+    vocab_size: int = field(
+        default=1024,
+        metadata={"help": "vocabulary of the tokenizer to train (or the id range of a token file)"},
+    )
+    special_tokens: list[str] = field(
+        default_factory=lambda: ["<|endoftext|>"], metadata={"help": "special tokens of the tokenizer to train"}
+    )
     # Model: start from `init_from`'s weights and shape, or from `preset` with `model` overriding fields.
-    init_from: str | None = None
-    preset: str = "tiny"
-    model: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "fine-tune: start from this run, checkpoint or HF Llama folder (its weights, shape and tokenizer)",
+            "shown": "random weights",
+        },
+    )
+    preset: str = field(
+        default="tiny",
+        metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
+    )
+    model: dict[str, Any] = field(
+        default_factory=dict, metadata={"help": "ModelConfig fields over the preset's (the [model] table)"}
+    )
     # Optimizer and schedule (AdamW; linear warm-up then cosine to min_lr).
-    lr: float = 3e-3
-    min_lr: float | None = None  # None: lr / 10
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    decay_norms: bool = False  # weight decay on 1-D parameters (RMSNorm gains) too
-    warmup_steps: int = 20
-    grad_clip: float = 1.0  # 0 disables clipping
+    lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
+    min_lr: float | None = field(default=None, metadata={"help": "the cosine schedule's floor", "shown": "lr / 10"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW β1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW β2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW ε"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of the matrices"})
+    decay_norms: bool = field(default=False, metadata={"help": "also decay 1-D parameters (RMSNorm gains)"})
+    warmup_steps: int = field(
+        default=20,
+        metadata={"help": "linear warm-up steps before the cosine decay (more than the run's: clamped, with a notice)"},
+    )
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient L2 norm to this (0: off)"})
     # Steps and batches.
-    batch_size: int = 16
-    grad_accum: int = 1
-    steps: int = 300
-    max_tokens: int | None = None  # a token budget: stops once this many tokens were trained on
-    eval_interval: int = 50
-    eval_batches: int = 8
-    log_interval: int = 1
-    checkpoint_interval: int = 100
-    keep_checkpoints: int = 2
+    batch_size: int = field(
+        default=16, metadata={"help": "sequences per optimizer step, over all ranks and accumulation steps"}
+    )
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per optimizer step"})
+    steps: int = field(default=300, metadata={"help": "optimizer steps"})
+    max_tokens: int | None = field(
+        default=None, metadata={"help": "a token budget instead of steps", "shown": "steps decides"}
+    )
+    eval_interval: int = field(default=50, metadata={"help": "steps between validation losses"})
+    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    log_interval: int = field(
+        default=1, metadata={"help": "steps between logged training losses (each log reads the device)"}
+    )
+    checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept (the newest always)"})
     # Execution.
-    device: str = "cpu"
-    dtype: str = "float32"  # autocast dtype for forward/backward; weights and optimizer stay float32
-    compile: bool = False
-    seed: int = 0
-    deterministic: bool = True
-    distributed: str = "none"  # "ddp" or "fsdp" under torchrun
-    activation_checkpointing: bool = False
-    peak_flops: float | None = None  # FLOP/s for MFU; None measures a float32 GEMM at start-up
+    device: str = field(default="cpu", metadata={"help": "a torch device: cpu, cuda, cuda:1, mps, ..."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "autocast dtype of forward/backward (bfloat16 on GPUs; float16 adds loss scaling); weights and "
+            "optimizer stay float32",
+            "choices": DTYPES,
+        },
+    )
+    compile: bool = field(default=False, metadata={"help": "torch.compile each block"})
+    seed: int = field(default=0, metadata={"help": "seeds the weights, the batches and every RNG"})
+    deterministic: bool = field(default=True, metadata={"help": "deterministic kernels (bit-exact resume)"})
+    distributed: str = field(
+        default="none",
+        metadata={"help": "under torchrun: ddp, or fsdp (FSDP2, fully_shard per block)", "choices": DISTRIBUTED_MODES},
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "recompute each block's activations in the backward pass"}
+    )
+    peak_flops: float | None = field(
+        default=None,
+        metadata={"help": "the device's FLOP/s for MFU", "shown": "measured with a float32 GEMM at start-up"},
+    )
+    tensorboard: bool = field(
+        default=False,
+        metadata={
+            "help": "also write TensorBoard event files to RUN/tensorboard/ (pip install 'tlm-train[tensorboard]'); "
+            "metrics.jsonl is always written"
+        },
+    )
     # The sample printed at the end.
-    sample_prompt: str = "The "
-    sample_tokens: int = 64
-    sample_temperature: float = 0.8
+    sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
+    sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
+    sample_temperature: float = field(default=0.8, metadata={"help": "temperature of the sample printed at the end"})
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "log_interval"):
@@ -113,25 +180,34 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
-        for name in ("out_dir", "token_dtype", "preset", "device", "dtype", "distributed", "sample_prompt"):
+        for name in (
+            "out_dir",
+            "token_dtype",
+            "text_field",
+            "preset",
+            "device",
+            "dtype",
+            "distributed",
+            "sample_prompt",
+        ):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a str, got {type(getattr(self, name)).__name__}")
         for name in ("tokenizer", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
+        if not self.text_field:
+            raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
             self.data = [self.data]
         for name in ("data", "special_tokens"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
                 raise TypeError(f"TrainConfig.{name} must be a list of non-empty strings, got {value!r}")
-        check_choice("TrainConfig.token_dtype", self.token_dtype, TOKEN_DTYPES)
-        check_choice("TrainConfig.preset", self.preset, sorted(PRESETS))
-        check_choice("TrainConfig.distributed", self.distributed, DISTRIBUTED_MODES)
-        check_choice("TrainConfig.dtype", self.dtype, DTYPES)
-        _check_device(self.device)
+        for f in dataclasses.fields(self):
+            if "choices" in f.metadata:
+                check_choice(f"TrainConfig.{f.name}", getattr(self, f.name), f.metadata["choices"])
         if not isinstance(self.model, dict):
             raise TypeError(f"TrainConfig.model must be a table of ModelConfig fields, got {self.model!r}")
         if unknown := sorted(set(self.model) - set(MODEL_FIELDS)):
@@ -142,6 +218,7 @@ class TrainConfig:
                 f"TrainConfig.batch_size ({self.batch_size}) must split evenly into grad_accum ({self.grad_accum}) "
                 "micro-batches"
             )
+        _check_device(self.device)  # last: the one check that imports torch
 
     @property
     def final_min_lr(self) -> float:

@@ -1,10 +1,12 @@
 """A run's data: the default corpus (no download), text files encoded with the run's tokenizer (trained
-here, or given), or a file of token ids; split into training and validation tokens.
+here, or given; plain text or JSON Lines, gzip'd or Zstandard-compressed or not: see
+:mod:`tlm_train.sources`), or a file of token ids; split into training and validation tokens.
 
 What a run derives from text (``RUN/tokenizer/`` and ``RUN/data/``) is written once, each as one unit,
 so a resumed run reads exactly the tokens the first one trained on.
 """
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -13,13 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from tlm_core.atomic import replace_dir
+from tlm_core.atomic import create_new, remove_leftovers, replace_dir, temp_path
 from tlm_train.config import TrainConfig
 from tlm_train.run_dir import RunDir
+from tlm_train.sources import write_corpus
 
 SEPARATOR = "<|endoftext|>"
 TOKEN_SUFFIXES = (".npy", ".bin", ".u16", ".u32")
 TRAIN_TOKENS, VAL_TOKENS, INFO = "train.npy", "val.npy", "info.json"
+CORPUS = "corpus.txt"  # the tokenizer's training text, under a temporary name while it trains
 
 
 def default_corpus() -> str:
@@ -55,14 +59,22 @@ def check_data_paths(data: list[str]) -> None:
         )
 
 
-def prepare_data(config: TrainConfig, run: RunDir, *, tokenizer: Any = None, is_main: bool = True) -> Dataset:
+def prepare_data(
+    config: TrainConfig, run: RunDir, *, tokenizer: Any = None, is_main: bool = True, resume: bool = False
+) -> Dataset:
     """The run's tokens. ``tokenizer`` is the one the run must use (from ``--init-from`` or ``--tokenizer``),
     None to train one on text data. On the main rank this may train a tokenizer and encode text into the
-    run folder; other ranks call it after a barrier and read what the main rank wrote."""
+    run folder; other ranks call it after a barrier and read what the main rank wrote.
+
+    A token file is read in place, so its identity (size and SHA-256) is recorded in ``RUN/data/info.json``
+    at the start and checked on ``resume``: a file changed since is refused (ValueError)."""
     if config.data and is_token_file(config.data[0]):
+        data = _token_file(config, tokenizer)
+        if is_main:
+            _check_token_file(Path(config.data[0]), run, resume=resume)
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
-        return _token_file(config, tokenizer)
+        return data
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
         _encode_text(config, run, tokenizer)
     tokenizer = run.tokenizer()
@@ -89,6 +101,42 @@ def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -
     return tokens
 
 
+def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        size = 0
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _check_token_file(path: Path, run: RunDir, *, resume: bool) -> None:
+    identity = {"path": str(path), **file_identity(path)}
+    info = run.data_dir / INFO
+    if resume and info.is_file():
+        try:
+            recorded = json.loads(info.read_text(encoding="utf-8"))["token_file"]
+            have = (int(recorded["bytes"]), str(recorded["sha256"]))
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"{info} is damaged ({type(err).__name__}: {err}); the run's data cannot be checked"
+            ) from None
+        if have != (identity["bytes"], identity["sha256"]):
+            raise ValueError(
+                f"--data {path} changed since the run started ({identity['bytes']} bytes, SHA-256 "
+                f"{identity['sha256'][:16]}..., recorded {have[0]} bytes, {have[1][:16]}...); a resumed run trains "
+                "on the tokens it started with: restore the file, or start a new run"
+            )
+        return
+
+    def fill(folder: Path) -> None:  # a fresh run, or one that tlm-train 0.2 started without a record
+        (folder / INFO).write_text(json.dumps({"token_file": identity}) + "\n", encoding="utf-8")
+
+    replace_dir(run.data_dir, fill)
+
+
 def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     path = Path(config.data[0])
     tokens = read_token_file(path, config.token_dtype)
@@ -102,37 +150,49 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
 
 
 def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
-    from tlm_tokenizer import Tokenizer, train_bpe
+    from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 
     run.path.mkdir(parents=True, exist_ok=True)
-    if config.data:
-        texts = [Path(name).read_bytes().decode("utf-8", errors="replace") for name in config.data]
-    else:
-        texts = [default_corpus()]
     if tokenizer is None and config.tokenizer is not None:
         tokenizer = Tokenizer.load(config.tokenizer)
-    if tokenizer is None:
-        corpus = run.path / ".corpus.txt"
-        corpus.write_text(SEPARATOR.join(texts), encoding="utf-8")
-        try:
+    # Documents are joined by the end-of-text token where the tokenizer has one, in its training text and in
+    # what it encodes. The corpus is written once, streamed from the sources (JSON Lines, compressed files),
+    # trained on and encoded from the file, so no step holds the whole text in memory.
+    specials = tokenizer.special_tokens if tokenizer is not None else list(config.special_tokens)
+    separator = SEPARATOR if SEPARATOR in specials else "\n\n"
+    # A fresh name created exclusively: a symlink planted in the run folder is never followed.
+    remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
+    corpus = temp_path(run.path / CORPUS)
+    try:
+        with create_new(corpus) as sink:
+            write_corpus(
+                config.data,
+                sink,
+                separator=separator,
+                text_field=config.text_field,
+                extra=() if config.data else (default_corpus(),),
+            )
+        if tokenizer is None:
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
-        finally:
-            corpus.unlink(missing_ok=True)
-        tokenizer = Tokenizer(vocab, merges, special_tokens=list(config.special_tokens))
-    # Documents are joined by the end-of-text token where the tokenizer has one (as its training text was).
-    text = (SEPARATOR if SEPARATOR in tokenizer.special_tokens else "\n\n").join(texts)
-    tokenizer.save(run.tokenizer_dir)
-    ids = np.asarray(tokenizer.encode(text), dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32)
-    if len(ids) < 4:
-        raise ValueError(
-            f"--data holds {len(ids)} tokens; a run needs text enough for a training and a validation split"
-        )
-    split = len(ids) - max(1, round(len(ids) * config.val_fraction))
+            tokenizer = Tokenizer(vocab, merges, special_tokens=list(config.special_tokens))
+        tokenizer.save(run.tokenizer_dir)
 
-    def fill(folder: Path) -> None:
-        np.save(folder / TRAIN_TOKENS, ids[:split])
-        np.save(folder / VAL_TOKENS, ids[split:])
-        info = {"tokens": len(ids), "train": int(split), "val": int(len(ids) - split), "sources": config.data}
-        (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
+        def fill(folder: Path) -> None:
+            raw = folder / "tokens.raw"
+            count = encode_file(tokenizer, corpus, raw, progress=False)
+            if count < 4:
+                raise ValueError(
+                    f"--data holds {count} tokens; a run needs text enough for a training and a validation split"
+                )
+            ids = np.memmap(raw, dtype=tokenizer.id_dtype, mode="r")
+            split = count - max(1, round(count * config.val_fraction))
+            np.save(folder / TRAIN_TOKENS, ids[:split])
+            np.save(folder / VAL_TOKENS, ids[split:])
+            del ids
+            raw.unlink()
+            info = {"tokens": count, "train": int(split), "val": int(count - split), "sources": config.data}
+            (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
-    replace_dir(run.data_dir, fill)
+        replace_dir(run.data_dir, fill)
+    finally:
+        corpus.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ class MetricsLog:
 
     def append(self, record: dict[str, Any]) -> None:
         # One write of one whole line: a kill leaves at most a cut last line, which read() drops.
-        with self.path.open("a", encoding="utf-8") as file:
+        with open(self.path, "a", encoding="utf-8", opener=_no_follow) as file:
             file.write(json.dumps(record, allow_nan=True) + "\n")
 
     def read(self) -> list[dict[str, Any]]:
@@ -45,6 +45,10 @@ class MetricsLog:
         """Keep only the records of steps <= ``step`` (written all-or-nothing)."""
         kept = [r for r in self.read() if isinstance(r, dict) and r.get("step", step + 1) <= step]
         atomic_write(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)  # a planted symlink is an error, never followed
 
 
 def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:

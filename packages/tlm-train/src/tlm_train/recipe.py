@@ -19,7 +19,7 @@ import dataclasses
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -34,20 +34,21 @@ from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
-from tlm_train.checkpoint import Checkpoint, capture_state, restore_state
+from tlm_train.checkpoint import Checkpoint, capture_state, load_step_model, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
+from tlm_train.loggers import Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
-from tlm_train.run_dir import RunDir, RunLock
+from tlm_train.run_dir import RunDir, check_apart
 from tlm_train.step import NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
-    "data", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from", "seed",
-    "decay_norms",
+    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
+    "seed", "decay_norms",
 )  # fmt: skip
 
 
@@ -120,6 +121,8 @@ class Recipe:
         self.val_losses: list[tuple[int, float]] = []
         self.last_checkpoint: Path | None = None
         self._prune_pending = False
+        self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
+        self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
 
     def __enter__(self) -> "Recipe":
         return self
@@ -133,7 +136,9 @@ class Recipe:
         config, info = self.config, self.info
         _check_runtime(config, info, resume=self.resume)
         if info.is_main:
-            self._lock = self._exit.enter_context(_held(self.run_dir))
+            self.run_dir.check_links()
+            self.run_dir.check_layout()
+            self._lock = self._exit.enter_context(self.run_dir.lock())
         saved = self._check_resume() if self.resume else None
         if not self.resume:
             self._check_fresh()
@@ -143,7 +148,7 @@ class Recipe:
 
         source, source_tokenizer = self._init_source()
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
         barrier()
         if not info.is_main:
             data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
@@ -173,6 +178,12 @@ class Recipe:
             weight_decay=config.weight_decay,
         )
         self.steps = config.total_steps()
+        if config.warmup_steps > self.steps:
+            # Clamped, not refused: the default warm-up (20) would otherwise refuse every short run.
+            self.say(
+                f"{flag('warmup_steps')} {config.warmup_steps} is longer than the run's {self.steps} steps: the "
+                f"learning rate warms up over all {self.steps} and never decays"
+            )
         self.scheduler = CosineSchedule(
             self.optimizer,
             max_learning_rate=config.lr,
@@ -293,7 +304,6 @@ class Recipe:
                     "read back, so nothing was resumed"
                 )
             checkpoint = latest
-        self._resumed = checkpoint
         return self._load(checkpoint)
 
     def _load(self, checkpoint: Checkpoint) -> int:
@@ -327,13 +337,19 @@ class Recipe:
                 self.say("settings changed from the resumed step on: " + ", ".join(
                     f"{flag(k)} {new!r} (was {old!r})" for k, (old, new) in changes.items()))  # fmt: skip
         self.metrics.truncate(self.start if self.start else -1)  # the file reads as if the run never stopped
+        # Wall-clock time continues from the last record kept: a resumed run's curve does not count the pause.
+        earlier = [r["time_s"] for r in self.metrics.read() if isinstance(r.get("time_s"), (int, float))]
+        self._clock = (time.perf_counter(), earlier[-1] if earlier else 0.0)
+        names = ["tensorboard"] if self.config.tensorboard else []
+        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start)
+        self._exit.callback(self.loggers.close)
         if self.resume and getattr(self, "applied", None):
-            self.metrics.append(
-                {"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}}
-            )
+            self._log({"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}})
         # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
-        # the shape --init-from gave), so a resume or `--config train.toml` builds the same model.
-        self.run_dir.write_config(self.config.replace(model=self.model_config.to_dict(drop_none=True)))
+        # the shape --init-from gave), so a resume or `--config train.toml` builds the same model; its one
+        # vocabulary size is the model's (a --tokenizer's or --init-from's may differ from the flag's default).
+        model = self.model_config.to_dict(drop_none=True)
+        self.run_dir.write_config(self.config.replace(vocab_size=model["vocab_size"], model=model))
         self._lock.record()
 
     # ---------------------------------------------------------------------------------- the loop
@@ -345,6 +361,7 @@ class Recipe:
         self.flops_per_token = training_flops_per_token(self.model_config, self.model_config.context_length)
         self.peak = config.peak_flops or measure_gemm_flops(info.device)
         self.tokens_per_step = tokens_per_step
+        self._clock = (time.perf_counter(), self._clock[1])  # set-up (data, model, GEMM rate) is not training time
         if self.start == 0:
             self.maybe_evaluate(0, force=True)
         step, interrupted = self.start, False
@@ -391,7 +408,19 @@ class Recipe:
                 scaler=self.scaler,
             )
         except NonFiniteLossError as err:
-            raise NonFiniteLossError(f"step {step}: {err}; {self._good_checkpoint(step)}") from None
+            raise self._diverged(f"step {step}: {err}; {self._good_checkpoint(step)}", step) from None
+
+    def _diverged(self, message: str, step: int) -> NonFiniteLossError:
+        """The error that stops a run whose loss or weights stopped being finite, recorded in the log first
+        (``event: diverged``), so that the run folder says how it ended."""
+        self._log({"step": step, "event": "diverged", "message": message})
+        return NonFiniteLossError(message)
+
+    def _log(self, record: dict[str, Any]) -> None:
+        """Give ``record`` to every logging backend (rank 0), with the seconds since training began."""
+        if self.info.is_main:
+            began, before = self._clock
+            self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
 
     def _good_checkpoint(self, failed: int) -> str:
         # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
@@ -424,8 +453,8 @@ class Recipe:
         }
         bar.set_postfix(loss=f"{loss:.3f}", lr=f"{stats.lr:.2e}", tok_s=f"{rate:,.0f}", refresh=False)
         bar.update()
-        if self.info.is_main and step % config.eval_interval and step != self.steps:
-            self.metrics.append(self._record)
+        if step % config.eval_interval and step != self.steps:
+            self._log(self._record)
         return True
 
     def maybe_evaluate(self, step: int, *, force: bool = False) -> None:
@@ -435,13 +464,11 @@ class Recipe:
         self.val_losses.append((step, loss))
         if step == 0:
             self.say(f"step 0: validation loss {loss:.4f} (ln(vocab) = {math.log(self.model_config.vocab_size):.4f})")
-            if self.info.is_main:
-                self.metrics.append({"step": 0, "tokens": 0, "val_loss": loss})
+            self._log({"step": 0, "tokens": 0, "val_loss": loss})
             return
         record = {**self._record, "val_loss": loss}
         self.say(f"step {step}: validation loss {loss:.4f}, train loss {record['train_loss']:.4f}")
-        if self.info.is_main:
-            self.metrics.append(record)
+        self._log(record)
 
     def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
         if not (force or step % self.config.checkpoint_interval == 0 or step == self.steps):
@@ -450,14 +477,14 @@ class Recipe:
         state["sampler"] = sampler_state
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self._any_rank(not _finite(state["model"])):
+            raise self._diverged(
+                f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}", step
+            )
+        manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
         if self.info.is_main:
-            weights = state["model"]
-            if not all(bool(torch.isfinite(t).all()) for t in weights.values() if t.is_floating_point()):
-                raise NonFiniteLossError(
-                    f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}"
-                )
-            manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
+        if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
             self.last_checkpoint = manager.save(unwrap(self.model), state)
             self._prune_pending = True
         barrier()
@@ -490,9 +517,7 @@ class Recipe:
 
     def _sample(self) -> str:
         # A plain copy of the final weights from the checkpoint: works whatever the training wrapper.
-        from tlm_model import load_checkpoint
-
-        model = load_checkpoint(cast(Path, self.last_checkpoint)).eval()
+        model = load_step_model(cast(Path, self.last_checkpoint)).eval()
         tokenizer, config = self.data.tokenizer, self.config
         if tokenizer is not None:
             prompt = tokenizer.encode(config.sample_prompt) or [0]
@@ -511,10 +536,12 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
-@contextlib.contextmanager
-def _held(run_dir: RunDir) -> Iterator[RunLock]:
-    with run_dir.lock() as held:
-        yield held
+def _finite(weights: dict[str, torch.Tensor]) -> bool:
+    """Whether this rank's part of the weights (its FSDP2 shards, or the whole model) is finite."""
+    from torch.distributed.tensor import DTensor
+
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in weights.values()]
+    return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
@@ -535,6 +562,12 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
+    inputs: dict[str, Sequence[str | None]] = {
+        "--init-from": [config.init_from],
+        "--tokenizer": [config.tokenizer],
+        "--data": config.data,
+    }
+    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
 

@@ -14,7 +14,9 @@ import contextlib
 import errno
 import json
 import os
+import re
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +31,33 @@ CHECKPOINT_DIR = "checkpoints"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 LOCK_NAME = ".lock"
+_EARLIER_STEP = re.compile(r"step_(\d+)\.pt")  # tlm-train 0.1's checkpoint files
 
 
 class RunInUseError(RuntimeError):
     """Another live process holds the run folder's lock."""
+
+
+def check_apart(out_dir: str | os.PathLike[str], inputs: dict[str, list[str]]) -> None:
+    """Refuse a run folder that is, lies inside, or holds one of ``inputs`` (flag -> paths it reads):
+    the run writes ``train.toml``, ``checkpoints/`` and the rest into it, so it would write into what it
+    reads. Paths are compared after resolving symlinks and ``..``."""
+    out = Path(out_dir).resolve()
+    for name, paths in inputs.items():
+        for given in paths:
+            source = Path(given).resolve()
+            if out == source:
+                how = "is"
+            elif source in out.parents:
+                how = "lies inside"
+            elif out in source.parents:
+                how = "holds"
+            else:
+                continue
+            raise ValueError(
+                f"--out-dir {out_dir} {how} {name} {given}: a run writes into its folder, so it must not overlap "
+                "what it reads; choose another --out-dir"
+            )
 
 
 class RunDir:
@@ -57,6 +82,30 @@ class RunDir:
         """Whether ``path`` is a folder that ``tlm train`` wrote (its ``train.toml`` or ``checkpoints/``)."""
         path = Path(path)
         return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / CHECKPOINT_DIR).is_dir())
+
+    def check_layout(self) -> None:
+        """Refuse a run folder of tlm-train 0.1's layout (``checkpoints/step_N.pt`` files, no step folders):
+        this version cannot read those checkpoints, and must neither restart over them nor resume from step 0."""
+        try:
+            names = os.listdir(self.checkpoints_dir)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        earlier = sorted((int(m.group(1)), name) for name in names if (m := _EARLIER_STEP.fullmatch(name)))
+        if earlier:
+            raise ValueError(
+                f"{self.path} is a tlm-train 0.1 run ({len(earlier)} checkpoints/step_N.pt files, the newest "
+                f"{earlier[-1][1]}), which this version cannot read, so it is neither resumed nor overwritten: "
+                "continue it with tlm-train 0.1 (pip install 'tlm-train<0.2'), or train into another --out-dir"
+            )
+
+    def check_links(self) -> None:
+        """Refuse a symlink at ``RUN/checkpoints``: step folders would be written wherever it points. (Every file
+        the run creates is replaced by rename or opened with ``O_NOFOLLOW``, the lock too; see ARCHITECTURE.md.)"""
+        if self.checkpoints_dir.is_symlink():
+            raise ValueError(
+                f"{self.checkpoints_dir} is a symbolic link: tlm train never writes through one; remove it (to keep "
+                "checkpoints on another disk, put the whole --out-dir there)"
+            )
 
     def checkpoints(self, keep: int = 2) -> CheckpointManager:
         return CheckpointManager(self.checkpoints_dir, keep=keep)
@@ -99,13 +148,23 @@ class RunLock:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
+            self._fd: int | None = os.open(path, flags, 0o666)
+        except OSError as err:
+            if err.errno == errno.ELOOP or path.is_symlink():
+                raise ValueError(f"{path} is a symbolic link: tlm train never follows one; remove it") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(self._fd).st_mode):
+                raise ValueError(f"{path} is not a regular file: remove it")
             _flock(self._fd)
+        except ValueError:
+            self.release()
+            raise
         except BlockingIOError:
             holder = _read_holder(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            self.release()
             raise RunInUseError(
                 f"{path.parent} is in use by another tlm train ({holder}); wait for it to finish, or choose another "
                 "--out-dir"

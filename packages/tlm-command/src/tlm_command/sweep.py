@@ -1,0 +1,486 @@
+"""``tlm sweep``: a set of training runs over any train or model setting, in one folder, resumable.
+
+A grid gives the product of its keys' values; a TOML file names its runs (e.g. ablations beside a
+baseline). Settings are TrainConfig fields (lr, batch_size, steps, ...) and ModelConfig fields
+(d_model, or model.d_model); each value is read as TOML (1e-3, 64, true), else taken as text:
+
+    tlm sweep --out-dir sweeps/lr --grid lr=1e-4,3e-4,1e-3,3e-3 --set steps=200
+    tlm sweep --out-dir sweeps/lr-bs --grid lr=1e-3,3e-3 --grid batch_size=8,32 --config base.toml
+    tlm sweep --out-dir sweeps/ablations --runs ablations.toml
+    tlm sweep --resume sweeps/lr
+
+A runs file holds an optional [base] table of shared settings and one [runs.NAME] table per run:
+
+    [base]
+    steps = 200
+    [runs.baseline]
+    [runs.post-norm]
+    model = { norm_placement = "post" }
+
+Each run is an ordinary tlm train run folder, SWEEP/NAME/, that every command reads (tlm generate,
+eval, compare...). SWEEP/sweep.json, the manifest, is rewritten whole as each run starts and ends.
+A run whose loss stops being finite is recorded as diverged and the sweep goes on. --resume keeps the
+finished runs and continues the others, each from its newest checkpoint. --jobs N trains N runs at
+once, each in its own process with 1/N of the CPU threads (OMP_NUM_THREADS, else the CPUs this process
+may use). At the end: SWEEP/summary.json, summary.md and sweep.png (validation loss by step and by
+wall-clock time, final loss by the swept setting).
+"""
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+from tlm_command.args import UserError, description, positive_int, say
+from tlm_command.compare import MANIFEST
+
+FORMAT = "tlm-sweep/1"
+#: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
+FINISHED = ("done", "diverged")
+SUMMARY_JSON, SUMMARY_MD, PLOT = "summary.json", "summary.md", "sweep.png"
+DEFAULT_JOBS = 1
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
+_RESERVED = {MANIFEST, SUMMARY_JSON, SUMMARY_MD, PLOT, ".lock"}
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "sweep",
+        help="train a grid or a list of runs into one folder (resumable), with a summary and plots",
+        description=description(__doc__),
+    )
+    parser.add_argument("--out-dir", metavar="SWEEP", help="the sweep folder (new, or empty)")
+    parser.add_argument("--resume", metavar="SWEEP", help="continue a sweep: finished runs are kept")
+    parser.add_argument(
+        "--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="one setting's values (several: product)"
+    )
+    parser.add_argument("--runs", metavar="FILE.toml", help="named runs: [base] and one [runs.NAME] table per run")
+    parser.add_argument("--config", metavar="FILE.toml", help="base settings, as tlm train --config reads them")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
+    parser.add_argument(
+        "--jobs", type=positive_int, default=None, help=f"runs at once (default: {DEFAULT_JOBS}; a resume: as before)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no log lines")
+    parser.set_defaults(run=run)
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+def _value(text: str) -> Any:
+    """A setting's value: TOML's reading of ``text`` (1e-3, 64, true, "x", [1, 2]), else the text itself."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _split(text: str, flag: str) -> tuple[str, str]:
+    key, sep, values = text.partition("=")
+    if not sep or not key.strip() or not values.strip():
+        raise UserError(f"{flag} {text!r}: expected KEY=VALUE")
+    return key.strip(), values.strip()
+
+
+def _key(name: str, flag: str) -> str:
+    """The flat name of a setting: a TrainConfig field (``lr``), or ``model.<field>`` for a ModelConfig one."""
+    import dataclasses
+
+    from tlm_model.config import FIELDS as MODEL_FIELDS
+    from tlm_train.config import TrainConfig
+
+    name = name.replace("-", "_")
+    train = [f.name for f in dataclasses.fields(TrainConfig) if f.name not in ("model", "out_dir")]
+    if name.startswith("model."):
+        if name[6:] in MODEL_FIELDS:
+            return name
+    elif name in train:
+        return name
+    elif name in MODEL_FIELDS:
+        return f"model.{name}"
+    raise UserError(
+        f"{flag} {name}: not a setting; expected a TrainConfig field ({', '.join(train)}) or a ModelConfig field "
+        f"({', '.join(MODEL_FIELDS)})"
+    )
+
+
+def _flatten(settings: dict[str, Any], where: str) -> dict[str, Any]:
+    """A TOML table of settings (a ``model`` sub-table) as flat names."""
+    flat = {}
+    for name, value in settings.items():
+        if name == "model":
+            if not isinstance(value, dict):
+                raise UserError(f"{where}: model must be a table of ModelConfig fields, got {value!r}")
+            flat.update({_key(f"model.{k}", where): v for k, v in value.items()})
+        else:
+            flat[_key(name, where)] = value
+    return flat
+
+
+def apply(base: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a TrainConfig dict) with the flat settings over it, ``model.X`` into its model table."""
+    out = {**base, "model": dict(base.get("model", {}))}
+    for key, value in flat.items():
+        if key.startswith("model."):
+            out["model"][key[6:]] = value
+        else:
+            out[key] = [value] if key in _LIST_SETTINGS and not isinstance(value, list) else value
+    return out
+
+
+#: TrainConfig's list settings: one value given for them (``--set data=corpus.txt``) is a list of one.
+_LIST_SETTINGS = ("data", "special_tokens")
+
+
+def _label(key: str, text: str) -> str:
+    return f"{key.removeprefix('model.')}={text}"
+
+
+def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest."""
+    axes: list[tuple[str, list[tuple[str, Any]]]] = []
+    for item in grid:
+        key, values = _split(item, "--grid")
+        flat = _key(key, "--grid")
+        if any(flat == other for other, _ in axes):
+            raise UserError(f"--grid {key} is given twice")
+        texts = [v.strip() for v in values.split(",")]
+        if any(not t for t in texts):
+            raise UserError(f"--grid {item!r}: an empty value")
+        axes.append((flat, [(t, _value(t)) for t in texts]))
+    runs = []
+    for combination in itertools.product(*(values for _, values in axes)):
+        keys = [key for key, _ in axes]
+        name = ",".join(_label(k, text) for k, (text, _) in zip(keys, combination, strict=True))
+        runs.append((name, {k: value for k, (_, value) in zip(keys, combination, strict=True)}))
+    return runs
+
+
+def _read_runs_file(path: str) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--runs {path}: no such file")
+    try:
+        data = tomllib.loads(file.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"--runs {path} is not valid TOML: {err}") from None
+    if unknown := sorted(set(data) - {"base", "runs"}):
+        raise UserError(f"--runs {path}: unknown tables {unknown}; expected [base] and [runs.NAME]")
+    runs = data.get("runs", {})
+    if not isinstance(runs, dict) or not runs or not all(isinstance(r, dict) for r in runs.values()):
+        raise UserError(f"--runs {path}: expected one or more [runs.NAME] tables")
+    base = _flatten(data.get("base", {}), f"--runs {path} [base]")
+    return base, [(name, _flatten(table, f"--runs {path} [runs.{name}]")) for name, table in runs.items()]
+
+
+def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The manifest of a new sweep: every run's settings, each checked as a TrainConfig before anything runs."""
+    from tlm_train.config import TrainConfig
+
+    if bool(args.grid) == bool(args.runs):
+        raise UserError("give --grid KEY=V1,V2,... (one or more) or --runs FILE.toml")
+    base = TrainConfig() if args.config is None else _base_config(args.config)
+    flat_base: dict[str, Any] = {}
+    if args.runs:
+        flat_base, runs = _read_runs_file(args.runs)
+    else:
+        runs = expand_grid(args.grid)
+    for item in args.set:
+        key, text = _split(item, "--set")
+        flat_base[_key(key, "--set")] = _value(text)
+    base_dict = apply({k: v for k, v in base.to_dict().items() if k != "out_dir"}, flat_base)
+    names = [name for name, _ in runs]
+    for name in names:
+        if not _NAME.fullmatch(name) or name in _RESERVED:
+            raise UserError(f"run name {name!r} is not a plain folder name (letters, digits, . _ = , + -)")
+        if names.count(name) > 1:
+            raise UserError(f"run name {name!r} is given twice")
+    for name, settings in runs:
+        try:
+            TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
+    entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
+    return {"format": FORMAT, "base": base_dict, "runs": entries}
+
+
+def _setting_names(message: str) -> str:
+    """Settings named as a sweep names them: ``TrainConfig.model: ModelConfig.d_ff`` -> ``model.d_ff``."""
+    message = re.sub(r"TrainConfig\.model: ModelConfig\.(\w+)", r"model.\1", message)
+    return re.sub(r"(?:TrainConfig|ModelConfig)\.(\w+)", r"\1", message)
+
+
+def _base_config(path: str) -> Any:
+    from tlm_train.config import TrainConfig
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--config {path}: no such file")
+    return TrainConfig.from_toml(path)
+
+
+# ------------------------------------------------------------------------------------------ the manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not a sweep manifest: {err}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise UserError(f"{path} is not a {FORMAT} manifest")
+    return manifest
+
+
+def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    from tlm_core.atomic import atomic_write
+
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2, allow_nan=False) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """One process runs a sweep at a time (``flock``: the kernel frees it when the holder dies)."""
+    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        try:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except ImportError:  # pragma: no cover - no advisory locks on Windows
+            pass
+        except BlockingIOError:
+            raise UserError(f"{folder} is in use by another tlm sweep; wait for it to finish") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def threads_per_run(jobs: int) -> int:
+    """The CPU threads each of ``jobs`` concurrent runs gets: OMP_NUM_THREADS (else the CPUs this process may
+    use) divided among them, at least one."""
+    try:
+        total = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, total // jobs)
+
+
+def train_run(job: dict[str, Any]) -> dict[str, Any]:
+    """Train one run of a sweep to its end (resuming its folder when it holds a run): the outcome for the
+    manifest. Runs in the sweep's process, or in a worker process of ``--jobs``."""
+    from tlm_train import NonFiniteLossError, RunDir, TrainConfig, train
+
+    config = TrainConfig.from_dict(job["config"])
+    resume = RunDir(config.out_dir).config_path.is_file()
+    name = job["name"]
+    log = None if job["quiet"] else (lambda line: say(f"[{name}] {line}"))
+    try:
+        result = train(config, resume=resume, log=log, progress=False)
+    except NonFiniteLossError as err:
+        return {"status": "diverged", "message": str(err).splitlines()[0]}
+    except Exception as err:  # one run's failure is recorded; the sweep goes on
+        first = str(err).splitlines()[0] if str(err) else ""
+        return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
+    return {"status": "stopped" if result.interrupted else "done"}
+
+
+def _init_worker(threads: int) -> None:
+    """A --jobs worker: its share of the threads, Ctrl-C left to the run's own handler (which checkpoints),
+    and death with the sweep process, so a killed sweep leaves no run training on its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _die_with_parent() -> None:
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+class Sweep:
+    """The runs of one sweep folder: trains those not finished, one after another or ``jobs`` at once."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], *, jobs: int, quiet: bool) -> None:
+        self.folder, self.manifest, self.jobs, self.quiet = folder, manifest, jobs, quiet
+
+    def job(self, entry: dict[str, Any]) -> dict[str, Any]:
+        config = {**apply(self.manifest["base"], entry["settings"]), "out_dir": str(self.folder / entry["name"])}
+        return {"name": entry["name"], "config": config, "quiet": self.quiet}
+
+    def _started(self, entry: dict[str, Any]) -> None:
+        entry["status"] = "running"
+        entry.pop("message", None)
+        _write_manifest(self.folder, self.manifest)
+        if not self.quiet:
+            done = sum(e["status"] in FINISHED for e in self.manifest["runs"])
+            say(f"run {entry['name']} ({done + 1} of {len(self.manifest['runs'])})")
+
+    def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> None:
+        entry.update(outcome)
+        _write_manifest(self.folder, self.manifest)
+        if not self.quiet:
+            detail = f" ({outcome['message']})" if "message" in outcome else ""
+            say(f"run {entry['name']}: {outcome['status']}{detail}")
+
+    def run(self) -> bool:
+        """Train every run not finished; False when stopped by Ctrl-C/SIGTERM (each run checkpointed)."""
+        todo = [e for e in self.manifest["runs"] if e["status"] not in FINISHED]
+        if self.jobs == 1 or len(todo) <= 1:
+            return self._one_by_one(todo)
+        return self._at_once(todo)
+
+    def _one_by_one(self, todo: list[dict[str, Any]]) -> bool:
+        import torch
+
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads_per_run(1))
+        try:
+            for entry in todo:
+                self._started(entry)
+                outcome = train_run(self.job(entry))
+                self._ended(entry, outcome)
+                if outcome["status"] == "stopped":
+                    return False
+        finally:
+            torch.set_num_threads(previous)
+        return True
+
+    def _at_once(self, todo: list[dict[str, Any]]) -> bool:
+        import multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+
+        workers = min(self.jobs, len(todo))
+        pool = ProcessPoolExecutor(
+            workers,
+            # Spawned, not forked (a fork copies torch's thread pool), so each worker is this process's child
+            # and dies with it.
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(threads_per_run(self.jobs),),
+        )
+        queue = list(todo)
+        running: dict[Future[dict[str, Any]], dict[str, Any]] = {}
+        stopping = False
+        with pool:
+            while queue or running:
+                while queue and not stopping and len(running) < workers:
+                    entry = queue.pop(0)
+                    self._started(entry)
+                    running[pool.submit(train_run, self.job(entry))] = entry
+                if not running:
+                    break
+                try:
+                    finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                except KeyboardInterrupt:  # the workers got it too: each checkpoints and returns "stopped"
+                    stopping = True
+                    continue
+                for future in finished:
+                    entry = running.pop(future)
+                    outcome = _outcome(future)
+                    self._ended(entry, outcome)
+                    stopping = stopping or outcome["status"] == "stopped"
+        return not stopping
+
+
+def _outcome(future: Any) -> dict[str, Any]:
+    try:
+        return dict(future.result())
+    except Exception as err:  # a worker that died (killed, out of memory) fails its run only
+        return {"status": "failed", "message": f"{type(err).__name__}: {err}"}
+
+
+# ------------------------------------------------------------------------------------------ the summary
+
+
+def summarize(folder: Path, manifest: dict[str, Any]) -> list[Any]:
+    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep)."""
+    from tlm_command.compare import summarize as summarize_run
+
+    summaries = []
+    for entry in manifest["runs"]:
+        path = folder / entry["name"]
+        if not (path / "train.toml").is_file():
+            continue
+        status = entry["status"] if entry["status"] in ("diverged", "failed") else None
+        summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status)
+        summary.path = entry["name"]
+        summaries.append(summary)
+    return summaries
+
+
+def write_summary(folder: Path, manifest: dict[str, Any], *, quiet: bool) -> list[Any]:
+    """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
+    from tlm_command.compare import markdown, plot
+    from tlm_core.atomic import atomic_write
+
+    summaries = summarize(folder, manifest)
+    data = {"format": FORMAT, "runs": [s.to_dict() for s in summaries]}
+    atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + markdown(summaries))
+    if summaries:
+        try:
+            plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
+        except ImportError as err:
+            if not quiet:
+                say(f"{err}: no {PLOT}")
+    return summaries
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.resume is not None:
+        if args.out_dir is not None or args.grid or args.runs or args.config or args.set:
+            raise UserError("--resume continues a sweep as planned; it takes only --jobs and --quiet")
+        folder = Path(args.resume)
+        manifest = read_manifest(folder)
+    else:
+        if args.out_dir is None:
+            raise UserError("give --out-dir SWEEP for a new sweep, or --resume SWEEP")
+        folder = Path(args.out_dir)
+        if (folder / MANIFEST).is_file():
+            raise UserError(f"--out-dir {folder} already holds a sweep: continue it with --resume {folder}")
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise UserError(f"--out-dir {folder} exists and is not an empty folder; choose another")
+        manifest = plan(args, folder)
+    jobs = args.jobs or manifest.get("jobs", DEFAULT_JOBS)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder):
+        manifest["jobs"] = jobs
+        _write_manifest(folder, manifest)
+        completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
+        write_summary(folder, manifest, quiet=args.quiet)
+    if not completed:
+        say(f"sweep stopped: continue it with tlm sweep --resume {folder}")
+        return 130
+    failed = [e["name"] for e in manifest["runs"] if e["status"] not in FINISHED]
+    if failed:
+        print(f"tlm: error: runs {failed} failed (see {folder / MANIFEST}); retry them with --resume", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        sys.stdout.write((folder / SUMMARY_MD).read_text(encoding="utf-8"))
+    return 0

@@ -1,0 +1,46 @@
+"""``lazy_exports``: names load on first use, and a function named like its submodule stays the function."""
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch):
+    root = tmp_path / "lazypkg"
+    root.mkdir()
+    (root / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from tlm_core.lazy import lazy_exports
+
+            lazy_exports(__name__, {"run": "lazypkg.run", "Thing": "lazypkg.things"})
+            """
+        )
+    )
+    (root / "run.py").write_text("def run():\n    return 'ran'\n")
+    (root / "things.py").write_text("import json\n\nclass Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "lazypkg"
+    for name in [m for m in sys.modules if m == "lazypkg" or m.startswith("lazypkg.")]:
+        del sys.modules[name]
+
+
+def test_a_name_loads_its_module_on_first_use_only(package):
+    lazypkg = importlib.import_module(package)  # a package made for the test, in tmp_path
+
+    assert "lazypkg.things" not in sys.modules
+    assert lazypkg.Thing.__module__ == "lazypkg.things" and "lazypkg.things" in sys.modules
+    assert {"run", "Thing"} <= set(dir(lazypkg))
+    with pytest.raises(AttributeError, match="module 'lazypkg' has no attribute 'nope'"):
+        lazypkg.nope  # noqa: B018
+
+
+def test_a_function_named_like_its_submodule_stays_the_function_after_the_submodule_is_imported(package):
+    importlib.import_module(f"{package}.run")  # binds the submodule on the package, as any direct import does
+    run = importlib.import_module(package).run
+
+    assert callable(run) and run() == "ran"
+    assert sys.modules["lazypkg.run"].run is run
