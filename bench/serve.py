@@ -45,7 +45,7 @@ PROMPTS = [
 def _model_folder(out: pathlib.Path) -> pathlib.Path:
     import torch
 
-    from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+    from tlm_model import ModelConfig, TransformerLM, save_model_file
     from tlm_tokenizer import Tokenizer, train_bpe
     from tlm_train import default_corpus
 
@@ -55,7 +55,7 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
     vocab, merges = train_bpe(text, cfg.vocab_size, ["<|endoftext|>"], num_workers=1)
     torch.manual_seed(0)
     folder = out / "course"
-    save_checkpoint(TransformerLM(cfg).eval(), folder)
+    save_model_file(TransformerLM(cfg).eval(), folder)
     Tokenizer(vocab, merges, ["<|endoftext|>"]).save(folder / "tokenizer")
     return folder
 
@@ -141,10 +141,10 @@ def _hf_batched(folder: pathlib.Path, out: pathlib.Path, requests: list[str], ma
     import torch
     import transformers
 
-    from tlm_model import load_checkpoint, save_hf
+    from tlm_model import load_model_file, save_hf
     from tlm_tokenizer import Tokenizer
 
-    model = load_checkpoint(folder)
+    model = load_model_file(folder)
     tokenizer = Tokenizer.load(folder / "tokenizer")
     save_hf(model, out / "hf")
     hf = transformers.LlamaForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()

@@ -29,7 +29,7 @@ CONTEXT = 384
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, corpus):
-    from tlm_model import ModelConfig, TransformerLM, save_checkpoint
+    from tlm_model import ModelConfig, TransformerLM, save_model_file
     from tlm_tokenizer import Tokenizer, train_bpe
 
     folder = tmp_path_factory.mktemp("serve") / "tiny"
@@ -37,7 +37,7 @@ def checkpoint(tmp_path_factory, corpus):
     torch.manual_seed(0)
     model = TransformerLM(ModelConfig(vocab_size=320, context_length=CONTEXT, d_model=32, num_layers=2, num_heads=2,
                                       d_ff=64))  # fmt: skip
-    save_checkpoint(model.eval(), folder)
+    save_model_file(model.eval(), folder)
     Tokenizer(vocab, merges, ["<|endoftext|>"]).save(folder / "tokenizer")
     return folder
 
