@@ -93,6 +93,37 @@ def test_the_model_is_the_preset_with_model_fields_over_it_and_the_tokenizers_vo
         TrainConfig(model={"vocab_size": 500}).model_config(vocab_size=777)
 
 
+@pytest.mark.parametrize(
+    ("model", "d_ff"),
+    [
+        ({"ffn": "silu"}, 4 * 512),  # the course's SiLU width, not the preset's SwiGLU 1344
+        ({"ffn": "silu", "d_model": 256}, 4 * 256),  # at the model's own d_model
+        ({"ffn": "silu", "d_ff": 1000}, 1000),  # a given d_ff wins
+        ({"ffn": "swiglu"}, 1344),  # the preset's own kind keeps the preset's width
+        ({"d_model": 256}, 1344),  # d_model alone re-derives nothing (as before)
+    ],
+)
+def test_changing_the_ffn_kind_takes_the_courses_width_for_it(model, d_ff) -> None:
+    assert TrainConfig(preset="course-tinystories", model=model).model_config().d_ff == d_ff
+
+
+def test_the_ffn_width_holds_over_toml_and_matches_the_parameter_counts(tmp_path) -> None:
+    from tlm_model.accounting import count_parameters
+
+    path = tmp_path / "c.toml"
+    path.write_text('preset = "course-tinystories"\n[model]\nffn = "silu"\n', encoding="utf-8")
+    silu = TrainConfig.from_toml(path).model_config()
+    swiglu = PRESETS["course-tinystories"]
+    d, layers = 512, 4
+    assert (silu.d_model, silu.num_layers, silu.d_ff) == (d, layers, 4 * d)
+    # Closed forms (CS336 §7): SiLU 2·d·4d per layer, SwiGLU 3·d·d_ff; both about 8·d² (within 2% here).
+    ffn = {name: {k: v for k, v in count_parameters(c).items() if k.startswith("ffn_")} for name, c in
+           (("silu", silu), ("swiglu", swiglu))}  # fmt: skip
+    assert ffn["silu"] == {"ffn_w1": layers * d * 4 * d, "ffn_w2": layers * 4 * d * d, "ffn_w3": 0}
+    assert sum(ffn["swiglu"].values()) == layers * 3 * d * 1344
+    assert sum(ffn["silu"].values()) == layers * 8 * d * d == pytest.approx(sum(ffn["swiglu"].values()), rel=0.02)
+
+
 def test_the_default_tokenizer_vocabulary_is_the_default_presets() -> None:
     # With every default, the tokenizer a run trains fits the preset's model exactly: the model built
     # from it is the preset itself, not one with a different embedding size.

@@ -1,8 +1,9 @@
 """train_memory against measured tensor bytes: parameters, gradients and AdamW moments summed over the
 tensors each rank really holds (1 process; 2 gloo processes with the model wrapped by tlm_train.wrap_model
 under DDP and FSDP2, exactly as tlm train wraps it), and the activations autograd really saves
-(saved-tensor hooks), with and without activation checkpointing."""
+(saved-tensor hooks), with and without activation checkpointing, for the course model and each §7 ablation."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -52,9 +53,15 @@ def _saved_bytes(model: TransformerLM, ids: torch.Tensor) -> int:
     return sum(seen.values())
 
 
+#: The course architecture ({}) and each §7 ablation, applied to every config.
+VARIANTS = [{}, {"norm_placement": "post"}, {"norm_placement": "none"}, {"positions": "none"}, {"ffn": "silu"}]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "course")
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("activation_checkpointing", [False, True])
-def test_one_process_matches_measured_bytes(config: ModelConfig, activation_checkpointing: bool) -> None:
+def test_one_process_matches_measured_bytes(config: ModelConfig, variant: dict, activation_checkpointing: bool) -> None:
+    config = dataclasses.replace(config, **variant)
     model = TransformerLM(config, fused=False)
     if activation_checkpointing:
         for block in model.layers:
@@ -116,6 +123,7 @@ _SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow  # two gloo processes, every config in one launch (each process start imports torch)
 def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(tmp_path) -> None:
+    configs = CONFIGS + [dataclasses.replace(CONFIGS[0], **variant) for variant in VARIANTS if variant]
     script = tmp_path / "measure.py"
     script.write_text(_SCRIPT)
     with socket.socket() as s:
@@ -125,7 +133,7 @@ def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(tmp_path) -> None:
     base |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), json.dumps([config.to_dict() for config in CONFIGS])],
+            [sys.executable, str(script), json.dumps([config.to_dict() for config in configs])],
             env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -138,7 +146,7 @@ def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(tmp_path) -> None:
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-2000:]
         results.append(json.loads(stdout.strip().splitlines()[-1]))
-    for index, config in enumerate(CONFIGS):
+    for index, config in enumerate(configs):
         for rank, measured in enumerate(results):
             for mode in ("ddp", "fsdp"):
                 want = train_memory(config, mode=mode, world_size=2, rank=rank, batch_size=2)

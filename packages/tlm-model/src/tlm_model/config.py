@@ -51,7 +51,8 @@ class ModelConfig:
     - ``ffn``: ``"swiglu"`` (w2(silu(w1 x) ⊙ w3 x), 3·d_model·d_ff parameters) or ``"silu"`` (w2 silu(w1 x),
       2·d_model·d_ff). ``d_ff`` is given either way; the course's widths, which give both about
       8·d_model² parameters, are ``tlm_ffn.default_d_ff(d_model, kind=ffn)``: 8/3·d_model rounded up to
-      64, and 4·d_model.
+      64, and 4·d_model. ``tlm train`` takes that width when its ``[model]`` table changes ``ffn`` from
+      the preset's without a ``d_ff``.
 
     Only the defaults are a Llama: :func:`tlm_model.save_hf` refuses the others.
     """
@@ -93,7 +94,8 @@ class ModelConfig:
     ffn: str = field(
         default="swiglu",
         metadata={
-            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x); the course's width: d_ff 4·d_model)",
+            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x)); changing the kind without --d-ff "
+            "sizes d_ff as the course does (silu: 4·d_model; swiglu: 8/3·d_model, rounded up to 64)",
             "choices": FFN_KINDS,
         },
     )

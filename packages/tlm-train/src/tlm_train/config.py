@@ -5,6 +5,11 @@ and ``model`` (the ``[model]`` table in TOML) overrides any :class:`tlm_model.Mo
 new model field is a training setting with no edit here. The run writes the resolved model (every
 field, the vocabulary taken from the tokenizer) back into ``train.toml``, which therefore records what
 ran. Every field has a default: an empty config trains the ``tiny`` preset on the default corpus.
+
+One field follows another: a ``[model]`` table that changes ``ffn`` from the preset's and leaves ``d_ff``
+out gets the course's width for that kind at the model's ``d_model``
+(``tlm_ffn.default_d_ff(d_model, kind=ffn)``: 4·d_model for ``silu``), not the preset's width for the
+other kind. Nothing else is re-derived: a ``d_model`` alone keeps the preset's ``d_ff``.
 """
 
 import dataclasses
@@ -23,6 +28,7 @@ else:  # pragma: no cover - Python 3.10
 import tomli_w
 
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
+from tlm_ffn.options import default_d_ff
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
 
@@ -86,7 +92,11 @@ class TrainConfig:
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
     )
     model: dict[str, Any] = field(
-        default_factory=dict, metadata={"help": "ModelConfig fields over the preset's (the [model] table)"}
+        default_factory=dict,
+        metadata={
+            "help": "ModelConfig fields over the preset's (the [model] table); an ffn other than the preset's "
+            "without d_ff takes that kind's course width, tlm_ffn.default_d_ff(d_model, kind=ffn)"
+        },
     )
     # Optimizer and schedule (AdamW; linear warm-up then cosine to min_lr).
     lr: float = field(default=3e-3, metadata={"help": "peak learning rate (AdamW)"})
@@ -227,8 +237,10 @@ class TrainConfig:
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The model's shape: the preset with ``model``'s fields over it, and ``vocab_size`` (the
-        tokenizer's) unless ``model`` sets one, which must then agree."""
-        fields = {**PRESETS[self.preset].to_dict(), **self.model}
+        tokenizer's) unless ``model`` sets one, which must then agree. A change of ``ffn`` without a
+        ``d_ff`` takes the course's width for the new kind (the module docstring)."""
+        preset = PRESETS[self.preset]
+        fields = {**preset.to_dict(), **self.model}
         if vocab_size is not None:
             if "vocab_size" in self.model and self.model["vocab_size"] != vocab_size:
                 raise ValueError(
@@ -237,7 +249,10 @@ class TrainConfig:
                 )
             fields["vocab_size"] = vocab_size
         try:
-            return ModelConfig.from_dict(fields)
+            config = ModelConfig.from_dict(fields)  # every field checked, d_model and ffn included
+            if config.ffn != preset.ffn and "d_ff" not in self.model:
+                config = dataclasses.replace(config, d_ff=default_d_ff(config.d_model, kind=config.ffn))
+            return config
         except (TypeError, ValueError) as err:
             raise type(err)(f"TrainConfig.model: {err}") from None
 

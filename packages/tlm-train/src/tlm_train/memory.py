@@ -22,6 +22,11 @@ parameters, gradients, AdamW state, activations.
   RoPE cos/sin tables (seq·d_head, shared by the layers). With per-block activation
   checkpointing only each block's input (d) is kept after the forward pass (``activations``),
   and one block's activations are rebuilt at a time during the backward pass (``recomputed``).
+- **The ablations** (:class:`~tlm_model.ModelConfig`'s ``norm_placement``, ``positions``, ``ffn``), as
+  built: post-norm saves what pre-norm does (each norm's input, 1/rms and output, in another
+  order); no norm leaves each sublayer's projections saving their input (2·d per layer) and the
+  final norm's input and 1/rms gone (d + 1 per token); NoPE has no RoPE tables; the SiLU FFN saves
+  w1's output, its sigmoid and their product (3·d_ff, like SwiGLU's three, at its own d_ff).
 """
 
 import math
@@ -80,14 +85,18 @@ class TrainMemory:
 def block_activation_bytes_per_token(config: ModelConfig) -> int:
     """Bytes one block saves per token for its backward pass (see the module docstring)."""
     d, q, kv = config.d_model, config.num_heads * config.d_head, config.kv_heads * config.d_head
-    norms = 2 * (2 * d + 1)  # two RMSNorms: input and 1/rms, and the output the projection saves
+    # Two RMSNorms: input and 1/rms, and the output the projection saves (pre- or post-norm alike);
+    # without norms the projections save the sublayer inputs themselves.
+    norms = 2 * d if config.norm_placement == "none" else 2 * (2 * d + 1)
     attention = 2 * q + 2 * kv + config.num_heads  # q, k, v, out (the output projection's input); log-sum-exp
-    return (norms + attention + 3 * config.d_ff) * _F32
+    ffn = 3 * config.d_ff  # SwiGLU: gate, up, product; SiLU FFN: w1's output, its sigmoid, product
+    return (norms + attention + ffn) * _F32
 
 
 def activation_bytes_per_token(config: ModelConfig, *, activation_checkpointing: bool = False) -> int:
     """Bytes autograd keeps per token from the forward pass to the backward pass."""
-    outside = (2 * config.d_model + 1) * _F32 + 8  # final norm's input and 1/rms; loss gradient w.r.t. hidden; ids
+    final_norm = 0 if config.norm_placement == "none" else config.d_model + 1  # its input and 1/rms
+    outside = (final_norm + config.d_model) * _F32 + 8  # the final norm; loss gradient w.r.t. hidden; ids
     if activation_checkpointing:
         return config.num_layers * config.d_model * _F32 + outside  # each block's input only
     return config.num_layers * block_activation_bytes_per_token(config) + outside
@@ -124,7 +133,8 @@ def train_memory(
         # whole step (FSDP2 reshards it only after backward); one block is gathered at a time beside it.
         gathered = (sum(math.prod(s) for s in root_shapes) + block) * _F32 if world_size > 1 else 0
     tokens = batch_size * seq_len
-    rope = seq_len * config.d_head * _F32  # the RoPE cos and sin tables, saved by the blocks
+    # The RoPE cos and sin tables, saved by the blocks (none with NoPE).
+    rope = 0 if config.positions == "none" else seq_len * config.d_head * _F32
     return TrainMemory(
         mode=mode,
         world_size=world_size,
