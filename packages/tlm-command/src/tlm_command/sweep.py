@@ -316,7 +316,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
 def _init_worker(threads: int) -> None:
     """A --jobs worker: its share of the threads, Ctrl-C left to the run's own handler (which checkpoints),
     and death with the sweep process, so a killed sweep leaves no run training on its own."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # while no run trains: a run installs its own handlers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     import torch
 
@@ -408,8 +409,9 @@ class Sweep:
                     break
                 try:
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                except KeyboardInterrupt:  # the workers got it too: each checkpoints and returns "stopped"
+                except KeyboardInterrupt:  # each run checkpoints and returns "stopped"
                     stopping = True
+                    _forward_interrupt(pool)
                     continue
                 for future in finished:
                     entry = running.pop(future)
@@ -417,6 +419,15 @@ class Sweep:
                     self._ended(entry, outcome)
                     stopping = stopping or outcome["status"] == "stopped"
         return not stopping
+
+
+def _forward_interrupt(pool: Any) -> None:
+    """A SIGINT sent to the sweep alone reaches its runs as SIGTERM, which each run's handler takes as the same
+    request (checkpoint, then return). Not SIGINT: after a Ctrl-C in a terminal, which reaches every worker
+    already, a second SIGINT would interrupt a run at once, without its checkpoint."""
+    for process in list(getattr(pool, "_processes", {}).values()):  # the executor keeps no public list
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
 
 
 def _outcome(future: Any) -> dict[str, Any]:
