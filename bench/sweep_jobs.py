@@ -99,9 +99,9 @@ def main() -> None:
     lines += [
         "",
         f"A wall ratio above 1 means two runs at once finished the sweep sooner; inf: the sweep ran past "
-        f"{args.timeout:.0f} s and was stopped. With more threads than free cores, OpenMP's threads wait on each "
-        "other at every parallel region, so on a loaded machine one run with two threads can be far slower "
-        "than two runs with one each.",
+        f"{args.timeout:.0f} s and was stopped. With more threads than free cores, one run's threads wait on each "
+        "other at every parallel region (the likely cause, not measured apart here), so on a loaded machine one "
+        "run with two threads can be far slower than two runs with one each.",
         "",
     ]
     DOC.write_text("\n".join(lines), encoding="utf-8")
