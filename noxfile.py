@@ -13,6 +13,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s course       tests-course alone: the course adapter suite
     nox -s train        the main job: `tlm train` end to end on text that ships with Python
     nox -s report       GPT-2 XL accounting, the size comparison and its plot
+    nox -s experiments  CS336's experiments at CPU scale with `tlm sweep`: docs/experiments.md and its figures
     nox -s docs         regenerate docs/accounting.md and its plot
     nox -s bench        every benchmark against its reference; writes docs/benchmarks.md (not part of tests)
     nox -s mutate       mutation testing (tools/mutate.py)
@@ -353,6 +354,16 @@ def train(session: nox.Session) -> None:
     _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
     out = ROOT / "build" / "runs" / time.strftime("%Y%m%d-%H%M%S")
     session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
+
+
+@nox.session(default=False)
+def experiments(session: nox.Session) -> None:
+    """Regenerate docs/experiments.md: an LR sweep to divergence, a batch-size sweep, the four ablations, a sample.
+
+    Runs in build/experiments/ (minutes on 2 cores); ``-- --scale 0.25`` runs a quarter of the steps.
+    """
+    _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
+    session.run("python", str(ROOT / "tools" / "make_experiments_doc.py"), *session.posargs)
 
 
 BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train", "serve"]

@@ -89,7 +89,7 @@ def test_a_killed_sweep_resumes_to_the_summary_and_weights_of_an_uninterrupted_o
     assert main(["sweep", "--resume", str(killed), "--jobs", "1"]) == 0  # in this process (no lock left held)
     log = capsys.readouterr().err
     assert "[lr=1e-3] resumed from step" in log and "[lr=1e6]" not in log  # the finished run is kept as it was
-    assert main(_argv(whole, tokens, 50, "--quiet")) == 0  # the uninterrupted twin
+    assert main(_argv(whole, tokens, 50, "--quiet", "--jobs", "1")) == 0  # the uninterrupted twin
 
     assert _summary(killed) == _summary(whole)
     first, done = _summary(whole)

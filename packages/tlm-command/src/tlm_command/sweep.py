@@ -22,8 +22,8 @@ eval, compare...). SWEEP/sweep.json, the manifest, is rewritten whole as each ru
 A run whose loss stops being finite is recorded as diverged and the sweep goes on. --resume keeps the
 finished runs and continues the others, each from its newest checkpoint. --jobs N trains N runs at
 once, each in its own process with 1/N of the CPU threads (OMP_NUM_THREADS, else the CPUs this process
-may use). At the end: SWEEP/summary.json, summary.md and sweep.png (validation loss by step and by
-wall-clock time, final loss by the swept setting).
+may use); by default, on the CPU, one single-threaded run per thread. At the end: SWEEP/summary.json,
+summary.md and sweep.png (validation loss by step and by wall-clock time, final loss by the swept setting).
 """
 
 import argparse
@@ -50,7 +50,6 @@ FORMAT = "tlm-sweep/1"
 #: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
 FINISHED = ("done", "diverged")
 SUMMARY_JSON, SUMMARY_MD, PLOT = "summary.json", "summary.md", "sweep.png"
-DEFAULT_JOBS = 1
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
 _RESERVED = {MANIFEST, SUMMARY_JSON, SUMMARY_MD, PLOT, ".lock"}
 
@@ -70,7 +69,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base settings, as tlm train --config reads them")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
     parser.add_argument(
-        "--jobs", type=positive_int, default=None, help=f"runs at once (default: {DEFAULT_JOBS}; a resume: as before)"
+        "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
     )
     parser.add_argument("--quiet", action="store_true", help="no log lines")
     parser.set_defaults(run=run)
@@ -273,14 +272,26 @@ def _locked(folder: Path) -> Iterator[None]:
 # ------------------------------------------------------------------------------------------ running
 
 
-def threads_per_run(jobs: int) -> int:
-    """The CPU threads each of ``jobs`` concurrent runs gets: OMP_NUM_THREADS (else the CPUs this process may
-    use) divided among them, at least one."""
+def cpu_threads() -> int:
+    """The CPU threads a sweep may use: OMP_NUM_THREADS, else the CPUs this process may run on."""
     try:
-        total = int(os.environ.get("OMP_NUM_THREADS", ""))
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
     except ValueError:
-        total = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, total // jobs)
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_run(jobs: int) -> int:
+    """The CPU threads each of ``jobs`` concurrent runs gets: :func:`cpu_threads` divided among them, at least one."""
+    return max(1, cpu_threads() // jobs)
+
+
+def default_jobs(manifest: dict[str, Any]) -> int:
+    """On the CPU, one run per thread (each run single-threaded): on 2 cores, two runs with one thread each
+    finished sooner than one run at a time with two (bench/sweep_jobs.py, docs/sweep_jobs.md). On an
+    accelerator, one run at a time."""
+    if str(manifest["base"].get("device", "cpu")) != "cpu":
+        return 1
+    return cpu_threads()
 
 
 def train_run(job: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +316,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
 def _init_worker(threads: int) -> None:
     """A --jobs worker: its share of the threads, Ctrl-C left to the run's own handler (which checkpoints),
     and death with the sweep process, so a killed sweep leaves no run training on its own."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # while no run trains: a run installs its own handlers
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     import torch
 
@@ -397,8 +409,9 @@ class Sweep:
                     break
                 try:
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                except KeyboardInterrupt:  # the workers got it too: each checkpoints and returns "stopped"
+                except KeyboardInterrupt:  # each run checkpoints and returns "stopped"
                     stopping = True
+                    _forward_interrupt(pool)
                     continue
                 for future in finished:
                     entry = running.pop(future)
@@ -406,6 +419,15 @@ class Sweep:
                     self._ended(entry, outcome)
                     stopping = stopping or outcome["status"] == "stopped"
         return not stopping
+
+
+def _forward_interrupt(pool: Any) -> None:
+    """A SIGINT sent to the sweep alone reaches its runs as SIGTERM, which each run's handler takes as the same
+    request (checkpoint, then return). Not SIGINT: after a Ctrl-C in a terminal, which reaches every worker
+    already, a second SIGINT would interrupt a run at once, without its checkpoint."""
+    for process in list(getattr(pool, "_processes", {}).values()):  # the executor keeps no public list
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
 
 
 def _outcome(future: Any) -> dict[str, Any]:
@@ -467,7 +489,7 @@ def run(args: argparse.Namespace) -> int:
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             raise UserError(f"--out-dir {folder} exists and is not an empty folder; choose another")
         manifest = plan(args, folder)
-    jobs = args.jobs or manifest.get("jobs", DEFAULT_JOBS)
+    jobs = args.jobs or manifest.get("jobs") or default_jobs(manifest)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         manifest["jobs"] = jobs
