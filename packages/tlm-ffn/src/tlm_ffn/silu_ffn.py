@@ -5,7 +5,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from tlm_core.checks import check_positive_int
-from tlm_ffn.swiglu import default_d_ff
+from tlm_ffn.options import default_d_ff
 from tlm_linear import Linear
 
 

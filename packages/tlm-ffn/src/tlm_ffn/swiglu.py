@@ -6,9 +6,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tlm_core.checks import check_choice, check_positive_int
+from tlm_core.checks import check_positive_int
 from tlm_core.tensors import check_float_tensor
-from tlm_ffn.options import FFN_KINDS
+from tlm_ffn.options import default_d_ff
 from tlm_linear import Linear, register_split_layout
 
 
@@ -51,23 +51,6 @@ def silu_mul(gate: Float[Tensor, "..."], up: Float[Tensor, "..."]) -> Float[Tens
 def _silu_mul_one_buffer(gate: Tensor, up: Tensor) -> Tensor:
     # σ(gate) · gate · up built in the output buffer: no other d_ff-wide temporary.
     return torch.sigmoid(gate).mul_(gate).mul_(up)
-
-
-def default_d_ff(d_model: int, multiple_of: int = 64, *, kind: str = "swiglu") -> int:
-    """The hidden width a feed-forward of ``kind`` uses when none is given (CS336 §1.5.2, §7).
-
-    ``"swiglu"``: 8/3 · d_model rounded up to ``multiple_of``; 8/3 keeps the parameter count of a
-    4·d_model two-matrix FFN with three matrices, and the rounding keeps matrix shapes friendly to
-    hardware tiles. ``"silu"``: 4 · d_model, the two-matrix FFN's width (a whole number already, so
-    ``multiple_of`` does not apply). Either way the FFN holds about 8 · d_model² parameters.
-    """
-    check_positive_int("d_model", d_model)
-    check_positive_int("multiple_of", multiple_of)
-    check_choice("kind", kind, FFN_KINDS)
-    if kind == "silu":
-        return 4 * d_model
-    # Integer ceil-division avoids float rounding for large d_model.
-    return multiple_of * -(-(8 * d_model) // (3 * multiple_of))
 
 
 class SwiGLU(nn.Module):
