@@ -14,11 +14,25 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Protocol, runtime_checkable
 
 COMPRESSED = (".gz", ".zst")
 JSONL = (".jsonl",)
 _CHUNK = 1 << 20
+
+
+@runtime_checkable
+class Readable(Protocol):
+    """A binary stream to read: a file, a ``gzip.GzipFile``, a Zstandard stream reader."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
+@runtime_checkable
+class Writable(Protocol):
+    """A binary stream to write."""
+
+    def write(self, data: bytes, /) -> int: ...
 
 
 def is_jsonl(path: str | Path) -> bool:
@@ -30,12 +44,12 @@ def is_jsonl(path: str | Path) -> bool:
 
 
 @contextmanager
-def open_binary(path: str | Path) -> Iterator[BinaryIO]:
+def open_binary(path: str | Path) -> Iterator[Readable]:
     """``path``'s bytes, decompressed as its suffix says (``.gz``: gzip; ``.zst``: Zstandard)."""
     suffix = Path(path).suffix
     if suffix == ".gz":
         with gzip.open(path, "rb") as stream:
-            yield stream  # type: ignore[misc]
+            yield stream
     elif suffix == ".zst":
         try:
             import zstandard
@@ -50,7 +64,7 @@ def open_binary(path: str | Path) -> Iterator[BinaryIO]:
             yield stream
 
 
-def _text_chunks(stream: BinaryIO) -> Iterator[str]:
+def _text_chunks(stream: Readable) -> Iterator[str]:
     # UTF-8 decoded as it comes; a character split between two reads is decoded whole. Bytes that are not
     # UTF-8 become U+FFFD, as the text of a plain file always has.
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -61,8 +75,8 @@ def _text_chunks(stream: BinaryIO) -> Iterator[str]:
         yield tail
 
 
-def _jsonl_texts(path: str | Path, stream: BinaryIO, text_field: str) -> Iterator[str]:
-    lines = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
+def _jsonl_texts(path: str | Path, stream: Readable, text_field: str) -> Iterator[str]:
+    lines = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")  # type: ignore[type-var]
     number = 0
     try:
         for number, line in enumerate(lines, 1):
@@ -96,7 +110,7 @@ def documents(path: str | Path, text_field: str = "text") -> Iterator[Iterable[s
 
 def write_corpus(
     sources: Iterable[str | Path],
-    sink: BinaryIO,
+    sink: Writable,
     *,
     separator: str,
     text_field: str = "text",
