@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, BinaryIO, Protocol, cast, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 COMPRESSED = (".gz", ".zst")
 JSONL = (".jsonl",)
@@ -23,10 +23,16 @@ _CHUNK = 1 << 20
 
 @runtime_checkable
 class Readable(Protocol):
-    """What a document source is read through: a file, or a gzip or zstandard stream (zstandard's reader is
-    no ``io.IOBase``, and gzip's ``mode`` is a number, so neither passes for ``BinaryIO`` at run time)."""
+    """A binary stream to read: a file, a ``gzip.GzipFile``, a Zstandard stream reader."""
 
     def read(self, size: int = -1, /) -> bytes: ...
+
+
+@runtime_checkable
+class Writable(Protocol):
+    """A binary stream to write."""
+
+    def write(self, data: bytes, /) -> int: ...
 
 
 def is_jsonl(path: str | Path) -> bool:
@@ -70,7 +76,7 @@ def _text_chunks(stream: Readable) -> Iterator[str]:
 
 
 def _jsonl_texts(path: str | Path, stream: Readable, text_field: str) -> Iterator[str]:
-    lines = io.TextIOWrapper(cast(IO[bytes], stream), encoding="utf-8", newline="\n")
+    lines = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")  # type: ignore[type-var]
     number = 0
     try:
         for number, line in enumerate(lines, 1):
@@ -104,7 +110,7 @@ def documents(path: str | Path, text_field: str = "text") -> Iterator[Iterable[s
 
 def write_corpus(
     sources: Iterable[str | Path],
-    sink: BinaryIO,
+    sink: Writable,
     *,
     separator: str,
     text_field: str = "text",
