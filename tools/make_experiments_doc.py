@@ -7,7 +7,7 @@ Python's own pydoc topics (the corpus tlm train uses by default, shipped with CP
 sweeps of a small model, each one `tlm sweep` run in this process: a learning-rate sweep reaching
 divergence, a batch-size sweep at a matched token budget, and the four ablations beside the baseline at
 matched parameters and tokens; then a 256-token sample from the best run. ``--scale`` multiplies the
-steps (0.25 for a quick look; the document says which scale made it).
+steps (the page names the steps that made it); ``--reuse`` writes the page again from the finished runs.
 """
 
 import argparse
@@ -30,7 +30,7 @@ VOCAB = 512
 #: The model of every run: 4 heads of 32, two blocks; SwiGLU at the course's 8/3·d_model rounded to 64.
 MODEL = {"context_length": 64, "d_model": 128, "num_layers": 2, "num_heads": 4, "d_ff": 384}
 BASE = {"batch_size": 16, "eval_batches": 4, "sample_tokens": 0, "warmup_steps": 10, "seed": 0}
-STEPS = 200
+STEPS = 60  # about 18 minutes for the page at load 24 on 2 cores; --scale 3 for 180 steps
 LRS = "1e-3,3e-3,1e-2,3e-2,1e-1,3e-1,1,3"
 BATCHES = "4,16,64"
 #: The ablations (runs file): SiLU's course width 4·d_model gives 2·128·512 FFN weights, SwiGLU's 3·128·384.
@@ -64,13 +64,15 @@ def prepare(out: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path, int]:
     from tlm_tokenizer import Tokenizer, train_bpe
     from tlm_train import default_corpus
 
+    tokens = out / "tokens.npy"
+    if REUSE[0] and tokens.is_file() and (out / "tokenizer").is_dir():
+        return out / "tokenizer", tokens, int(np.load(tokens, mmap_mode="r").shape[0])
     text = default_corpus()
     corpus = out / "corpus.txt"
     corpus.write_text(text, encoding="utf-8")
     vocab, merges = train_bpe(str(corpus), VOCAB, ["<|endoftext|>"], progress=False)
     tokenizer = Tokenizer(vocab, merges, special_tokens=["<|endoftext|>"])
     tokenizer.save(out / "tokenizer")
-    tokens = out / "tokens.npy"
     np.save(tokens, np.asarray(tokenizer.encode(text), dtype=np.uint16))
     return out / "tokenizer", tokens, int(np.load(tokens, mmap_mode="r").shape[0])
 
@@ -88,13 +90,15 @@ def tlm(*argv: str) -> str:
 
 
 JOBS: list[str] = []
+REUSE: list[bool] = [False]
 
 
 def sweep(out: pathlib.Path, name: str, settings: dict[str, object], *plan: str) -> list[dict]:
     folder = out / name
-    shutil.rmtree(folder, ignore_errors=True)
-    sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
-    tlm("sweep", "--out-dir", str(folder), *plan, *sets, *JOBS, "--quiet")
+    if not (REUSE[0] and (folder / "summary.json").is_file()):
+        shutil.rmtree(folder, ignore_errors=True)
+        sets = [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+        tlm("sweep", "--out-dir", str(folder), *plan, *sets, *JOBS, "--quiet")
     FIGURES.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(folder / "sweep.png", FIGURES / f"{name}.png")
     return json.loads((folder / "summary.json").read_text())["runs"]
@@ -115,14 +119,23 @@ def main() -> None:
     parser.add_argument("--out-dir", default=str(ROOT / "build" / "experiments"))
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the steps of every run")
     parser.add_argument("--jobs", type=int, default=None, help="tlm sweep --jobs (default: the sweep's)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="write the page from the finished sweeps in --out-dir (no training)"
+    )
     args = parser.parse_args()
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.jobs:
         JOBS[:] = ["--jobs", str(args.jobs)]
-    jobs = args.jobs
+    REUSE[:] = [args.reuse]
+    made = out / "made.json"  # how long the runs took to make, and the load then: kept for --reuse
+    if args.reuse:
+        if not made.is_file():
+            raise SystemExit(f"--reuse: {made} is missing; run without --reuse first")
+        jobs, minutes, load_before = (json.loads(made.read_text())[k] for k in ("jobs", "minutes", "load"))
     began = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    if not args.reuse:
+        load_before = os.getloadavg()[0]
     tokenizer, tokens, n_tokens = prepare(out)
     steps = max(10, round(STEPS * args.scale))
     common = {"data": tokens, "tokenizer": tokenizer, "vocab_size": VOCAB, **BASE, **MODEL}
@@ -160,7 +173,9 @@ def main() -> None:
     sample_run = out / "lr" / best["name"]
     sample = json.loads(tlm("generate", "--checkpoint", str(sample_run), "--prompt", "The ", "--max-new-tokens",
                             "256", "--temperature", "0.8", "--top-k", "50", "--json", "--quiet"))  # fmt: skip
-    minutes = (time.perf_counter() - began) / 60
+    if not args.reuse:
+        minutes = (time.perf_counter() - began) / 60
+        made.write_text(json.dumps({"jobs": jobs, "minutes": minutes, "load": load_before}) + "\n")
     write(locals())
 
 
@@ -190,6 +205,14 @@ def write(v: dict) -> None:
         where = "No rate in this grid diverged at this scale (the loss stayed finite throughout)."
     ok = sorted(finished(lr_runs), key=lambda r: r["settings"]["lr"])
     largest_ok = ok[-1]["settings"]["lr"] if ok else None
+    epochs = base["tokens"] / (v["n_tokens"] * 0.9)  # the training split: all but the last 10%
+    seen = (
+        f"a corpus this small is seen {epochs:.1f} times over, so the validation loss measures memorisation as "
+        "much as generalisation"
+        if epochs > 1
+        else f"each run saw {epochs:.0%} of the training tokens, once: short runs, far from converged, so an "
+        "effect that shows late in training cannot show here"
+    )
     sample = v["sample"]
     text = sample.get("text") or sample.get("completion") or json.dumps(sample)
     batch_text = (
@@ -237,8 +260,9 @@ the right one the final loss by rate on a log axis, a red × where a run diverge
 
 Each batch size trained on the same {v["budget"]:,} tokens, its learning rate scaled by
 √(batch / {BASE["batch_size"]})
-from the best one above: {batch_text} A small batch takes more, noisier steps for the same tokens; at this
-model size each step is cheap enough that its fixed cost (the optimizer, Python) shows in the wall time.
+from the best one above: {batch_text} A small batch takes more, noisier steps for the same tokens. The wall
+times include the evaluations (one per tenth of a run: every step of the largest batch's) and were measured
+with runs sharing a loaded CPU, so they say little about what a batch size costs here.
 
 ## Ablations
 
@@ -267,10 +291,8 @@ tokens, and how each ablation moves the loss of the same model on the same token
 these effects scale: {v["steps"]} steps of a {base["parameters"] / 1e6:.1f} M-parameter model on a
 {v["n_tokens"] / 1e6:.2f} M-token corpus is far from the course's TinyStories or OpenWebText runs, the
 differences between ablations are of the size that another seed could move (one seed each here), the best
-rate of a short run is not the best rate of a long one, and a corpus this small is seen several times over,
-so the validation loss measures
-memorisation as much as generalisation. The sample shows what the model learned of the corpus's words and
-layout, not fluent English.
+rate of a short run is not the best rate of a long one, and {seen}. The sample shows what the model
+learned of the corpus's words and layout, not fluent English.
 """
     DOC.write_text(doc, encoding="utf-8")
     print(f"wrote {DOC} and {FIGURES}/ in {v['minutes']:.1f} min")
