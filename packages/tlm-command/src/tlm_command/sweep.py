@@ -350,8 +350,8 @@ class Sweep:
         entry.pop("message", None)
         _write_manifest(self.folder, self.manifest)
         if not self.quiet:
-            done = sum(e["status"] in FINISHED for e in self.manifest["runs"])
-            say(f"run {entry['name']} ({done + 1} of {len(self.manifest['runs'])})")
+            runs = self.manifest["runs"]
+            say(f"run {entry['name']} ({runs.index(entry) + 1} of {len(runs)})")
 
     def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> None:
         entry.update(outcome)
