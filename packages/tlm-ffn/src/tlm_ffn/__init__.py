@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tlm_core.lazy import lazy_exports
 
-__version__ = "0.4.1"
+__version__ = "0.4.0"
 
 __all__ = ["FFN_KINDS", "SiLUFFN", "SwiGLU", "__version__", "default_d_ff", "silu", "silu_mul"]
 

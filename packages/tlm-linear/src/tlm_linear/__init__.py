@@ -4,6 +4,6 @@ from tlm_linear.embedding import Embedding
 from tlm_linear.fused import register_split_layout
 from tlm_linear.linear import Linear
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
 
 __all__ = ["Embedding", "Linear", "__version__", "register_split_layout"]

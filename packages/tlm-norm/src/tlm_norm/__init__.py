@@ -2,6 +2,6 @@
 
 from tlm_norm.rmsnorm import RMSNorm
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = ["RMSNorm", "__version__"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from tlm_core.lazy import lazy_exports
 
-__version__ = "0.3.1"
+__version__ = "0.4.0"
 
 __all__ = ["LAYOUTS", "SCALINGS", "RotaryPositionalEmbedding", "__version__", "check_scaling", "inv_freq_and_factor"]
 
