@@ -143,6 +143,12 @@ def device(text: str) -> "torch.device":
     return device_from_name(text, "--device")
 
 
+def add_device_arguments(parser: argparse.ArgumentParser, dtype_help: str) -> None:
+    """``--device`` (read with :func:`device`) and ``--dtype`` (one of :func:`dtype_choices`, default None)."""
+    parser.add_argument("--device", default="cpu", help="torch device to run on")
+    parser.add_argument("--dtype", choices=dtype_choices(), default=None, help=dtype_help)
+
+
 def check_output(out: str | os.PathLike[str], *inputs: str | os.PathLike[str] | None, flag: str = "--out") -> None:
     """An output must never overwrite, contain or sit inside an input: refuse before anything is written."""
     target = Path(out).resolve()

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, description, dtype_choices, positive_int, say
+from tlm_command.args import UserError, add_device_arguments, description, positive_int, say
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model
 
@@ -52,13 +52,7 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="evaluate only the first N tokens of the file",
     )
-    parser.add_argument("--device", default="cpu", help="torch device to run on")
-    parser.add_argument(
-        "--dtype",
-        choices=dtype_choices(),
-        default=None,
-        help="compute in this dtype (default: the checkpoint's; bfloat16/float16 via autocast)",
-    )
+    add_device_arguments(parser, "compute in this dtype (default: the checkpoint's; bfloat16/float16 via autocast)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(run=run)

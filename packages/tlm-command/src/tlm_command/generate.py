@@ -13,7 +13,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, description, dtype_choices, positive_int, say, temperature, top_p
+from tlm_command.args import UserError, add_device_arguments, description, positive_int, say, temperature, top_p
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_model.config import PRESETS
@@ -57,13 +57,7 @@ def add_parser(commands: Any) -> None:
         help="end when this token is generated: an id, or a special token such as <|endoftext|>",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
-    parser.add_argument("--device", default="cpu", help="torch device to run on")
-    parser.add_argument(
-        "--dtype",
-        choices=dtype_choices(),
-        default=None,
-        help="weights' dtype (default: the checkpoint's; float32 for random weights)",
-    )
+    add_device_arguments(parser, "weights' dtype (default: the checkpoint's; float32 for random weights)")
     parser.add_argument("--compile", action="store_true", help="compile_for_inference first (faster long runs on CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")

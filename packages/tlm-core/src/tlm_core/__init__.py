@@ -5,7 +5,7 @@ costs the checks alone; ``tlm_core.tensors`` (index and dtype checks) imports to
 packages that have it; ``tlm_core.progress`` imports tqdm only when a bar shows.
 """
 
-import importlib
+from tlm_core.lazy import lazy_exports
 
 __version__ = "0.1.1"
 
@@ -28,14 +28,4 @@ _HOMES = {
 __all__ = ["__version__", *sorted(_HOMES)]
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tlm_core' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+lazy_exports(__name__, _HOMES)

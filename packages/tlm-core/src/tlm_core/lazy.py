@@ -1,4 +1,4 @@
-"""A package whose names load on first use (PEP 562), for packages whose modules import torch.
+"""A package whose names load on first use (PEP 562), for packages whose modules are costly to import.
 
 ``lazy_exports(__name__, {"TransformerLM": "tlm_model.lm", ...})`` at the end of a package's
 ``__init__`` makes ``from package import TransformerLM`` import ``tlm_model.lm`` then, and not before:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from tlm_core.checks import check_positive_int
-from tlm_model.config import ModelConfig
+from tlm_model.config import ModelConfig, check_config
 
 if TYPE_CHECKING:
     from tlm_model.block import TransformerBlock
@@ -236,8 +236,7 @@ def shape_model(config: ModelConfig) -> "TransformerLM":
     shape, no memory. The accounting reads shapes from it instead of re-deriving them from the config."""
     from tlm_model.lm import TransformerLM  # lm imports nothing from here; imported late for a light import
 
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    check_config(config)
     return TransformerLM(config, fused=False, device="meta")
 
 
@@ -316,8 +315,7 @@ def elementwise_estimate(config: ModelConfig, batch_size: int, seq_len: int) -> 
 
 def account(config: ModelConfig, batch_size: int = 1, seq_len: int | None = None) -> Accounting:
     """The accounting report for ``config``; ``seq_len`` defaults to its context length."""
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    check_config(config)
     seq_len = config.context_length if seq_len is None else seq_len
     check_positive_int("batch_size", batch_size)
     check_positive_int("seq_len", seq_len)

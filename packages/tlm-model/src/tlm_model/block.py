@@ -6,7 +6,7 @@ from torch import Tensor, nn
 
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache
 from tlm_ffn import SiLUFFN, SwiGLU
-from tlm_model.config import ModelConfig
+from tlm_model.config import ModelConfig, check_config
 from tlm_norm import RMSNorm
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -78,8 +78,7 @@ class TransformerBlock(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        check_config(config)
         if rope is not None and config.positions == "none":
             raise ValueError("rope was given but config.positions is 'none' (NoPE); pass rope=None")
         rope = build_rope(config, device) if rope is None else rope

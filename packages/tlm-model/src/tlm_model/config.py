@@ -175,6 +175,14 @@ FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 _CHOICES = {f.name: f.metadata["choices"] for f in dataclasses.fields(ModelConfig) if "choices" in f.metadata}
 
 
+def check_config(config: object, hint: str = "") -> ModelConfig:
+    """``config`` when it is a :class:`ModelConfig`; otherwise the TypeError every builder raises (``hint``: how
+    to make one)."""
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}{hint}")
+    return config
+
+
 def _check_limit(field: str, value: int) -> None:
     if value > LIMITS[field]:
         raise ValueError(f"ModelConfig.{field} must be <= {LIMITS[field]:,} (tlm's limit), got {value:,}")

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock, build_norm, build_rope
-from tlm_model.config import ModelConfig
+from tlm_model.config import ModelConfig, check_config
 from tlm_model.loss import chunked_cross_entropy
 
 #: What ``torch.compile`` puts before every state-dict key of the module it wraps.
@@ -80,11 +80,7 @@ class TransformerLM(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(config, ModelConfig):
-            raise TypeError(
-                f"config must be a ModelConfig, got {type(config).__name__} (TransformerLM(ModelConfig(vocab_size=..., "
-                "...)), or TransformerLM.from_preset(name))"
-            )
+        check_config(config, " (TransformerLM(ModelConfig(vocab_size=..., ...)), or TransformerLM.from_preset(name))")
         resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
         self.config = config
         # A tied table is also the LM head: logit_v = h·e_v with the final RMSNorm's h of norm ~sqrt(d_model),

@@ -6,8 +6,9 @@ alone: importing the encoder too (its file handling pulls in ``tlm_core.atomic``
 part of a course-sized training run. ``tests/test_imports.py`` holds this.
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tlm_core.lazy import lazy_exports
 
 __version__ = "0.3.0"
 
@@ -29,14 +30,4 @@ if TYPE_CHECKING:
     from tlm_tokenizer.train import train_bpe
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'tlm_tokenizer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(home), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+lazy_exports(__name__, _HOMES)
