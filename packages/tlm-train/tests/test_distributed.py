@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tlm_model import ModelConfig, TransformerLM
-from tlm_train import DistInfo, LanguageModelLoss, RunDir, init_distributed, wrap_model
+from tlm_train import DistInfo, LanguageModelLoss, RunDir, TrainConfig, init_distributed, train, wrap_model
 from tlm_train.checkpoint import read_model_state
 from tlm_train.distributed import barrier
 from tlm_train.metrics import TIMING_FIELDS
@@ -48,12 +48,23 @@ def _env() -> dict[str, str]:
 
 
 def _train(tokens: Path, out: Path, nproc: int = 1, **changes) -> None:
+    settings = {**SETTINGS, "data": [str(tokens)], "out_dir": str(out), **changes}
+    if nproc == 1:
+        # In this process, on one thread like each torchrun rank: a new interpreter would only add its
+        # seconds of importing torch.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            settings = json.loads(json.dumps(settings))  # what the script would read from its argv
+            resume = settings.pop("resume", False)
+            train(TrainConfig(**settings), resume=resume)
+        finally:
+            torch.set_num_threads(threads)
+        return
     script = out.parent / "train_script.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable]
-    if nproc > 1:  # torchrun itself, as a user would launch it
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    settings = {**SETTINGS, "data": [str(tokens)], "out_dir": str(out), **changes}
+    # torchrun itself, as a user would launch it
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run([*launcher, str(script), json.dumps(settings)], env=_env(), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
