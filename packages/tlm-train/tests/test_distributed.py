@@ -79,8 +79,9 @@ def _metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in lines]
 
 
-def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.flatten() for t in state.values()])
+def _flat(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``state``'s tensors end to end in ``like``'s key order (checkpoints read back in different orders)."""
+    return torch.cat([state[k].flatten() for k in like])
 
 
 def _max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -115,7 +116,7 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
     out = tmp_path / "run"
     _train(tokens, out, nproc=2, distributed="ddp")
     got, want = _weights(out), _weights(single)
-    record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got), _flat(want))
+    record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got, want), _flat(want, want))
     assert _max_error(got, want) <= ATOL
     for a, b in zip(_metrics(out), _metrics(single), strict=True):
         assert a.keys() == b.keys() and a["step"] == b["step"]
@@ -127,7 +128,8 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
 @pytest.mark.slow
 def test_fsdp2_on_two_processes_equals_one_process(fsdp: Path, single: Path, record_error) -> None:
     got, want = _weights(fsdp), _weights(single)
-    record_error("FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps", _flat(got), _flat(want))
+    name = "FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps"
+    record_error(name, _flat(got, want), _flat(want, want))
     assert _max_error(got, want) <= ATOL
 
 
