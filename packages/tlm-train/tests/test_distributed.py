@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tlm_model import ModelConfig, TransformerLM
-from tlm_train import DistInfo, LanguageModelLoss, RunDir, init_distributed, wrap_model
+from tlm_train import DistInfo, LanguageModelLoss, RunDir, TrainConfig, init_distributed, train, wrap_model
 from tlm_train.checkpoint import read_model_state
 from tlm_train.distributed import barrier
 from tlm_train.metrics import TIMING_FIELDS
@@ -48,12 +48,23 @@ def _env() -> dict[str, str]:
 
 
 def _train(tokens: Path, out: Path, nproc: int = 1, **changes) -> None:
+    settings = {**SETTINGS, "data": [str(tokens)], "out_dir": str(out), **changes}
+    if nproc == 1:
+        # In this process, on one thread like each torchrun rank: a new interpreter would only add its
+        # seconds of importing torch.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            settings = json.loads(json.dumps(settings))  # what the script would read from its argv
+            resume = settings.pop("resume", False)
+            train(TrainConfig(**settings), resume=resume)
+        finally:
+            torch.set_num_threads(threads)
+        return
     script = out.parent / "train_script.py"
     script.write_text(SCRIPT)
-    launcher = [sys.executable]
-    if nproc > 1:  # torchrun itself, as a user would launch it
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    settings = {**SETTINGS, "data": [str(tokens)], "out_dir": str(out), **changes}
+    # torchrun itself, as a user would launch it
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run([*launcher, str(script), json.dumps(settings)], env=_env(), capture_output=True, text=True,
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -68,8 +79,9 @@ def _metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_FIELDS} for line in lines]
 
 
-def _flat(state: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.flatten() for t in state.values()])
+def _flat(state: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``state``'s tensors end to end in ``like``'s key order (checkpoints read back in different orders)."""
+    return torch.cat([state[k].flatten() for k in like])
 
 
 def _max_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -104,7 +116,7 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
     out = tmp_path / "run"
     _train(tokens, out, nproc=2, distributed="ddp")
     got, want = _weights(out), _weights(single)
-    record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got), _flat(want))
+    record_error("DDP x2 vs 1 process, weights after 6 steps", _flat(got, want), _flat(want, want))
     assert _max_error(got, want) <= ATOL
     for a, b in zip(_metrics(out), _metrics(single), strict=True):
         assert a.keys() == b.keys() and a["step"] == b["step"]
@@ -116,7 +128,8 @@ def test_ddp_on_two_processes_equals_one_process(tokens: Path, single: Path, tmp
 @pytest.mark.slow
 def test_fsdp2_on_two_processes_equals_one_process(fsdp: Path, single: Path, record_error) -> None:
     got, want = _weights(fsdp), _weights(single)
-    record_error("FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps", _flat(got), _flat(want))
+    name = "FSDP2 x2 (+activation checkpointing) vs 1 process, weights after 6 steps"
+    record_error(name, _flat(got, want), _flat(want, want))
     assert _max_error(got, want) <= ATOL
 
 
