@@ -71,17 +71,25 @@ def test_a_killed_sweep_resumes_to_the_summary_and_weights_of_an_uninterrupted_o
     killed, whole = tmp_path / "killed", tmp_path / "whole"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     # Two runs at once, each in a worker process: the kill of the sweep must end them too.
-    argv = _argv(killed, tokens, 50, "--quiet", "--jobs", "2")
+    argv = _argv(killed, tokens, 100, "--quiet", "--jobs", "2")
     process = subprocess.Popen([sys.executable, "-m", "tlm", *argv], env=env)
     second = killed / "lr=1e-3"
-    deadline = time.monotonic() + 300
-    while not (second / "checkpoints").is_dir() or not RunDir(second).checkpoints().steps():
-        assert process.poll() is None and time.monotonic() < deadline, "the sweep ended before it could be killed"
-        time.sleep(0.01)
-    os.kill(process.pid, signal.SIGKILL)  # mid-run: the second run has a checkpoint and is still training
+
+    def wait_for(condition, what) -> None:
+        deadline = time.monotonic() + 300
+        while not condition():
+            assert process.poll() is None and time.monotonic() < deadline, f"the sweep ended before {what}"
+            time.sleep(0.01)
+
+    # The two runs race on two cores, so the test orders them: the second is frozen at its first checkpoint
+    # (SIGSTOP to the worker that holds its lock), the kill comes once the first is recorded as diverged.
+    wait_for(lambda: (second / "checkpoints").is_dir() and RunDir(second).checkpoints().steps(), "a checkpoint")
+    os.kill(json.loads((second / ".lock").read_text())["pid"], signal.SIGSTOP)  # recorded before it trained
+    wait_for(lambda: sweep.read_manifest(killed)["runs"][0]["status"] == "diverged", "lr=1e6 diverged")
+    os.kill(process.pid, signal.SIGKILL)  # mid-run: the second run has a checkpoint and has not ended
     assert process.wait() == -signal.SIGKILL
-    _wait_until_free(second / ".lock")  # its worker dies with the sweep: the kernel frees the run's lock
-    assert max(RunDir(second).checkpoints().steps()) < 50  # ... before the run could end on its own
+    _wait_until_free(second / ".lock")  # its worker dies with the sweep (stopped or not): the kernel frees the lock
+    assert max(RunDir(second).checkpoints().steps()) < 100  # ... before the run could end on its own
     statuses = [r["status"] for r in sweep.read_manifest(killed)["runs"]]
     assert statuses == ["diverged", "running"] and not (killed / "summary.json").exists()
 
@@ -89,12 +97,12 @@ def test_a_killed_sweep_resumes_to_the_summary_and_weights_of_an_uninterrupted_o
     assert main(["sweep", "--resume", str(killed), "--jobs", "1"]) == 0  # in this process (no lock left held)
     log = capsys.readouterr().err
     assert "[lr=1e-3] resumed from step" in log and "[lr=1e6]" not in log  # the finished run is kept as it was
-    assert main(_argv(whole, tokens, 50, "--quiet", "--jobs", "1")) == 0  # the uninterrupted twin
+    assert main(_argv(whole, tokens, 100, "--quiet", "--jobs", "1")) == 0  # the uninterrupted twin
 
     assert _summary(killed) == _summary(whole)
     first, done = _summary(whole)
     assert first["diverged"] and first["status"] == "diverged" and first["final_val_loss"] is None
-    assert done["status"] == "done" and done["steps"] == 50 and done["final_val_loss"] < done["best_val_loss"] + 1e-12
+    assert done["status"] == "done" and done["steps"] == 100 and done["final_val_loss"] < done["best_val_loss"] + 1e-12
     for name, tensor in _weights(whole / "lr=1e-3").items():
         assert torch.equal(tensor, _weights(killed / "lr=1e-3")[name]), name
     # Every run folder is an ordinary one: tlm compare reads the sweep as the summary says.
