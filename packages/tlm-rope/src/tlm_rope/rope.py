@@ -87,12 +87,18 @@ class RotaryPositionalEmbedding(nn.Module):
         self.seq_dim = seq_dim
         self.rotary_dim = rotary_dim
         self.scaling = check_scaling(scaling)
-        pairs = torch.stack(self._tables(torch.device(device) if device is not None else None), dim=-1)
+        pairs = self._pair_table(torch.device(device) if device is not None else None)
         self.register_buffer("cos", pairs[..., 0], persistent=False)
         self.register_buffer("sin", pairs[..., 1], persistent=False)
         # The interleaved layout multiplies by this table read as complex numbers (cos + i·sin); as
         # the buffers are views of it, autograd saves one table, shared by every layer and call.
         self._pairs = pairs
+
+    def _pair_table(self, device: torch.device | None) -> Tensor:
+        """(max_seq_len, rotary_dim // 2, 2): cos and sin side by side."""
+        if device is not None and device.type == "meta":  # shapes only; torch.stack on meta imports torch._dynamo
+            return torch.empty(self.max_seq_len, self.rotary_dim // 2, 2, dtype=torch.float32, device=device)
+        return torch.stack(self._tables(device), dim=-1)
 
     def _tables(self, device: torch.device | None, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         # float64 on the CPU first: a float32 Θ^(-2k/d) carries ~1e-7 relative error, which
@@ -112,7 +118,7 @@ class RotaryPositionalEmbedding(nn.Module):
         # The tables are a pure function of (theta, d_k, max_seq_len), so rebuild them on the
         # new device rather than trust what fn did: .to(bfloat16) would have rounded the angles,
         # and to_empty() leaves them uninitialised (also when a shared module is visited twice).
-        self._pairs = torch.stack(self._tables(self.cos.device), dim=-1)
+        self._pairs = self._pair_table(self.cos.device)
         self.cos, self.sin = self._pairs[..., 0], self._pairs[..., 1]
         return self
 

@@ -38,7 +38,6 @@ from typing import IO, Any, BinaryIO, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
@@ -299,6 +298,8 @@ def restore_state(
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state["optimizer"]))
     else:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # seconds to import
+
         set_state_dict(
             model,
             optimizer,
