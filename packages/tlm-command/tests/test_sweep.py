@@ -156,8 +156,23 @@ def test_settings_are_checked_before_anything_is_written(tmp_path, fails, argv, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize(("text", "words"), [(b"[runs.a\n", "Expected ']'"), (b"\xff = 1\n", "'utf-8' codec")])
+def test_a_runs_file_that_is_not_toml_is_one_line(tmp_path, fails, text, words) -> None:
+    runs = tmp_path / "runs.toml"
+    runs.write_bytes(text)
+    fails(
+        ["sweep", "--out-dir", str(tmp_path / "sweep"), "--runs", str(runs)],
+        f"--runs {runs} is not valid TOML: {words}",
+    )
+
+
 def test_resume_needs_a_sweep_and_a_new_sweep_an_empty_folder(tmp_path, fails) -> None:
     fails(["sweep", "--resume", str(tmp_path)], f"{tmp_path}: not a sweep folder (no sweep.json in it)")
+    (tmp_path / "sweep.json").write_bytes(b"{\xff")
+    fails(["sweep", "--resume", str(tmp_path)], f"{tmp_path / 'sweep.json'} is not a sweep manifest: 'utf-8' codec")
+    (tmp_path / "sweep.json").write_text("{")
+    fails(["sweep", "--resume", str(tmp_path)], f"{tmp_path / 'sweep.json'} is not a sweep manifest: Expecting")
+    (tmp_path / "sweep.json").unlink()
     (tmp_path / "notes.txt").write_text("mine")
     fails(["sweep", "--out-dir", str(tmp_path), "--grid", "lr=1e-3"], "exists and is not an empty folder")
     fails(["sweep", "--resume", str(tmp_path), "--grid", "lr=1e-3"], "--resume continues a sweep as planned")

@@ -4,8 +4,10 @@ A *zygote* is one ``python`` process that imports torch once and then forks a fr
 read from its stdin (the fork is the process a test kills): 30 workers cost one interpreter start,
 not 30. Each worker logs a line per step through the module hooks the test names
 (``tlm_model.checkpoint._after_step``, ``tlm_core.atomic.after_step``, ...), and parks at the step
-``park_at`` names, so that the test can SIGKILL it at a known point. ``Worker`` is the test's handle on
-one fork. The conftest beside this file puts this folder on ``sys.path`` (pytest runs in importlib mode).
+``park_at`` names, so that the test can SIGKILL it at a known point. ``Saver`` is the test's handle on
+one fork. Every worker is a saver (:class:`Saver`): it builds its job's models, logs "ready", then saves them
+in turn, logging "saved" after each. The conftest beside this file puts this folder on ``sys.path`` (pytest
+runs in importlib mode).
 """
 
 import json
@@ -13,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 
@@ -47,7 +48,12 @@ for line in sys.stdin:
     {hooks} = step
     code = 1
     try:
-{work}
+        models = [(build(seed, ModelConfig(**config)), seed) for seed, config in job["models"]]
+        log.write("ready\n")
+        for i in range(job["saves"]):
+            model, seed = models[i % len(models)]
+            {save}
+            log.write("saved\n")
         log.write("done\n")
         code = 0
     except BaseException as err:
@@ -69,11 +75,11 @@ def build(seed: int, config: ModelConfig) -> TransformerLM:
     return model
 
 
-def zygote(imports: str, hooks: str, work: str) -> Iterator[subprocess.Popen]:
-    """Run a zygote for a module fixture (``yield from zygote(...)``). ``imports``: the modules ``work``
-    uses; ``hooks``: the step hooks to set, ``a = b`` style; ``work``: the worker's body, which reads
-    ``job``, ``build(seed, config)`` and ``log`` (write "ready" and "saved" lines there)."""
-    source = _ZYGOTE.format(imports=imports, hooks=hooks, work=textwrap.indent(textwrap.dedent(work), " " * 8))
+def zygote(imports: str, hooks: str, save: str) -> Iterator[subprocess.Popen]:
+    """Run a zygote for a module fixture (``yield from zygote(...)``). ``imports``: the modules ``save``
+    uses; ``hooks``: the step hooks to set, ``a = b`` style; ``save``: one statement that saves ``model``
+    (built from ``seed``) to ``job["target"]``."""
+    source = _ZYGOTE.format(imports=imports, hooks=hooks, save=save)
     path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # the workers import build from here
     proc = subprocess.Popen([sys.executable, "-c", source], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -83,11 +89,13 @@ def zygote(imports: str, hooks: str, work: str) -> Iterator[subprocess.Popen]:
     proc.wait(timeout=60)
 
 
-class Worker:
-    """One forked worker running ``job`` (its log file and the step to park at are added here)."""
+class Saver:
+    """One forked worker that saves ``models`` ((seed, ModelConfig) pairs) in turn ``saves`` times into
+    ``target``, parked after the step ``park_at`` names."""
 
-    def __init__(self, zygote: subprocess.Popen, log, job: dict, park_at: str = ""):
+    def __init__(self, zygote: subprocess.Popen, log, target, models, saves: int = 1, park_at: str = ""):
         self.log = log
+        job = {"target": str(target), "models": [(seed, c.to_dict()) for seed, c in models], "saves": saves}
         zygote.stdin.write(json.dumps({**job, "log": str(log), "park_at": park_at}) + "\n")
         zygote.stdin.flush()
         self.pid = int(zygote.stdout.readline())

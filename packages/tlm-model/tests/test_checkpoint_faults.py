@@ -15,7 +15,7 @@ import time
 import fault_processes
 import pytest
 import torch
-from fault_processes import Worker, build
+from fault_processes import Saver, build
 
 from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 
@@ -35,23 +35,8 @@ def zygote():
     yield from fault_processes.zygote(
         imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_model_file",
         hooks="checkpoint._after_step",
-        work=r"""
-            config = ModelConfig(**job["config"])
-            models = [build(seed, config) for seed in job["seeds"]]
-            log.write("ready\n")
-            for i in range(job["saves"]):
-                save_model_file(models[i % len(models)], job["target"])
-                log.write("saved\n")
-        """,
+        save='save_model_file(model, job["target"])',
     )
-
-
-class Saver(Worker):
-    """A process that saves ``seeds``' models in turn ``saves`` times into ``target``."""
-
-    def __init__(self, zygote, log, target, seeds, saves=1, park_at="", config=SMALL):
-        job = {"target": str(target), "seeds": seeds, "saves": saves, "config": config.to_dict()}
-        super().__init__(zygote, log, job, park_at)
 
 
 def identify(directory, candidates: dict[str, TransformerLM]) -> str:
@@ -94,7 +79,7 @@ def test_sigkill_after_every_step_leaves_the_old_or_the_new_checkpoint(tmp_path,
     for step in STEPS:
         directory = tmp_path / step
         prepare(directory, before)
-        saver = Saver(zygote, tmp_path / f"{step}.log", directory, [NEW], park_at=step)
+        saver = Saver(zygote, tmp_path / f"{step}.log", directory, [(NEW, SMALL)], park_at=step)
         saver.wait_for("parked")
         saver.kill()
         assert (on_disk(directory), identify(directory, candidates)) == EXPECTED[before, step], step
@@ -109,7 +94,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
     for trial in range(12):
         directory = tmp_path / str(trial)
         save_model_file(candidates["A"], directory)
-        saver = Saver(zygote, tmp_path / f"{trial}.log", directory, [11, 10], saves=1000, config=MEDIUM)
+        saver = Saver(zygote, tmp_path / f"{trial}.log", directory, [(11, MEDIUM), (10, MEDIUM)], saves=1000)
         saver.wait_for("ready")
         time.sleep(rng.uniform(0.0, 0.3))
         log = saver.kill()
@@ -123,7 +108,7 @@ def test_sigkill_at_random_times(tmp_path, zygote):
 def test_two_savers_and_a_reader_race(tmp_path, zygote):
     a, b = build(20, SMALL), build(21, SMALL)
     save_model_file(a, tmp_path / "ckpt")
-    savers = [Saver(zygote, tmp_path / f"{seed}.log", tmp_path / "ckpt", [seed], saves=40) for seed in (20, 21)]
+    savers = [Saver(zygote, tmp_path / f"{s}.log", tmp_path / "ckpt", [(s, SMALL)], saves=40) for s in (20, 21)]
     seen = []
     while any(s.alive() for s in savers):
         seen.append(identify(tmp_path / "ckpt", {"A": a, "B": b}))

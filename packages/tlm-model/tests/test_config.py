@@ -33,11 +33,9 @@ def test_dict_round_trip_and_immutability():
         cfg.d_model = 1  # type: ignore[misc]
 
 
-def test_unknown_names():
+def test_an_unknown_preset_is_refused():
     with pytest.raises(ValueError, match=r"unknown preset 'gpt3'; expected one of \['course-tinystories'"):
         ModelConfig.from_preset("gpt3")
-    with pytest.raises(ValueError, match=r"unknown ModelConfig fields \['n_layer'\]"):
-        ModelConfig.from_dict({**PRESETS["gpt2-small"].to_dict(), "n_layer": 12})
 
 
 BASE = dict(vocab_size=100, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=64)
@@ -46,8 +44,6 @@ BASE = dict(vocab_size=100, context_length=16, d_model=32, num_layers=2, num_hea
 @pytest.mark.parametrize(
     "change, exc, match",
     [
-        (dict(num_heads=5), ValueError, "d_model must be divisible by num_heads, got d_model=32, num_heads=5"),
-        (dict(num_heads=32), ValueError, "d_model / num_heads must be even for RoPE, got 1"),
         (dict(vocab_size=0), ValueError, "vocab_size must be positive, got 0"),
         (dict(d_ff=64.0), TypeError, "d_ff must be an int, got float"),
         (dict(rope_theta=-1.0), ValueError, "rope_theta must be a finite number > 0, got -1.0"),

@@ -17,7 +17,7 @@ import re
 import fault_processes
 import pytest
 import torch
-from fault_processes import Worker, build
+from fault_processes import Saver, build
 
 import tlm_model.interop as interop
 from tlm_model import ModelConfig, save_hf
@@ -42,23 +42,8 @@ def zygote():
     yield from fault_processes.zygote(
         imports="import tlm_core.atomic as atomic\nimport tlm_model.interop as interop\nfrom tlm_model import save_hf",
         hooks="interop._after_step = atomic.after_step",
-        work=r"""
-            models = [(build(seed, ModelConfig(**config)), seed) for seed, config in job["models"]]
-            log.write("ready\n")
-            for i in range(job["saves"]):
-                model, seed = models[i % len(models)]
-                save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})
-                log.write("saved\n")
-        """,
+        save='save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})',
     )
-
-
-class Exporter(Worker):
-    """A process that exports ``specs``' models in turn ``saves`` times into ``target``."""
-
-    def __init__(self, zygote, log, target, specs, saves=1, park_at=""):
-        job = {"target": str(target), "models": [(s, c.to_dict()) for s, c in specs], "saves": saves}
-        super().__init__(zygote, log, job, park_at)
 
 
 def identify(folder, models, *, racing: bool = False) -> str:
@@ -99,7 +84,7 @@ def test_sigkill_after_every_step_leaves_the_old_or_the_new_export(tmp_path, zyg
     for step in STEPS:
         parent = tmp_path / step
         save_hf(models["old"], parent / "out", extra_files={"tokenizer.json": b"1"})
-        exporter = Exporter(zygote, tmp_path / f"{step}.log", parent / "out", [NEW], park_at=step)
+        exporter = Saver(zygote, tmp_path / f"{step}.log", parent / "out", [NEW], park_at=step)
         exporter.wait_for("parked")
         exporter.kill()
         assert (identify(parent / "out", models), leftovers(parent)) == EXPECTED[step], step
@@ -114,7 +99,7 @@ def test_sigkill_after_every_step_leaves_the_old_or_the_new_export(tmp_path, zyg
 
 
 def test_sigkill_of_the_first_export_leaves_no_folder(tmp_path, zygote, models):
-    exporter = Exporter(zygote, tmp_path / "log", tmp_path / "out", [NEW], park_at="config-written")
+    exporter = Saver(zygote, tmp_path / "log", tmp_path / "out", [NEW], park_at="config-written")
     exporter.wait_for("parked")
     exporter.kill()
     assert leftovers(tmp_path) == ["log", "temporary folder"]
@@ -135,7 +120,7 @@ def test_a_reader_racing_an_exporter_always_loads_one_whole_export(tmp_path, zyg
     save_hf(models["old"], tmp_path / "out", extra_files={"tokenizer.json": b"1"})
     # The exporter alternates the two models until it is killed; the reader loads 20 times meanwhile
     # (a fixed count of reads, not of exports: on a loaded machine 40 exports took as long as 5 loads).
-    exporter = Exporter(zygote, tmp_path / "log", tmp_path / "out", [NEW, OLD], saves=10**6)
+    exporter = Saver(zygote, tmp_path / "log", tmp_path / "out", [NEW, OLD], saves=10**6)
     exporter.wait_for("ready")
     seen = [identify(tmp_path / "out", models, racing=True) for _ in range(20)]
     lines = exporter.kill()

@@ -240,10 +240,8 @@ def test_one_dimensional_ids_give_one_dimensional_logits(lm_reference):
 def test_context_length_is_the_limit_with_and_without_a_cache():
     model = TransformerLM(TWO_LAYERS)
     with torch.no_grad():
-        model(torch.zeros(1, TWO_LAYERS.context_length, dtype=torch.long))  # exactly full: fine
-        # One token more is refused by the RoPE tables, which hold context_length positions.
-        with pytest.raises(ValueError, match="x has seq=25 positions but the tables hold max_seq_len=24"):
-            model(torch.zeros(1, TWO_LAYERS.context_length + 1, dtype=torch.long))
+        # Exactly full is fine (one token more: test_bad_input's lm-too-long).
+        model(torch.zeros(1, TWO_LAYERS.context_length, dtype=torch.long))
         cache = model.new_kv_cache(1)
         model(torch.zeros(1, 20, dtype=torch.long), kv_cache=cache)
         with pytest.raises(ValueError, match="x has seq=5 positions from start=20 but the tables hold max_seq_len=24"):

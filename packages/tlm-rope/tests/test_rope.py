@@ -399,14 +399,20 @@ def random_input(shape, dtype, generator, device):
     return (sign * magnitude).to(device=device, dtype=dtype)
 
 
-@fixture_ok
-@given(case=rope_cases())
-def test_rotation_preserves_the_norm_of_every_pair(case, device):
+def rope_and_inputs(case, device, count=1):
+    """The case's RoPE module on ``device``, its seeded generator, and ``count`` random (*batch, seq, d_k) inputs."""
     d_k, max_seq_len, seq, batch, theta, dtype, seed = case
     g = torch.Generator().manual_seed(seed)
     rope = RotaryPositionalEmbedding(theta, d_k, max_seq_len, device=device)
-    x = random_input((*batch, seq, d_k), dtype, g, device)
-    positions = torch.randint(0, max_seq_len, (seq,), generator=g).to(device)
+    return rope, g, [random_input((*batch, seq, d_k), dtype, g, device) for _ in range(count)]
+
+
+@fixture_ok
+@given(case=rope_cases())
+def test_rotation_preserves_the_norm_of_every_pair(case, device):
+    rope, g, (x,) = rope_and_inputs(case, device)
+    d_k, seq, dtype = rope.d_k, x.shape[-2], x.dtype
+    positions = torch.randint(0, rope.max_seq_len, (seq,), generator=g).to(device)
     out = rope(x, positions)
     assert out.dtype == dtype and out.shape == x.shape
 
@@ -424,11 +430,8 @@ def test_rotation_preserves_the_norm_of_every_pair(case, device):
 @fixture_ok
 @given(case=rope_cases(), data=st.data())
 def test_dot_product_depends_only_on_the_position_offset(case, data, device):
-    d_k, max_seq_len, seq, batch, theta, dtype, seed = case
-    g = torch.Generator().manual_seed(seed)
-    rope = RotaryPositionalEmbedding(theta, d_k, max_seq_len, device=device)
-    q = random_input((*batch, seq, d_k), dtype, g, device)
-    k = random_input((*batch, seq, d_k), dtype, g, device)
+    rope, g, (q, k) = rope_and_inputs(case, device, count=2)
+    max_seq_len, seq, dtype = rope.max_seq_len, q.shape[-2], q.dtype
     # Positions i (for q) and j (for k) and a common shift s, all inside [0, max_seq_len).
     shift = data.draw(st.integers(0, max_seq_len - 1), label="shift")
     pos_q = torch.randint(0, max_seq_len - shift, (seq,), generator=g).to(device)
@@ -448,10 +451,8 @@ def test_dot_product_depends_only_on_the_position_offset(case, data, device):
 @fixture_ok
 @given(case=rope_cases())
 def test_position_zero_is_the_identity(case, device):
-    d_k, max_seq_len, seq, batch, theta, dtype, seed = case
-    g = torch.Generator().manual_seed(seed)
-    rope = RotaryPositionalEmbedding(theta, d_k, max_seq_len, device=device)
-    x = random_input((*batch, seq, d_k), dtype, g, device)
+    rope, _, (x,) = rope_and_inputs(case, device)
+    seq = x.shape[-2]
     # cos 0 = 1 and sin 0 = 0 are exact in every format, so x·1 - y·0 is x exactly: bitwise equal.
     assert torch.equal(rope(x, torch.zeros(seq, dtype=torch.long, device=device)), x)
     # Without positions, a one-token input sits at position 0.

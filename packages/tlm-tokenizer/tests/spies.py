@@ -3,31 +3,20 @@
 import concurrent.futures
 from typing import Any
 
-
-class RecordingBar:
-    """A progress bar that draws nothing and remembers how it was made and how far it went."""
-
-    def __init__(self, enabled: bool | None, **kwargs: Any) -> None:
-        self.enabled, self.kwargs, self.n = enabled, kwargs, 0
-
-    def __enter__(self) -> "RecordingBar":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: float = 1) -> None:
-        self.n += n
+from tlm_core.progress import progress_bar
 
 
 def record_bars_and_pools(monkeypatch, module) -> dict[str, list]:
     """Replace ``module.progress_bar`` and concurrent.futures' ProcessPoolExecutor by recorders (the pools
-    still run). Returns ``{"bars": [RecordingBar], "pools": [(max_workers, start method)]}``."""
+    still run). Returns ``{"bars": [bar], "pools": [(max_workers, start method)]}``, each bar tlm-core's bar that draws
+    nothing (it counts ``n``) with the ``enabled`` and ``kwargs`` it was asked for."""
     record: dict[str, list] = {"bars": [], "pools": []}
 
-    def bar(enabled: bool | None = None, **kwargs: Any) -> RecordingBar:
-        record["bars"].append(RecordingBar(enabled, **kwargs))
-        return record["bars"][-1]
+    def bar(enabled: bool | None = None, **kwargs: Any) -> Any:
+        made = progress_bar(False)
+        made.enabled, made.kwargs = enabled, kwargs
+        record["bars"].append(made)
+        return made
 
     class Pool(concurrent.futures.ProcessPoolExecutor):
         def __init__(self, max_workers: int, mp_context: Any = None, **kwargs: Any) -> None:

@@ -312,6 +312,16 @@ def _set(path: str, value: object):
     return change
 
 
+def _split_with(path: str, value: object):
+    """The GPT-2 Split-then-ByteLevel layout with one of its pre-tokenizers' fields changed."""
+
+    def change(document: dict) -> None:
+        document.update(split_then_byte_level(document, HF_GPT2_PATTERN))
+        _set(path, value)(document)
+
+    return change
+
+
 DIFFERENT = [
     (
         "llama3-pattern",
@@ -343,34 +353,22 @@ DIFFERENT = [
     ),
     (
         "split-removed",
-        lambda d: (
-            d.update(split_then_byte_level(d, HF_GPT2_PATTERN)),
-            _set("pre_tokenizer.pretokenizers.0.behavior", "Removed")(d),
-        ),
+        _split_with("pre_tokenizer.pretokenizers.0.behavior", "Removed"),
         "expected the Split pre-tokenizer to isolate its matches",
     ),
     (
         "split-inverted",
-        lambda d: (
-            d.update(split_then_byte_level(d, HF_GPT2_PATTERN)),
-            _set("pre_tokenizer.pretokenizers.0.invert", True)(d),
-        ),
+        _split_with("pre_tokenizer.pretokenizers.0.invert", True),
         "expected the Split pre-tokenizer to isolate its matches",
     ),
     (
         "split-and-regex",
-        lambda d: (
-            d.update(split_then_byte_level(d, HF_GPT2_PATTERN)),
-            _set("pre_tokenizer.pretokenizers.1.use_regex", True)(d),
-        ),
+        _split_with("pre_tokenizer.pretokenizers.1.use_regex", True),
         "expected ByteLevel after Split to have use_regex false, got true",
     ),
     (
         "split-prefix-space",
-        lambda d: (
-            d.update(split_then_byte_level(d, HF_GPT2_PATTERN)),
-            _set("pre_tokenizer.pretokenizers.1.add_prefix_space", True)(d),
-        ),
+        _split_with("pre_tokenizer.pretokenizers.1.add_prefix_space", True),
         "expected add_prefix_space false in the pre-tokenizer",
     ),
     ("decoder", _set("decoder", {"type": "WordPiece"}), "expected a ByteLevel decoder, got a 'WordPiece' one"),

@@ -90,9 +90,6 @@ def test_unavailable_device_raises_torchs_error():
         ({"dataset": np.arange(20.0)}, TypeError, "integer token ids"),
         ({"dataset": np.arange(20).reshape(4, 5)}, ValueError, "1-D"),
         ({"dataset": np.arange(5)}, ValueError, "more than context_length=5"),
-        ({"batch_size": 0}, ValueError, "batch_size"),
-        ({"batch_size": 2.0}, TypeError, "batch_size"),
-        ({"context_length": -1}, ValueError, "context_length"),
         ({"generator": 3}, TypeError, "generator"),
     ],
 )
@@ -100,6 +97,23 @@ def test_bad_input(kwargs, error, match):
     args = {"dataset": np.arange(20), "batch_size": 2, "context_length": 5, "device": "cpu", **kwargs}
     with pytest.raises(error, match=match):
         get_batch(**args)
+
+
+@pytest.mark.parametrize("make", [get_batch, BatchSampler, EvalBatches])
+@pytest.mark.parametrize(
+    ("sizes", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "batch_size must be positive, got 0"),
+        ({"batch_size": 2.0}, TypeError, "batch_size must be an int, got float"),
+        ({"context_length": -1}, ValueError, "context_length must be positive, got -1"),
+        ({"context_length": 5.0}, TypeError, "context_length must be an int, got float"),
+    ],
+)
+def test_bad_sizes_are_refused_when_built(make, sizes, error, match):
+    # Every reader checks its sizes on the call that builds it, not later when len() or iteration divides by them.
+    args = {"batch_size": 2, "context_length": 5, **sizes}
+    with pytest.raises(error, match=match):
+        make(np.arange(20), args["batch_size"], args["context_length"], "cpu")
 
 
 def test_sampler_state_resumes_the_batch_sequence():
@@ -141,19 +155,3 @@ def test_eval_batches_cover_fixed_windows_in_order():
     assert len(EvalBatches(data, 4, 10, max_batches=1)) == 1
     strided = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 64, 10, stride=5)])
     assert torch.equal(strided, torch.arange(0, 93, 5))
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "error", "match"),
-    [
-        ({"batch_size": 0}, ValueError, "batch_size"),
-        ({"batch_size": 2.0}, TypeError, "batch_size"),
-        ({"context_length": 0}, ValueError, "context_length"),
-        ({"context_length": 5.0}, TypeError, "context_length"),
-    ],
-)
-def test_eval_batches_bad_sizes(kwargs, error, match):
-    # Checked when built, as get_batch checks them, not later when len() or iteration divides by them.
-    args = {"dataset": np.arange(20), "batch_size": 2, "context_length": 5, **kwargs}
-    with pytest.raises(error, match=match):
-        EvalBatches(**args)

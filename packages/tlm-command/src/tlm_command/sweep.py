@@ -34,7 +34,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,14 +167,20 @@ def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
     return runs
 
 
+def _parsed(file: Path, loads: Callable[[str], Any], error: type[Exception], what: str) -> Any:
+    """``file``'s UTF-8 text through ``loads``; text that is not UTF-8 or that ``loads`` refuses is one
+    line, ``what: the parser's words``."""
+    try:
+        return loads(file.read_text(encoding="utf-8"))
+    except (error, UnicodeDecodeError) as err:
+        raise UserError(f"{what}: {err}") from None
+
+
 def _read_runs_file(path: str) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"--runs {path}: no such file")
-    try:
-        data = tomllib.loads(file.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"--runs {path} is not valid TOML: {err}") from None
+    data = _parsed(file, tomllib.loads, tomllib.TOMLDecodeError, f"--runs {path} is not valid TOML")
     if unknown := sorted(set(data) - {"base", "runs"}):
         raise UserError(f"--runs {path}: unknown tables {unknown}; expected [base] and [runs.NAME]")
     runs = data.get("runs", {})
@@ -236,10 +242,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     path = folder / MANIFEST
     if not path.is_file():
         raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path} is not a sweep manifest: {err}") from None
+    manifest = _parsed(path, json.loads, json.JSONDecodeError, f"{path} is not a sweep manifest")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise UserError(f"{path} is not a {FORMAT} manifest")
     return manifest

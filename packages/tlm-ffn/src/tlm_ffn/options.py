@@ -22,3 +22,10 @@ def default_d_ff(d_model: int, multiple_of: int = 64, *, kind: str = "swiglu") -
         return 4 * d_model
     # Integer ceil-division avoids float rounding for large d_model.
     return multiple_of * -(-(8 * d_model) // (3 * multiple_of))
+
+
+def checked_d_ff(d_model: int, d_ff: int | None, kind: str) -> int:
+    """The width an FFN of ``kind`` is built with: ``d_ff``, or :func:`default_d_ff` when it is None; both
+    sizes checked (what the FFN constructors share)."""
+    check_positive_int("d_model", d_model)
+    return default_d_ff(d_model, kind=kind) if d_ff is None else check_positive_int("d_ff", d_ff)

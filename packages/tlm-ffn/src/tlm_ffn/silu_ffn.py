@@ -4,8 +4,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tlm_core.checks import check_positive_int
-from tlm_ffn.options import default_d_ff
+from tlm_ffn.options import checked_d_ff
 from tlm_linear import Linear
 
 
@@ -27,10 +26,7 @@ class SiLUFFN(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if d_ff is None:
-            d_ff = default_d_ff(d_model, kind="silu")
-        check_positive_int("d_model", d_model)
-        check_positive_int("d_ff", d_ff)
+        d_ff = checked_d_ff(d_model, d_ff, kind="silu")
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.d_model = d_model

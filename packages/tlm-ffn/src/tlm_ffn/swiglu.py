@@ -6,9 +6,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor, nn
 
-from tlm_core.checks import check_positive_int
 from tlm_core.tensors import check_float_tensor
-from tlm_ffn.options import default_d_ff
+from tlm_ffn.options import checked_d_ff
 from tlm_linear import Linear, register_split_layout
 
 
@@ -71,10 +70,7 @@ class SwiGLU(nn.Module):
         fused: bool = True,
     ) -> None:
         super().__init__()
-        if d_ff is None:
-            d_ff = default_d_ff(d_model)
-        check_positive_int("d_model", d_model)
-        check_positive_int("d_ff", d_ff)
+        d_ff = checked_d_ff(d_model, d_ff, kind="swiglu")
         if fused:
             # Each half keeps the σ² = 2/(d_model + d_ff) that a separate w1 or w3 would have.
             std = math.sqrt(2.0 / (d_model + d_ff))

@@ -53,10 +53,14 @@ def one_line(err: Exception, prefix: str, limit: int = 300) -> Exception:
     return type(err)(f"{prefix}: {text}")
 
 
-def parse_json_object(text: str | bytes, path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``text`` parsed as a JSON object; anything else is a one-line ValueError naming ``path``."""
+def parse_json_object(text: str | bytes, path: str | os.PathLike[str], object_pairs_hook: Any = None) -> dict[str, Any]:
+    """``text`` (bytes: UTF-8) parsed as a JSON object; anything else is a one-line ValueError that starts
+    with ``path`` (a file, or words that name the text). ``object_pairs_hook`` is json.loads'; what it
+    raises passes through."""
     try:
-        data: Any = json.loads(text)
+        data: Any = json.loads(
+            text.decode("utf-8") if isinstance(text, bytes) else text, object_pairs_hook=object_pairs_hook
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     except RecursionError:
@@ -129,18 +133,11 @@ def _read_header(handle: BinaryIO, path: Path) -> dict[str, Any]:
         return dict(pairs)
 
     try:
-        header = json.loads(handle.read(n).decode("utf-8"), object_pairs_hook=count)
+        return parse_json_object(handle.read(n), f"{path} is corrupt: its safetensors header", count)
     except _TooMany:
         raise ValueError(
             f"{path} is not a model tlm can read: its header lists more than {MAX_TENSORS:,} tensors"
         ) from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is corrupt: its safetensors header is not valid JSON ({err})") from None
-    except RecursionError:
-        raise ValueError(f"{path} is corrupt: its safetensors header nests too deeply to be a tensor table") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path} is corrupt: its safetensors header is a {type(header).__name__}, not an object")
-    return header
 
 
 def _name_of(handle: BinaryIO, path: Path) -> str:
