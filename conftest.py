@@ -227,3 +227,198 @@ def host_reads() -> Callable[[], _HostReads]:
     """``with host_reads() as reads: ...``: ``reads`` lists every read of a tensor value back to the host
     (``aten::_local_scalar_dense`` and ``Tensor.item``/``tolist``/``bool``/...) made inside the block."""
     return _HostReads
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes to kill, started by fork from a warm interpreter
+
+
+_FORK_SERVER = r"""
+import ctypes, json, os, signal, sys, traceback
+{imports}
+
+# The parent's death kills this process (and, set again in each fork, the processes below it).
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+
+
+def orphan_dies():
+    if _prctl is not None:
+        _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+orphan_dies()
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the monitors
+for line in sys.stdin:
+    job = json.loads(line)
+    if os.fork():
+        continue
+    # The monitor: forks the job's process, says its pid, waits for it and records how it ended.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    orphan_dies()
+    pid = os.fork()
+    if pid == 0:
+        orphan_dies()
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        os.close(stdin)
+        sys.stdin = open(os.devnull)  # not the server's, which may have read ahead the jobs after this one
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            out = os.open(job[name], os.O_WRONLY)  # made empty by the test
+            os.dup2(out, fd)
+            os.close(out)
+        os.environ.update(job["env"])
+        sys.argv = ["-c", *job["args"]]
+        code = 0
+        try:
+            exec(compile(job["code"], "<string>", "exec"), {{"__name__": "__main__"}})
+        except SystemExit as exit:
+            if exit.code is None or isinstance(exit.code, int):
+                code = exit.code or 0
+            else:
+                print(exit.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.write(1, f"{{pid}}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    with open(job["status"] + ".tmp", "w") as file:
+        file.write(str(os.waitstatus_to_exitcode(status)))
+    os.replace(job["status"] + ".tmp", job["status"])
+    os._exit(0)
+"""
+
+
+class _Output:
+    """A forked process's stdout or stderr, read from the file it writes while it runs."""
+
+    def __init__(self, path: str, process: "Forked") -> None:
+        self._path, self._process, self._at = path, process, 0
+
+    def _text(self) -> str:
+        with open(self._path, encoding="utf-8", errors="replace") as file:
+            return file.read()
+
+    def readline(self) -> str:
+        """The next whole line, once the process wrote it ("" when it ended without one), like a pipe's."""
+        import time
+
+        while True:
+            ended = self._process.poll() is not None  # before reading: what an ended process wrote is all there
+            text = self._text()[self._at :]
+            if "\n" in text or ended:
+                line = text[: text.index("\n") + 1] if "\n" in text else text
+                self._at += len(line)
+                return line
+            time.sleep(0.005)
+
+    def read(self) -> str:
+        """Everything not yet read, once the process has ended."""
+        self._process.wait()
+        text = self._text()[self._at :]
+        self._at += len(text)
+        return text
+
+
+class Forked:
+    """A process forked from a warm interpreter, with the parts of subprocess.Popen's interface the tests use."""
+
+    def __init__(self, server, folder: str, code: str, args: list[str], env: dict[str, str]) -> None:
+        import json
+
+        self._status = os.path.join(folder, "status")
+        job = {"code": code, "args": args, "env": env, "status": self._status}
+        job |= {name: os.path.join(folder, name) for name in ("stdout", "stderr")}
+        for name in ("stdout", "stderr"):
+            open(job[name], "x").close()
+        try:
+            server.stdin.write(json.dumps(job) + "\n")
+            server.stdin.flush()
+            self.pid = int(server.stdout.readline())
+        except (OSError, ValueError):
+            raise RuntimeError(f"the fork server ended (exit status {server.wait()}): see its stderr above") from None
+        self.returncode: int | None = None
+        self.stdout, self.stderr = _Output(job["stdout"], self), _Output(job["stderr"], self)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and os.path.exists(self._status):
+            with open(self._status) as file:
+                self.returncode = int(file.read())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked process {self.pid}", timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.stdout.read(), self.stderr.read()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def fork_server(tmp_path_factory: pytest.TempPathFactory):
+    """``fork_server(imports)`` -> ``start(code, *args, wait=True)``: run ``code`` as ``python -c code *args``
+    would, in a process forked from an interpreter that has already run ``imports`` (one server per
+    ``imports`` in each pytest process). Importing torch takes seconds on a busy machine; a fork takes
+    milliseconds, so a test that kills many processes pays for one interpreter start, not one per process.
+    ``env`` adds to the process's environment. ``wait=True`` returns (returncode, stdout, stderr) once the
+    process ended; ``wait=False`` a ``Forked``,
+    which the test signals, kills and waits for like a ``subprocess.Popen`` (stdout/stderr are always
+    captured: ``.stdout.readline()``, ``.communicate()``). The processes run with one thread
+    (OMP_NUM_THREADS=1) and die with the server, which dies with the test's process."""
+    import subprocess
+    import sys
+    import types
+
+    servers: dict[str, subprocess.Popen] = {}
+
+    def server_for(imports: str) -> "Callable[..., object]":
+        if imports not in servers:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+            servers[imports] = subprocess.Popen([sys.executable, "-c", _FORK_SERVER.format(imports=imports)], env=env,
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+        def start(code: str, *args: str, wait: bool = True, timeout: float = 600, env: dict[str, str] | None = None):
+            import textwrap
+
+            folder = tmp_path_factory.mktemp("forked")
+            process = Forked(servers[imports], str(folder), textwrap.dedent(code), [str(a) for a in args], env or {})
+            if not wait:
+                return process
+            try:
+                out, err = process.communicate(timeout=timeout)
+            finally:
+                process.kill()
+            return types.SimpleNamespace(returncode=process.returncode, stdout=out, stderr=err)
+
+        return start
+
+    yield server_for
+    for server in servers.values():
+        try:
+            server.stdin.close()
+        except OSError:  # it ended already (a failure that a test reported)
+            pass
+        server.wait(timeout=60)

@@ -73,6 +73,37 @@ def tlm():
     return run_command
 
 
+#: What a forked command finds imported: every command's module (build_parser imports them), torch,
+#: torch._dynamo (which torch.optim's first optimizer imports: seconds), and matplotlib as train's loss plot
+#: imports it.
+WARM_IMPORTS = """
+import torch, torch._dynamo
+from tlm_command.main import build_parser
+build_parser()
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+except ImportError:
+    pass
+"""
+
+
+@pytest.fixture
+def tlm_forked(fork_server):
+    """``tlm_forked(*argv)``: what ``tlm(*argv)`` runs (``python -m tlm``'s module), each command in a process
+    of its own, forked from an interpreter that has imported the command already (the root conftest's
+    ``fork_server``): a journey of many commands then pays for one interpreter start. ``python -m tlm``
+    itself, in a new interpreter, is test_main.py's."""
+    start = fork_server(WARM_IMPORTS)
+    code = "import runpy\nrunpy.run_module('tlm', run_name='__main__', alter_sys=True)"
+
+    def run_command(*argv):
+        return start(code, *map(str, argv))
+
+    return run_command
+
+
 @pytest.fixture(scope="session")
 def small_checkpoint(tmp_path_factory):
     """(model, folder) of a small random model saved with tlm-model's save_model_file."""

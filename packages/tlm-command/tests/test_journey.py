@@ -1,4 +1,5 @@
-"""The whole journey as a user types it, each command a subprocess (``python -m tlm``):
+"""The whole journey as a user types it, each command a process of its own (``python -m tlm``'s module, forked
+from a warm interpreter: conftest's ``tlm_forked``):
 
 text -> ``tlm tokenizer train`` -> ``tlm train`` -> ``tlm generate`` -> ``tlm eval`` -> ``tlm convert --to-hf``
 -> transformers' ``AutoTokenizer``, ``AutoModelForCausalLM`` and ``pipeline("text-generation")`` with the same ids,
@@ -16,7 +17,7 @@ from tlm_tokenizer import Tokenizer
 from tlm_train import RunDir
 
 transformers = pytest.importorskip("transformers", reason="the journey ends in HF transformers")
-# Every command a new interpreter (~45 s on 2 cores): in `nox -s tests`, not in the quick tier.
+# Every command a process of its own, training and exporting real models: in `nox -s tests`, not in the quick tier.
 pytestmark = pytest.mark.slow
 
 SMALL = ["--context-length", "32", "--d-model", "32", "--num-layers", "2", "--num-heads", "4", "--d-ff", "64",
@@ -31,7 +32,8 @@ def ok(done):
     return done.stdout
 
 
-def test_from_text_to_hugging_face_and_back(tmp_path, corpus, held_out, tlm, record_error):
+def test_from_text_to_hugging_face_and_back(tmp_path, corpus, held_out, tlm_forked, record_error):
+    tlm = tlm_forked
     tok, run, hf = tmp_path / "tok", tmp_path / "run", tmp_path / "hf"
     ok(tlm("tokenizer", "train", "--input", corpus, "--vocab-size", 400, "--special-token", "<|endoftext|>",
            "--out", tok, "--quiet"))  # fmt: skip
@@ -60,7 +62,8 @@ def test_from_text_to_hugging_face_and_back(tmp_path, corpus, held_out, tlm, rec
     assert out + "\n" == greedy
 
 
-def test_an_hf_llama_folder_fine_tuned_and_exported_back(tmp_path, corpus, tlm, record_error):
+def test_an_hf_llama_folder_fine_tuned_and_exported_back(tmp_path, corpus, tlm_forked, record_error):
+    tlm = tlm_forked
     tok, source, run, back = tmp_path / "tok", tmp_path / "source", tmp_path / "run", tmp_path / "back"
     ok(tlm("tokenizer", "train", "--input", corpus, "--vocab-size", 300, "--special-token", "<|endoftext|>",
            "--out", tok, "--quiet"))  # fmt: skip

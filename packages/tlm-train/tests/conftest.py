@@ -1,4 +1,5 @@
-"""Fixtures for tlm-train's tests: a small token file, fast training settings, and folder snapshots."""
+"""Fixtures for tlm-train's tests: a small token file, fast training settings, folder snapshots, and processes
+(fresh interpreters, or forks of a warm one) to kill."""
 
 import hashlib
 import os
@@ -67,3 +68,24 @@ def python():
         return subprocess.Popen(command, env=env, **kwargs)
 
     return start
+
+
+#: What a forked process finds imported: torch, tlm-train, torch._dynamo (which torch.optim's first optimizer
+#: imports: seconds), and matplotlib as train's loss plot imports it.
+WARM_IMPORTS = """
+import torch, torch._dynamo, tlm_model, tlm_optim, tlm_train
+try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot
+except ImportError:
+    pass
+"""
+
+
+@pytest.fixture
+def forked(fork_server):
+    """``forked(code, *args, wait=True)``: like ``python``, but the process is forked from an interpreter that
+    has imported torch and tlm-train already (the root conftest's ``fork_server``): a killed or resumed run
+    then costs a fork, not an interpreter start. Its stdout and stderr are always captured."""
+    return fork_server(WARM_IMPORTS)

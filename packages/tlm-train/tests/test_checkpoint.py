@@ -521,8 +521,8 @@ def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
     assert manager.remove_after(1) == [2, 3] and manager.all_steps() == [1]
 
 
-@pytest.mark.slow  # real processes killed mid-save, ~20 s
-def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, python):
+@pytest.mark.slow  # real processes killed mid-save
+def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, forked):
     import random
     import signal
     import time
@@ -549,7 +549,7 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
     """
     rng, done = random.Random(7), 0
     for _ in range(4):
-        child = python(code, str(tmp_path), str(done), wait=False, stdout=__import__("subprocess").PIPE, text=True)
+        child = forked(code, str(tmp_path), str(done), wait=False)
         try:
             done = int(child.stdout.readline())
             time.sleep(rng.uniform(0.0, 0.5))

@@ -5,10 +5,7 @@ under DDP and FSDP2, exactly as tlm train wraps it), and the activations autogra
 
 import dataclasses
 import json
-import os
 import socket
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -121,26 +118,16 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # two gloo processes, every config in one launch (each process start imports torch)
-def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(tmp_path) -> None:
+@pytest.mark.slow  # two gloo processes (forked from a warm interpreter), every config in one launch
+def test_two_ranks_ddp_and_fsdp2_match_measured_bytes(forked) -> None:
     configs = CONFIGS + [dataclasses.replace(CONFIGS[0], **variant) for variant in VARIANTS if variant]
-    script = tmp_path / "measure.py"
-    script.write_text(_SCRIPT)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    base = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    base |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), json.dumps([config.to_dict() for config in configs])],
-            env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    argv = json.dumps([config.to_dict() for config in configs])
+    ranks = [{**base, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(2)]
+    procs = [forked(_SCRIPT, argv, wait=False, env=env) for env in ranks]
     results = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=300)

@@ -5,7 +5,6 @@ resumed step on or refused before anything is written; damaged checkpoints never
 import json
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -69,7 +68,7 @@ def _assert_same_run(run: Path, reference: Path) -> None:
     assert [m for m in _metrics(run) if "event" not in m] == _metrics(reference)
 
 
-def _wait_for_step(process: subprocess.Popen, metrics: Path, step: int) -> None:
+def _wait_for_step(process, metrics: Path, step: int) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         if metrics.exists():
@@ -82,26 +81,26 @@ def _wait_for_step(process: subprocess.Popen, metrics: Path, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_at_a_random_step_then_resume_is_bit_identical(data, reference, tmp_path, python) -> None:
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(data, reference, tmp_path, forked) -> None:
     kill_at = random.Random(12).randint(4, STEPS - 4)
     out = tmp_path / "run"
-    process = python(TRAIN, json.dumps(_settings(data, out)), "fresh", wait=False)
+    process = forked(TRAIN, json.dumps(_settings(data, out)), "fresh", wait=False)
     try:
         _wait_for_step(process, out / "metrics.jsonl", kill_at)
         process.send_signal(signal.SIGKILL)
     finally:
         process.wait(timeout=60)
     assert process.returncode == -signal.SIGKILL
-    done = python(TRAIN, json.dumps(_settings(data, out)), "resume")
+    done = forked(TRAIN, json.dumps(_settings(data, out)), "resume")  # a process that never saw the run
     assert done.returncode == 0, done.stderr[-2000:]
     _assert_same_run(out, reference)
     assert all(not name.startswith(".") or name == ".lock" for name in __import__("os").listdir(out / "checkpoints"))
 
 
 @pytest.mark.slow
-def test_ctrl_c_checkpoints_and_exits_cleanly_then_resumes_exactly(data, reference, tmp_path, python) -> None:
+def test_ctrl_c_checkpoints_and_exits_cleanly_then_resumes_exactly(data, reference, tmp_path, forked) -> None:
     out = tmp_path / "run"
-    process = python(TRAIN, json.dumps(_settings(data, out)), "fresh", wait=False, stderr=subprocess.PIPE, text=True)
+    process = forked(TRAIN, json.dumps(_settings(data, out)), "fresh", wait=False)
     try:
         _wait_for_step(process, out / "metrics.jsonl", 5)
         process.send_signal(signal.SIGINT)
@@ -205,13 +204,13 @@ def test_resume_from_a_chosen_step_abandons_the_later_ones(data, reference, tmp_
     _assert_same_run(out, reference)
 
 
-@pytest.mark.slow  # a child process that imports torch to hold the lock: ~12 s on 2 cores
-def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not_stale(data, tmp_path, python):
+@pytest.mark.slow  # a child process to hold the lock
+def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_not_stale(data, tmp_path, forked):
     out = tmp_path / "run"
-    holder = python(
+    holder = forked(
         "import sys, time\nfrom tlm_train import RunDir\nwith RunDir(sys.argv[1]).lock() as lock:\n"
         "    lock.record(); print('held', flush=True); time.sleep(60)",
-        str(out), wait=False, stdout=subprocess.PIPE, text=True,
+        str(out), wait=False,
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
