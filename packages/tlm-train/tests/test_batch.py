@@ -157,3 +157,10 @@ def test_eval_batches_bad_sizes(kwargs, error, match):
     args = {"dataset": np.arange(20), "batch_size": 2, "context_length": 5, **kwargs}
     with pytest.raises(error, match=match):
         EvalBatches(**args)
+
+
+def test_sampler_seeds_start_at_zero():
+    # torch's Generator.manual_seed takes -1 (as 2**64 - 1): the sampler's own check is what refuses it.
+    BatchSampler(np.arange(100), 2, 4, seed=0)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        BatchSampler(np.arange(100), 2, 4, seed=-1)
