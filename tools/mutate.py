@@ -381,7 +381,8 @@ def _preload() -> None:
 
 
 def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float, log: str = os.devnull) -> tuple[str, float]:
-    """pytest in a forked child of this (warm) process, with the sandbox first on sys.path; output to ``log``."""
+    """pytest in a forked child of this (warm) process, with the sandbox first on sys.path and on ``PYTHONPATH`` (for
+    the tests' subprocesses); output to ``log``."""
     start = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child: never returns
@@ -392,6 +393,9 @@ def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float, log: s
             os.dup2(output, 2)
             os.chdir(ROOT)
             sys.path.insert(0, sandbox_root)
+            # A test's own subprocesses (a killed writer, the command line, torchrun) import the mutant too.
+            os.environ["PYTHONPATH"] = os.pathsep.join([sandbox_root, *filter(None, [os.environ.get("PYTHONPATH")])])
+            os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
             import pytest
 
             code = int(pytest.main([*PYTEST[2:], *tests]))

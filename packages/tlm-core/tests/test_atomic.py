@@ -1,5 +1,6 @@
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -252,3 +253,142 @@ def test_is_current_until_the_folder_is_replaced_or_removed(tmp_path):
         assert not is_current(fd, tmp_path / "gone")
     finally:
         os.close(fd)
+
+
+def _record_fsyncs(monkeypatch, target: Path) -> list[tuple[tuple[int, int], bool, bytes | None]]:
+    """Every ``os.fsync`` as (the synced file's (st_dev, st_ino), whether it is a folder, what ``target``
+    held at that moment: its bytes for a file, its entries' names joined for a folder)."""
+    synced: list[tuple[tuple[int, int], bool, bytes | None]] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        if not target.exists():
+            now = None
+        elif target.is_dir():
+            now = b",".join(sorted(name.encode() for name in os.listdir(target)))
+        else:
+            now = target.read_bytes()
+        synced.append(((st.st_dev, st.st_ino), stat.S_ISDIR(st.st_mode), now))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def _key(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    target = tmp_path / "t"
+    target.write_bytes(b"old")
+    synced = _record_fsyncs(monkeypatch, target)
+    atomic_write(target, b"new")
+    # The new file's inode is synced while the target still holds the old bytes (before os.replace);
+    # the folder is synced once the target holds the new ones (the rename made durable).
+    assert (_key(target), False, b"old") in synced
+    assert (_key(tmp_path), True, b"new") in synced
+    assert synced.index((_key(target), False, b"old")) < synced.index((_key(tmp_path), True, b"new"))
+
+
+def test_replace_dir_fsyncs_every_file_and_folder_before_the_swap_and_the_parent_after(tmp_path, monkeypatch):
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+    synced = _record_fsyncs(monkeypatch, target)
+
+    def fill(folder: Path) -> None:
+        (folder / "sub").mkdir()
+        (folder / "sub" / "x").write_bytes(b"2")
+        (folder / "y").write_bytes(b"2")
+
+    replace_dir(target, fill)
+    before_swap = b"a,b,c"  # what the target lists until the new folder is in place
+    for path in (target / "sub" / "x", target / "y", target / "sub", target):
+        assert (_key(path), path.is_dir(), before_swap) in synced, path
+    assert (_key(tmp_path), True, b"sub,y") in synced  # the parent, after the new folder is in place
+
+
+def test_a_failed_second_rename_puts_the_old_folder_back(tmp_path, monkeypatch):
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)  # the two-rename path
+    real = os.rename
+
+    def rename(src, dst):
+        if Path(src).name.endswith(".tmp") and Path(dst) == target:
+            raise OSError(28, "No space left on device")  # the new folder cannot be moved in
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(OSError, match="No space left"):
+        replace_dir(target, _version(2))
+    assert read_dir_files(target, ["a", "b", "c"]) == {name: b"1\n" * 1000 for name in "abc"}
+    assert os.listdir(tmp_path) == ["d"]  # neither the moved-aside old folder nor the new one is left
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in Linux's /proc/self/fd")
+def test_no_descriptor_is_left_open_by_writes_reads_or_failures(tmp_path):
+    def fail(_):
+        raise RuntimeError("fail")
+
+    replace_dir(tmp_path / "d", _version(1))
+    before = _open_fds()
+    atomic_write(tmp_path / "f", b"x")
+    with pytest.raises(RuntimeError):
+        atomic_write(tmp_path / "f", fail)
+    replace_dir(tmp_path / "d", _version(2))
+    with pytest.raises(RuntimeError):
+        replace_dir(tmp_path / "d", fail)
+    read_dir_files(tmp_path / "d", ["a"], optional=["nope"])
+    with pytest.raises(FileNotFoundError):
+        read_dir_files(tmp_path / "d", ["nope"])
+    atomic.fsync_dir(tmp_path)
+    atomic.fsync_dir(tmp_path / "missing")
+    assert _open_fds() == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux's")
+def test_replace_dir_swaps_a_relative_path_in_one_step(tmp_path, monkeypatch):
+    # renameat2 resolves a relative path against its folder descriptor, which must be AT_FDCWD (-100 in
+    # Linux's fcntl.h) for the current folder; an absolute path ignores the descriptor.
+    monkeypatch.chdir(tmp_path)
+    replace_dir("d", _version(1))
+    (tmp_path / "d" / "stale").write_text("old")
+    swaps: list[bool] = []
+    real = atomic._exchange
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: swaps.append(real(a, b)) or swaps[-1])
+    replace_dir("d", _version(2))
+    assert swaps == [True]  # one renameat2 swap, not the two-rename fallback
+    assert read_dir_files("d", ["a", "b", "c"]) == {name: b"2\n" * 1000 for name in "abc"}
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+def test_replace_dir_creates_the_missing_parent_folders(tmp_path):
+    target = tmp_path / "runs" / "2026" / "d"
+    assert replace_dir(target, _version(1)) == target
+    assert read_dir_files(target, ["a"]) == {"a": b"1\n" * 1000}
+
+
+def test_a_missing_file_is_reported_on_a_file_system_that_counts_one_link_per_folder(tmp_path, monkeypatch):
+    # btrfs reports st_nlink == 1 for every folder (ext4 counts 2 + subfolders); a folder unlinked under a
+    # reader has 0. A live folder with one link is current, so the missing file is missing, not a retired folder.
+    replace_dir(tmp_path / "d", _version(1))
+    real = os.stat
+
+    def stat_one_link(path, *args, **kwargs):
+        st = real(path, *args, **kwargs)
+        if not isinstance(path, int):
+            return st
+        fields = list(st)
+        fields[stat.ST_NLINK] = 1
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "stat", stat_one_link)
+    with pytest.raises(FileNotFoundError, match="missing from the folder"):
+        read_dir_files(tmp_path / "d", ["nope"])

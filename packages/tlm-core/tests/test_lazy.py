@@ -44,3 +44,11 @@ def test_a_function_named_like_its_submodule_stays_the_function_after_the_submod
 
     assert callable(run) and run() == "ran"
     assert sys.modules["lazypkg.run"].run is run
+
+
+def test_a_loaded_name_is_kept_on_the_package_and_not_looked_up_again(package, monkeypatch):
+    lazypkg = importlib.import_module(package)
+    thing = lazypkg.Thing
+    assert vars(lazypkg)["Thing"] is thing  # bound on the module: Python finds it without __getattr__
+    monkeypatch.setattr(importlib, "import_module", lambda name: pytest.fail(f"imported {name} again"))
+    assert lazypkg.Thing is thing

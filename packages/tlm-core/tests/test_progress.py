@@ -7,7 +7,8 @@ from tlm_core.progress import progress_bar
 
 def test_disabled_bar_accepts_every_call_and_draws_nothing(capsys):
     with progress_bar(False, total=10) as bar:
-        bar.update(3)
+        bar.update(2)
+        bar.update()  # tqdm's default step is 1
         bar.set_postfix(loss="1.0")
         bar.set_description("x")
     bar.close()

@@ -57,6 +57,8 @@ def test_dtype_names():
 
 def test_device_names():
     assert device_from_name("cpu") == torch.device("cpu")
+    # An index on a CPU is torch's to accept (torch.zeros(1, device="cpu:0") works); only CUDA indices are counted.
+    assert device_from_name("cpu:0") == torch.device("cpu", 0) and torch.zeros(1, device="cpu:0").device.type == "cpu"
     with pytest.raises(ValueError, match="--device must be a torch device such as cpu, cuda or cuda:1, got 'quantum'"):
         device_from_name("quantum")
     with pytest.raises(ValueError, match="--out-device must be a torch device"):

@@ -155,3 +155,10 @@ def test_eval_batches_cover_fixed_windows_in_order():
     assert len(EvalBatches(data, 4, 10, max_batches=1)) == 1
     strided = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 64, 10, stride=5)])
     assert torch.equal(strided, torch.arange(0, 93, 5))
+
+
+def test_sampler_seeds_start_at_zero():
+    # torch's Generator.manual_seed takes -1 (as 2**64 - 1): the sampler's own check is what refuses it.
+    BatchSampler(np.arange(100), 2, 4, seed=0)
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        BatchSampler(np.arange(100), 2, 4, seed=-1)

@@ -155,3 +155,53 @@ def test_the_settings_import_without_torch_and_a_bad_one_is_refused_before_torch
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines() == ["TrainConfig.lr must be a finite number > 0, got -1.0", "False"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"lr": 2.0, "weight_decay": 0.499},  # lr × weight_decay just below 1: each step keeps 0.2% of a weight
+        {"lr": 0.5, "weight_decay": 0.0},
+        {"lr": 0.01, "min_lr": 0.01},  # min_lr may equal lr: [0, lr] is closed
+        {"lr": 0.01, "min_lr": 0.0},
+        {"beta1": 0.0, "beta2": 0.999999},  # [0, 1)
+        {"grad_clip": 0.0, "sample_temperature": 0.0, "warmup_steps": 0, "seed": 0},
+        {"val_fraction": 1e-9},
+        {"val_fraction": 1 - 1e-9},
+        {"steps": 1, "max_tokens": 1},
+    ],
+)
+def test_each_range_admits_its_closed_bounds_and_just_inside_its_open_ones(settings) -> None:
+    config = TrainConfig(**settings)
+    assert all(getattr(config, name) == value for name, value in settings.items())
+
+
+@pytest.mark.parametrize(
+    ("lr", "weight_decay"),
+    [(2.0, 0.5), (1.0, 1.0), (0.25, 4.0)],  # exactly 1: every weight is multiplied by 1 - 1 = 0
+)
+def test_a_decay_that_zeroes_the_weights_in_one_step_is_refused(lr, weight_decay) -> None:
+    assert lr * weight_decay == 1.0
+    with pytest.raises(ValueError, match="lr × weight_decay must be < 1"):
+        TrainConfig(lr=lr, weight_decay=weight_decay)
+
+
+def test_on_python_3_10_the_settings_read_toml_with_tomli(tmp_path) -> None:
+    # Python 3.10 has no tomllib; the package then depends on tomli (its pyproject), the same parser under its
+    # first name. A 3.10 interpreter is stood in for: version_info says 3.10, tomllib cannot be imported, and
+    # "tomli" is the standard library's tomllib.
+    import subprocess
+    import sys
+
+    path = tmp_path / "train.toml"
+    path.write_text(TrainConfig(steps=7).to_toml())
+    code = (
+        "import sys, tomllib\n"
+        "sys.version_info = (3, 10, 14, 'final', 0)\n"
+        "sys.modules['tomli'], sys.modules['tomllib'] = tomllib, None\n"
+        "from tlm_train.config import TrainConfig\n"
+        "print(TrainConfig.from_toml(sys.argv[1]).steps)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "7"

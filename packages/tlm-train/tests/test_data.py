@@ -76,3 +76,15 @@ def test_a_token_file_changed_in_place_is_refused_on_resume(tmp_path, make_confi
     with pytest.raises(ValueError, match=rf"^--data {tokens} changed since the run started \({len(original)} bytes"):
         train(make_config(steps=3), resume=True)
     assert snapshot(run) == before
+
+
+@pytest.mark.parametrize("is_main", [True, False], ids=["main rank", "other rank"])
+def test_only_the_main_rank_writes_the_given_tokenizer_into_the_run(tmp_path, tokens, is_main) -> None:
+    # The docstring: the main rank writes into the run folder; the others read what it wrote.
+    from tlm_tokenizer import Tokenizer
+
+    tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [])
+    run = RunDir(tmp_path / "run")
+    data = prepare_data(TrainConfig(data=[str(tokens)]), run, tokenizer=tokenizer, is_main=is_main)
+    assert data.tokenizer is tokenizer and data.vocab_size == 256
+    assert run.has_tokenizer() == is_main

@@ -83,3 +83,33 @@ def test_refuses_empty_and_non_module():
         evaluate(_model(), [])
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         evaluate("model", [])
+
+
+class _RecordsItsMode(torch.nn.Module):
+    """A loss module (with a child, as a model has) that records ``training`` at each forward, or fails."""
+
+    def __init__(self, fail=False):
+        super().__init__()
+        self.child = torch.nn.Linear(1, 1)
+        self.seen: list[tuple[bool, bool]] = []
+        self.fail = fail
+
+    def forward(self, inputs, targets):
+        self.seen.append((self.training, self.child.training))
+        if self.fail:
+            raise RuntimeError("out of memory")
+        return torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("fail", [False, True], ids=["returns", "raises"])
+def test_runs_in_eval_mode_and_puts_back_the_mode_it_found(training, fail):
+    module = _RecordsItsMode(fail).train(training)
+    tokens = torch.zeros(1, 3, dtype=torch.long)
+    if fail:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            evaluate(module, [(tokens, tokens)] * 2)
+    else:
+        evaluate(module, [(tokens, tokens)] * 2)
+    assert module.seen == [(False, False)] * (1 if fail else 2)  # every forward in eval mode, children too
+    assert (module.training, module.child.training) == (training, training)

@@ -46,3 +46,16 @@ def test_seed_everything_seeds_torch_numpy_and_python():
     assert got == _draws()
     seed_everything(1235)
     assert [a != b for a, b in zip(_draws(), got, strict=True)] == [True] * 4
+
+
+@pytest.mark.parametrize("state", [["torch", "numpy", "python"], "torch numpy python", 3])
+def test_a_state_that_is_not_a_dict_is_refused_naming_its_type(state):
+    with pytest.raises(ValueError, match=rf"state must be a dict from rng_state\(\) .*got {type(state).__name__}$"):
+        set_rng_state(state)
+
+
+def test_the_cuda_states_are_every_cuda_devices_and_only_where_cuda_is():
+    state = rng_state()
+    assert ("cuda" in state) == torch.cuda.is_available()
+    if torch.cuda.is_available():
+        assert all(map(torch.equal, state["cuda"], torch.cuda.get_rng_state_all()))

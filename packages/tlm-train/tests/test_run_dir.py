@@ -1,8 +1,12 @@
 """RunDir: the paths of a run folder, its train.toml, and the lock (a held lock refuses, a released one does not)."""
 
+import os
+import stat
+
 import pytest
 
 from tlm_train import RunDir, RunInUseError, TrainConfig
+from tlm_train.run_dir import RunLock
 
 
 def test_a_run_folder_is_one_with_train_toml_or_checkpoints(tmp_path) -> None:
@@ -67,3 +71,32 @@ def test_an_out_dir_overlapping_an_input_is_refused_through_symlinks(tmp_path, m
         check_apart(out, {"--tokenizer": [], "--init-from": ["inputs/model"]})
     check_apart("inputs/model2", {"--init-from": ["inputs/model"]})  # a sibling whose name extends it is apart
     check_apart("runs/a", {"--data": ["inputs/model", "runs/ab.npy"]})
+
+
+def _umask() -> int:
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_the_lock_file_is_created_with_open_s_default_mode(tmp_path) -> None:
+    # Like open(): 0o666 less the umask, and no execute bit (stat's modes, which root does not bypass).
+    with RunDir(tmp_path / "run").lock() as held:
+        held.record()
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / ".lock").st_mode) == 0o666 & ~_umask()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in Linux's /proc/self/fd")
+def test_the_lock_leaves_no_descriptor_open_once_released_or_refused(tmp_path) -> None:
+    run = RunDir(tmp_path / "run")
+    os.mkfifo(tmp_path / "fifo")  # opens read-write without blocking on Linux, and is no regular file
+    before = len(os.listdir("/proc/self/fd"))
+    with run.lock() as held:
+        held.record()
+        assert len(os.listdir("/proc/self/fd")) == before + 1  # the one descriptor that holds the flock
+        with pytest.raises(RunInUseError):
+            with run.lock():
+                pass
+    with pytest.raises(ValueError, match="is not a regular file"):
+        RunLock(tmp_path / "fifo")
+    assert len(os.listdir("/proc/self/fd")) == before

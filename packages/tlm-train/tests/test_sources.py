@@ -86,3 +86,10 @@ def test_zst_without_zstandard_is_a_one_line_error(files, monkeypatch):
     monkeypatch.setitem(sys.modules, "zstandard", None)  # import zstandard now raises ImportError
     with pytest.raises(ValueError, match=r"reading \.zst needs the zstandard package: pip install 'tlm-train\[zstd\]'"):
         next(documents(files["zst"]))
+
+
+def test_write_corpus_writes_the_extra_texts_after_the_documents(tmp_path, files):
+    out = tmp_path / "out.txt"
+    with out.open("wb") as sink:
+        assert write_corpus([files["jsonl"]], sink, separator="|", extra=["more", "the end"]) == 6
+    assert out.read_text(encoding="utf-8") == "|".join([*DOCS, "more", "the end"])
