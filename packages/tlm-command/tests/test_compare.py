@@ -83,3 +83,8 @@ def test_the_plot_draws_each_runs_curves_by_step_and_by_time_and_marks_the_diver
     assert (cross.get_marker(), cross.get_color()) == ("x", "red")
     assert (cross.get_xdata().tolist(), cross.get_ydata().tolist()) == ([2], [3.5])
     assert [text.get_text() for text in by_step.get_legend().get_texts()] == ["a", "b"]
+    # Both panels plot the validation loss, one against the step and one against the wall-clock time.
+    assert [(ax.get_xlabel(), ax.get_ylabel()) for ax in (by_step, by_time)] == [
+        ("step", "validation loss (nats/token)"),
+        ("wall-clock time (s)", "validation loss (nats/token)"),
+    ]
