@@ -392,6 +392,11 @@ def run_tests_forked(sandbox_root: str, tests: list[str], timeout: float, log: s
             os.dup2(output, 2)
             os.chdir(ROOT)
             sys.path.insert(0, sandbox_root)
+            # Interpreters the tests start (a server, `python -c`, torchrun's workers) import the sandbox too.
+            os.environ["PYTHONPATH"] = os.pathsep.join([sandbox_root, os.environ.get("PYTHONPATH", "")]).rstrip(
+                os.pathsep
+            )
+            os.environ["PYTHONDONTWRITEBYTECODE"] = "1"
             import pytest
 
             code = int(pytest.main([*PYTEST[2:], *tests]))
