@@ -84,6 +84,12 @@ def test_a_run_exports_with_its_tokenizer_and_an_end_of_text_eos(run, tmp_path, 
     auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert auto("Hello, world")["input_ids"] == tokenizer.encode("Hello, world")
     assert auto.eos_token == "<|endoftext|>"
+    # And back: the HF folder's tokenizer becomes the tlm model folder's own, OUT/tokenizer.
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tlm"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokenizer"] is True
+    from tlm_tokenizer import Tokenizer
+
+    assert Tokenizer.load(tmp_path / "tlm" / "tokenizer").encode("Hello, world") == tokenizer.encode("Hello, world")
 
 
 @pytest.mark.parametrize("where", ["same", "inside", "around"])
@@ -96,6 +102,19 @@ def test_an_output_equal_to_or_around_the_input_is_refused_and_the_input_survive
     before = sorted(p.relative_to(copy) for p in copy.rglob("*"))
     fails(["convert", "--to-hf", str(copy), "--out", str(out)], "would overwrite the input")
     assert sorted(p.relative_to(copy) for p in copy.rglob("*")) == before
+
+
+@pytest.mark.parametrize("where", ["same", "inside"])
+def test_an_output_over_the_tokenizer_given_is_refused_and_the_tokenizer_survives(run, tmp_path, fails, where):
+    import shutil
+
+    tokenizer = tmp_path / "tok"
+    shutil.copytree(run / "tokenizer", tokenizer)
+    out = {"same": tokenizer, "inside": tokenizer / "hf"}[where]
+    before = {p: p.read_bytes() for p in tokenizer.rglob("*") if p.is_file()}
+    fails(["convert", "--to-hf", str(run), "--tokenizer", str(tokenizer), "--out", str(out)],
+          f"--out {out} would overwrite the input {tokenizer}")  # fmt: skip
+    assert {p: p.read_bytes() for p in tokenizer.rglob("*") if p.is_file()} == before
 
 
 def test_from_hf_writes_a_model_folder_every_command_reads(tmp_path, capsys):

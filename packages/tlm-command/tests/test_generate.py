@@ -67,12 +67,20 @@ def test_text_is_printed_as_it_is_generated_and_multibyte_characters_print_whole
 def test_stop_text_ends_generation_and_is_not_printed(run, capsys):
     tokenizer, model = RunDir(run).tokenizer(), load_model_file(RunDir(run).checkpoints().path(24)).eval()
     ids = tokenizer.encode("The ")
-    full = tokenizer.decode(library(model, ids, 30))
-    stop = full[5:8]  # a stop text from the middle of what greedy decoding writes (it may span tokens)
-    assert stop and stop in full
-    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "30", "--temperature", "0"]
-    assert main([*argv, "--stop", stop, "--stop", "never-appears"]) == 0
-    assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
+    # Sampled, not greedy: this briefly trained model's greedy text is all spaces. The library's tokens for the seed.
+    new = generate(model, torch.tensor(ids), 30, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    new = new[len(ids) :].tolist()
+    full = tokenizer.decode(new)
+    # A stop text split across two tokens (the last character of one, the first of the next) at its first occurrence,
+    # past the first few characters: no part of it may be printed before the second token arrives.
+    prefixes = [tokenizer.decode(new[:i]) for i in range(1, len(new) - 1)]
+    ends = [len(text) for text in prefixes if full.startswith(text) and len(text) >= 5]  # one token's end
+    stop = next((full[e - 1 : e + 1] for e in ends if full.find(full[e - 1 : e + 1]) == e - 1), None)
+    assert stop is not None
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "The ", "--max-new-tokens", "30", "--seed", "3"]
+    for stops in (["--stop", stop], ["--stop", stop, "--stop", "never-appears"]):  # held back 1 character, then 12
+        assert main([*argv, *stops]) == 0
+        assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
 
 
 def test_end_of_text_stops_by_default_and_eos_id_takes_the_special_token(run, capsys, monkeypatch):
@@ -117,6 +125,11 @@ def test_a_prompt_longer_than_the_context_is_reported_in_one_line_unless_quiet(s
         "(the window keeps room for new tokens)\n"
     )
     assert main([*argv, "--quiet"]) == 0 and capsys.readouterr().err == ""
+    exact = prompt[:16]  # exactly the context long: nothing is dropped, nothing is said
+    argv[argv.index("--prompt-ids") + 1] = " ".join(map(str, exact))
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["ids"] == library(model, exact, 3) and captured.err == ""
 
 
 def test_device_and_dtype(small_checkpoint, capsys):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,3 +177,32 @@ def test_resume_needs_a_sweep_and_a_new_sweep_an_empty_folder(tmp_path, fails) -
     (tmp_path / "notes.txt").write_text("mine")
     fails(["sweep", "--out-dir", str(tmp_path), "--grid", "lr=1e-3"], "exists and is not an empty folder")
     fails(["sweep", "--resume", str(tmp_path), "--grid", "lr=1e-3"], "--resume continues a sweep as planned")
+
+
+# A --jobs worker's link to its sweep (_die_with_parent), in fresh interpreters (no torch): it lives while the
+# sweep does, and the kernel kills it once the sweep is gone (Linux's parent-death signal).
+_WORKER = "from tlm_command.sweep import _die_with_parent; import time; _die_with_parent(); print('armed', flush=True)"
+_SWEEP = f"""import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", {_WORKER + "; time.sleep(60)"!r}], stdout=subprocess.PIPE, text=True)
+print(worker.pid, worker.stdout.readline().strip(), flush=True)
+"""  # the sweep exits at once, leaving its worker behind
+
+
+def test_a_worker_lives_while_its_sweep_does_and_dies_with_it():
+    alone = subprocess.run([sys.executable, "-c", _WORKER], capture_output=True, text=True, timeout=60)
+    assert (alone.returncode, alone.stdout) == (0, "armed\n"), alone.stderr
+    if not sys.platform.startswith("linux"):
+        return  # the parent-death signal is Linux's
+    sweep = subprocess.run([sys.executable, "-c", _SWEEP], capture_output=True, text=True, timeout=60)
+    pid, state = sweep.stdout.split()
+    assert state == "armed"
+    stat = Path(f"/proc/{pid}/stat")
+    for _ in range(200):  # the kernel sends SIGKILL when the sweep exits; the worker is gone within moments
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":  # killed, not yet reaped by its new parent
+                return
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        time.sleep(0.05)
+    os.kill(int(pid), signal.SIGKILL)
+    raise AssertionError("the worker outlived its sweep")

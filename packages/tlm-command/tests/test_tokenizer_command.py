@@ -28,7 +28,12 @@ def test_train_then_encode_in_process(text, tmp_path, capsys):
     ids_path = tmp_path / "ids.bin"
     assert main(["tokenizer", "encode", "--tokenizer", str(out), "--input", str(text), "--out", str(ids_path)]) == 0
     assert "as raw little-endian uint16" in capsys.readouterr().out
-    assert np.fromfile(ids_path, dtype="<u2").tolist() == tokenizer.encode(text.read_text(encoding="utf-8"))
+    expected = tokenizer.encode(text.read_text(encoding="utf-8"))
+    assert np.fromfile(ids_path, dtype="<u2").tolist() == expected
+    again = tmp_path / "again.bin"
+    argv = ["tokenizer", "encode", "--tokenizer", str(out), "--input", str(text), "--out", str(again), "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == {"out": str(again), "tokens": len(expected), "dtype": "uint16"}
 
 
 @pytest.mark.slow  # a new interpreter importing torch

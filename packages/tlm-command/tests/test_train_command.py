@@ -94,17 +94,29 @@ def test_an_out_dir_that_is_its_own_input_is_refused_in_one_line(tmp_path, small
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
 
 
-def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untouched(tmp_path, tokens, fails):
+def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untouched(
+    tmp_path, tokens, fails, monkeypatch
+):
     out = tmp_path / "run"
     assert main(["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]) == 0
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     fails(["train", "--resume", str(out), "--d-model", "64", "--quiet"], "--d-model 64 differs from the run's 32")
     fails(["train", "--resume", str(out), "--config", "x.toml"], "--config does not apply")
-    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
-    # A change the run can honour: four more steps with another floor; train.toml records it.
-    assert main(["train", "--resume", str(out), "--steps", "4", "--min-lr", "1e-4", "--quiet"]) == 0
+    other = tmp_path / "other"
+    fails(["train", "--resume", str(out), "--out-dir", str(other), "--quiet"],
+          f"--out-dir {other} differs from the run being resumed ({out})")  # fmt: skip
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before and not other.exists()
+    # A change the run can honour: four more steps with another floor; train.toml records it. Naming the run's own
+    # folder as --out-dir (here by a relative path) is no conflict.
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", str(out), "--out-dir", "run", "--steps", "4", "--min-lr", "1e-4", "--quiet"]) == 0
     saved = TrainConfig.from_toml(out / "train.toml")
     assert (saved.steps, saved.min_lr) == (4, 1e-4) and RunDir(out).checkpoints().steps()[-1] == 4
+    # A run moved elsewhere resumes where it now is, not where its train.toml first said.
+    moved = out.rename(tmp_path / "moved")
+    assert main(["train", "--resume", str(moved), "--steps", "5", "--quiet"]) == 0
+    assert not out.exists() and RunDir(moved).checkpoints().steps()[-1] == 5
+    assert TrainConfig.from_toml(moved / "train.toml").out_dir == str(moved)
 
 
 def test_resume_from_a_step_folder(tmp_path, tokens):

@@ -5,7 +5,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from tlm_model import PRESETS, ModelConfig, TransformerLM
-from tlm_model.accounting import COMPONENTS, account, count_parameters
+from tlm_model.accounting import COMPONENTS, account, compare_text, count_parameters, human
 
 
 def closed_form_forward_flops(cfg: ModelConfig, batch: int, seq: int) -> int:
@@ -185,3 +185,48 @@ def test_ablations_count_what_the_built_model_holds_and_runs(fields):
     estimate = report.elementwise_flops
     assert (estimate["rmsnorm"] == 0) == (cfg.norm_placement == "none")
     assert (estimate["rope"] == 0) == (cfg.positions == "none")
+
+
+# The report as text (tlm accounting prints it), each number derived here apart from the report's arithmetic.
+
+
+@pytest.mark.parametrize(("n", "unit", "text"), [
+    (1.234e12, "", "1.234 T"), (1e3, "B", "1.000 kB"), (999, "B", "999 B"), (999.6, "", "1000"),
+    (2.5e15, "FLOP", "2.500 PFLOP"), (-3e6, "F", "-3.000 MF"), (0, "", "0"),
+])  # fmt: skip
+def test_human_uses_decimal_prefixes_from_1000_up(n, unit, text):
+    assert human(n, unit) == text
+
+
+def test_the_text_report_shows_the_built_models_parameters_memory_and_flops():
+    cfg, seq = PRESETS["gpt2-small"], 1024
+    n = sum(p.numel() for p in TransformerLM(cfg, device="meta").parameters())
+    flops = closed_form_forward_flops(cfg, 1, seq)
+    lines = account(cfg, seq_len=seq).to_text("gpt2-small").splitlines()
+    assert lines[0] == (
+        f"gpt2-small: {cfg.num_layers} layers, d_model {cfg.d_model}, {cfg.num_heads} heads, d_ff {cfg.d_ff}, "
+        f"vocab {cfg.vocab_size}; batch 1 × seq {seq}"
+    )
+    assert f"  {'total':<20} {n:>15,}" in lines
+    assert f"  float32 {human(4 * n, 'B')}, bfloat16 {human(2 * n, 'B')}, float16 {human(2 * n, 'B')}" in lines
+    assert f"  float32 training state (params + grads + AdamW m, v = 16 B/param): {human(16 * n, 'B')}" in lines
+    (total,) = [line for line in lines if line.startswith(f"  {'total':<36}")]
+    assert total.split()[1:3] == human(flops, "FLOP").split()
+    assert lines[-1] == (
+        f"Training: backward ≈ 2 × forward = {human(2 * flops, 'FLOP')}; one step ≈ {human(3 * flops, 'FLOP')} = "
+        f"{human(3 * flops / seq, 'FLOP')} per token"
+    )
+
+
+def test_the_comparison_gives_each_report_its_own_column():
+    names, seq = ("tiny", "gpt2-small"), 256
+    lines = compare_text([(name, account(PRESETS[name], seq_len=seq)) for name in names]).splitlines()
+    assert lines[0].split()[-2:] == list(names)
+    rows = [[float(v.rstrip("%")) for v in line.removeprefix(label).split()] for label, line in
+            zip(COMPONENTS.values(), lines[1 : 1 + len(COMPONENTS)], strict=True)]  # fmt: skip
+    assert [sum(column) for column in zip(*rows, strict=True)] == pytest.approx([100, 100], abs=0.05)
+    flops = [human(closed_form_forward_flops(PRESETS[name], 1, seq), "F") for name in names]
+    assert lines[1 + len(COMPONENTS)].split()[-4:] == " ".join(flops).split()
+    params = [sum(p.numel() for p in TransformerLM(PRESETS[name], device="meta").parameters()) for name in names]
+    assert lines[-2].split()[1:] == [f"{params[0] / 1e6:,.1f}", "M", f"{params[1] / 1e6:,.1f}", "M"]
+    assert lines[-1] == f"(batch 1 × seq {seq})"

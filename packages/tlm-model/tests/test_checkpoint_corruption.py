@@ -153,14 +153,28 @@ def refused(path) -> str:
 
 
 def test_a_header_listing_more_tensors_than_any_model_is_refused_while_parsing(saved):
-    # 70,000 zero-byte tensors tile zero bytes of data, so offsets alone cannot refuse them; parsing
-    # stops at the 65,537th entry instead of building them all and listing them in the error.
+    # 65,537 zero-byte tensors tile zero bytes of data, so offsets alone cannot refuse them; parsing stops at the
+    # 65,537th entry instead of building them all and listing them in the error.
     path, good = saved
     header, data = header_of(good)
-    header.update({f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(70_000)})
+    own = len(header) - 1  # less __metadata__
+    header.update({f"junk.{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(2**16 + 1 - own)})
     rewrite(path, header, data)
-    message = refused(path)
-    assert message.endswith("is not a model tlm can read: its header lists more than 65,536 tensors")
+    assert refused(path).endswith("is not a model tlm can read: its header lists more than 65,536 tensors")
+
+
+def test_a_file_with_exactly_the_most_tensors_allowed_loads(saved, monkeypatch):
+    # The limit lowered to the tiny model's own tensor count (parsing 65,536 entries takes seconds): a file of
+    # exactly that many loads, one more is refused; the metadata and the header itself are not tensors.
+    from tlm_model import _weights
+
+    path, good = saved
+    header, data = header_of(good)
+    monkeypatch.setattr(_weights, "MAX_TENSORS", len(header) - 1)
+    load_model_file(path.parent)
+    header["junk"] = {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+    rewrite(path, header, data)
+    assert refused(path).endswith(f"its header lists more than {len(header) - 2:,} tensors")
 
 
 @pytest.mark.parametrize(

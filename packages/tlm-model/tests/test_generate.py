@@ -471,3 +471,18 @@ def test_ragged_rows_past_the_context_slide_each_on_its_own_like_their_prompt_al
 def test_bad_prompt_lengths_are_refused(model, lengths, exc, match):
     with pytest.raises(exc, match=match):
         generate(model, torch.zeros(2, 4, dtype=torch.long), 2, prompt_lengths=lengths)
+
+
+def test_ragged_rows_in_a_two_token_context_slide_like_their_prompt_alone_and_the_window_rule():
+    # context 2 keeps 2 - max(1, 2 // 4) = 1 token when it slides: a full row is rebuilt from the 0 tokens before
+    # the one it is about to take, the edge of the window rule.
+    cfg = dataclasses.replace(CFG, context_length=2)
+    model = TransformerLM(cfg).eval()
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, CFG.vocab_size, (n,), generator=gen) for n in (1, 2, 3)]
+    ids, lengths = _left_padded(prompts)
+    out = generate(model, ids, 5, temperature=0, prompt_lengths=lengths)
+    for b, prompt in enumerate(prompts):
+        alone = generate(model, prompt, 5, temperature=0)
+        assert alone.tolist() == greedy_sliding_reference(model, prompt, 5)
+        assert torch.equal(out[b, ids.shape[1] - len(prompt) :], alone)

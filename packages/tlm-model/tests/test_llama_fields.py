@@ -74,11 +74,20 @@ def test_tied_model_refuses_a_different_head():
     assert tied.lm_head.weight is tied.token_embeddings.weight
 
 
-def test_tied_reset_keeps_one_parameter():
+def test_tied_reset_keeps_one_parameter_and_redraws_every_other():
     tied = TransformerLM(ModelConfig(**SMALL, tie_word_embeddings=True), device="meta")
     tied.to_empty(device="cpu")
+    with torch.no_grad():
+        for parameter in tied.parameters():
+            parameter.fill_(math.nan)  # what to_empty leaves is undefined memory
     tied.reset_parameters()
     assert tied.lm_head.weight is tied.token_embeddings.weight
+    assert all(torch.isfinite(p).all() for p in tied.parameters())
+    torch.testing.assert_close(tied.ln_final.weight, torch.ones(SMALL["d_model"]), rtol=0, atol=0)
+    # The tied embedding with σ = 1/sqrt(d_model) (the docstring), truncated at ±3σ (std × 0.9866); 1,200 draws
+    # estimate a std within 2% (one standard error), so 10% is five of them.
+    std = tied.token_embeddings.weight.std().item()
+    assert std == pytest.approx(0.9866 / math.sqrt(SMALL["d_model"]), rel=0.1)
 
 
 @pytest.mark.parametrize("fused", [False, True])

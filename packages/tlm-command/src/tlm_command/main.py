@@ -2,7 +2,8 @@
 
 Each subcommand is a module of this package with ``add_parser(commands)`` (which sets
 ``run=fn`` on its parser) and ``run(args) -> int``. A command's ``UserError``, ``ValueError``,
-``TypeError`` or ``OSError`` prints ``tlm: error: <first line>`` and exits 2; Ctrl-C exits 130.
+``TypeError`` or ``OSError`` prints ``tlm: error: <first line>`` (at most 2,000 characters of it) and exits 2;
+Ctrl-C exits 130.
 """
 
 import argparse

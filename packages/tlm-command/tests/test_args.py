@@ -1,0 +1,47 @@
+"""``tlm_command.args``: where each argument type's range begins and ends, and what an output path may not be.
+
+The refusals' messages are asserted by the commands that print them (``test_generate.py``, ``test_eval.py``...);
+these are the edges: the smallest and largest values each type still takes, and the first it refuses.
+"""
+
+import argparse
+
+import pytest
+
+from tlm_command.args import UserError, check_output, positive_int, temperature, top_p
+
+
+@pytest.mark.parametrize(("parse", "text", "value"), [
+    (temperature, "0", 0.0),  # greedy
+    (temperature, "0.5", 0.5),
+    (temperature, "1e300", 1e300),
+    (top_p, "1", 1.0),  # the closed end of (0, 1]
+    (top_p, "1e-9", 1e-9),
+    (positive_int, "1", 1),
+])  # fmt: skip
+def test_each_type_takes_the_edges_of_its_range(parse, text, value):
+    assert parse(text) == value
+
+
+@pytest.mark.parametrize(("parse", "text"), [
+    (temperature, "-1e-9"), (temperature, "inf"), (temperature, "nan"),
+    (top_p, "0"), (top_p, "1.000001"), (top_p, "nan"),
+    (positive_int, "0"), (positive_int, "1.5"),
+])  # fmt: skip
+def test_and_refuses_the_first_value_past_them(parse, text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse(text)
+
+
+@pytest.mark.parametrize("where", ["same", "inside", "around"])
+def test_an_output_may_not_be_inside_around_or_equal_to_any_input(tmp_path, where):
+    source = tmp_path / "in"
+    out = {"same": source, "inside": source / "out", "around": tmp_path}[where]
+    with pytest.raises(UserError, match=f"^--to {out} would overwrite the input {source}; choose another --to$"):
+        # An input given as None (an optional flag left out) is skipped; one beside the output is no conflict.
+        check_output(out, None, tmp_path.parent / f"{tmp_path.name}-other", source, flag="--to")
+
+
+def test_an_output_beside_the_inputs_or_sharing_a_name_prefix_is_allowed(tmp_path):
+    check_output(tmp_path / "out", tmp_path / "in", None, tmp_path / "o")
+    check_output(tmp_path / "input-2", tmp_path / "input")  # a string prefix, not a parent folder

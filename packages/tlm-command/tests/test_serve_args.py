@@ -1,0 +1,16 @@
+"""``tlm serve``'s own argument checks, in-process and before any model is loaded (``test_serve.py``, the server
+itself, is in the slow tier)."""
+
+import pytest
+
+pytest.importorskip("fastapi", reason="tlm serve needs the serve extra (fastapi, uvicorn)")
+pytest.importorskip("uvicorn", reason="tlm serve needs the serve extra (fastapi, uvicorn)")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1.0"),
+    (["--drain-timeout", "nan"], "--drain-timeout must be >= 0 seconds, got nan"),
+    (["--port", "65536"], "--port must be in [0, 65535], got 65536"),
+])  # fmt: skip
+def test_a_bad_setting_is_one_line_before_the_checkpoint_is_read(tmp_path, fails, argv, message):
+    fails(["serve", "--checkpoint", str(tmp_path / "none"), *argv], message)
