@@ -14,3 +14,13 @@ pytest.importorskip("uvicorn", reason="tlm serve needs the serve extra (fastapi,
 ])  # fmt: skip
 def test_a_bad_setting_is_one_line_before_the_checkpoint_is_read(tmp_path, fails, argv, message):
     fails(["serve", "--checkpoint", str(tmp_path / "none"), *argv], message)
+
+
+def test_the_model_id_is_the_flag_else_the_checkpoint_folders_name(tmp_path):
+    from tlm_command.serve import model_id
+
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "runs" / "tiny")
+    assert model_id(str(tmp_path / "runs" / "tiny" / "."), None) == "tiny"
+    assert model_id(str(tmp_path / "latest"), None) == "tiny"  # the folder a link names, not the link
+    assert model_id(str(tmp_path / "latest"), "mine") == "mine"

@@ -79,6 +79,11 @@ def _chat_template(artifact: Any, tokenizer: Any) -> Any:
     return render
 
 
+def model_id(checkpoint: str, model_name: str | None) -> str:
+    """The model id clients name: ``--model-name``, else the checkpoint folder's own name (after links)."""
+    return model_name or Path(checkpoint).resolve().name
+
+
 def run(args: argparse.Namespace) -> int:
     missing = [name for name in SERVE_MODULES if _missing(name)]
     if missing:
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     chat_template = _chat_template(artifact, tokenizer)
     stops = [EOS_TOKEN] if EOS_TOKEN in tokenizer.special_tokens else []
     eos_ids = [tokenizer.encode(s)[0] for s in stops]
-    name = args.model_name or Path(args.checkpoint).resolve().name
+    name = model_id(args.checkpoint, args.model_name)
     # Bound before the model thread starts, so a taken port is one line and no thread is left behind.
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
