@@ -388,7 +388,19 @@ def test_a_reader_never_misses_a_checkpoint_while_another_process_saves_and_prun
                 time.sleep(0.001)
             return iter(entries)
 
+        from tlm_train import checkpoint as module
+
+        read_state = module.load_train_state
+
+        def slow(path):  # ... and again after choosing a folder, until the writer saved two newer steps
+            step = int(path.parent.name.removeprefix("step_"))
+            deadline = time.monotonic() + 5
+            while reader._pointer() < step + 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return read_state(path)
+
         monkeypatch.setattr(os, "scandir", stale)
+        monkeypatch.setattr(module, "load_train_state", slow)
         reader = CheckpointManager(tmp_path, keep=1)
         found = [reader.load_latest() for _ in range(5)]
         monkeypatch.undo()

@@ -733,6 +733,10 @@ class CheckpointManager:
         folder = self.path(step)
         if not folder.is_dir():
             raise FileNotFoundError(f"no checkpoint folder for step {step}: {folder}")
+        with _reading(folder):  # a prune in another process passes over it until this returns
+            return self._load(step, folder)
+
+    def _load(self, step: int, folder: Path) -> Checkpoint:
         state = load_train_state(folder / STATE_NAME)
         if "shard_files" in state:
             _verify_shards(folder / SHARDS_DIR, state["shard_files"])
@@ -770,10 +774,9 @@ class CheckpointManager:
     def prune(self) -> list[int]:
         """Delete all but the ``keep`` newest complete folders (never the newest); returns the steps removed."""
         pointed = self._pointer()  # the newest save: a racing listing relies on it, so it stays
-        removed = [step for step in self.steps()[: -self.keep] if step != pointed]
-        for step in removed:
-            _remove_folder(self.path(step))
-        return removed
+        doomed = [step for step in self.steps()[: -self.keep] if step != pointed]
+        # A folder another process is reading (load holds a shared lock on it) is left to the next prune.
+        return [step for step in doomed if _remove_folder(self.path(step), wait=False)]
 
     def remove_after(self, step: int) -> list[int]:
         """Delete every step folder after ``step`` (a resume from ``step`` abandons them); returns them."""
@@ -796,13 +799,63 @@ def _share(values: list[Any]) -> list[Any]:
     return values
 
 
-def _remove_folder(folder: Path) -> None:
+def _remove_folder(folder: Path, *, wait: bool = True) -> bool:
+    """Delete a step folder, once no reader holds it (``wait=False``: False at once when one does)."""
     import shutil
 
-    # Renamed away first, so a reader never sees a half-deleted step folder under its real name.
-    doomed = temp_path(folder, "old")
     try:
-        os.rename(folder, doomed)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(doomed, ignore_errors=True)
+        fd = os.open(folder, _FOLDER_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    try:
+        if not _lock_folder(fd, shared=False, wait=wait):
+            return False
+        # Renamed away first, so a reader never sees a half-deleted step folder under its real name.
+        doomed = temp_path(folder, "old")
+        try:
+            os.rename(folder, doomed)
+        except FileNotFoundError:
+            return True
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+_FOLDER_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _lock_folder(fd: int, *, shared: bool, wait: bool) -> bool:
+    """``flock`` the step folder open at ``fd``: True once held, False when ``wait=False`` and another
+    process holds it. Where the platform has no ``flock`` (Windows), always True: nothing is held."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - no advisory locks: a prune may take a folder being read
+        return True
+    mode = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB)
+    try:
+        fcntl.flock(fd, mode)
+    except BlockingIOError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _reading(folder: Path) -> Iterator[None]:
+    """A shared lock on ``folder`` while it is read: :meth:`CheckpointManager.prune` in another process
+    leaves a folder held so until the next prune. FileNotFoundError when the folder was pruned first."""
+    try:
+        fd = os.open(folder, _FOLDER_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        raise FileNotFoundError(f"no checkpoint folder {folder} (removed while it was read)") from None
+    try:
+        _lock_folder(fd, shared=True, wait=True)  # a prune holds it only while it renames the folder away
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(folder, follow_symlinks=False))
+        except FileNotFoundError:
+            same = False
+        if not same:  # pruned (renamed away) between the open and the lock
+            raise FileNotFoundError(f"no checkpoint folder {folder} (removed while it was read)")
+        yield
+    finally:
+        os.close(fd)
