@@ -83,15 +83,17 @@ class _RMSNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         x, weight, r = ctx.saved_tensors
-        compute_dtype = r.dtype
-        x_hat = x.to(compute_dtype) * r
-        grad = grad.to(compute_dtype)
+        compute_dtype, d = r.dtype, x.shape[-1]
+        w = weight.to(compute_dtype)
+        # y = w·x̂ with x̂ = x·r, r = (mean(x²) + eps)^(-1/2):
+        #   dL/dw = Σ_rows g·x̂,   dL/dx = r · (g·w − x̂ · mean(g·w·x̂)).
+        # Both reductions read the one product g·x̂: a column sum, and a matrix-vector product with w.
+        grad, x_hat = grad.to(compute_dtype), x.to(compute_dtype) * r
+        g_x_hat = (grad * x_hat).reshape(-1, d)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            # y = w·x·r with r = (mean(x²) + eps)^(-1/2):  dL/dx = r · (g·w − x̂ · mean(g·w·x̂)), x̂ = x·r.
-            gw = grad * weight.to(compute_dtype)
-            mean_gw_x_hat = torch.linalg.vecdot(gw, x_hat, dim=-1).unsqueeze(-1).div_(x.shape[-1])
-            grad_x = gw.addcmul_(x_hat, mean_gw_x_hat, value=-1).mul_(r).to(x.dtype)
+            mean_gw_x_hat = (g_x_hat @ w).div_(d).view(r.shape)
+            grad_x = x_hat.mul_(mean_gw_x_hat.neg_()).addcmul_(grad, w).mul_(r).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            grad_weight = g_x_hat.sum(0).to(weight.dtype)
         return grad_x, grad_weight, None
