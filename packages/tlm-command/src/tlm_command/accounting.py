@@ -7,16 +7,17 @@ import os
 import sys
 from typing import Any
 
-from tlm_command.args import UserError, positive_int
+from tlm_command.args import UserError, add_command, positive_int
 from tlm_model.accounting import account, compare_text
 from tlm_model.config import PRESETS, ModelConfig
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "accounting",
-        help="parameters, memory and FLOPs of a preset, or component shares across presets",
-        description="Analytic accounting: exact parameter and matmul FLOP counts, elementwise work as an estimate.",
+        "parameters, memory and FLOPs of a preset, or component shares across presets",
+        "Analytic accounting: exact parameter and matmul FLOP counts, elementwise work as an estimate.",
     )
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--preset", choices=sorted(PRESETS), help="report one preset in full")

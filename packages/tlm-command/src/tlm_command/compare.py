@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, description
+from tlm_command.args import UserError, add_command
 
 #: The file that makes a folder a sweep (``tlm sweep`` writes it).
 MANIFEST = "sweep.json"
@@ -252,10 +252,11 @@ def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "compare",
-        help="put runs (or a sweep's runs) side by side: a table, and validation loss by step and by time",
-        description=description(__doc__),
+        "put runs (or a sweep's runs) side by side: a table, and validation loss by step and by time",
+        __doc__,
     )
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders, or sweep folders")
     parser.add_argument("--out", metavar="FILE.png", help="draw the comparison into this PNG")

@@ -13,16 +13,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, check_output, description, dtype_choices
+from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "convert",
-        help="convert between a tlm checkpoint and an HF Llama folder (tokenizer included)",
-        description=description(__doc__),
+    parser = add_command(
+        commands, "convert", "convert between a tlm checkpoint and an HF Llama folder (tokenizer included)", __doc__
     )
     direction = parser.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="DIR", help="an HF Llama model folder")

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, add_device_arguments, description, positive_int, say
+from tlm_command.args import UserError, add_command, add_device_arguments, positive_int, say
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model
 
@@ -22,10 +22,8 @@ if TYPE_CHECKING:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "eval",
-        help="loss, perplexity and bits per byte of a checkpoint on a text or token file",
-        description=description(__doc__),
+    parser = add_command(
+        commands, "eval", "loss, perplexity and bits per byte of a checkpoint on a text or token file", __doc__
     )
     add_model_arguments(parser)
     parser.add_argument(

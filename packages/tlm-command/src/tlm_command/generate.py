@@ -13,7 +13,15 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, add_device_arguments, description, positive_int, say, temperature, top_p
+from tlm_command.args import (
+    UserError,
+    add_command,
+    add_device_arguments,
+    positive_int,
+    say,
+    temperature,
+    top_p,
+)
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_model.config import PRESETS
@@ -26,10 +34,8 @@ if TYPE_CHECKING:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
-        "generate",
-        help="continue a prompt (KV-cached decoding, text streamed as it comes)",
-        description=description(__doc__),
+    parser = add_command(
+        commands, "generate", "continue a prompt (KV-cached decoding, text streamed as it comes)", __doc__
     )
     add_model_arguments(parser, required=False)
     parser.add_argument(

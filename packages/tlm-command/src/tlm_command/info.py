@@ -4,14 +4,16 @@ import argparse
 import json
 from typing import Any
 
+from tlm_command.args import add_command
 from tlm_model.config import PRESETS, ModelConfig
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "info",
-        help="describe the presets, one preset, or a run, checkpoint or HF folder",
-        description="Without arguments: every preset with its parameter count.",
+        "describe the presets, one preset, or a run, checkpoint or HF folder",
+        "Without arguments: every preset with its parameter count.",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--preset", choices=sorted(PRESETS), help="describe this preset")

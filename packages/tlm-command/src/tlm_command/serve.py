@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, description, positive_int
+from tlm_command.args import UserError, add_command, add_device_arguments, positive_int
 
 #: What the serve extra installs, by import name (for the message when one is missing).
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -32,10 +32,8 @@ SERVE_MODULES = ("fastapi", "uvicorn")
 def add_parser(commands: Any) -> None:
     from tlm_command.loading import add_model_arguments
 
-    parser = commands.add_parser(
-        "serve",
-        help="serve a model over HTTP with OpenAI's API (streaming, continuous batching)",
-        description=description(__doc__),
+    parser = add_command(
+        commands, "serve", "serve a model over HTTP with OpenAI's API (streaming, continuous batching)", __doc__
     )
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
@@ -48,8 +46,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds to finish requests"
     )
-    parser.add_argument("--device", default="cpu", help="torch device to run on")
-    parser.add_argument("--dtype", default=None, help="weights' dtype (default: the checkpoint's)")
+    add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
     parser.set_defaults(run=run)
 
 

@@ -43,7 +43,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_command.args import UserError, description, positive_int, say
+from tlm_command.args import UserError, add_command, positive_int, say
 from tlm_command.compare import MANIFEST
 
 FORMAT = "tlm-sweep/1"
@@ -55,10 +55,11 @@ _RESERVED = {MANIFEST, SUMMARY_JSON, SUMMARY_MD, PLOT, ".lock"}
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "sweep",
-        help="train a grid or a list of runs into one folder (resumable), with a summary and plots",
-        description=description(__doc__),
+        "train a grid or a list of runs into one folder (resumable), with a summary and plots",
+        __doc__,
     )
     parser.add_argument("--out-dir", metavar="SWEEP", help="the sweep folder (new, or empty)")
     parser.add_argument("--resume", metavar="SWEEP", help="continue a sweep: finished runs are kept")

@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from tlm_command.args import check_output, positive_int
+from tlm_command.args import add_command, check_output, positive_int
 
 
 def add_parser(commands: Any) -> None:
@@ -14,10 +14,11 @@ def add_parser(commands: Any) -> None:
         dest="tokenizer_command", metavar="{train,encode}", required=True, parser_class=type(parser)
     )
 
-    train = sub.add_parser(
+    train = add_command(
+        sub,
         "train",
-        help="train byte-level BPE on a UTF-8 text file",
-        description="Writes DIR/tokenizer.json (HF tokenizers' format) and DIR/tokenizer_config.json, which tlm, "
+        "train byte-level BPE on a UTF-8 text file",
+        "Writes DIR/tokenizer.json (HF tokenizers' format) and DIR/tokenizer_config.json, which tlm, "
         "HF tokenizers and transformers' AutoTokenizer all read. DIR must be new or hold only tokenizer files.",
     )
     train.add_argument("--input", required=True, metavar="FILE", help="UTF-8 training text")
@@ -46,10 +47,11 @@ def add_parser(commands: Any) -> None:
     train.add_argument("--quiet", action="store_true", help="no progress bars")
     train.set_defaults(run=_train)
 
-    encode = sub.add_parser(
+    encode = add_command(
+        sub,
         "encode",
-        help="encode a UTF-8 text file to a flat token-id array",
-        description="Writes raw little-endian uint16 ids (uint32 for vocabularies over 65,536); "
+        "encode a UTF-8 text file to a flat token-id array",
+        "Writes raw little-endian uint16 ids (uint32 for vocabularies over 65,536); "
         "read with numpy.memmap(FILE, dtype=..., mode='r'), or train on it with tlm train --data FILE.",
     )
     encode.add_argument("--tokenizer", required=True, metavar="DIR", help="a folder written by 'tokenizer train'")

@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, description
+from tlm_command.args import UserError, add_command
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_train.config import TrainConfig
 
@@ -92,10 +92,11 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser(
+    parser = add_command(
+        commands,
         "train",
-        help="train a tokenizer and a model (default data needs no download); fine-tune with --init-from",
-        description=description(__doc__),
+        "train a tokenizer and a model (default data needs no download); fine-tune with --init-from",
+        __doc__,
         usage="%(prog)s [--config FILE.toml | --resume RUN] [--quiet] [--SETTING VALUE ...]",
     )
     common = parser.add_argument_group("common flags")

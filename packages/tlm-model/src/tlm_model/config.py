@@ -29,6 +29,12 @@ NORM_PLACEMENTS = ("pre", "post", "none")
 POSITIONS = ("rope", "none")
 
 
+def _choice(default: str, choices: tuple[str, ...], help: str) -> Any:
+    """A field that names one of ``choices``: its default, the choices (which the checks and ``--help``
+    read) and its help, declared once."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Everything needed to build a :class:`~tlm_model.TransformerLM`.
@@ -75,29 +81,21 @@ class ModelConfig:
         default=None,
         metadata={"help": 'RoPE context extension, e.g. {"rope_type": "linear", "factor": 2.0}'},
     )
-    rope_layout: str = field(
-        default="interleaved",
-        metadata={"help": "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)", "choices": LAYOUTS},
+    rope_layout: str = _choice(
+        "interleaved", LAYOUTS, "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)"
     )
-    norm_placement: str = field(
-        default="pre",
-        metadata={
-            "help": "where RMSNorm goes: pre (the course's), post (norm(x + sublayer(x))) or none (nowhere, the "
-            "final norm included)",
-            "choices": NORM_PLACEMENTS,
-        },
+    norm_placement: str = _choice(
+        "pre",
+        NORM_PLACEMENTS,
+        "where RMSNorm goes: pre (the course's), post (norm(x + sublayer(x))) or none (nowhere, the final norm "
+        "included)",
     )
-    positions: str = field(
-        default="rope",
-        metadata={"help": "rope, or none (NoPE: only the causal mask carries position)", "choices": POSITIONS},
-    )
-    ffn: str = field(
-        default="swiglu",
-        metadata={
-            "help": "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x)); changing the kind without --d-ff "
-            "sizes d_ff as the course does (silu: 4·d_model; swiglu: 8/3·d_model, rounded up to 64)",
-            "choices": FFN_KINDS,
-        },
+    positions: str = _choice("rope", POSITIONS, "rope, or none (NoPE: only the causal mask carries position)")
+    ffn: str = _choice(
+        "swiglu",
+        FFN_KINDS,
+        "swiglu (W2(SiLU(W1·x) ⊙ W3·x)) or silu (W2·SiLU(W1·x)); changing the kind without --d-ff sizes d_ff as the "
+        "course does (silu: 4·d_model; swiglu: 8/3·d_model, rounded up to 64)",
     )
 
     def __post_init__(self) -> None:
