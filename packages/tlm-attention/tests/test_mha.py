@@ -302,7 +302,7 @@ def test_bad_grouping_is_refused(kwargs, error, match):
 def test_head_dim_frees_d_model_from_divisibility():
     attn = CausalMultiHeadSelfAttention(30, 4, head_dim=8)
     assert attn(torch.randn(2, 3, 30)).shape == (2, 3, 30)
-    with pytest.raises(ValueError, match="or give head_dim"):
+    with pytest.raises(ValueError, match="or set head_dim"):
         CausalMultiHeadSelfAttention(30, 4)
 
 

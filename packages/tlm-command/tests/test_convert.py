@@ -13,10 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 def random_hf(tie):
     torch.manual_seed(0)
+    # Two layers with grouped-query heads; transformers' defaults for the rest (RoPE θ = 10,000).
     config = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=tie,
-        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        num_key_value_heads=2, tie_word_embeddings=tie,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config).eval()
 

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import pytest
 import torch
 
 from tlm_model import ModelConfig, TransformerLM
@@ -75,10 +77,19 @@ def build(seed: int, config: ModelConfig) -> TransformerLM:
     return model
 
 
-def zygote(imports: str, hooks: str, save: str) -> Iterator[subprocess.Popen]:
-    """Run a zygote for a module fixture (``yield from zygote(...)``). ``imports``: the modules ``save``
-    uses; ``hooks``: the step hooks to set, ``a = b`` style; ``save``: one statement that saves ``model``
-    (built from ``seed``) to ``job["target"]``."""
+def zygote_fixture(imports: str, hooks: str, save: str) -> Any:
+    """A module-scoped fixture that runs one zygote (``zygote = zygote_fixture(...)`` in a test module).
+    ``imports``: the modules ``save`` uses; ``hooks``: the step hooks to set, ``a = b`` style; ``save``: one
+    statement that saves ``model`` (built from ``seed``) to ``job["target"]``."""
+
+    @pytest.fixture(scope="module")
+    def zygote() -> Iterator[subprocess.Popen]:
+        yield from _zygote(imports, hooks, save)
+
+    return zygote
+
+
+def _zygote(imports: str, hooks: str, save: str) -> Iterator[subprocess.Popen]:
     source = _ZYGOTE.format(imports=imports, hooks=hooks, save=save)
     path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}  # the workers import build from here

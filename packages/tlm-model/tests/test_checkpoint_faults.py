@@ -30,13 +30,11 @@ SMALL = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, 
 MEDIUM = ModelConfig(vocab_size=4000, context_length=32, d_model=128, num_layers=2, num_heads=4, d_ff=344)
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    yield from fault_processes.zygote(
-        imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_model_file",
-        hooks="checkpoint._after_step",
-        save='save_model_file(model, job["target"])',
-    )
+zygote = fault_processes.zygote_fixture(
+    imports="import tlm_model.checkpoint as checkpoint\nfrom tlm_model import save_model_file",
+    hooks="checkpoint._after_step",
+    save='save_model_file(model, job["target"])',
+)
 
 
 def identify(directory, candidates: dict[str, TransformerLM]) -> str:

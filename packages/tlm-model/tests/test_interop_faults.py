@@ -37,13 +37,11 @@ def models():
     return {label: build(*spec) for label, spec in CANDIDATES.items()}
 
 
-@pytest.fixture(scope="module")
-def zygote():
-    yield from fault_processes.zygote(
-        imports="import tlm_core.atomic as atomic\nimport tlm_model.interop as interop\nfrom tlm_model import save_hf",
-        hooks="interop._after_step = atomic.after_step",
-        save='save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})',
-    )
+zygote = fault_processes.zygote_fixture(
+    imports="import tlm_core.atomic as atomic\nimport tlm_model.interop as interop\nfrom tlm_model import save_hf",
+    hooks="interop._after_step = atomic.after_step",
+    save='save_hf(model, job["target"], extra_files={"tokenizer.json": str(seed).encode()})',
+)
 
 
 def identify(folder, models, *, racing: bool = False) -> str:

@@ -15,20 +15,12 @@ from torch.distributed._composable import checkpoint
 from tlm_model import ModelConfig, TransformerLM
 from tlm_train.memory import memory_table, shard_rows, train_memory
 
+_SMALL = ModelConfig(vocab_size=77, context_length=16, d_model=48, num_layers=2, num_heads=6, d_ff=64)
 CONFIGS = [
     ModelConfig(vocab_size=96, context_length=32, d_model=64, num_layers=2, num_heads=4, d_ff=160),
     ModelConfig(vocab_size=203, context_length=24, d_model=32, num_layers=3, num_heads=2, d_ff=96),
-    ModelConfig(
-        vocab_size=77,
-        context_length=16,
-        d_model=48,
-        num_layers=2,
-        num_heads=6,
-        d_ff=64,
-        num_kv_heads=2,
-        head_dim=12,
-        tie_word_embeddings=True,
-    ),
+    # Grouped-query attention with a head_dim of its own, and a tied head.
+    dataclasses.replace(_SMALL, num_kv_heads=2, head_dim=12, tie_word_embeddings=True),
     ModelConfig(vocab_size=64, context_length=20, d_model=32, num_layers=2, num_heads=4, d_ff=64, rope_layout="half"),
 ]
 

@@ -1,17 +1,12 @@
-"""Softmax, scaled dot-product attention and causal multi-head self-attention."""
+"""Softmax, scaled dot-product attention and causal multi-head self-attention.
 
-from tlm_attention.backends import (
-    ATTENTION_BACKENDS,
-    BACKENDS,
-    causal_attention,
-    register_attention_backend,
-    resolve_attention_backend,
-)
-from tlm_attention.blockwise import blockwise_attention
-from tlm_attention.kv_cache import KVCache
-from tlm_attention.mha import CausalMultiHeadSelfAttention
-from tlm_attention.sdpa import scaled_dot_product_attention
-from tlm_attention.softmax import softmax
+Names load on first use (PEP 562): ``from tlm_attention.heads import head_layout`` (the heads' sizes, with
+their checks) costs no torch import, which a config that only states sizes relies on.
+"""
+
+from typing import TYPE_CHECKING
+
+from tlm_core.lazy import lazy_exports
 
 __version__ = "0.4.0"
 
@@ -23,8 +18,38 @@ __all__ = [
     "__version__",
     "blockwise_attention",
     "causal_attention",
+    "head_layout",
     "register_attention_backend",
     "resolve_attention_backend",
     "scaled_dot_product_attention",
     "softmax",
 ]
+
+_BACKENDS = ("ATTENTION_BACKENDS", "BACKENDS", "causal_attention", "register_attention_backend")
+_HOMES = {
+    **dict.fromkeys((*_BACKENDS, "resolve_attention_backend"), "tlm_attention.backends"),
+    "blockwise_attention": "tlm_attention.blockwise",
+    "head_layout": "tlm_attention.heads",
+    "KVCache": "tlm_attention.kv_cache",
+    "CausalMultiHeadSelfAttention": "tlm_attention.mha",
+    "scaled_dot_product_attention": "tlm_attention.sdpa",
+    "softmax": "tlm_attention.softmax",
+}
+
+if TYPE_CHECKING:
+    from tlm_attention.backends import (
+        ATTENTION_BACKENDS,
+        BACKENDS,
+        causal_attention,
+        register_attention_backend,
+        resolve_attention_backend,
+    )
+    from tlm_attention.blockwise import blockwise_attention
+    from tlm_attention.heads import head_layout
+    from tlm_attention.kv_cache import KVCache
+    from tlm_attention.mha import CausalMultiHeadSelfAttention
+    from tlm_attention.sdpa import scaled_dot_product_attention
+    from tlm_attention.softmax import softmax
+
+
+lazy_exports(__name__, _HOMES)

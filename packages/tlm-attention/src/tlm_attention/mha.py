@@ -8,8 +8,8 @@ from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
+from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import KVCache
-from tlm_core.checks import check_positive_int
 from tlm_linear import Linear, register_split_layout
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -50,21 +50,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         head_dim: int | None = None,
     ) -> None:
         super().__init__()
-        check_positive_int("d_model", d_model)
-        check_positive_int("num_heads", num_heads)
-        num_kv_heads = num_heads if num_kv_heads is None else check_positive_int("num_kv_heads", num_kv_heads)
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_kv_heads must divide num_heads, got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        if head_dim is None:
-            if d_model % num_heads != 0:
-                raise ValueError(
-                    f"d_model must be divisible by num_heads, got d_model={d_model}, num_heads={num_heads} "
-                    "(or give head_dim)"
-                )
-            head_dim = d_model // num_heads
-        d_head = check_positive_int("head_dim", head_dim)
+        num_kv_heads, d_head = head_layout(d_model, num_heads, num_kv_heads, head_dim)
         if rope is not None:
             if not isinstance(rope, RotaryPositionalEmbedding):
                 raise TypeError(f"rope must be a RotaryPositionalEmbedding or None, got {type(rope).__name__}")

@@ -169,10 +169,10 @@ def damaged(step: int, error: Exception) -> None:
     say(f"checkpoint of step {step} is damaged ({str(error).splitlines()[0][:160]}); using the one before")
 
 
-def add_command(commands: Any, name: str, help: str, doc: str | None, **options: Any) -> argparse.ArgumentParser:
+def add_command(commands: Any, name: str, help: str, doc: str | None, **options: Any) -> "Parser":
     """The parser of subcommand ``name``: ``help`` is its line in the list of commands, ``doc`` (a module
     docstring, or a sentence) its ``--help`` text, read with :func:`description`."""
-    parser: argparse.ArgumentParser = commands.add_parser(name, help=help, description=description(doc), **options)
+    parser: Parser = commands.add_parser(name, help=help, description=description(doc), **options)
     return parser
 
 

@@ -36,15 +36,7 @@ def add_parser(commands: Any) -> None:
         help="a special token such as '<|endoftext|>' (repeat for more)",
     )
     train.add_argument("--out", required=True, metavar="DIR", help="tokenizer folder to write (replaced whole)")
-    train.add_argument(
-        "--workers",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="pre-tokenisation processes (default: CPU count, at most 8)",
-    )
-    train.add_argument("--json", action="store_true", help="print a JSON summary")
-    train.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_run_flags(train, None, "pre-tokenisation processes (default: CPU count, at most 8)")
     train.set_defaults(run=_train)
 
     encode = add_command(
@@ -57,10 +49,15 @@ def add_parser(commands: Any) -> None:
     encode.add_argument("--tokenizer", required=True, metavar="DIR", help="a folder written by 'tokenizer train'")
     encode.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text to encode")
     encode.add_argument("--out", required=True, metavar="FILE", help="token-id file to write")
-    encode.add_argument("--workers", type=positive_int, default=1, metavar="N", help="processes")
-    encode.add_argument("--json", action="store_true", help="print a JSON summary")
-    encode.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_run_flags(encode, 1, "processes")
     encode.set_defaults(run=_encode)
+
+
+def _add_run_flags(parser: Any, workers: int | None, workers_help: str) -> None:
+    """How a tokenizer subcommand runs and reports: ``--workers``, ``--json``, ``--quiet``."""
+    parser.add_argument("--workers", type=positive_int, default=workers, metavar="N", help=workers_help)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -2,15 +2,16 @@
 
 import torch
 from jaxtyping import Float, Integer
-from torch import Tensor, nn
+from torch import Tensor
 
-from tlm_core.checks import check_number, check_positive_int
+from tlm_core.checks import check_positive_int
+from tlm_linear._weight import TruncatedNormalWeight
 
 #: Integer dtypes that index_select does not take directly, widened to int64 (never read as a mask).
 _WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
 
-class Embedding(nn.Module):
+class Embedding(TruncatedNormalWeight):
     """Maps integer token ids of any shape to rows of ``weight`` (num_embeddings, embedding_dim).
 
     Initialisation (CS336 §1.4.1): N(0, 1) truncated at ±3; ``init_std`` sets σ (truncated at ±3σ), for
@@ -33,13 +34,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.num_embeddings = check_positive_int("num_embeddings", num_embeddings)
         self.embedding_dim = check_positive_int("embedding_dim", embedding_dim)
-        self.init_std = check_number("init_std", init_std, low=0.0, low_open=True)
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        std = self.init_std
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+        self._make_weight((num_embeddings, embedding_dim), init_std, device, dtype)
 
     def forward(self, token_ids: Integer[Tensor, "..."]) -> Float[Tensor, "... d_model"]:
         ids = token_ids.long() if token_ids.dtype in _WIDEN else token_ids

@@ -4,12 +4,13 @@ import math
 
 import torch
 from jaxtyping import Float
-from torch import Tensor, nn
+from torch import Tensor
 
-from tlm_core.checks import check_number, check_positive_int
+from tlm_core.checks import check_positive_int
+from tlm_linear._weight import TruncatedNormalWeight
 
 
-class Linear(nn.Module):
+class Linear(TruncatedNormalWeight):
     """Applies ``y = x @ weight.T`` over the last dimension of ``x``.
 
     ``weight`` is stored as (out_features, in_features), the same layout as ``nn.Linear``,
@@ -35,16 +36,8 @@ class Linear(nn.Module):
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
         # A layer that stacks several projections (fused q/k/v) passes the std of one of them.
-        if init_std is None:
-            self.init_std = math.sqrt(2.0 / (in_features + out_features))
-        else:
-            self.init_std = check_number("init_std", init_std, low=0.0, low_open=True)
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        std = self.init_std
-        nn.init.trunc_normal_(self.weight, mean=0.0, std=std, a=-3.0 * std, b=3.0 * std)
+        std = math.sqrt(2.0 / (in_features + out_features)) if init_std is None else init_std
+        self._make_weight((out_features, in_features), std, device, dtype)
 
     def forward(self, x: Float[Tensor, "... d_in"]) -> Float[Tensor, "... d_out"]:
         # matmul folds every leading dimension into one GEMM against the (in, out) view of weight.

@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tlm_attention.heads import head_layout
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
 from tlm_ffn.options import FFN_KINDS
 from tlm_rope.options import LAYOUTS, check_scaling
@@ -118,16 +119,8 @@ class ModelConfig:
             raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
         for name, choices in _CHOICES.items():
             check_choice(f"ModelConfig.{name}", getattr(self, name), choices)
-        if self.head_dim is None and self.d_model % self.num_heads != 0:
-            raise ValueError(
-                f"ModelConfig.d_model must be divisible by num_heads, got d_model={self.d_model}, "
-                f"num_heads={self.num_heads} (or set head_dim)"
-            )
-        if self.num_heads % self.kv_heads != 0:
-            raise ValueError(
-                f"ModelConfig.num_kv_heads must divide num_heads, got num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}"
-            )
+        # The attention's own rule, under this config's names: the blocks are built from these fields.
+        head_layout(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, owner="ModelConfig.")
         if self.positions == "rope" and self.d_head % 2 != 0:
             raise ValueError(f"ModelConfig: d_model / num_heads must be even for RoPE, got {self.d_head} (or head_dim)")
         if self.positions == "none" and self.rope_scaling is not None:

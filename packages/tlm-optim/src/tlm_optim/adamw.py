@@ -21,12 +21,21 @@ eps' = ε / √(1 − β₂ᵗ), torch's θ(1 − lr'λ') − lr'/(1 − β₁�
 """
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from tlm_core.checks import check_number
+
+
+class _Batch(NamedTuple):
+    """The tensors one update call takes, index-aligned: parameters on one device, of one dtype and step."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
 
 
 class AdamW(torch.optim.Optimizer):
@@ -86,7 +95,7 @@ class AdamW(torch.optim.Optimizer):
         # trusts them, as it trusts a schedule that sets "lr".
         for group in self.param_groups:
             # Parameters are batched by (device, dtype, step): the step sets the bias correction.
-            batches: dict[tuple[torch.device, torch.dtype, int], tuple[list[Tensor], ...]] = {}
+            batches: dict[tuple[torch.device, torch.dtype, int], _Batch] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -102,12 +111,11 @@ class AdamW(torch.optim.Optimizer):
                 if torch.is_complex(p):
                     tensors = tuple(torch.view_as_real(t) for t in tensors)
                 key = (tensors[0].device, tensors[0].dtype, state["step"])
-                lists = batches.setdefault(key, ([], [], [], []))
-                for lst, t in zip(lists, tensors, strict=True):
+                batch = batches.setdefault(key, _Batch([], [], [], []))
+                for lst, t in zip(batch, tensors, strict=True):
                     lst.append(t)
-            for (device, dtype, step), (params, grads, exp_avgs, exp_avg_sqs) in batches.items():
-                update = _choose(group, device, dtype)
-                update(params, grads, exp_avgs, exp_avg_sqs, step, group)
+            for (device, dtype, step), batch in batches.items():
+                _choose(group, device, dtype)(batch, step, group)
         return loss
 
 
@@ -150,14 +158,8 @@ def _coefficients(step: int, group: dict[str, Any]) -> tuple[float, float, float
     return 1.0 - beta1, beta2, -alpha_t * keep, keep
 
 
-def _foreach_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    step: int,
-    group: dict[str, Any],
-) -> None:
+def _foreach_update(batch: _Batch, step: int, group: dict[str, Any]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs = batch
     one_minus_beta1, beta2, step_size, keep = _coefficients(step, group)
     torch._foreach_lerp_(exp_avgs, grads, one_minus_beta1)  # m + (1-β₁)(g - m) = β₁m + (1-β₁)g
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -169,14 +171,8 @@ def _foreach_update(
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
 
-def _single_tensor_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    step: int,
-    group: dict[str, Any],
-) -> None:
+def _single_tensor_update(batch: _Batch, step: int, group: dict[str, Any]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs = batch
     one_minus_beta1, beta2, step_size, keep = _coefficients(step, group)
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
         m.lerp_(g, one_minus_beta1)
@@ -187,14 +183,8 @@ def _single_tensor_update(
         p.addcdiv_(m, denom, value=step_size)
 
 
-def _fused_update(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    step: int,
-    group: dict[str, Any],
-) -> None:
+def _fused_update(batch: _Batch, step: int, group: dict[str, Any]) -> None:
+    params, grads, exp_avgs, exp_avg_sqs = batch
     lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
     keep = 1.0 - lr * decay  # > 0, checked by _choose
     steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
