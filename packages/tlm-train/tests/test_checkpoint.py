@@ -533,6 +533,74 @@ def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
     assert manager.remove_after(1) == [2, 3] and manager.all_steps() == [1]
 
 
+@pytest.mark.slow  # two ranks killed mid-save, twice
+def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete_step(tmp_path, forked):
+    """FSDP2 on two gloo ranks saves DCP step folders in a loop; both ranks die by SIGKILL at a random
+    moment (after the first save, so often inside one). What is left is the newest complete step or the one
+    before it, verified as it is read, and the leftovers of the interrupted save are cleaned away."""
+    import random
+    import signal
+    import socket
+    import time
+
+    from tlm_train import CheckpointManager
+    from tlm_train.checkpoint import read_model_state
+
+    code = """
+    import sys, torch
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_optim import AdamW
+    from tlm_train import CheckpointManager, capture_state, init_distributed, wrap_model
+    from tlm_train.distributed import barrier
+    info = init_distributed("cpu")
+    model = TransformerLM(ModelConfig(512, 8, 256, 2, 4, 512))
+    wrap_model(model, "fsdp")
+    opt = AdamW(model.parameters())
+    manager = CheckpointManager(sys.argv[1], keep=2)
+    step = int(sys.argv[2])
+    while True:
+        step += 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(step)
+        if info.is_main:
+            manager.remove_leftovers()
+        manager.save(model, capture_state(model, opt, step=step))
+        barrier()
+        if info.is_main:
+            manager.prune()
+            print(step, flush=True)
+    """
+    rng, done = random.Random(11), 0
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        ranks = [
+            forked(code, str(tmp_path), str(done), wait=False, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in (0, 1)
+        ]
+        try:
+            line = ranks[0].stdout.readline()
+            assert line, ranks[0].communicate()[1][-3000:]
+            done = int(line)
+            time.sleep(rng.uniform(0.0, 0.3))
+        finally:
+            for rank in ranks:
+                rank.send_signal(signal.SIGKILL)
+            rest = ranks[0].communicate()[0]
+            ranks[1].communicate()
+        done = max([done, *map(int, rest.split())])
+        latest = CheckpointManager(tmp_path).load_latest()  # verifies every shard file's SHA-256
+        assert latest is not None and latest.step in (done, done + 1)
+        weights = read_model_state(latest.path)[1]
+        assert all(bool((t == latest.step).all()) for t in weights.values())
+        done = latest.step
+    CheckpointManager(tmp_path, keep=2).remove_leftovers()
+    assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))
+
+
 @pytest.mark.slow  # real processes killed mid-save
 def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, forked):
     import random
