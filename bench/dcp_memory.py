@@ -4,7 +4,8 @@
 Usage: ``python bench/dcp_memory.py [--d-model 512 --layers 8 --vocab 8192]`` from the repository root,
 in any venv with torch (the workspace's ``packages/*/src`` are put on the path when tlm is not
 installed). It launches ``torchrun --nproc-per-node 2`` (gloo, CPU, one thread a rank) once per way of
-saving and prints one table; nothing is timed.
+saving and writes one table, its section of docs/benchmarks.md (``--print``: print it only); nothing is
+timed.
 
 Method. Each rank builds the model, wraps it with FSDP2 (``fully_shard`` per block and on the root),
 takes one AdamW step on a random batch so the optimizer holds both moments, and then saves step 1
@@ -17,12 +18,15 @@ did: ``get_state_dict(full_state_dict=True, cpu_offload=True)`` on every rank, t
 """
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+
+from _common import DOC, cpu_description, write_section
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODES = ("gathered", "sharded")
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--print", action="store_true", help="print the section instead of writing it")
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)  # set for the ranks
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -110,13 +115,36 @@ def main() -> None:
     mib = 2**20
     params = rows[0]["params"]
     whole = 12 * params / mib  # float32 weights + AdamW's two moments
-    print(f"model: {params / 1e6:.1f} M parameters; weights + AdamW's two moments = {whole:.0f} MiB")
-    print("| save | rank | RSS before (MiB) | peak during save (MiB) | peak − before (MiB) |")
-    print("|---|---|---|---|---|")
+    lines = [
+        "## Checkpoint memory: rank 0's peak while a 2-rank FSDP2 run saves",
+        "",
+        f"Written by `python bench/dcp_memory.py` on {datetime.date.today()}; CPU: {cpu_description()}; torch "
+        f"{torch_version()}; torchrun, 2 gloo ranks, one thread each. Model: {params / 1e6:.1f} M parameters "
+        f"(d_model {args.d_model}, {args.layers} layers, vocabulary {args.vocab}); its float32 weights and AdamW's "
+        f"two moments are {whole:.0f} MiB in all. Each rank takes one AdamW step, then saves step 1. *gathered* is "
+        "tlm-train 0.2's save (full state dicts gathered to every rank, rank 0 writes them); *sharded* is "
+        "`capture_state` + `CheckpointManager.save` now (each rank writes its own DCP shards). Peak = the "
+        "resident-set high-water mark during the save (`VmHWM`, reset just before it) over the RSS just before.",
+        "",
+        "| save | rank | RSS before (MiB) | peak during save (MiB) | peak − before (MiB) |",
+        "|---|---|---:|---:|---:|",
+    ]
     for row in rows:
         for rank in row["ranks"]:
             before, peak = rank["before"] / mib, rank["peak"] / mib
-            print(f"| {row['mode']} | {rank['rank']} | {before:.0f} | {peak:.0f} | {peak - before:.0f} |")
+            lines.append(f"| {row['mode']} | {rank['rank']} | {before:,.0f} | {peak:,.0f} | {peak - before:,.0f} |")
+    text = "\n".join(lines) + "\n"
+    if args.print:
+        print(text)
+    else:
+        write_section("checkpoint", text)
+        print(f"wrote the checkpoint section of {DOC}")
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 if __name__ == "__main__":

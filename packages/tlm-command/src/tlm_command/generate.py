@@ -183,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--prompt-ids must be in [0, {vocab}) for this model's vocabulary, got {bad[:5]}")
     context = model.config.context_length
     if len(prompt) > context and not args.quiet:
-        from tlm_model.generate import _window  # the rule generate() keeps the newest tokens by
+        from tlm_model.generate import sliding_window  # the rule generate() keeps the newest tokens by
 
-        kept = _window(context)[0]
+        kept = sliding_window(context)[0]
         say(
             f"the prompt has {len(prompt)} tokens, more than the model's context of {context}: generating from its "
             f"last {kept} (the window keeps room for new tokens)"

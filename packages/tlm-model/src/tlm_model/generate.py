@@ -25,7 +25,7 @@ def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Te
     return logits
 
 
-def _window(context_length: int) -> tuple[int, int]:
+def sliding_window(context_length: int) -> tuple[int, int]:
     """(tokens kept, tokens dropped) when a full window slides: a quarter of the context is dropped, so
     the cache is rebuilt once every context_length // 4 tokens and each token still sees at least
     three quarters of the context."""
@@ -91,7 +91,7 @@ def generate(
     lengths = _prompt_lengths(prompt_lengths, ids.shape)
     if max_new_tokens == 0:
         return (ids.squeeze(0) if squeeze else ids).clone()
-    keep, _ = _window(context)
+    keep, _ = sliding_window(context)
     width = ids.shape[1]
     capacity = min(max(lengths) + max_new_tokens, context)
 
