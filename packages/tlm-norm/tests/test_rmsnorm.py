@@ -246,3 +246,66 @@ def test_backward_keeps_only_the_input_and_one_value_per_row():
         norm(x)
     assert {tuple(t.shape) for t in saved} == {(2, 7, 16), (16,), (2, 7, 1)}  # x, the gain, 1/rms
     assert any(t.data_ptr() == x.data_ptr() for t in saved)  # the input itself, not a copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_no_grad_path_matches_f_rms_norm(dtype):
+    # Inference (generate, eval) runs this path: no autograd Function, nothing saved.
+    norm = random_norm(16, dtype=dtype)
+    x = torch.randn(2, 3, 16, dtype=dtype) * 4
+    x[0, 1] = 0.0  # a row of zeros normalises to zeros
+    with torch.no_grad():
+        out = norm(x)
+        expected = F.rms_norm(x, (16,), norm.weight, eps=norm.eps)
+    assert out.dtype == dtype and out.shape == x.shape
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[0, 1], torch.zeros(16, dtype=dtype))
+
+
+@pytest.mark.parametrize(
+    ("grad_mode", "x_grad", "weight_grad", "function"),
+    [
+        (True, True, True, True),
+        (True, True, False, True),  # a frozen gain: still the written-out backward for x
+        (True, False, True, True),  # the gain alone is trained
+        (True, False, False, False),  # nothing to differentiate
+        (False, True, True, False),  # torch.no_grad(): inference
+    ],
+)
+def test_the_autograd_function_runs_exactly_when_a_gradient_is_needed(
+    grad_mode, x_grad, weight_grad, function, monkeypatch
+):
+    calls = []
+    apply = tlm_norm.rmsnorm._RMSNormFunction.apply
+    monkeypatch.setattr(tlm_norm.rmsnorm._RMSNormFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    norm = random_norm(8)
+    norm.weight.requires_grad_(weight_grad)
+    x = torch.randn(3, 8, requires_grad=x_grad)
+    with torch.set_grad_enabled(grad_mode):
+        out = norm(x)
+    assert bool(calls) is function
+    assert out.requires_grad is (grad_mode and (x_grad or weight_grad))
+    with torch.no_grad():
+        torch.testing.assert_close(out, F.rms_norm(x, (8,), norm.weight, eps=norm.eps), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", ["x", "weight"])
+def test_one_sided_gradients_match_float64_autograd(which):
+    norm = random_norm(12)
+    x = torch.randn(5, 12, requires_grad=which == "x")
+    norm.weight.requires_grad_(which == "weight")
+    grad_out = torch.randn(5, 12)
+    norm(x).backward(grad_out)
+    x64 = x.detach().double().requires_grad_()
+    w64 = norm.weight.detach().double().requires_grad_()
+    rms = torch.sqrt((x64**2).mean(-1, keepdim=True) + norm.eps)
+    (x64 / rms * w64).backward(grad_out.double())
+    got, want, other = (x.grad, x64.grad, norm.weight.grad) if which == "x" else (norm.weight.grad, w64.grad, x.grad)
+    assert other is None
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_reset_parameters_puts_the_gain_back_to_ones():
+    norm = random_norm(6)
+    norm.reset_parameters()
+    assert torch.equal(norm.weight.detach(), torch.ones(6))
