@@ -45,3 +45,15 @@ def test_an_output_may_not_be_inside_around_or_equal_to_any_input(tmp_path, wher
 def test_an_output_beside_the_inputs_or_sharing_a_name_prefix_is_allowed(tmp_path):
     check_output(tmp_path / "out", tmp_path / "in", None, tmp_path / "o")
     check_output(tmp_path / "input-2", tmp_path / "input")  # a string prefix, not a parent folder
+
+
+def test_every_subcommand_has_its_line_in_the_list_and_its_own_help_text():
+    import tlm_command.eval
+    from tlm_command.args import description
+    from tlm_command.main import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    lines = {action.dest: action.help for action in commands._choices_actions}
+    assert set(lines) == set(commands.choices) and all(lines.values()), lines
+    # The --help text of a command declared with a module docstring is that docstring's body.
+    assert commands.choices["eval"].description == description(tlm_command.eval.__doc__)

@@ -82,3 +82,34 @@ def test_user_errors_are_one_line_exit_2_and_inputs_survive(text, tmp_path, fail
 def test_usage_errors_exit_2_on_one_line(args, message, fails):
     # In-process: test_the_command_runs_as_python_dash_m_tlm and test_main.py run the real interpreter.
     fails(["tokenizer", *args], message)
+
+
+#: Each subcommand's required arguments (never read: parsing stops before anything runs).
+REQUIRED = {
+    "train": ["--input", "x", "--out", "y", "--vocab-size", "300"],
+    "encode": ["--tokenizer", "t", "--input", "x", "--out", "y"],
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "workers", "workers_help"),
+    [("train", None, "pre-tokenisation processes (default: CPU count, at most 8)"), ("encode", 1, "processes")],
+)
+def test_the_run_flags_of_each_subcommand(command, workers, workers_help, capsys):
+    from tlm_command.main import build_parser
+
+    args = build_parser().parse_args(["tokenizer", command, *REQUIRED[command]])
+    assert (args.workers, args.json, args.quiet) == (workers, False, False)
+    with pytest.raises(SystemExit):
+        main(["tokenizer", command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help text
+    for text in ("--workers N", workers_help, "--json print a JSON summary", "--quiet no progress bars"):
+        assert text in shown, text
+
+
+@pytest.mark.parametrize("command", ["train", "encode"])
+def test_workers_must_be_a_positive_int(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tokenizer", command, *REQUIRED[command], "--workers", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --workers: must be a positive integer, got 0" in capsys.readouterr().err
