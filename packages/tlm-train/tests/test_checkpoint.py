@@ -533,6 +533,38 @@ def test_remove_after_abandons_later_steps_complete_or_not(tmp_path):
     assert manager.remove_after(1) == [2, 3] and manager.all_steps() == [1]
 
 
+#: A process that saves step folders in a loop, each filled with its step number, printing each step saved:
+#: argv is the checkpoint folder and the last step saved. Under torchrun's variables it is one rank of an
+#: FSDP2 run (every rank saves its DCP shards), else one process; either way it cleans a killed save's
+#: leftovers before each save and prunes after it, as the recipe does.
+SAVER = """
+import sys, torch
+from tlm_model import ModelConfig, TransformerLM
+from tlm_optim import AdamW
+from tlm_train import CheckpointManager, capture_state, init_distributed, wrap_model
+from tlm_train.distributed import barrier
+info = init_distributed("cpu")
+model = TransformerLM(ModelConfig(512, 8, 256, 2, 4, 512), fused=False)
+if info.world_size > 1:
+    wrap_model(model, "fsdp")
+opt = AdamW(model.parameters())
+manager = CheckpointManager(sys.argv[1], keep=2)
+step = int(sys.argv[2])
+while True:
+    step += 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(step)
+    if info.is_main:
+        manager.remove_leftovers()
+    manager.save(model, capture_state(model, opt, step=step))
+    barrier()
+    if info.is_main:
+        manager.prune()
+        print(step, flush=True)
+"""
+
+
 @pytest.mark.slow  # two ranks killed mid-save, twice
 def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete_step(tmp_path, forked):
     """FSDP2 on two gloo ranks saves DCP step folders in a loop; both ranks die by SIGKILL at a random
@@ -546,31 +578,6 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
     from tlm_train import CheckpointManager
     from tlm_train.checkpoint import read_model_state
 
-    code = """
-    import sys, torch
-    from tlm_model import ModelConfig, TransformerLM
-    from tlm_optim import AdamW
-    from tlm_train import CheckpointManager, capture_state, init_distributed, wrap_model
-    from tlm_train.distributed import barrier
-    info = init_distributed("cpu")
-    model = TransformerLM(ModelConfig(512, 8, 256, 2, 4, 512))
-    wrap_model(model, "fsdp")
-    opt = AdamW(model.parameters())
-    manager = CheckpointManager(sys.argv[1], keep=2)
-    step = int(sys.argv[2])
-    while True:
-        step += 1
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(step)
-        if info.is_main:
-            manager.remove_leftovers()
-        manager.save(model, capture_state(model, opt, step=step))
-        barrier()
-        if info.is_main:
-            manager.prune()
-            print(step, flush=True)
-    """
     rng, done = random.Random(11), 0
     for _ in range(2):
         with socket.socket() as s:
@@ -578,7 +585,7 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
             port = str(s.getsockname()[1])
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         ranks = [
-            forked(code, str(tmp_path), str(done), wait=False, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            forked(SAVER, str(tmp_path), str(done), wait=False, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in (0, 1)
         ]
         try:
@@ -609,27 +616,9 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
 
     from tlm_train import CheckpointManager
 
-    code = """
-    import sys, torch
-    from tlm_model import ModelConfig, TransformerLM
-    from tlm_optim import AdamW
-    from tlm_train import CheckpointManager, capture_state
-    manager = CheckpointManager(sys.argv[1], keep=2)
-    model = TransformerLM(ModelConfig(512, 8, 256, 2, 4, 512), fused=False)
-    opt = AdamW(model.parameters())
-    step = int(sys.argv[2])
-    while True:
-        step += 1
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(step)
-        manager.save(model, capture_state(model, opt, step=step))
-        manager.prune()
-        print(step, flush=True)
-    """
     rng, done = random.Random(7), 0
     for _ in range(4):
-        child = forked(code, str(tmp_path), str(done), wait=False)
+        child = forked(SAVER, str(tmp_path), str(done), wait=False)
         try:
             done = int(child.stdout.readline())
             time.sleep(rng.uniform(0.0, 0.5))
