@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 
 import nox
 import tomllib
@@ -456,7 +455,8 @@ def standalone(session: nox.Session) -> None:
     if unknown:
         session.error(f"unknown packages {unknown}; choose from {list(PACKAGES)}")
     lines = {dist: _readme_install_line(dist) for dist in chosen}
-    wheels = {dist: _wheel(session, dist) for dist in _unique(d for p in chosen for d in _local_closure(p))}
+    needed = dict.fromkeys(d for p in chosen for d in _local_closure(p))  # each sibling once, in order
+    wheels = {dist: _wheel(session, dist) for dist in needed}
     root = pathlib.Path(session.create_tmp()).resolve() / "standalone"
     shutil.rmtree(root, ignore_errors=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
@@ -471,10 +471,6 @@ def standalone(session: nox.Session) -> None:
         session.error(f"standalone failed for {sorted(failed)}")
 
 
-def _unique(items: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(items))
-
-
 def _check_alone(dist: str, line: str, wheels: dict[str, pathlib.Path], here: pathlib.Path) -> tuple[bool, str]:
     """One package's check in a venv of its own under ``here``: (True, the check's own last line), or
     (False, everything each step printed up to the one that failed)."""
@@ -487,7 +483,11 @@ def _check_alone(dist: str, line: str, wheels: dict[str, pathlib.Path], here: pa
     python = str(venv / ("Scripts" if os.name == "nt" else "bin") / "python")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VIRTUAL_ENV": str(venv)}
     env["PATH"] = os.pathsep.join([str(pathlib.Path(python).parent), env.get("PATH", "")])
-    needs_torch = any(_requirement_name(r) == "torch" for d in _local_closure(dist) for r in _dependencies(d))
+    needs_torch = any(
+        _requirement_name(r) == "torch"
+        for d in _local_closure(dist)
+        for r in PACKAGES[d]["project"].get("dependencies", [])
+    )
     uv = shutil.which("uv")
     steps = (
         [[uv, "venv", "--quiet", "--python", sys.executable, str(venv)]]
@@ -511,10 +511,6 @@ def _check_alone(dist: str, line: str, wheels: dict[str, pathlib.Path], here: pa
         if done.returncode != 0:
             return False, "".join(log)
     return True, done.stdout.strip().splitlines()[-1]
-
-
-def _dependencies(dist: str) -> list[str]:
-    return list(PACKAGES[dist]["project"].get("dependencies", []))
 
 
 @nox.session
