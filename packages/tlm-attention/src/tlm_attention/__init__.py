@@ -13,10 +13,12 @@ __version__ = "0.4.0"
 __all__ = [
     "ATTENTION_BACKENDS",
     "BACKENDS",
+    "CacheStep",
     "CausalMultiHeadSelfAttention",
     "KVCache",
     "__version__",
     "blockwise_attention",
+    "cache_mask",
     "causal_attention",
     "head_layout",
     "register_attention_backend",
@@ -30,7 +32,7 @@ _HOMES = {
     **dict.fromkeys((*_BACKENDS, "resolve_attention_backend"), "tlm_attention.backends"),
     "blockwise_attention": "tlm_attention.blockwise",
     "head_layout": "tlm_attention.heads",
-    "KVCache": "tlm_attention.kv_cache",
+    **dict.fromkeys(("KVCache", "CacheStep", "cache_mask"), "tlm_attention.kv_cache"),
     "CausalMultiHeadSelfAttention": "tlm_attention.mha",
     "scaled_dot_product_attention": "tlm_attention.sdpa",
     "softmax": "tlm_attention.softmax",
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     )
     from tlm_attention.blockwise import blockwise_attention
     from tlm_attention.heads import head_layout
-    from tlm_attention.kv_cache import KVCache
+    from tlm_attention.kv_cache import CacheStep, KVCache, cache_mask
     from tlm_attention.mha import CausalMultiHeadSelfAttention
     from tlm_attention.sdpa import scaled_dot_product_attention
     from tlm_attention.softmax import softmax
