@@ -12,17 +12,25 @@ from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
 
-def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+def _filter_logits(logits: Tensor, top_k: int | Tensor | None, top_p: float | Tensor | None) -> Tensor:
+    """``logits`` with -inf outside each row's ``top_k`` most likely (ties at the k-th kept; 0 or >= vocab: no
+    limit) and outside the smallest set whose probability reaches ``top_p`` (1: no limit). Each limit is one
+    value or one per row (a tensor of the leading shape); one sort serves both."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(-1, descending=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.as_tensor(top_k, device=logits.device).long().unsqueeze(-1)
+        k = torch.where((k > 0) & (k < vocab), k, vocab)
+        keep &= ordered >= ordered.gather(-1, (k - 1).expand(*ordered.shape[:-1], 1))
+    if top_p is not None:
+        p = torch.as_tensor(top_p, device=logits.device, dtype=torch.float32).unsqueeze(-1)
+        probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")).float(), -1)
         # Drop a token when the tokens ranked above it already reach top_p; the best always stays.
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits
+        keep &= (probs.cumsum(-1) - probs < p) | (p >= 1.0)
+    return logits.masked_fill(~torch.zeros_like(keep).scatter(-1, order, keep), float("-inf"))
 
 
 def sliding_window(context_length: int) -> tuple[int, int]:
@@ -156,15 +164,67 @@ def sample_next_token(
     generator: torch.Generator | None = None,
 ) -> Int[Tensor, "..."]:
     """The next token of each row of ``logits``: the argmax at ``temperature=0``, else a draw from
-    softmax(logits / temperature) restricted by ``top_k`` and ``top_p`` (what :func:`generate` does each step).
+    softmax(logits / temperature) restricted by ``top_k`` and ``top_p`` (what :func:`generate` does each step):
+    :func:`sample_tokens` with the same settings for every row and one ``generator`` for all of them.
 
     Arguments are not checked here (a decoding loop calls this every step): :func:`generate` checks them.
     """
     if temperature == 0:
         return logits.argmax(-1)
-    filtered = _filter_logits(logits.float() / temperature, top_k, top_p)
-    flat = torch.softmax(filtered, -1).reshape(-1, filtered.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(filtered.shape[:-1])
+    flat = logits.reshape(-1, logits.shape[-1])
+    return sample_tokens(flat, temperature, top_k, top_p, generator).reshape(logits.shape[:-1])
+
+
+def sample_tokens(
+    logits: Float[Tensor, "batch vocab"],
+    temperature: float | Sequence[float] | Tensor,
+    top_k: int | Sequence[int | None] | Tensor | None = None,
+    top_p: float | Sequence[float | None] | Tensor | None = None,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None = None,
+) -> Int[Tensor, " batch"]:
+    """One token for every row of ``logits`` in one call, each row with its own settings: a row with
+    temperature 0 takes its argmax; another draws from softmax(logits / temperature) restricted to its
+    ``top_k`` most likely tokens (ties at the k-th kept; None or 0: no limit) and to the smallest set whose
+    probability reaches its ``top_p`` (None or 1: no limit). Each setting is one value for every row or one
+    per row (a sequence, or a tensor on the logits' device).
+
+    The draw is the exponential race (argmax of p / E, E ~ Exp(1) drawn per token; as vLLM and gpt-fast
+    sample without a host sync), whose winner is distributed as p exactly. ``generators`` is one generator for
+    every row, or one per row: a row with its own generator draws its noise from it alone, so its tokens do
+    not depend on what else is in the batch; rows with None share torch's default generator. Nothing is
+    checked or read back here (a server's hot path): the caller validates the settings once per request.
+    """
+    rows = logits.shape[0]
+    device = logits.device
+    logits = logits.float()
+
+    def per_row(value: object, dtype: torch.dtype, none: float) -> Tensor:
+        if isinstance(value, Tensor):
+            return value.to(device, dtype)
+        if isinstance(value, Sequence):
+            return torch.tensor([none if v is None else v for v in value], dtype=dtype, device=device)
+        return torch.full((rows,), none if value is None else value, dtype=dtype, device=device)
+
+    temperatures = per_row(temperature, torch.float32, 0.0)
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+    scaled = _filter_logits(
+        scaled,
+        None if top_k is None else per_row(top_k, torch.int64, 0),
+        None if top_p is None else per_row(top_p, torch.float32, 1.0),
+    )
+    probs = torch.softmax(scaled, -1)
+    noise = torch.empty_like(probs)
+    if isinstance(generators, torch.Generator) or generators is None:
+        noise.exponential_(generator=generators)
+    else:
+        if any(g is None for g in generators):
+            noise.exponential_()
+        for row, g in enumerate(generators):
+            if g is not None:
+                noise[row].exponential_(generator=g)
+    # A draw of exactly 0 would make 0/0 of a dropped token: the smallest normal float instead.
+    drawn = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
+    return torch.where(temperatures > 0, drawn, logits.argmax(-1))
 
 
 def _rebuild_row(model: TransformerLM | InferenceModel, cache: list, row: int, tokens: Tensor) -> None:
