@@ -12,7 +12,7 @@ import torch
 
 from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerLM, generate
-from tlm_model.generate import _filter_logits, sample_tokens
+from tlm_model.generate import EOS_CHECK_EVERY, _filter_logits, sample_tokens
 
 CFG = ModelConfig(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=64)
 
@@ -235,7 +235,16 @@ def test_generation_stops_once_every_row_has_emitted_eos(model, lm_reference):
     for r in range(2):
         assert torch.equal(out[r, 3 : 3 + first[r] + 1], new[r, : first[r] + 1])
         assert (out[r, 3 + first[r] :] == eos).all()  # a finished row is padded with eos
-    assert calls == [3] + [1] * last  # no forward after the last row finished
+    # Nothing after the last row finished is returned; the loop asks the device whether every row has ended
+    # once every EOS_CHECK_EVERY steps, so it may run a few forwards past it (on_token: none, see below).
+    assert calls[: last + 1] == [3] + [1] * last and len(calls) < last + 1 + EOS_CHECK_EVERY
+    calls.clear()
+    hook = model.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[-1]))
+    try:
+        streamed = generate(model, prompt, steps, temperature=0, eos_token_id=eos, on_token=lambda ids: None)
+    finally:
+        hook.remove()
+    assert torch.equal(streamed, out) and calls == [3] + [1] * last  # read every step: no forward past the end
 
 
 def test_generation_runs_to_max_new_tokens_when_no_row_emits_eos(model):
@@ -531,3 +540,33 @@ def test_sample_tokens_keeps_to_each_rows_own_limits_and_distribution():
     expected = torch.softmax(logits[2] / 2.0, -1)
     freq = torch.bincount(out[2], minlength=9).double() / draws
     assert ((freq - expected).abs() <= 5 * torch.sqrt(expected * (1 - expected) / draws) + 1e-3).all()
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("ragged prompts, greedy", dict(prompt_lengths=[7, 3], temperature=0)),
+        ("slides past the context", dict(temperature=0, long=True)),
+        ("ragged, slides, sampled", dict(prompt_lengths=[2, 7], long=True, seed=3)),
+        ("eos ends rows", dict(temperature=0, eos=True)),
+    ],
+)
+def test_static_cache_decoding_gives_the_tokens_of_the_eager_loop(model, monkeypatch, case, kwargs):
+    # What a compiled model decodes with (static caches, one step shape, refilled rows when a window slides),
+    # run eagerly here: the tokens of generate's eager loop over growing caches.
+    import importlib
+
+    generate_module = importlib.import_module("tlm_model.generate")  # the module, not the function it exports
+    prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
+    new = 2 * CFG.context_length if kwargs.pop("long", False) else 12
+    seed = kwargs.pop("seed", None)
+    if kwargs.pop("eos", False):
+        kwargs["eos_token_id"] = int(generate(model, prompt, 6, temperature=0)[0, -1])
+
+    def run():
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        return generate(model, prompt, new, generator=generator, **kwargs)
+
+    eager = run()
+    monkeypatch.setattr(generate_module, "_uses_static_cache", lambda m: True)
+    assert torch.equal(run(), eager), case

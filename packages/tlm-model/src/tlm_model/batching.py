@@ -113,18 +113,42 @@ class DecodeBatch:
         """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
-        if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not 0 < len(prompt_ids) <= self.capacity:
-            raise ValueError(
-                f"prompt_ids must be a tensor of shape (prompt,) with 1 to {self.capacity} ids, got "
-                + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
-            )
-        ids = as_index_tensor("prompt_ids", prompt_ids, self._lm.config.vocab_size, "vocab_size")
+        ids = self._checked(prompt_ids, least=1)
         rows = len(self)
         for cache in self.caches:
             cache.append_empty_row()
         self._pending.append(ids.to(self._device))
         self._decoding[rows] = 0
         return rows
+
+    @torch.no_grad()
+    def refill(self, row: int, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"] | None:
+        """Row ``row`` holds exactly ``prompt_ids`` from now on (a window that slid): its tokens are forgotten
+        and ``prompt_ids`` prefilled alone; returns its next-token logits (None for no ids: the row is empty)."""
+        check_int("row", row, low=0, high=len(self) - 1)
+        ids = self._checked(prompt_ids, least=0)
+        for cache in self.caches:
+            lengths = list(cache.lengths)
+            lengths[row] = 0
+            cache.truncate(lengths)
+        if len(ids) == 0:
+            self._pending[row] = None
+            self._decoding[row] = 1
+            return None
+        self._pending[row] = ids.to(self._device)
+        self._decoding[row] = 0
+        done: dict[int, Tensor] = {}
+        while not done:
+            done = self._prefill_rows([row], self.prefill_chunk)
+        return done[row]
+
+    def _checked(self, prompt_ids: object, least: int) -> Tensor:
+        if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not least <= len(prompt_ids) <= self.capacity:
+            raise ValueError(
+                f"prompt_ids must be a tensor of shape (prompt,) with {least} to {self.capacity} ids, got "
+                + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
+            )
+        return as_index_tensor("prompt_ids", prompt_ids, self._lm.config.vocab_size, "vocab_size")
 
     @torch.no_grad()
     def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:

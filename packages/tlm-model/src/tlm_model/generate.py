@@ -33,6 +33,11 @@ def _filter_logits(logits: Tensor, top_k: int | Tensor | None, top_p: float | Te
     return logits.masked_fill(~torch.zeros_like(keep).scatter(-1, order, keep), float("-inf"))
 
 
+#: Without an ``on_token`` callback (which reads every token anyway), :func:`generate` asks the device whether
+#: every row has ended once every this many steps, not every step, and cuts the steps past the end afterwards.
+EOS_CHECK_EVERY = 8
+
+
 def sliding_window(context_length: int) -> tuple[int, int]:
     """(tokens kept, tokens dropped) when a full window slides: a quarter of the context is dropped, so
     the cache is rebuilt once every context_length // 4 tokens and each token still sees at least
@@ -77,7 +82,14 @@ def generate(
     positions in the KV cache, so row ``b`` gets the tokens its prompt gets alone (up to float rounding of
     a batched matmul), and slides its own window when it alone fills the context.
 
-    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
+    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode: it then decodes
+    through a :class:`~tlm_model.batching.DecodeBatch` over static caches sized to the request, one compiled
+    graph of one shape for every step (a window that slides rebuilds a full row alone; the tokens are those
+    of the eager model, up to float rounding).
+
+    **Host syncs.** A step reads nothing back unless ``on_token`` is given (it gets each token) or
+    ``eos_token_id`` is: then whether every row has ended is read every step with ``on_token``, else every
+    :data:`EOS_CHECK_EVERY` steps, and the few steps run past the end are cut from the result.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] == 0:
         raise ValueError(
@@ -121,6 +133,14 @@ def generate(
             layer.truncate(sizes)
         return cache, all_logits[torch.arange(len(rows), device=ids.device), torch.tensor(sizes, device=ids.device) - 1]
 
+    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
+    check_every = 1 if on_token is not None else EOS_CHECK_EVERY
+    if _uses_static_cache(model):
+        out = _generate_static(
+            model, ids, lengths, capacity, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
+            dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+        )  # fmt: skip
+        return out.squeeze(0) if squeeze else out
     ragged = any(n != width for n in lengths)
     if not ragged:
         cache, logits = prefill(ids if width <= capacity else ids[:, -keep:])
@@ -129,16 +149,18 @@ def generate(
         rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
         cache, logits = prefill_rows([row if len(row) <= capacity else row[-keep:] for row in rows])
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    all_done_at = torch.full((), -1, device=ids.device)  # the first step after which every row had ended
     out = [ids]
-    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     for step in range(max_new_tokens):
         token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if eos_tensor is not None:
             token = torch.where(finished, eos_tensor[0], token)
             finished |= torch.isin(token, eos_tensor)
+            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
         out.append(token.unsqueeze(1))
         stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
-        if stop or step + 1 == max_new_tokens or (eos_tensor is not None and bool(finished.all())):
+        ended = eos_tensor is not None and (step + 1) % check_every == 0 and bool(finished.all())
+        if stop or step + 1 == max_new_tokens or ended:
             break
         if not ragged and cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
             cache, logits = prefill(torch.cat(out, dim=1)[:, -keep:])
@@ -151,8 +173,67 @@ def generate(
                     row = before[b, width - lengths[b] :]
                     _rebuild_row(model, cache, b, row[len(row) - (keep - 1) :])
         logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
-    result = torch.cat(out, dim=1)
+    result = _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos_tensor, check_every)
     return result.squeeze(0) if squeeze else result
+
+
+def _uses_static_cache(model: object) -> bool:
+    """Whether :func:`generate` decodes ``model`` over static caches (a compiled model's one step shape)."""
+    return isinstance(model, InferenceModel)
+
+
+def _cut_after_the_end(result: Tensor, all_done_at: Tensor, width: int, eos: Tensor | None, check_every: int) -> Tensor:
+    """``result`` without the steps run after every row had ended (at most ``check_every - 1``): one read."""
+    if eos is None or check_every == 1:
+        return result
+    done = int(all_done_at)
+    return result if done < 0 else result[:, : width + done + 1]
+
+
+def _generate_static(
+    model: InferenceModel | TransformerLM,
+    ids: Tensor,
+    lengths: list[int],
+    capacity: int,
+    max_new_tokens: int,
+    eos: Tensor | None,
+    on_token: Callable[[Tensor], bool | None] | None,
+    check_every: int,
+    squeeze: bool,
+    sampling: dict,
+) -> Tensor:
+    """:func:`generate`'s loop over a :class:`DecodeBatch` (static caches, one step shape): what an
+    :class:`InferenceModel` decodes with. A full row is refilled alone from its newest tokens but the one it
+    is about to take, then takes it with the others."""
+    from tlm_model.batching import DecodeBatch
+
+    width = ids.shape[1]
+    keep, _ = sliding_window(model.config.context_length)
+    batch = DecodeBatch(model, ids.shape[0], capacity=capacity)
+    rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
+    logits = batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows])
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    all_done_at = torch.full((), -1, device=ids.device)
+    out = [ids]
+    for step in range(max_new_tokens):
+        token = sample_next_token(logits, **sampling)
+        if eos is not None:
+            token = torch.where(finished, eos[0], token)
+            finished |= torch.isin(token, eos)
+            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
+        out.append(token.unsqueeze(1))
+        stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
+        ended = eos is not None and (step + 1) % check_every == 0 and bool(finished.all())
+        if stop or step + 1 == max_new_tokens or ended:
+            break
+        full = [b for b, n in enumerate(batch.lengths) if n == capacity]
+        if full:
+            before = torch.cat(out[:-1], dim=1)
+            for b in full:
+                row = before[b, width - lengths[b] :]
+                batch.refill(b, row[len(row) - (keep - 1) :])
+        logits = batch.step(token)
+    return _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos, check_every)
 
 
 def sample_next_token(
