@@ -374,7 +374,7 @@ def experiments(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "make_experiments_doc.py"), *session.posargs)
 
 
-BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train", "dcp_memory", "serve"]
+BENCHMARKS = ["run", "gqa", "decode", "tokenizer", "optim", "train", "dcp_memory", "serve"]
 # The references each benchmark measures against, beside tlm's own packages.
 BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15"]
 
