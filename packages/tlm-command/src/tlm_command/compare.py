@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command
+from tlm_command.manifest import MANIFEST, read_manifest
 
-#: The file that makes a folder a sweep (``tlm sweep`` writes it).
-MANIFEST = "sweep.json"
 #: Summary fields that measure the machine, not the run: a resumed run's differ from an uninterrupted one's.
 TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
 
@@ -245,8 +244,6 @@ def _final_panel(ax: Any, summaries: list[RunSummary]) -> None:
 
 def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
     """(name, folder, settings, status) of each run a sweep's manifest lists."""
-    from tlm_command.sweep import read_manifest
-
     manifest = read_manifest(folder)
     return [(r["name"], folder / r["name"], r["settings"], r["status"]) for r in manifest["runs"]]
 

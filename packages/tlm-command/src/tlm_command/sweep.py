@@ -44,14 +44,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from tlm_command.args import UserError, add_command, positive_int, say
-from tlm_command.compare import MANIFEST
+from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
 
-FORMAT = "tlm-sweep/1"
 #: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
 FINISHED = ("done", "diverged")
-SUMMARY_JSON, SUMMARY_MD, PLOT = "summary.json", "summary.md", "sweep.png"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
-_RESERVED = {MANIFEST, SUMMARY_JSON, SUMMARY_MD, PLOT, ".lock"}
 
 
 def add_parser(commands: Any) -> None:
@@ -209,8 +205,7 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     base_dict = apply({k: v for k, v in base.to_dict().items() if k != "out_dir"}, flat_base)
     names = [name for name, _ in runs]
     for name in names:
-        if not _NAME.fullmatch(name) or name in _RESERVED:
-            raise UserError(f"run name {name!r} is not a plain folder name (letters, digits, . _ = , + -)")
+        check_name(name, "run name")
         if names.count(name) > 1:
             raise UserError(f"run name {name!r} is given twice")
     for name, settings in runs:
@@ -239,14 +234,21 @@ def _base_config(path: str) -> Any:
 # ------------------------------------------------------------------------------------------ the manifest
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
-    manifest = _parsed(path, json.loads, json.JSONDecodeError, f"{path} is not a sweep manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a {FORMAT} manifest")
-    return manifest
+def _check_resumable(folder: Path, manifest: dict[str, Any]) -> None:
+    """Refuse, before anything is written, a run still to train whose folder is a symbolic link (it would train
+    wherever the link points) or whose settings are not a TrainConfig (a manifest edited by hand)."""
+    from tlm_train.config import TrainConfig
+
+    for i, entry in enumerate(manifest["runs"]):
+        if entry["status"] in FINISHED:
+            continue
+        path = folder / entry["name"]
+        if path.is_symlink():
+            raise UserError(f"{path} is a symbolic link: tlm sweep never trains into one; remove it")
+        try:
+            TrainConfig.from_dict({**apply(manifest["base"], entry["settings"]), "out_dir": str(path)})
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{folder / MANIFEST}: runs[{i}] ({entry['name']}): {_setting_names(str(err))}") from None
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
@@ -257,20 +259,18 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """One process runs a sweep at a time (``flock``: the kernel frees it when the holder dies)."""
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        try:
-            import fcntl
+    """One process runs a sweep at a time: ``SWEEP/.lock`` held as a run folder's lock is (``flock``, freed by
+    the kernel when the holder dies; opened with ``O_NOFOLLOW``, so a symlink planted there is refused)."""
+    from tlm_train.run_dir import RunInUseError, RunLock
 
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover - no advisory locks on Windows
-            pass
-        except BlockingIOError:
-            raise UserError(f"{folder} is in use by another tlm sweep; wait for it to finish") from None
+    try:
+        held = RunLock(folder / LOCK, command="tlm sweep")
+    except RunInUseError:
+        raise UserError(f"{folder} is in use by another tlm sweep; wait for it to finish") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        held.release()
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -304,8 +304,10 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     from tlm_train import NonFiniteLossError, RunDir, TrainConfig, train
 
     config = TrainConfig.from_dict(job["config"])
-    resume = RunDir(config.out_dir).config_path.is_file()
     name = job["name"]
+    if Path(config.out_dir).is_symlink():  # planted since the sweep checked its folders: nothing is written there
+        return {"status": "failed", "message": f"{config.out_dir} is a symbolic link: tlm sweep never trains into one"}
+    resume = RunDir(config.out_dir).config_path.is_file()
     log = None if job["quiet"] else (lambda line: say(f"[{name}] {line}"))
     try:
         result = train(config, resume=resume, log=log, progress=False)
@@ -484,6 +486,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError("--resume continues a sweep as planned; it takes only --jobs and --quiet")
         folder = Path(args.resume)
         manifest = read_manifest(folder)
+        _check_resumable(folder, manifest)
     else:
         if args.out_dir is None:
             raise UserError("give --out-dir SWEEP for a new sweep, or --resume SWEEP")

@@ -146,14 +146,14 @@ class RunLock:
     """An exclusive ``flock`` on ``RUN/.lock``. The file keeps who holds it (pid, host), for the message a
     second process gets; the kernel releases the lock when the holder exits, however it exits."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, command: str = "tlm train") -> None:
         self.path = path
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
             self._fd: int | None = os.open(path, flags, 0o666)
         except OSError as err:
             if err.errno == errno.ELOOP or path.is_symlink():
-                raise ValueError(f"{path} is a symbolic link: tlm train never follows one; remove it") from None
+                raise ValueError(f"{path} is a symbolic link: {command} never follows one; remove it") from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(self._fd).st_mode):
@@ -166,7 +166,7 @@ class RunLock:
             holder = _read_holder(self._fd)
             self.release()
             raise RunInUseError(
-                f"{path.parent} is in use by another tlm train ({holder}); wait for it to finish, or choose another "
+                f"{path.parent} is in use by another {command} ({holder}); wait for it to finish, or choose another "
                 "--out-dir"
             ) from None
 

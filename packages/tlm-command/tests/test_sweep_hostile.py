@@ -1,0 +1,94 @@
+"""``tlm sweep`` and ``tlm compare`` on hostile input: a manifest edited by hand or planted, run names that are not
+one folder name, symlinks planted where a sweep writes, metrics records of the wrong shape, plans too big to
+make. Each is refused in one line naming the file or field, and nothing outside the sweep folder changes."""
+
+import json
+import os
+
+import pytest
+
+from tlm_command import manifest as manifest_module
+from tlm_command import sweep
+
+BASE = {"steps": 2, "vocab_size": 32, "model": {"context_length": 16, "d_model": 32, "num_layers": 1,
+                                                "num_heads": 2, "d_ff": 64}}  # fmt: skip
+
+
+def _manifest(folder, runs, **fields):
+    folder.mkdir(exist_ok=True)
+    data = {"format": sweep.FORMAT, "base": BASE, "runs": runs, **fields}
+    (folder / "sweep.json").write_text(json.dumps(data))
+    return folder / "sweep.json"
+
+
+def _entry(name="a", settings=None, status="pending"):
+    return {"name": name, "settings": {} if settings is None else settings, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("runs", "fields", "words"),
+    [
+        ([{"settings": {}, "status": "pending"}], {}, "runs[0] has no name"),
+        ([{"name": "a", "status": "pending"}], {}, "runs[0] has no settings"),
+        ([{"name": "a", "settings": {}}], {}, "runs[0] has no status"),
+        ([_entry(settings=["lr", 1])], {}, 'runs[0].settings must be a table of settings, got ["lr", 1]'),
+        ([_entry(settings="lr=1")], {}, "runs[0].settings must be a table of settings"),
+        ([_entry(name="../x")], {}, "runs[0].name: '../x' is not a plain folder name"),
+        ([_entry(name="/tmp/x")], {}, "runs[0].name: '/tmp/x' is not a plain folder name"),
+        ([_entry(name="..")], {}, "runs[0].name: '..' is not a plain folder name"),
+        ([_entry(name="sweep.json")], {}, "runs[0].name: 'sweep.json' is not a plain folder name"),
+        ([_entry(name=7)], {}, "runs[0].name: expected a text name, got int"),
+        ([_entry(name="a" * 256)], {}, "runs[0].name: '" + "a" * 40 + "'... is 256 bytes long, over the 255"),
+        ([_entry(), _entry()], {}, "runs[1].name: 'a' is given twice"),
+        ([_entry(status="finished")], {}, "runs[0].status must be one of pending, running,"),
+        ([_entry(), "b"], {}, 'runs[1] must be a table with name, settings and status, got "b"'),
+        ([{**_entry(), "message": 3}], {}, "runs[0].message must be text, got 3"),
+        ({"a": {}}, {}, "runs must be a list of one or more runs"),
+        ([], {}, "runs must be a list of one or more runs, got []"),
+        ([_entry()], {"base": []}, "base must be a table of settings"),
+        ([_entry()], {"base": {"model": 3}}, "base must be a table of settings (model a table in it), got"),
+        ([_entry()], {"jobs": 0}, "jobs must be a positive integer, got 0"),
+        ([_entry()], {"jobs": True}, "jobs must be a positive integer, got true"),
+    ],
+)
+def test_a_manifest_is_checked_field_by_field_by_sweep_and_compare(tmp_path, fails, runs, fields, words) -> None:
+    folder = tmp_path / "sweep"
+    path = _manifest(folder, runs, **fields)
+    before = sorted(os.listdir(tmp_path))
+    fails(["sweep", "--resume", str(folder)], f"{path}: {words}")
+    fails(["compare", str(folder)], f"{path}: {words}")
+    assert sorted(os.listdir(tmp_path)) == before and sorted(os.listdir(folder)) == ["sweep.json"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        ({"lr": "fast"}, "runs[0] (a): lr must be a number, got str ('fast')"),
+        ({"no_such": 1}, "runs[0] (a): unknown training settings ['no_such']"),
+        ({"model.d_model": 33}, "runs[0] (a): model.d_model must be divisible by num_heads"),
+    ],
+)
+def test_a_resumed_runs_settings_are_checked_as_a_train_config_before_anything_is_written(
+    tmp_path, fails, settings, words
+) -> None:
+    folder = tmp_path / "sweep"
+    path = _manifest(folder, [_entry(settings=settings)])
+    fails(["sweep", "--resume", str(folder)], f"{path}: {words}")
+    assert sorted(os.listdir(folder)) == ["sweep.json"]
+
+
+def test_run_names_from_a_grid_or_a_runs_file_are_one_folder_name(tmp_path, fails) -> None:
+    runs = tmp_path / "runs.toml"
+    runs.write_text(f'[runs."{"b" * 256}"]\n')
+    fails(["sweep", "--out-dir", str(tmp_path / "s"), "--runs", str(runs)], "run name: 'bbbb", "over the 255")
+    runs.write_text('[runs."../x"]\n')
+    fails(["sweep", "--out-dir", str(tmp_path / "s"), "--runs", str(runs)], "run name: '../x' is not a plain")
+    fails(["sweep", "--out-dir", str(tmp_path / "s"), "--grid", "data=/etc/x"], "run name: 'data=/etc/x' is not")
+    assert sorted(os.listdir(tmp_path)) == ["runs.toml"]  # a refused plan leaves no sweep folder behind
+
+
+def test_a_name_is_checked_by_one_rule() -> None:
+    assert manifest_module.name_problem("lr=1e-3,d_model=32") is None
+    assert manifest_module.name_problem("a" * 255) is None
+    for bad in ("", ".hidden", "a/b", "a\\b", "é", "a b", ".lock", "summary.md"):
+        assert manifest_module.name_problem(bad) is not None, bad
