@@ -92,3 +92,49 @@ def test_a_name_is_checked_by_one_rule() -> None:
     assert manifest_module.name_problem("a" * 255) is None
     for bad in ("", ".hidden", "a/b", "a\\b", "é", "a b", ".lock", "summary.md"):
         assert manifest_module.name_problem(bad) is not None, bad
+
+
+def _run_folder(folder, metrics: bytes):
+    """A run folder as tlm train leaves it (train.toml), with ``metrics`` as its metrics.jsonl."""
+    from tlm_train import TrainConfig
+
+    config = TrainConfig(out_dir=str(folder), **BASE)
+    folder.mkdir()
+    (folder / "train.toml").write_text(config.replace(model=config.model_config(32).to_dict(drop_none=True)).to_toml())
+    (folder / "metrics.jsonl").write_bytes(metrics)
+    return folder / "metrics.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        (b'{"val_loss": 3.0, "time_s": 1.0}', "line 2: expected a record with an integer step >= 0, got no step"),
+        (
+            b'{"step": Infinity, "train_loss": 3.0}',
+            "line 2: expected a record with an integer step >= 0, got step Infinity",
+        ),
+        (b'{"step": 1e400, "val_loss": 3.0}', "got step Infinity"),
+        (b'{"step": NaN, "val_loss": 3.0}', "got step NaN"),
+        (b'{"step": "2", "val_loss": 3.0}', 'got step "2"'),
+        (b'{"step": 2.0, "val_loss": 3.0}', "got step 2.0"),
+        (b'{"step": -1, "val_loss": 3.0}', "got step -1"),
+        (b'{"step": true, "val_loss": 3.0}', "got step true"),
+        (b"[2, 3.0]", "line 2: expected a record with an integer step >= 0, got a list, not an object"),
+        (b"7", "got a int, not an object"),
+        (b'{"step": 2, "val_loss": "\xff"}', "not UTF-8 text (invalid start byte at byte 69)"),
+    ],
+)
+def test_compare_refuses_a_metrics_record_of_the_wrong_shape_in_one_line_naming_the_file(
+    tmp_path, fails, line, words
+) -> None:
+    metrics = _run_folder(tmp_path / "run", b'{"step": 0, "val_loss": 4.0, "time_s": 0.5}\n' + line + b"\n")
+    fails(["compare", str(tmp_path / "run")], f"tlm: error: {metrics}: ", words)
+
+
+def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
+    from tlm_command.main import main
+
+    _run_folder(tmp_path / "run", b'{"step": 0, "val_loss": 4.0, "time_s": 0.5}\n{"step": 2, "val_lo')
+    assert main(["compare", str(tmp_path / "run"), "--json"]) == 0
+    (summary,) = json.loads(capsys.readouterr().out)
+    assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "stopped")
