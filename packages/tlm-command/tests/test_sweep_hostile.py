@@ -2,6 +2,7 @@
 one folder name, symlinks planted where a sweep writes, metrics records of the wrong shape, plans too big to
 make. Each is refused in one line naming the file or field, and nothing outside the sweep folder changes."""
 
+import argparse
 import json
 import os
 
@@ -138,3 +139,29 @@ def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
     assert main(["compare", str(tmp_path / "run"), "--json"]) == 0
     (summary,) = json.loads(capsys.readouterr().out)
     assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "stopped")
+
+
+def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(tmp_path, fails, monkeypatch) -> None:
+    import itertools
+
+    def no_product(*args, **kwargs):
+        raise AssertionError("the product was made before its size was checked")
+
+    out = tmp_path / "sweep"
+    thousand = ",".join(f"{i + 1}e-5" for i in range(1000))
+    with monkeypatch.context() as patch:
+        patch.setattr(itertools, "product", no_product)
+        fails(["sweep", "--out-dir", str(out), "--grid", f"lr={thousand}", "--grid", f"seed={thousand}"],
+              "--grid: 1000 x 1000 = 1,000,000 runs, more than --max-runs 1,000")  # fmt: skip
+        fails(["sweep", "--out-dir", str(out), "--grid", "lr=1,2,3", "--grid", "seed=1,2", "--max-runs", "5"],
+              "--grid: 3 x 2 = 6 runs, more than --max-runs 5")  # fmt: skip
+    runs = tmp_path / "runs.toml"
+    runs.write_text("".join(f"[runs.r{i}]\n" for i in range(4)))
+    fails(["sweep", "--out-dir", str(out), "--runs", str(runs), "--max-runs", "3"], f"--runs {runs}: 4 runs, more")
+    assert sorted(os.listdir(tmp_path)) == ["runs.toml"]
+    # At the limit, the plan is made.
+    grid = argparse.Namespace(grid=["lr=1e-3,2e-3,3e-3", "seed=1,2"], runs=None, config=None, set=[], max_runs=6)
+    assert len(sweep.plan(grid, out)["runs"]) == 6
+    by_file = argparse.Namespace(grid=[], runs=str(runs), config=None, set=[], max_runs=4)
+    assert [r["name"] for r in sweep.plan(by_file, out)["runs"]] == ["r0", "r1", "r2", "r3"]
+    assert sweep.MAX_RUNS == 1000 and not out.exists()

@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -48,6 +49,8 @@ from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUM
 
 #: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
 FINISHED = ("done", "diverged")
+#: The most runs a plan may hold unless --max-runs says otherwise: a grid's product grows fast.
+MAX_RUNS = 1000
 
 
 def add_parser(commands: Any) -> None:
@@ -67,6 +70,9 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
     parser.add_argument(
         "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
+    )
+    parser.add_argument(
+        "--max-runs", type=positive_int, default=MAX_RUNS, help="refuse a plan of more runs than this (its size said)"
     )
     parser.add_argument("--quiet", action="store_true", help="no log lines")
     parser.set_defaults(run=run)
@@ -144,8 +150,9 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest."""
+def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
+    of more than ``max_runs`` combinations is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []
     for item in grid:
         key, values = _split(item, "--grid")
@@ -156,6 +163,12 @@ def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
         if any(not t for t in texts):
             raise UserError(f"--grid {item!r}: an empty value")
         axes.append((flat, [(t, _value(t)) for t in texts]))
+    size = math.prod(len(values) for _, values in axes)
+    if max_runs is not None and size > max_runs:
+        sizes = " x ".join(str(len(values)) for _, values in axes)
+        raise UserError(
+            f"--grid: {sizes} = {size:,} runs, more than --max-runs {max_runs:,}; split the sweep or raise it"
+        )
     runs = []
     for combination in itertools.product(*(values for _, values in axes)):
         keys = [key for key, _ in axes]
@@ -195,10 +208,13 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise UserError("give --grid KEY=V1,V2,... (one or more) or --runs FILE.toml")
     base = TrainConfig() if args.config is None else _base_config(args.config)
     flat_base: dict[str, Any] = {}
+    max_runs = getattr(args, "max_runs", MAX_RUNS)
     if args.runs:
         flat_base, runs = _read_runs_file(args.runs)
+        if len(runs) > max_runs:
+            raise UserError(f"--runs {args.runs}: {len(runs):,} runs, more than --max-runs {max_runs:,}")
     else:
-        runs = expand_grid(args.grid)
+        runs = expand_grid(args.grid, max_runs=max_runs)
     for item in args.set:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
