@@ -165,3 +165,70 @@ def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(t
     by_file = argparse.Namespace(grid=[], runs=str(runs), config=None, set=[], max_runs=4)
     assert [r["name"] for r in sweep.plan(by_file, out)["runs"]] == ["r0", "r1", "r2", "r3"]
     assert sweep.MAX_RUNS == 1000 and not out.exists()
+
+
+@pytest.mark.slow  # two short trainings (~4 s)
+def test_a_resume_reapplies_only_what_a_resume_may_change_so_a_small_vocabulary_resumes(tmp_path, capsys) -> None:
+    from tlm_command.main import main
+    from tlm_train import MetricsLog, RunDir
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("ab ab ba. " * 300)  # a few merges at most: the BPE stops far below 300 tokens
+    settings = {"vocab_size": 300, "steps": 2, "batch_size": 4, "eval_batches": 1, "eval_interval": 2,
+                "checkpoint_interval": 2, "warmup_steps": 0, "peak_flops": 1e9, "sample_tokens": 0,
+                "context_length": 8, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32,
+                "data": corpus}  # fmt: skip
+    folder = tmp_path / "sweep"
+    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+    assert main(["sweep", "--out-dir", str(folder), "--grid", "lr=1e-3", "--quiet", "--jobs", "1", *sets]) == 0
+    run = RunDir(folder / "lr=1e-3")
+    reached = run.read_config().vocab_size
+    assert reached < 300
+    # As a sweep killed mid-run leaves it, with two more steps planned (a setting a resume may change) and a seed
+    # that differs from the run's (one it may not: the run keeps its own).
+    manifest = json.loads((folder / "sweep.json").read_text())
+    manifest["runs"][0]["status"] = "running"
+    manifest["base"].update(steps=4, seed=1234)
+    (folder / "sweep.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert main(["sweep", "--resume", str(folder), "--jobs", "1"]) == 0, capsys.readouterr().err
+    assert "[lr=1e-3] resumed from step 2" in capsys.readouterr().err
+    assert sweep.read_manifest(folder)["runs"][0]["status"] == "done"
+    resumed = run.read_config()
+    assert (resumed.steps, resumed.vocab_size, resumed.seed) == (4, reached, 0)
+    assert run.checkpoints().steps()[-1] == 4
+    assert [r["changed"] for r in MetricsLog(run.metrics_path).read() if r.get("event") == "resume"] == [{"steps": 4}]
+
+
+def test_the_last_remaining_run_trains_in_this_process_with_every_thread(tmp_path, monkeypatch) -> None:
+    """With --jobs 2 and one run left to train (the other finished), the run is not sent to a worker process: it
+    trains here, with all the sweep's threads, which are given back after; two runs left go to the workers."""
+    import torch
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    seen = []
+
+    def fake_train_run(job):
+        seen.append((job["name"], os.getpid(), torch.get_num_threads()))
+        return {"status": "done"}
+
+    def no_pool(self, todo):
+        raise AssertionError("the last run was sent to a worker pool")
+
+    monkeypatch.setattr(sweep, "train_run", fake_train_run)
+    monkeypatch.setattr(sweep.Sweep, "_at_once", no_pool)
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    manifest = {"format": sweep.FORMAT, "base": BASE, "runs": [_entry("a", status="done"), _entry("b")]}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert sweep.Sweep(folder, manifest, jobs=2, quiet=True).run()
+        assert seen == [("b", os.getpid(), 2)] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert [r["status"] for r in json.loads((folder / "sweep.json").read_text())["runs"]] == ["done", "done"]
+    pooled = []
+    monkeypatch.setattr(sweep.Sweep, "_at_once", lambda self, todo: pooled.append([e["name"] for e in todo]) or True)
+    manifest["runs"][0]["status"] = manifest["runs"][1]["status"] = "failed"
+    assert sweep.Sweep(folder, manifest, jobs=2, quiet=True).run() and pooled == [["a", "b"]]

@@ -324,6 +324,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     if Path(config.out_dir).is_symlink():  # planted since the sweep checked its folders: nothing is written there
         return {"status": "failed", "message": f"{config.out_dir} is a symbolic link: tlm sweep never trains into one"}
     resume = RunDir(config.out_dir).config_path.is_file()
+    if resume:
+        config = resume_config(config)
     log = None if job["quiet"] else (lambda line: say(f"[{name}] {line}"))
     try:
         result = train(config, resume=resume, log=log, progress=False)
@@ -333,6 +335,21 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
         first = str(err).splitlines()[0] if str(err) else ""
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
     return {"status": "stopped" if result.interrupted else "done"}
+
+
+def resume_config(planned: Any) -> Any:
+    """What a run resumes with: its own ``train.toml`` with the planned settings that a resume may change over
+    it (steps, learning rate, intervals, ...), as ``tlm train --resume RUN --steps N`` does. The others (model,
+    data, tokenizer, seed: ``tlm_train.recipe.FIXED_ON_RESUME``) are the run's: re-applied, a vocabulary the
+    tokenizer filled to fewer tokens than --vocab-size would read as a changed one and refuse the resume."""
+    import dataclasses
+
+    from tlm_train import RunDir, TrainConfig
+    from tlm_train.recipe import FIXED_ON_RESUME
+
+    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
+    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
+    return RunDir(planned.out_dir).read_config(out_dir=planned.out_dir, **changeable)
 
 
 def _init_worker(threads: int) -> None:
