@@ -232,3 +232,80 @@ def test_the_last_remaining_run_trains_in_this_process_with_every_thread(tmp_pat
     monkeypatch.setattr(sweep.Sweep, "_at_once", lambda self, todo: pooled.append([e["name"] for e in todo]) or True)
     manifest["runs"][0]["status"] = manifest["runs"][1]["status"] = "failed"
     assert sweep.Sweep(folder, manifest, jobs=2, quiet=True).run() and pooled == [["a", "b"]]
+
+
+def _snapshot(folder):
+    """Every file under ``folder``: its path, mode and bytes (to prove nothing changed)."""
+    return {str(p.relative_to(folder)): (p.stat().st_mode, p.read_bytes()) for p in sorted(folder.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+@pytest.mark.slow  # two sweeps of two 2-step runs (~4 s)
+def test_symlinks_planted_where_a_sweep_a_comparison_and_tensorboard_write_are_never_followed(
+    tmp_path, fails, capsys
+) -> None:
+    import numpy as np
+
+    from tlm_command.main import main
+
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.tile(np.random.default_rng(0).integers(0, 32, 50), 40).astype(np.uint16))
+    outside = tmp_path / "outside"
+    (outside / "run").mkdir(parents=True)
+    (outside / "tensorboard").mkdir()
+    names = ("sweep.json", "summary.json", "summary.md", "sweep.png", "lock", "compare.png")
+    for name in names:
+        (outside / name).write_text(f"the user's own {name}\n")
+    (outside / "run" / "train.toml").write_text("# the user's own run\n")
+    (outside / "tensorboard" / "notes.txt").write_text("the user's own notes\n")
+    folder = tmp_path / "sweep"
+    base = {
+        **BASE,
+        "data": [str(tokens)],
+        "batch_size": 4,
+        "eval_batches": 1,
+        "eval_interval": 2,
+        "checkpoint_interval": 2,
+        "warmup_steps": 0,
+        "peak_flops": 1e9,
+        "sample_tokens": 0,
+        "tensorboard": True,
+    }
+    path = _manifest(folder, [_entry("a"), _entry("b")], base=base)  # fmt: skip
+    (outside / "sweep.json").write_bytes(path.read_bytes())
+    before = _snapshot(outside)
+
+    (folder / ".lock").symlink_to(outside / "lock")
+    fails(["sweep", "--resume", str(folder)], f"{folder / '.lock'} is a symbolic link: tlm sweep never follows one")
+    (folder / ".lock").unlink()
+    (folder / "a").symlink_to(outside / "run", target_is_directory=True)
+    fails(["sweep", "--resume", str(folder)], f"{folder / 'a'} is a symbolic link: tlm sweep never trains into one")
+    (folder / "a").unlink()
+    assert _snapshot(outside) == before
+
+    # The manifest, the summaries and the plot are symlinks, and so is run b's RUN/tensorboard.
+    path.unlink()
+    for name in names[:4]:
+        (folder / name).symlink_to(outside / name)
+    (folder / "b").mkdir()
+    (folder / "b" / "tensorboard").symlink_to(outside / "tensorboard", target_is_directory=True)
+    assert main(["sweep", "--resume", str(folder), "--jobs", "1", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("tlm: error: runs ['b'] failed (see " + str(path) + "); retry them with --resume\n"), err
+    message = sweep.read_manifest(folder)["runs"][1]["message"]
+    refused = f"{folder / 'b' / 'tensorboard'} is a symbolic link: tlm train never writes through one; remove it"
+    assert message.startswith(f"ValueError: {refused} (to keep tensorboard on another disk, ")
+    assert _snapshot(outside) == before
+    assert not any((folder / name).is_symlink() for name in names[:3])  # each replaced by the sweep's own file
+    (folder / "b" / "tensorboard").unlink()
+    assert main(["sweep", "--resume", str(folder), "--jobs", "1", "--quiet"]) == 0
+    assert [r["status"] for r in sweep.read_manifest(folder)["runs"]] == ["done", "done"]
+
+    # tlm compare's plot; TensorBoard's events are the runs' own.
+    (tmp_path / "compare.png").symlink_to(outside / "compare.png")
+    assert main(["compare", str(folder), "--out", str(tmp_path / "compare.png")]) == 0
+    assert not (tmp_path / "compare.png").is_symlink()
+    assert _snapshot(outside) == before
+    for run in ("a", "b"):
+        tensorboard = folder / run / "tensorboard"
+        assert not tensorboard.is_symlink() and [p.name[:20] for p in tensorboard.iterdir()] == ["events.out.tfevents."]
