@@ -255,6 +255,9 @@ def _final_panel(ax: Any, summaries: list[RunSummary]) -> None:
 def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
     """(name, folder, settings, status) of each run a sweep's manifest lists."""
     manifest = read_manifest(folder)
+    for run in manifest["runs"]:
+        if (folder / run["name"]).is_symlink():
+            raise UserError(f"{folder / run['name']} is a symbolic link: a sweep's runs are folders of their own")
     return [(r["name"], folder / r["name"], r["settings"], r["status"]) for r in manifest["runs"]]
 
 

@@ -251,16 +251,16 @@ def _base_config(path: str) -> Any:
 
 
 def _check_resumable(folder: Path, manifest: dict[str, Any]) -> None:
-    """Refuse, before anything is written, a run still to train whose folder is a symbolic link (it would train
-    wherever the link points) or whose settings are not a TrainConfig (a manifest edited by hand)."""
+    """Refuse, before anything is written, a run folder that is a symbolic link (a run would train wherever it
+    points) and a run still to train whose settings are not a TrainConfig (a manifest edited by hand)."""
     from tlm_train.config import TrainConfig
 
     for i, entry in enumerate(manifest["runs"]):
+        path = folder / entry["name"]
+        if path.is_symlink():  # a finished run's too: the summary would read wherever it points
+            raise UserError(f"{path} is a symbolic link: tlm sweep never trains into one; remove it")
         if entry["status"] in FINISHED:
             continue
-        path = folder / entry["name"]
-        if path.is_symlink():
-            raise UserError(f"{path} is a symbolic link: tlm sweep never trains into one; remove it")
         try:
             TrainConfig.from_dict({**apply(manifest["base"], entry["settings"]), "out_dir": str(path)})
         except (TypeError, ValueError) as err:
@@ -486,7 +486,7 @@ def summarize(folder: Path, manifest: dict[str, Any]) -> list[Any]:
     summaries = []
     for entry in manifest["runs"]:
         path = folder / entry["name"]
-        if not (path / "train.toml").is_file():
+        if path.is_symlink() or not (path / "train.toml").is_file():  # a link planted since the sweep began
             continue
         status = entry["status"] if entry["status"] in ("diverged", "failed") else None
         summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status)
