@@ -312,6 +312,7 @@ def test_symlinks_planted_where_a_sweep_a_comparison_and_tensorboard_write_are_n
     # A finished run's folder replaced by a symlink: neither command reads through it.
     (folder / "a").rename(tmp_path / "elsewhere")
     (folder / "a").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    capsys.readouterr()
     fails(["compare", str(folder)], f"{folder / 'a'} is a symbolic link: a sweep's runs are folders of their own")
     fails(["sweep", "--resume", str(folder)], f"{folder / 'a'} is a symbolic link: tlm sweep never trains into one")
     assert [s.name for s in sweep.summarize(folder, sweep.read_manifest(folder))] == ["b"]
