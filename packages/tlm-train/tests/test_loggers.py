@@ -147,6 +147,11 @@ def test_a_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_load
     monkeypatch.undo()
     result = train(make_config(tensorboard=True, steps=8, checkpoint_interval=4, eval_interval=4), resume=True)
     assert result.step == 8 and not result.interrupted
+    # TensorBoard reads both processes' files: the first one's up to the resumed step (step 5's scalars never
+    # reached its disk), the second one's after it, each value the one metrics.jsonl holds.
+    logged = _scalars(run, "loss/train")
+    assert [s for s, _ in logged] == ([1, 2, 3, 4, 5, 6, 7, 8] if checkpoint_fails else [1, 2, 3, 4, 6, 7, 8])
+    assert set(logged) <= set(_expected(run, "train_loss"))
 
 
 def test_logger_errors_warn_trains_on_without_the_failed_logger(make_config, tmp_path, monkeypatch) -> None:

@@ -165,17 +165,20 @@ class Loggers:
 
     def log(self, record: dict[str, Any]) -> None:
         failed: LoggerError | None = None
-        for i, backend in reversed(list(enumerate(self.backends))):  # the failed one leaves; the rest keep order
+        kept = []
+        for name, backend in zip(self.names, self.backends, strict=True):
             try:
                 backend.log(record)
             except Exception as err:
-                failed = LoggerError(self.names[i], err)
-                del self.backends[i], self.names[i]
+                failed = failed or LoggerError(name, err)
                 try:
                     backend.close()
                 except Exception:  # its own failure is the one being reported
                     pass
+            else:
+                kept.append((name, backend))
         if failed is not None:
+            self.names, self.backends = [n for n, _ in kept], [b for _, b in kept]
             raise failed
 
     def close(self) -> None:
