@@ -14,7 +14,7 @@ not; nothing here imports the attention, FFN or model packages.
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -22,21 +22,8 @@ from torch.nn import functional as F
 
 from tlm_core.checks import check_number, check_positive_int
 from tlm_linear import Linear, split_layout
+from tlm_lora.roles import MODULE_OF_ROLE, ROLE_OF_MODULE, check_targets
 
-#: The roles a target list may name, in the order the model runs them.
-ROLES = ("q", "k", "v", "o", "w1", "w2", "w3", "lm_head")
-#: The course's module name of each role (also the part names of a fused weight's split layout).
-MODULE_OF_ROLE = {
-    "q": "q_proj",
-    "k": "k_proj",
-    "v": "v_proj",
-    "o": "output_proj",
-    "w1": "w1",
-    "w2": "w2",
-    "w3": "w3",
-    "lm_head": "lm_head",
-}
-ROLE_OF_MODULE = {name: role for role, name in MODULE_OF_ROLE.items()}
 #: The adapter name of a layer that is adapted whole (PEFT's name for its one adapter).
 WHOLE = "default"
 
@@ -171,18 +158,6 @@ def _checked_rows(rows: Mapping[str, tuple[int, int]] | None, out_features: int)
     if any(prev[1] > nxt[0] for prev, nxt in itertools.pairwise(spans)):
         raise ValueError(f"rows must not overlap, got {dict(rows)}")
     return checked
-
-
-def check_targets(targets: str | Iterable[str]) -> tuple[str, ...]:
-    """The target roles as a tuple in :data:`ROLES` order; ``"q,v"`` and ``["q", "v"]`` both work."""
-    names = [t.strip() for t in targets.split(",")] if isinstance(targets, str) else list(targets)
-    if not names or not all(isinstance(t, str) for t in names):
-        raise ValueError(f"targets must name at least one of {list(ROLES)}, got {targets!r}")
-    if unknown := [t for t in names if t not in ROLES]:
-        raise ValueError(f"targets: unknown roles {unknown}; the roles are {list(ROLES)}")
-    if len(set(names)) != len(names):
-        raise ValueError(f"targets names a role twice: {names}")
-    return tuple(r for r in ROLES if r in names)
 
 
 def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:

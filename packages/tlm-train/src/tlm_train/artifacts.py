@@ -23,6 +23,7 @@ import torch
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
 from tlm_train.checkpoint import STATE_NAME, CheckpointManager, load_step_model, read_step_config
+from tlm_train.lora import BaseModelError
 from tlm_train.run_dir import CHECKPOINT_DIR, TOKENIZER_DIR, RunDir
 
 KINDS = ("run", "step", "model", "hf")
@@ -145,6 +146,8 @@ def load_model(
     for step in reversed(manager.steps()):
         try:
             return load_step_model(manager.path(step), device=device, dtype=dtype, **options), step
+        except BaseModelError:  # a LoRA run whose base changed: every step shares it
+            raise
         except (ValueError, OSError) as err:  # damaged: say so and take the step before
             if on_damaged is not None:
                 on_damaged(step, err)
