@@ -69,12 +69,16 @@ def test_a_lora_run_saves_the_adapters_and_the_base_identity_and_trains_only_the
     assert not torch.equal(mine["layers.0.attn.q_proj.weight"], theirs["layers.0.attn.q_proj.weight"])
 
 
-def test_a_killed_lora_run_resumes_bit_exactly(data: Path, base: Path, lora_run: Path, tmp_path: Path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lora_run_resumes_bit_exactly(dtype: str, data: Path, base: Path, lora_run: Path, tmp_path: Path):
+    if dtype != "float32":  # autocast on the CPU; its own uninterrupted reference
+        lora_run = tmp_path / "reference"
+        train(lora_config(data, base, lora_run, dtype=dtype))
     out = tmp_path / "run"
     shutil.copytree(lora_run, out)
     # From the step-3 checkpoint (the steps after it abandoned): the base re-read, the adapters, AdamW's
     # moments, the schedule, the sampler and the dropout RNG restored.
-    train(lora_config(data, base, out), resume_from=3)
+    train(lora_config(data, base, out, dtype=dtype), resume_from=3)
     got, want = (RunDir(r).checkpoints().load(6).state for r in (out, lora_run))
     assert got["model"].keys() == want["model"].keys()
     assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
@@ -108,3 +112,46 @@ def test_lora_settings_are_checked_at_the_boundary(data: Path, base: Path, tmp_p
         lora_config(data, base, tmp_path / "run", lora_targets="q,qq")
     with pytest.raises(ValueError, match="lora_rank must be"):
         lora_config(data, base, tmp_path / "run", lora_rank=-1)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from tlm_train import TrainConfig, train
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+@pytest.mark.slow  # two torchrun ranks (gloo): ~20 s on the 2-core machine
+@pytest.mark.parametrize("mode", ["fsdp"])
+def test_a_lora_run_on_two_ranks_equals_one_process(mode: str, data: Path, base: Path, tmp_path: Path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tlm_train.checkpoint import read_sharded_tensors
+
+    # No dropout: each rank draws its own masks, so only a dropout-free run can equal one process.
+    changes = dict(lora_dropout=0.0, batch_size=8)
+    single = tmp_path / "single"
+    train(lora_config(data, base, single, **changes))
+    settings = lora_config(data, base, tmp_path / "ranks", distributed=mode, **changes).to_dict()
+    script = tmp_path / "train_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([*launcher, str(script), json.dumps(settings)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = RunDir(tmp_path / "ranks").checkpoints().path(6)
+    got, want = read_sharded_tensors(folder), RunDir(single).checkpoints().load(6).state["model"]
+    assert got.keys() == want.keys()
+    # The ranks' gradients are averaged by a reduce-scatter instead of one mean: float32 ulps, far below an
+    # update (~lr = 3e-3), see test_distributed.py.
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    # The sharded step opens in one process, merged, like a one-process LoRA run.
+    merged, _ = artifacts.load_model(artifacts.resolve(tmp_path / "ranks"))
+    reference, _ = artifacts.load_model(artifacts.resolve(single))
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), reference(ids), rtol=1e-4, atol=1e-4)
