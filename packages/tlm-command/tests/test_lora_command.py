@@ -87,3 +87,16 @@ def test_lora_conversions_refuse_what_they_cannot_do(run: Path, lora_run: Path, 
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     fails(["convert", "--to-peft", str(lora_run), "--out", str(tmp_path / "mine")], "holds other files")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_lora_rank_is_a_sweepable_setting(run: Path, corpus: Path, tmp_path: Path):
+    from tlm_train import RunDir
+
+    sets = {"init_from": run, "data": corpus, "steps": 2, "batch_size": 4, "eval_batches": 1, "peak_flops": 1e9,
+            "sample_tokens": 0, "eval_interval": 2, "checkpoint_interval": 2}  # fmt: skip
+    argv = ["sweep", "--out-dir", str(tmp_path / "sweep"), "--grid", "lora_rank=2,4", "--quiet"]
+    assert main([*argv, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]) == 0
+    for rank in (2, 4):
+        state = RunDir(tmp_path / "sweep" / f"lora_rank={rank}").checkpoints().load(2).state
+        assert state["lora"]["rank"] == rank
+        assert state["model"]["layers.0.attn.q_proj.lora_A.default"].shape == (rank, 32)
