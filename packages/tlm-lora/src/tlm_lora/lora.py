@@ -122,14 +122,14 @@ class LoRALinear(nn.Module):
     def merge(self) -> None:
         """Add the update into ``weight`` (computed in float32); forward then runs the base matmul only."""
         if not self.merged:
-            self.weight += self.delta_weight().float().to(self.weight.dtype)
+            self.weight.add_(self.delta_weight().float().to(self.weight.dtype))
             self.merged = True
 
     @torch.no_grad()
     def unmerge(self) -> None:
         """Take the update out of ``weight`` again (the weight returns up to float rounding)."""
         if self.merged:
-            self.weight -= self.delta_weight().float().to(self.weight.dtype)
+            self.weight.sub_(self.delta_weight().float().to(self.weight.dtype))
             self.merged = False
 
     def extra_repr(self) -> str:
@@ -195,7 +195,8 @@ def apply_lora(
             owners.setdefault(id(p), []).append(f"{name}.{pname}" if name else pname)
     for p in model.parameters():
         p.requires_grad_(False)
-    adapted, found = [], set()
+    adapted: list[str] = []
+    found: set[str] = set()
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, Linear):
