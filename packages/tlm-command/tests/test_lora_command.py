@@ -45,8 +45,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 IDS = torch.randint(0, 320, (2, 20), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.slow  # peft and transformers import, three exports
-def test_peft_loads_the_exported_adapter_with_tlms_logits(lora_run: Path, exported: dict[str, Path]):
+def test_peft_loads_the_exported_adapter_with_tlms_logits(lora_run: Path, exported: dict[str, Path], record_error):
     config = json.loads((exported["peft"] / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
     assert config["base_model_name_or_path"] == str(exported["hf"].resolve())
@@ -60,6 +59,8 @@ def test_peft_loads_the_exported_adapter_with_tlms_logits(lora_run: Path, export
         with wrapped.disable_adapter():
             base_logits = plain_base(IDS).logits
     assert rel_err(base_logits, theirs) > 1e-3  # the adapters change the model, so the match below means something
+    record_error("tlm LoRA run (merged) vs peft on the HF export, logits", mine, theirs)
+    record_error("convert --to-hf --merge vs peft, logits", merged, theirs)
     assert rel_err(mine, theirs) < 1e-5
     assert rel_err(merged, theirs) < 1e-5
     # A PEFT adapter folder beside its base is a model for every command (merged here too).
@@ -77,6 +78,21 @@ def test_commands_take_a_lora_run_and_a_peft_folder(lora_run: Path, exported: di
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] == pytest.approx(losses[2], rel=1e-5)
     assert main(["info", "--checkpoint", str(exported["peft"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "PEFT adapter folder"
+    # Greedy continuations agree between the run and its PEFT export, both read merged.
+    texts = []
+    for checkpoint in (lora_run, exported["peft"]):
+        argv = ["generate", "--checkpoint", str(checkpoint), "--prompt", "The ", "--max-new-tokens", "6"]
+        assert main([*argv, "--temperature", "0", "--json", "--quiet"]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["text"])
+    assert texts[0] == texts[1]
+
+
+def test_a_peft_adapter_folder_is_an_init_from(exported: dict[str, Path], corpus: Path, tmp_path: Path):
+    argv = ["train", "--init-from", str(exported["peft"]), "--data", str(corpus), "--out-dir", str(tmp_path / "ft"),
+            "--steps", "1", "--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    start, _ = artifacts.load_model(artifacts.resolve(exported["peft"]))
+    assert artifacts.model_config(artifacts.resolve(tmp_path / "ft")) == start.config
 
 
 def test_lora_conversions_refuse_what_they_cannot_do(run: Path, lora_run: Path, tmp_path: Path, fails):

@@ -130,12 +130,13 @@ def rel_err(got, ref):
 @pytest.mark.slow  # importing peft and transformers: ~5 s on the 2-core machine
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
 @pytest.mark.parametrize("fused", [True, False])
-def test_peft_on_the_hf_export_gives_the_same_logits_and_adapter_gradients(fused):
+def test_peft_on_the_hf_export_gives_the_same_logits_and_adapter_gradients(fused, record_error):
     from tlm_model.interop import from_hf_lora_state_dict
 
     model, wrapped = _peft_pair(fused)
     x, targets = ids(), ids(seed=4)
     logits, ref = model(x), wrapped(input_ids=x).logits
+    record_error(f"LoRA logits vs peft ({'fused' if fused else 'unfused'})", logits, ref)
     assert rel_err(logits, ref) < 1e-5, rel_err(logits, ref)
     # Gradients of the training loss: tlm's chunked loss (the LoRA head through loss_operands) against
     # torch's cross-entropy on peft's logits.
@@ -154,6 +155,8 @@ def test_peft_on_the_hf_export_gives_the_same_logits_and_adapter_gradients(fused
                 ours[f"{key}.lora_A.weight"] = module.lora_A[name].grad
                 ours[f"{key}.lora_B.weight"] = module.lora_B[name].grad
     assert set(ours) == set(theirs) and len(ours) == 2 * (7 * CONFIG.num_layers + 1)
+    for key in ours:
+        record_error(f"LoRA adapter gradients vs peft ({'fused' if fused else 'unfused'})", ours[key], theirs[key])
     worst = max(rel_err(ours[k], theirs[k]) for k in ours)
     assert worst < 1e-5, worst
 
