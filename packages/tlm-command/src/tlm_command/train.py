@@ -1,11 +1,10 @@
 """``tlm train``: text to a tokenizer, a trained model and a sample, in one run folder.
 
 Every setting is a flag, read over ``--config FILE.toml``; the model starts from ``--preset`` and any
-of its fields can be set (``--num-kv-heads 2 --tie-word-embeddings``); ``--init-from X`` fine-tunes X
-(a run, a checkpoint or an HF Llama folder) instead. ``--resume RUN`` continues a run from its newest
-checkpoint that verifies (``--resume RUN/checkpoints/step_N``: from that step) with its saved settings,
-over which flags apply from the resumed step on (learning rate, schedule, steps, intervals...); a flag
-that would change the model, data, tokenizer or seed is refused before anything is written.
+of its fields can be set (``--num-kv-heads 2``); ``--init-from X`` fine-tunes X (a run, checkpoint, HF Llama
+or PEFT adapter folder), ``--lora-rank R`` only LoRA adapters on X's frozen weights. ``--resume RUN``
+continues a run from its newest checkpoint that verifies (``RUN/checkpoints/step_N``: that step); flags apply
+from the resumed step on, and one that would change the model, data, tokenizer or seed is refused.
 
 Scale-out is torchrun's (the same command on every rank; rank 0 writes the files):
 

@@ -48,7 +48,7 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
-    "seed", "decay_norms",
+    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets",
 )  # fmt: skip
 
 
@@ -167,8 +167,11 @@ class Recipe:
             )
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
-        if source is not None and not self.resume:
+        if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
             self.model.load_state_dict(source.state_dict())
+        self.lora: dict[str, Any] | None = None
+        if config.lora_rank:
+            self.lora = self._adapt(cast(TransformerLM, source))
         self.loss_module = wrap_model(
             self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
         )
@@ -263,7 +266,7 @@ class Recipe:
         if config.init_from is None:
             return None, tokenizer
         artifact = artifacts.resolve(config.init_from)
-        if self.resume:  # the weights come from the run's own checkpoint; only the tokenizer is wanted here
+        if self.resume and not config.lora_rank:  # the weights come from the run's checkpoint; only the tokenizer
             model = None
         else:
             model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
@@ -279,6 +282,23 @@ class Recipe:
         if own is not None and tokenizer is not None:
             self.say(f"--tokenizer {config.tokenizer} is used; the tokenizer of --init-from is not")
         return model, tokenizer if tokenizer is not None else own
+
+    def _adapt(self, base: TransformerLM) -> dict[str, Any]:
+        """Freeze the model and give it the adapters the config asks for; the record a checkpoint keeps of
+        them and of the base (the path ``init_from`` names and its weights' SHA-256)."""
+        from tlm_lora import weights_sha256
+        from tlm_train.lora import adapt, settings
+
+        config = self.config
+        if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
+            raise ValueError(
+                f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "
+                "would change the embedding too); leave lm_head out"
+            )
+        lora = settings(config)
+        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        adapt(self.model, lora, seed=config.seed)
+        return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
     def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
         config = self.config
@@ -313,6 +333,11 @@ class Recipe:
 
     def _load(self, checkpoint: Checkpoint) -> int:
         state = checkpoint.state
+        if self.lora is not None and state.get("lora", {}).get("base", {}).get("sha256") != self.lora["base"]["sha256"]:
+            raise ResumeError(
+                f"--resume {self.run_dir.path}: --init-from {self.config.init_from} is not the base model its "
+                f"adapters were trained on (the weights' SHA-256 differs from the one {checkpoint.path} records)"
+            )
         step = restore_state(state, self.model, self.optimizer, scheduler=self.scheduler, sampler=self.sampler)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -504,6 +529,12 @@ class Recipe:
             return
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
+        if self.lora is not None:  # the adapters only: the frozen base is the --init-from model, named here
+            from tlm_train.lora import is_adapter_key
+
+            state["model"] = {k: v for k, v in state["model"].items() if is_adapter_key(k)}
+            state["lora"] = self.lora
+            state["model_config"] = self.model_config.to_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         if self._any_rank(not _finite(state["model"])):
