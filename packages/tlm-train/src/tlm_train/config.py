@@ -79,6 +79,14 @@ class TrainConfig:
     special_tokens: list[str] = field(
         default_factory=lambda: ["<|endoftext|>"], metadata={"help": "special tokens of the tokenizer to train"}
     )
+    # Packed documents, chat data and validation data (issue 32).
+    document_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "attention stops at <|endoftext|> inside a window and positions restart per document: each "
+            "packed document trains as if alone (needs a tokenizer with <|endoftext|>)"
+        },
+    )
     # Model: start from `init_from`'s weights and shape, or from `preset` with `model` overriding fields.
     init_from: str | None = field(
         default=None,
@@ -191,6 +199,8 @@ class TrainConfig:
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
         for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
+            check_bool(f"TrainConfig.{name}", getattr(self, name))
+        for name in ("document_mask",):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in (
             "out_dir",

@@ -147,6 +147,8 @@ class Recipe:
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
+        if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
+            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
         if info.is_main:
             data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
         barrier()
@@ -165,7 +167,10 @@ class Recipe:
         if source is not None and not self.resume:
             self.model.load_state_dict(source.state_dict())
         self.loss_module = wrap_model(
-            self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
+            self.model,
+            config.distributed,
+            activation_checkpointing=config.activation_checkpointing,
+            document_mask_id=self._document_mask_id(data),
         )
         if config.compile:
             for block in self.model.layers:
@@ -208,6 +213,18 @@ class Recipe:
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
+
+    def _document_mask_id(self, data: Dataset) -> int | None:
+        """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
+        if not self.config.document_mask:
+            return None
+        tokenizer = data.tokenizer
+        if tokenizer is None or SEPARATOR not in tokenizer.special_tokens:
+            raise ValueError(
+                f"{flag('document_mask')} splits windows at {SEPARATOR}, which "
+                + ("token-id data without --tokenizer does not name" if tokenizer is None else "the tokenizer lacks")
+            )
+        return int(tokenizer.encode(SEPARATOR)[0])
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
