@@ -13,6 +13,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from tlm_core.checks import check_int
+from tlm_train.chat_data import split_targets
 
 TokenArray = np.ndarray | Tensor
 Batch = tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]
@@ -51,7 +52,18 @@ def windows(dataset: TokenArray, starts: Int[Tensor, " batch"], context_length: 
         rows = rows.pin_memory().to(device, non_blocking=True)
     else:
         rows = rows.to(device)
+    if _masks_targets(dataset):
+        # Chat data: a token stored as -1 - id is no target (tlm_train.chat_data), on the device, no host read.
+        inputs, targets = split_targets(rows)
+        return inputs.contiguous(), targets.contiguous()
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _masks_targets(dataset: TokenArray) -> bool:
+    """Whether ``dataset`` may hold masked targets: a signed int32 array (what chat data is stored as)."""
+    if isinstance(dataset, np.ndarray):
+        return dataset.dtype == np.int32
+    return dataset.dtype == torch.int32
 
 
 def _check_sizes(batch_size: int, context_length: int) -> None:
@@ -86,7 +98,8 @@ class BatchSampler:
     ``state_dict()`` holds the generator's state (a uint8 tensor) and the count of batches drawn,
     so a checkpoint that stores it resumes the exact batch sequence. With ``world_size > 1`` every
     rank draws the same global batch of ``batch_size * world_size`` windows and keeps its own
-    disjoint slice (``rank`` of them), so ranks never need to communicate to agree.
+    disjoint slice (``rank`` of them), so ranks never need to communicate to agree. ``rows=True`` draws
+    whole rows of ``context_length + 1`` tokens (padded chat examples) instead of windows at any start.
     """
 
     def __init__(
@@ -99,6 +112,7 @@ class BatchSampler:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        rows: bool = False,
     ) -> None:
         _check_sizes(batch_size, context_length)
         check_int("seed", seed, low=0)
@@ -109,6 +123,7 @@ class BatchSampler:
         self._tokens = _check_tokens(dataset, context_length)
         self.dataset, self.batch_size, self.context_length, self.device = dataset, batch_size, context_length, device
         self.rank, self.world_size = rank, world_size
+        self.rows = bool(rows)
         self.generator = torch.Generator().manual_seed(seed)
         self.batches_drawn = 0
 
@@ -116,9 +131,12 @@ class BatchSampler:
         return self
 
     def __next__(self) -> Batch:
-        global_starts = torch.randint(
-            0, self._tokens - self.context_length, (self.batch_size * self.world_size,), generator=self.generator
-        )
+        draws = (self.batch_size * self.world_size,)
+        if self.rows:
+            row = self.context_length + 1
+            global_starts = torch.randint(0, self._tokens // row, draws, generator=self.generator) * row
+        else:
+            global_starts = torch.randint(0, self._tokens - self.context_length, draws, generator=self.generator)
         self.batches_drawn += 1
         mine = global_starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return windows(self.dataset, mine, self.context_length, self.device)

@@ -31,11 +31,13 @@ from tlm_core.checks import check_bool, check_choice, check_int, check_number
 from tlm_ffn.options import default_d_ff
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_tokenizer.chat import TRAIN_ON
 
 CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
+CHAT_LAYOUTS = ("packed", "padded")
 
 
 @dataclass
@@ -85,6 +87,28 @@ class TrainConfig:
         metadata={
             "help": "attention stops at <|endoftext|> inside a window and positions restart per document: each "
             "packed document trains as if alone (needs a tokenizer with <|endoftext|>)"
+        },
+    )
+    train_on: str = field(
+        default="completion",
+        metadata={
+            "help": "chat data: the target tokens the loss counts: the assistant's (completion), the others "
+            "(prompt) or all",
+            "choices": TRAIN_ON,
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "chat data: a Jinja chat template file (as transformers reads one) instead of the default",
+            "shown": "ChatML, its markers added to the tokenizer as special tokens",
+        },
+    )
+    chat_layout: str = field(
+        default="packed",
+        metadata={
+            "help": "chat data: examples packed into windows (joined by <|endoftext|>) or padded, one per window",
+            "choices": CHAT_LAYOUTS,
         },
     )
     # Model: start from `init_from`'s weights and shape, or from `preset` with `model` overriding fields.
@@ -214,7 +238,7 @@ class TrainConfig:
         ):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a str, got {type(getattr(self, name)).__name__}")
-        for name in ("tokenizer", "init_from"):
+        for name in ("tokenizer", "init_from", "chat_template"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
         if not self.text_field:

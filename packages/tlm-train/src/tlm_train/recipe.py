@@ -49,6 +49,7 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
     "seed", "decay_norms",
+    "train_on", "chat_template", "chat_layout",  # chat data: what RUN/data holds
 )  # fmt: skip
 
 
@@ -149,11 +150,16 @@ class Recipe:
         source, source_tokenizer = self._init_source()
         if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
             self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
+        shape = source.config if source is not None else (saved or config).model_config()
+        context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
+            data = prepare_data(
+                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                context_length=context,
+            )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -165,7 +171,7 @@ class Recipe:
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and not self.resume:
-            self.model.load_state_dict(source.state_dict())
+            self.model.load_state_dict(_grown(source.state_dict(), self.model_config.vocab_size))
         self.loss_module = wrap_model(
             self.model,
             config.distributed,
@@ -204,10 +210,13 @@ class Recipe:
         context = self.model_config.context_length
         self.sampler = BatchSampler(
             data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
-            world_size=info.world_size,
+            world_size=info.world_size, rows=data.rows,
         )  # fmt: skip
         # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
-        self.val_batches = EvalBatches(data.val, micro, context, info.device, max_batches=config.eval_batches)
+        self.val_batches = EvalBatches(
+            data.val, micro, context, info.device, max_batches=config.eval_batches,
+            stride=context + 1 if data.rows else None,
+        )  # fmt: skip
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
@@ -304,7 +313,11 @@ class Recipe:
                     f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
                     "fine-tune keeps the model's shape"
                 )
-        return dataclasses.replace(shape, rope_layout="interleaved")
+        # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
+        vocab = max(shape.vocab_size, data.vocab_size)
+        if vocab > shape.vocab_size:
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+        return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
@@ -551,6 +564,18 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
+
+
+def _grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
+    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
+    grown = dict(weights)
+    for name in ("token_embeddings.weight", "lm_head.weight"):
+        table = grown.get(name)
+        if table is not None and table.shape[0] < vocab_size:
+            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
+            grown[name] = torch.cat([table, extra])
+    return grown
 
 
 def _finite(weights: dict[str, torch.Tensor]) -> bool:
