@@ -15,6 +15,7 @@ from typing import Any
 
 from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
+from tlm_tokenizer.chat import IM_END
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
 
@@ -49,7 +50,9 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
         files.update(tokenizer.hf_files())
         if EOS_TOKEN in tokenizer.special_tokens:
             (eos,) = tokenizer.encode(EOS_TOKEN)
-            generation = hf_generation_config(eos, bos_token_id=eos, pad_token_id=eos)
+            # A chat model ends its turn with <|im_end|>: generation stops there too.
+            ends = [eos, *(tokenizer.encode(IM_END) if IM_END in tokenizer.special_tokens else [])]
+            generation = hf_generation_config(ends if len(ends) > 1 else eos, bos_token_id=eos, pad_token_id=eos)
     files["generation_config.json"] = (json.dumps({**generation, "do_sample": False}, indent=2) + "\n").encode()
     return files
 

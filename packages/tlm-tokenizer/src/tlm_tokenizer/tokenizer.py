@@ -154,7 +154,15 @@ class Tokenizer:
                 raise FileNotFoundError(f"path must be a tokenizer.json or a folder holding one, got {source.parent}")
         else:
             data = source.read_bytes()
-        return cls._from_hf_bytes(data, str(source))
+        tokenizer = cls._from_hf_bytes(data, str(source))
+        # Its chat template: transformers 5 writes chat_template.jinja, earlier ones tokenizer_config.json's field.
+        jinja = source.parent / "chat_template.jinja"
+        if jinja.is_file():
+            tokenizer.chat_template = jinja.read_text(encoding="utf-8") or None
+        elif (source.parent / hf_json.TOKENIZER_CONFIG_JSON).is_file():
+            config = (source.parent / hf_json.TOKENIZER_CONFIG_JSON).read_bytes()
+            tokenizer.chat_template = _chat_template(config, source.parent)
+        return tokenizer
 
     @classmethod
     def _from_hf_bytes(cls, data: bytes, where: str) -> "Tokenizer":
