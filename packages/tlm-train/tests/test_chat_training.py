@@ -109,3 +109,22 @@ def test_a_malformed_record_is_named_by_file_and_line(tmp_path, make_config):
     path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "user"}]}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl line 2.*content"):
         train(make_config(data=[str(path)], vocab_size=300))
+
+
+def test_a_users_template_file_is_used_and_stored(tmp_path, make_config, chat_file):
+    template = tmp_path / "zephyr.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}",
+        encoding="utf-8",
+    )
+    specials = ["<|endoftext|>", "<|user|>", "<|assistant|>", "<|end|>"]
+    train(make_config(data=[str(chat_file[0])], vocab_size=300, steps=1, chat_template=str(template),
+                      special_tokens=specials))  # fmt: skip
+    tokenizer = RunDir(tmp_path / "run").tokenizer()
+    assert tokenizer.chat_template == template.read_text() and tokenizer.special_tokens == specials
+    stored = np.load(tmp_path / "run" / "data" / "train.npy")
+    ids = np.where(stored < 0, -1 - stored, stored)
+    first = tokenizer.decode(ids[: int(np.argmax(ids == tokenizer.encode("<|endoftext|>")[0]))].tolist())
+    messages = _messages(chat_file[1][0])
+    assert first == f"<|user|>\n{messages[0]['content']}<|end|>\n<|assistant|>\n{messages[1]['content']}<|end|>\n"
