@@ -161,6 +161,11 @@ class EvalBatches:
 
     Iterating twice gives the same batches; ``len()`` is the number of batches (the last may be
     smaller). ``max_batches`` keeps only the first ones.
+
+    ``score_once=True`` is sliding-window scoring (``tlm eval --stride``): every token after the first is a
+    target exactly once, with as much history as its window gives (at least ``context_length - stride``
+    tokens once past the first window). A window's targets already scored by the one before are
+    ``IGNORE_INDEX``, and a last window ending at the array's end scores the tail that the others do not reach.
     """
 
     def __init__(
@@ -172,18 +177,44 @@ class EvalBatches:
         *,
         stride: int | None = None,
         max_batches: int | None = None,
+        score_once: bool = False,
     ) -> None:
         _check_sizes(batch_size, context_length)
         n = _check_tokens(dataset, context_length)
         stride = context_length if stride is None else check_int("stride", stride, low=1)
         self.starts = torch.arange(0, n - context_length, stride)
+        self.first_scored: Tensor | None = None
+        if score_once:
+            if stride > context_length:
+                raise ValueError(
+                    f"stride must be at most context_length={context_length} to score every token, got {stride}"
+                )
+            if int(self.starts[-1]) + context_length < n - 1:  # the tail the windows miss: one more, at the end
+                self.starts = torch.cat([self.starts, torch.tensor([n - 1 - context_length])])
+            # Window s has the targets at positions s+1 .. s+context; the ones up to the previous window's last
+            # (s_prev + context) are scored already.
+            previous_end = torch.cat([torch.zeros(1, dtype=torch.int64), self.starts[:-1] + context_length])
+            self.first_scored = (previous_end - self.starts).clamp_min(0)
         if max_batches is not None:
             self.starts = self.starts[: check_int("max_batches", max_batches, low=1) * batch_size]
+            if self.first_scored is not None:
+                self.first_scored = self.first_scored[: len(self.starts)]
         self.dataset, self.batch_size, self.context_length, self.device = dataset, batch_size, context_length, device
 
     def __len__(self) -> int:
         return -(-len(self.starts) // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        for chunk in self.starts.split(self.batch_size):
-            yield windows(self.dataset, chunk, self.context_length, self.device)
+        if self.first_scored is None:
+            for chunk in self.starts.split(self.batch_size):
+                yield windows(self.dataset, chunk, self.context_length, self.device)
+            return
+        from tlm_model.loss import IGNORE_INDEX
+
+        positions = torch.arange(self.context_length)
+        for chunk, first in zip(
+            self.starts.split(self.batch_size), self.first_scored.split(self.batch_size), strict=True
+        ):
+            inputs, targets = windows(self.dataset, chunk, self.context_length, self.device)
+            seen = (positions < first.unsqueeze(1)).to(targets.device)
+            yield inputs, targets.masked_fill(seen, IGNORE_INDEX)
