@@ -104,6 +104,13 @@ class TrainConfig:
             "shown": "ChatML, its markers added to the tokenizer as special tokens",
         },
     )
+    val_data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "validation files of any --data kind, instead of holding out --val-fraction of --data",
+            "shown": "the last --val-fraction of --data",
+        },
+    )
     chat_layout: str = field(
         default="packed",
         metadata={
@@ -245,7 +252,9 @@ class TrainConfig:
             raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
             self.data = [self.data]
-        for name in ("data", "special_tokens"):
+        if isinstance(self.val_data, str):
+            self.val_data = [self.val_data]
+        for name in ("data", "special_tokens", "val_data"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
                 raise TypeError(f"TrainConfig.{name} must be a list of non-empty strings, got {value!r}")

@@ -47,8 +47,20 @@ def is_token_file(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix in TOKEN_SUFFIXES
 
 
-def check_data_paths(data: list[str]) -> None:
-    """What ``--data`` may be, checked before anything is written: existing files, text or one token file."""
+def check_data_paths(data: list[str], val_data: list[str] | None = None) -> None:
+    """What ``--data`` may be, checked before anything is written: existing files, text or one token file; and
+    ``--val-data``: existing files of the same kind (one token file for token data, text or chat otherwise)."""
+    for name in val_data or []:
+        if not Path(name).is_file():
+            raise FileNotFoundError(f"--val-data {name}: no such file")
+    if val_data:
+        tokens = data and is_token_file(data[0])
+        if tokens and (len(val_data) > 1 or not is_token_file(val_data[0])):
+            raise ValueError(f"--val-data must be one token file like --data {data[0]}, got {val_data}")
+        if not tokens and any(is_token_file(name) for name in val_data):
+            raise ValueError(f"--val-data must be text or chat files like --data, got the token file in {val_data}")
+        if not data:
+            raise ValueError("--val-data needs --data: the built-in corpus has its own validation split")
     for name in data:
         if not Path(name).is_file():
             raise FileNotFoundError(f"--data {name}: no such file")
@@ -150,22 +162,31 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
     if SEPARATOR not in tokenizer.special_tokens:
         raise ValueError(f"chat data needs {SEPARATOR} among the tokenizer's special tokens, to join the examples")
     separator = tokenizer.encode(SEPARATOR)[0]
-    examples = encode_examples(config.data, ChatTemplate(tokenizer, source), config.train_on)
-    if len(examples) < 2:
-        raise ValueError(f"--data holds {len(examples)} conversation(s); a run needs a training and a validation one")
-    n_val = min(len(examples) - 1, max(1, round(len(examples) * config.val_fraction)))
+    template = ChatTemplate(tokenizer, source)
+    examples = encode_examples(config.data, template, config.train_on)
+    if config.val_data:  # --val-data: conversations of their own
+        held_out = encode_examples(config.val_data, template, config.train_on)
+        if not examples or not held_out:
+            raise ValueError("--data and --val-data must each hold at least one conversation")
+    else:
+        if len(examples) < 2:
+            raise ValueError(
+                f"--data holds {len(examples)} conversation(s); a run needs a training and a validation one"
+            )
+        n_val = min(len(examples) - 1, max(1, round(len(examples) * config.val_fraction)))
+        examples, held_out = examples[:-n_val], examples[-n_val:]
     row = (context_length or 0) + 1
-    train, cut_train = lay_out(examples[:-n_val], config.chat_layout, separator, row)
-    val, cut_val = lay_out(examples[-n_val:], config.chat_layout, separator, row)
+    train, cut_train = lay_out(examples, config.chat_layout, separator, row)
+    val, cut_val = lay_out(held_out, config.chat_layout, separator, row)
     tokenizer.save(run.tokenizer_dir)
 
     def fill(folder: Path) -> None:
         np.save(folder / TRAIN_TOKENS, train)
         np.save(folder / VAL_TOKENS, val)
-        chat = {"examples": len(examples), "train_on": config.train_on, "layout": config.chat_layout,
+        chat = {"examples": len(examples) + len(held_out), "train_on": config.train_on, "layout": config.chat_layout,
                 "cut_to_context": cut_train + cut_val}  # fmt: skip
         info = {"tokens": len(train) + len(val), "train": len(train), "val": len(val),
-                "sources": config.data, "chat": chat}  # fmt: skip
+                "sources": config.data, "val_sources": config.val_data, "chat": chat}  # fmt: skip
         (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
@@ -233,6 +254,11 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     if low < 0 or top >= vocab:
         source = "the tokenizer's vocabulary" if tokenizer is not None else "--vocab-size"
         raise ValueError(f"--data {path} holds token ids in [{low}, {top}], outside [0, {vocab}) ({source})")
+    if config.val_data:  # --val-data: a token file of its own, held to the same vocabulary
+        val = read_token_file(config.val_data[0], config.token_dtype)
+        if len(val) and (int(val.min()) < 0 or int(val.max()) >= vocab):
+            raise ValueError(f"--val-data {config.val_data[0]} holds token ids outside [0, {vocab})")
+        return Dataset(tokens, val, vocab, tokenizer)
     split = len(tokens) - max(1, round(len(tokens) * config.val_fraction))
     return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
 
@@ -273,12 +299,25 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                     f"--data holds {count} tokens; a run needs text enough for a training and a validation split"
                 )
             ids = np.memmap(raw, dtype=tokenizer.id_dtype, mode="r")
-            split = count - max(1, round(count * config.val_fraction))
+            split = count if config.val_data else count - max(1, round(count * config.val_fraction))
             np.save(folder / TRAIN_TOKENS, ids[:split])
-            np.save(folder / VAL_TOKENS, ids[split:])
+            if not config.val_data:
+                np.save(folder / VAL_TOKENS, ids[split:])
             del ids
             raw.unlink()
-            info = {"tokens": count, "train": int(split), "val": int(count - split), "sources": config.data}
+            val = count - split
+            if config.val_data:  # --val-data: its own documents, joined and encoded as the training ones
+                held_out = temp_path(run.path / CORPUS)
+                try:
+                    with create_new(held_out) as sink:
+                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field)
+                    val = encode_file(tokenizer, held_out, raw, progress=False)
+                finally:
+                    held_out.unlink(missing_ok=True)
+                np.save(folder / VAL_TOKENS, np.memmap(raw, dtype=tokenizer.id_dtype, mode="r"))
+                raw.unlink()
+            info = {"tokens": count + val if config.val_data else count, "train": int(split), "val": int(val),
+                    "sources": config.data, "val_sources": config.val_data}  # fmt: skip
             (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
         replace_dir(run.data_dir, fill)

@@ -49,7 +49,7 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
     "seed", "decay_norms",
-    "train_on", "chat_template", "chat_layout",  # chat data: what RUN/data holds
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
 )  # fmt: skip
 
 
@@ -598,8 +598,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
             f"--batch-size {config.batch_size} with --grad-accum {config.grad_accum} gives micro-batches of {micro}, "
             f"which do not divide among {info.world_size} ranks"
         )
-    if config.data and not resume:  # a resumed run reads the tokens it saved, not the text again
-        check_data_paths(config.data)
+    if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
+        check_data_paths(config.data, config.val_data)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -608,6 +608,7 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--init-from": [config.init_from],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
+        "--val-data": config.val_data,
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
