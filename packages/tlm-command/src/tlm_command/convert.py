@@ -83,9 +83,12 @@ def run(args: argparse.Namespace) -> int:
         artifact = artifacts.resolve(args.to_hf)
         if artifact.kind == "hf":
             raise UserError(f"--to-hf {args.to_hf} is already an HF folder; to read it into tlm: tlm convert --from-hf")
-        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        model, step = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
-        save_hf(model, args.out, extra_files=hf_files(tokenizer))
+        from tlm_command.model_card import model_card
+
+        card = {"README.md": model_card(model, tokenizer, artifact, step)}
+        save_hf(model, args.out, extra_files={**hf_files(tokenizer), **card})
         source_kind, target = f"tlm {artifact.describe()}", "HF Llama folder"
     report = {
         "from": source,
