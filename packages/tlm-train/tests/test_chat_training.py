@@ -128,3 +128,20 @@ def test_a_users_template_file_is_used_and_stored(tmp_path, make_config, chat_fi
     first = tokenizer.decode(ids[: int(np.argmax(ids == tokenizer.encode("<|endoftext|>")[0]))].tolist())
     messages = _messages(chat_file[1][0])
     assert first == f"<|user|>\n{messages[0]['content']}<|end|>\n<|assistant|>\n{messages[1]['content']}<|end|>\n"
+
+
+def test_a_resumed_chat_run_is_bit_identical_and_keeps_its_chat_settings(tmp_path, make_config, chat_file):
+    from safetensors.torch import load_file
+
+    def config(out, steps, **more):
+        return make_config(data=[str(chat_file[0])], vocab_size=300, steps=steps, checkpoint_interval=2,
+                           out_dir=str(tmp_path / out), document_mask=True, **more)  # fmt: skip
+
+    straight = train(config("straight", 4))
+    train(config("resumed", 2))
+    resumed = train(config("resumed", 4), resume=True)
+    a = load_file(straight.checkpoint / "model.safetensors")
+    b = load_file(resumed.checkpoint / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="--train-on 'all' differs from the run's 'completion'"):
+        train(config("resumed", 6, train_on="all"), resume=True)
