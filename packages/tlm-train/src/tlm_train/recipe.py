@@ -43,7 +43,7 @@ from tlm_train.loggers import Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
-from tlm_train.step import NonFiniteLossError, StepStats, train_step
+from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
@@ -368,6 +368,8 @@ class Recipe:
         show = self.progress if info.is_main else False  # None: only on a terminal
         bar = progress_bar(show, total=self.steps, initial=self.start, unit="step")
         self._mark = (time.perf_counter(), self.start)
+        # The first non-finite step, remembered on the device; read where the loop syncs anyway.
+        self.guard = NonFiniteGuard(info.device, start_step=self.start)
         with _stop_requests() as requested:
             batches = self._draw()
             for step in range(self.start + 1, self.steps + 1):
@@ -376,8 +378,8 @@ class Recipe:
                 if step < self.steps:
                     batches = self._draw()  # drawn while the device still works on this step
                 logged = self.maybe_log(step, stats, bar)
-                if self._prune_pending and (logged or info.device.type == "cpu"):
-                    self._prune()  # the step after the save gave a finite loss: older checkpoints can go
+                if self._prune_pending and logged:
+                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at: compared where the step syncs anyway.
                 stop = requested() if info.world_size == 1 else (logged and self._any_rank(requested()))
@@ -396,19 +398,28 @@ class Recipe:
         return [next(self.sampler) for _ in range(self.config.grad_accum)]
 
     def train_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
-        config = self.config
+        # Never raises for a non-finite loss: the update is skipped on the device and the guard remembers
+        # the step; _halt_if_diverged reads it where the loop syncs anyway.
+        return train_step(
+            self.loss_module,
+            self.optimizer,
+            batches,
+            scheduler=self.scheduler,
+            max_grad_norm=self.config.grad_clip,
+            autocast_dtype=self.autocast,
+            scaler=self.scaler,
+            guard=self.guard,
+        )
+
+    def _halt_if_diverged(self) -> None:
+        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
+        optimizer state are then those from before that step. Reads the device: called only where the loop
+        syncs anyway (logging, evaluation, a checkpoint)."""
         try:
-            return train_step(
-                self.loss_module,
-                self.optimizer,
-                batches,
-                scheduler=self.scheduler,
-                max_grad_norm=config.grad_clip,
-                autocast_dtype=self.autocast,
-                scaler=self.scaler,
-            )
+            self.guard.check(self.optimizer, self.scheduler)
         except NonFiniteLossError as err:
-            raise self._diverged(f"step {step}: {err}; {self._good_checkpoint(step)}", step) from None
+            failed = cast(int, self.guard.first())
+            raise self._diverged(f"step {failed}: {err}; {self._good_checkpoint(failed)}", failed) from None
 
     def _diverged(self, message: str, step: int) -> NonFiniteLossError:
         """The error that stops a run whose loss or weights stopped being finite, recorded in the log first
@@ -437,6 +448,7 @@ class Recipe:
         if not (step % config.log_interval == 0 or step % config.eval_interval == 0 or step == self.steps):
             bar.update()
             return False
+        self._halt_if_diverged()
         loss, grad_norm = float(stats.loss), float(stats.grad_norm)  # the one host sync of a logged step
         began, since = self._mark
         seconds = max(time.perf_counter() - began, 1e-9)
@@ -460,6 +472,8 @@ class Recipe:
     def maybe_evaluate(self, step: int, *, force: bool = False) -> None:
         if not (force or step % self.config.eval_interval == 0 or step == self.steps):
             return
+        if step > 0:
+            self._halt_if_diverged()
         loss = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast).loss
         self.val_losses.append((step, loss))
         if step == 0:
@@ -473,6 +487,7 @@ class Recipe:
     def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
         if not (force or step % self.config.checkpoint_interval == 0 or step == self.steps):
             return
+        self._halt_if_diverged()  # never a checkpoint of skipped steps
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
         if self.scaler is not None:
