@@ -34,6 +34,11 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     fields = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
     assert all(fields <= set(r) for r in records[1:])
+    # MFU: the training FLOPs per second over --peak-flops (1e9 here), per logged step.
+    from tlm_train.metrics import training_flops_per_token
+
+    per_token = training_flops_per_token(saved.model_config(), 16)
+    assert all(r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / 1e9, rel=1e-12) for r in records[1:])
     assert [s for s, _ in result.val_losses] == [0, 2, 4]
     # An untrained model is close to uniform over the vocabulary.
     assert abs(result.val_losses[0][1] - math.log(300)) < 0.5

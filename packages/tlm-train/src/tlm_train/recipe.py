@@ -17,6 +17,7 @@ been read back whole.
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,7 +41,7 @@ from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, 
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import Loggers, choose_loggers
-from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
+from tlm_train.metrics import MetricsLog, peak_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
 from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_step
@@ -88,10 +89,12 @@ def train(
     gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss.
     """
     device_from_name(config.device, "--device")  # before a process group is joined on it
+    cuda_notes = _cuda_determinism_env(config)  # before this process's first cuBLAS call
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
     try:
         recipe = Recipe(config, info, resume=resume, resume_from=resume_from, log=log, progress=progress)
+        recipe.cuda_notes = cuda_notes
         with recipe:
             return recipe.run()
     finally:
@@ -123,6 +126,7 @@ class Recipe:
         self._prune_pending = False
         self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
+        self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
 
     def __enter__(self) -> "Recipe":
         return self
@@ -144,6 +148,8 @@ class Recipe:
             self._check_fresh()
         if config.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=info.device.type != "cpu")
+        if info.device.type == "cuda":
+            self._cuda_settings()
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
@@ -208,6 +214,40 @@ class Recipe:
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
+
+    def _cuda_settings(self) -> None:
+        """TF32 for float32 matmuls (unless --no-tf32) and, for a deterministic run, what CUDA needs for it;
+        each said in one line at start, and restored when the run ends."""
+        config = self.config
+        precision = torch.get_float32_matmul_precision()
+        self._exit.callback(torch.set_float32_matmul_precision, precision)
+        torch.set_float32_matmul_precision("high" if config.tf32 else "highest")
+        if config.dtype == "float32":
+            self.say(
+                "float32 matmuls on TF32 tensor cores" if config.tf32 else "float32 matmuls in full float32 (--no-tf32)"
+            )
+        if not config.deterministic:
+            return
+        flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+                 torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
+
+        def restore() -> None:
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[0], flags[1]
+            torch.backends.cuda.enable_mem_efficient_sdp(flags[2])
+            torch.backends.cuda.enable_cudnn_sdp(flags[3])
+
+        self._exit.callback(restore)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        # Flash attention's backward is deterministic under deterministic algorithms; the memory-efficient and
+        # cuDNN kernels' backward is not, so they are turned off (the math kernel remains the fallback).
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        self.say(
+            "deterministic on CUDA: CUBLAS_WORKSPACE_CONFIG="
+            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')}, deterministic algorithms (an op without a deterministic "
+            "kernel warns once), attention by the flash or math kernels"
+            + "".join(f"; {note}" for note in self.cuda_notes)
+        )
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
@@ -359,7 +399,12 @@ class Recipe:
         config, info = self.config, self.info
         tokens_per_step = config.batch_size * self.model_config.context_length
         self.flops_per_token = training_flops_per_token(self.model_config, self.model_config.context_length)
-        self.peak = config.peak_flops or measure_gemm_flops(info.device)
+        if config.peak_flops is not None:
+            self.peak, source = config.peak_flops, "--peak-flops"
+        else:
+            tf32 = config.tf32 and info.device.type == "cuda"
+            self.peak, source = peak_flops(info.device, config.dtype, tf32=tf32)
+        self.say(f"MFU against {self.peak / 1e12:,.3g} TFLOP/s per device ({source})")
         self.tokens_per_step = tokens_per_step
         self._clock = (time.perf_counter(), self._clock[1])  # set-up (data, model, GEMM rate) is not training time
         if self.start == 0:
@@ -557,6 +602,23 @@ def _finite(weights: dict[str, torch.Tensor]) -> bool:
 
     local = [t.to_local() if isinstance(t, DTensor) else t for t in weights.values()]
     return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
+
+
+def _cuda_determinism_env(config: TrainConfig) -> list[str]:
+    """For a deterministic run on CUDA, ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS reads it when this process makes
+    its first handle, so it is set before anything touches CUDA); what cannot be guaranteed, one note each."""
+    if not (config.deterministic and config.device.startswith("cuda")):
+        return []
+    have = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if have is None:
+        if torch.cuda.is_initialized():
+            return ["CUDA was already in use in this process, so cuBLAS may not be deterministic: set "
+                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"]  # fmt: skip
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        return []
+    if have not in (":4096:8", ":16:8"):
+        return [f"CUBLAS_WORKSPACE_CONFIG={have} is not :4096:8 or :16:8, so cuBLAS may not be deterministic"]
+    return []
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
