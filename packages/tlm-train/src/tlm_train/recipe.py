@@ -171,11 +171,12 @@ class Recipe:
         if source is not None and not self.resume:
             self.model.load_state_dict(source.state_dict())
         self.loss_module = wrap_model(
-            self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
+            self.model,
+            config.distributed,
+            activation_checkpointing=config.activation_checkpointing,
+            compile=config.compile,  # before sharding, as torchtitan does
+            param_dtype=torch.bfloat16 if config.dtype == "bfloat16" else None,
         )
-        if config.compile:
-            for block in self.model.layers:
-                block.compile()
         self.optimizer = AdamW(
             parameter_groups(self.model, config.weight_decay, decay_norms=config.decay_norms),
             lr=config.lr,
