@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
-ORDER = ["model", "gqa", "tokenizer", "optim", "train", "checkpoint", "serve"]
+ORDER = ["model", "gqa", "tokenizer", "optim", "train", "bf16", "checkpoint", "serve", "gpu"]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
     "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
@@ -28,6 +28,8 @@ TITLES = {
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
+    "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",
+    "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (
     "# Benchmarks\n\n"
