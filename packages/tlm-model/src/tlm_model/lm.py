@@ -225,5 +225,9 @@ class TransformerLM(nn.Module):
         accelerator, :func:`~tlm_model.loss.default_chunk_size`), so neither the full (tokens × vocab)
         float32 logits nor their gradient is ever held in memory.
         """
-        hidden = self.hidden_states(in_indices)
-        return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
+        hidden = self.hidden_states(in_indices).flatten(0, -2)
+        # A head that is not a plain Linear (a LoRA-adapted one, tlm_lora.LoRALinear) hands over the operands
+        # whose product is its output, so the chunked loss still never builds the logits.
+        operands = getattr(self.lm_head, "loss_operands", None)
+        hidden, weight = operands(hidden) if operands is not None else (hidden, self.lm_head.weight)
+        return chunked_cross_entropy(hidden, weight, targets.flatten(), chunk_size)

@@ -29,6 +29,7 @@ import tomli_w
 
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
 from tlm_ffn.options import default_d_ff
+from tlm_lora.roles import check_targets
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
 
@@ -36,6 +37,7 @@ CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
+LOGGER_ERRORS = ("stop", "warn")
 
 
 @dataclass
@@ -87,6 +89,20 @@ class TrainConfig:
             "shown": "random weights",
         },
     )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "fine-tune LoRA adapters of this rank on the frozen --init-from model (0: every weight trains)",
+            "shown": "0, full fine-tuning",
+        },
+    )
+    lora_alpha: float | None = field(
+        default=None, metadata={"help": "LoRA scale numerator: updates are B·A·(alpha/rank)", "shown": "the rank"}
+    )
+    lora_targets: str = field(
+        default="q,v", metadata={"help": "comma-separated roles to adapt: q, k, v, o, w1, w2, w3, lm_head"}
+    )
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA adapters' input"})
     preset: str = field(
         default="tiny",
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
@@ -166,6 +182,14 @@ class TrainConfig:
             "metrics.jsonl is always written"
         },
     )
+    logger_errors: str = field(
+        default="stop",
+        metadata={
+            "help": "when a logger fails (a full disk...): stop (checkpoint, exit status 74) or warn (train on "
+            "without it; metrics.jsonl's failure always stops)",
+            "choices": LOGGER_ERRORS,
+        },
+    )
     # The sample printed at the end.
     sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
     sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
@@ -208,6 +232,7 @@ class TrainConfig:
             "device",
             "dtype",
             "distributed",
+            "logger_errors",
             "sample_prompt",
         ):
             if not isinstance(getattr(self, name), str):
@@ -215,6 +240,18 @@ class TrainConfig:
         for name in ("tokenizer", "init_from"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
+        check_int("TrainConfig.lora_rank", self.lora_rank, low=0)
+        if self.lora_alpha is not None:
+            check_number("TrainConfig.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
+        check_number("TrainConfig.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
+        if not isinstance(self.lora_targets, str):
+            raise TypeError(f"TrainConfig.lora_targets must be a str such as 'q,v', got {self.lora_targets!r}")
+        try:
+            check_targets(self.lora_targets)
+        except ValueError as err:
+            raise ValueError(f"TrainConfig.lora_targets: {err}") from None
+        if self.lora_rank and self.init_from is None:
+            raise ValueError("TrainConfig.lora_rank adapts a trained model: give it with TrainConfig.init_from")
         if not self.text_field:
             raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
