@@ -204,7 +204,15 @@ class TrainConfig:
     )
     peak_flops: float | None = field(
         default=None,
-        metadata={"help": "the device's FLOP/s for MFU", "shown": "measured with a float32 GEMM at start-up"},
+        metadata={
+            "help": "the device's peak FLOP/s for MFU",
+            "shown": "the published dense peak for --dtype (H100/H200, A100, L4, ...), else a GEMM in --dtype measured "
+            "at start-up",
+        },
+    )
+    tf32: bool = field(
+        default=True,
+        metadata={"help": "on CUDA, float32 matmuls on TF32 tensor cores (--no-tf32: full float32 precision)"},
     )
     tensorboard: bool = field(
         default=False,
@@ -253,7 +261,7 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard", "tf32"):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in ("document_mask",):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
