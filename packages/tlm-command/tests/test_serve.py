@@ -210,7 +210,7 @@ def _error(status, body, code, fragment):
         ({"prompt": "word " * CONTEXT, "max_tokens": 1}, 400, "maximum context length"),
         ({"prompt": "x", "temperature": -0.1}, 400, "temperature"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "stop": 3}, 400, "stop"),
         ({"prompt": [1, 99999]}, 400, "below the vocabulary size"),
         ({}, 400, "prompt"),

@@ -127,7 +127,7 @@ def test_allowed_special_sets_match_tiktoken(gpt2_chat, allowed):
     ("allowed", "error", "message"),
     [
         ("some", ValueError, 'allowed_special must be "all", "none" or a set of special tokens, got \'some\''),
-        (["<|endoftext|>"], TypeError, "allowed_special must be \"all\", \"none\" or a set of special tokens, got list"),
+        (["<|endoftext|>"], TypeError, 'allowed_special must be "all", "none" or a set of special tokens, got list'),
         ({"<|nope|>"}, ValueError, "allowed_special holds tokens that are not special tokens here: '<|nope|>'"),
     ],
 )

@@ -26,6 +26,7 @@ _ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uin
 CACHE_ENTRIES = 1 << 18
 # Longer pre-tokens are not cached: they rarely repeat, and 2**18 of them could hold gigabytes.
 CACHE_MAX_CHARS = 128
+_ALLOWED_SPECIAL = 'allowed_special must be "all", "none" or a set of special tokens'
 
 
 class Tokenizer:
@@ -247,11 +248,9 @@ class Tokenizer:
                 return self._splitter
             if allowed_special == "none":
                 return None
-            raise ValueError(f'allowed_special must be "all", "none" or a set of special tokens, got {allowed_special!r}')
+            raise ValueError(f"{_ALLOWED_SPECIAL}, got {allowed_special!r}")
         if not isinstance(allowed_special, AbstractSet):
-            raise TypeError(
-                f'allowed_special must be "all", "none" or a set of special tokens, got {type(allowed_special).__name__}'
-            )
+            raise TypeError(f"{_ALLOWED_SPECIAL}, got {type(allowed_special).__name__}")
         allowed = frozenset(allowed_special)
         if unknown := sorted(map(repr, allowed.difference(self._special_ids))):
             raise ValueError(f"allowed_special holds tokens that are not special tokens here: {', '.join(unknown[:5])}")
