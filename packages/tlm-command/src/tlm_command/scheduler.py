@@ -169,6 +169,7 @@ class Scheduler:
         self.batch = DecodeBatch(model, max_batch)
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
+        self._joining: list[Request] = []
         self._wake = threading.Condition()
         self._closing = False
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
@@ -241,7 +242,8 @@ class Scheduler:
         except BaseException as err:  # the model failed: every request in flight ends, and the server says so
             with self._wake:
                 self.error = err
-                ended = [*self._waiting, *(row.request for row in self._rows)]
+                every = [*self._waiting, *self._joining, *(row.request for row in self._rows)]
+                ended = [request for request in every if not request.cancelled.is_set()]  # not answered yet
                 self._waiting.clear()
             message = f"the model failed: {type(err).__name__}: {err}"
             for request in ended:
@@ -262,6 +264,7 @@ class Scheduler:
             joining: list[Request] = []
             while self._waiting and len(self._rows) + len(joining) < self.max_batch:
                 joining.append(self._waiting.popleft())
+            self._joining = joining  # neither waiting nor in a row until they join: a model failure ends them too
         short = [r for r in joining if r.max_tokens <= 1 and not r.cancelled.is_set()]
         for request in joining:
             if request.cancelled.is_set():
@@ -270,6 +273,7 @@ class Scheduler:
                 self._join(request)
         if short:
             self._prefill_only(short)
+        self._joining = []
         if not self._rows:
             return True
         tokens = self._sample([row.logits for row in self._rows])
