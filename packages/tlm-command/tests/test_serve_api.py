@@ -362,6 +362,7 @@ def test_only_a_model_failure_makes_the_server_unhealthy(parts):
         assert client.get("/health")[0] == 503
         status, body = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})  # answered, never hung
         assert status == 503 and "model failed" in body["error"]["message"]
+    assert isinstance(scheduler.error, RuntimeError)
 
 
 def test_the_access_log_is_one_line_per_request(parts, capfd):
