@@ -316,3 +316,22 @@ def test_symlinks_planted_where_a_sweep_a_comparison_and_tensorboard_write_are_n
     fails(["compare", str(folder)], f"{folder / 'a'} is a symbolic link: a sweep's runs are folders of their own")
     fails(["sweep", "--resume", str(folder)], f"{folder / 'a'} is a symbolic link: tlm sweep never trains into one")
     assert [s.name for s in sweep.summarize(folder, sweep.read_manifest(folder))] == ["b"]
+
+
+def test_one_sweep_at_a_time_and_a_run_folder_planted_as_a_link_mid_sweep_fails_that_run(tmp_path, fails) -> None:
+    from tlm_train.run_dir import RunLock
+
+    folder = tmp_path / "sweep"
+    _manifest(folder, [_entry("a")])
+    holder = RunLock(folder / ".lock", command="tlm sweep")  # another sweep holds the folder
+    try:
+        fails(["sweep", "--resume", str(folder)], f"{folder} is in use by another tlm sweep; wait for it to finish")
+    finally:
+        holder.release()
+    (tmp_path / "outside").mkdir()
+    (folder / "a").symlink_to(tmp_path / "outside", target_is_directory=True)  # planted after the sweep's check
+    job = sweep.Sweep(folder, json.loads((folder / "sweep.json").read_text()), jobs=1, quiet=True).job(_entry("a"))
+    outcome = sweep.train_run(job)
+    assert outcome == {"status": "failed", "message": f"{folder / 'a'} is a symbolic link: tlm sweep never trains "
+                                                      "into one"}  # fmt: skip
+    assert list((tmp_path / "outside").iterdir()) == []
