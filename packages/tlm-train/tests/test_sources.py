@@ -48,6 +48,36 @@ def test_compressed_text_is_one_document(files, kind):
     assert ["".join(d) for d in documents(files[kind])] == [DOCS[1]]
 
 
+@pytest.mark.parametrize(
+    ("name", "jsonl"),
+    [
+        ("data.v2.jsonl", True),  # the last suffix decides, not the first
+        ("data.v2.jsonl.gz", True),
+        ("c.jsonl.zst", True),
+        ("data.jsonl.v2", False),
+        ("notes.jsonl.txt", False),
+        ("c.json", False),
+        ("c.gz", False),
+        ("jsonl", False),
+        (".jsonl", False),  # a hidden file with no suffix
+        ("c.txt.zst", False),
+    ],
+)
+def test_the_kind_comes_from_the_last_suffix_before_compression(name, jsonl):
+    from tlm_train.sources import is_jsonl
+
+    assert is_jsonl(name) is jsonl
+
+
+def test_blank_and_whitespace_lines_of_json_lines_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "data.v2.jsonl"
+    path.write_bytes(b'\n{"text": "a"}\n \t \r\n\n{"text": "b"}\r\n\n\nnot json\n')
+    got = documents(path)
+    assert ["".join(next(got)), "".join(next(got))] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"data\.v2\.jsonl line 8: not JSON"):
+        next(got)
+
+
 def test_another_text_field_and_the_errors_name_the_file_and_line(tmp_path):
     path = tmp_path / "c.jsonl"
     path.write_bytes(_jsonl(["a", "b"], field="content") + b"{not json\n")
