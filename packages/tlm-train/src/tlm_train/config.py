@@ -73,6 +73,14 @@ class TrainConfig:
     val_fraction: float = field(
         default=0.1, metadata={"help": "share of the tokens held out for validation (the end of the data)"}
     )
+    max_data_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "refuse text --data that expands (decompressed, joined) past this many bytes, before the disk "
+            "fills",
+            "shown": "half the free space of the run folder's disk",
+        },
+    )
     tokenizer: str | None = field(
         default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
     )
@@ -241,8 +249,9 @@ class TrainConfig:
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        if self.max_tokens is not None:
-            check_int("TrainConfig.max_tokens", self.max_tokens, low=1)
+        for name in ("max_tokens", "max_data_bytes"):
+            if getattr(self, name) is not None:
+                check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
         if self.min_lr is not None:
             check_number("TrainConfig.min_lr", self.min_lr, low=0.0, high=self.lr)
