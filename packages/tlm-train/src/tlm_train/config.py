@@ -37,6 +37,7 @@ CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
+LOGGER_ERRORS = ("stop", "warn")
 
 
 @dataclass
@@ -173,6 +174,14 @@ class TrainConfig:
             "metrics.jsonl is always written"
         },
     )
+    logger_errors: str = field(
+        default="stop",
+        metadata={
+            "help": "when a logger fails (a full disk...): stop (checkpoint, exit status 74) or warn (train on "
+            "without it; metrics.jsonl's failure always stops)",
+            "choices": LOGGER_ERRORS,
+        },
+    )
     # The sample printed at the end.
     sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
     sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
@@ -215,6 +224,7 @@ class TrainConfig:
             "device",
             "dtype",
             "distributed",
+            "logger_errors",
             "sample_prompt",
         ):
             if not isinstance(getattr(self, name), str):

@@ -39,7 +39,7 @@ from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
-from tlm_train.loggers import Loggers, choose_loggers
+from tlm_train.loggers import LoggerError, Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
@@ -85,7 +85,11 @@ def train(
     that step, abandoning later ones); without it, a folder that already holds checkpoints is refused.
     ``log`` receives one line per evaluation and event (rank 0 only); ``progress`` shows a tqdm bar
     (``None``: only on a terminal). Raises :class:`~tlm_train.NonFiniteLossError` when the loss or the
-    gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss.
+    gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss. A logging
+    backend that fails (a full disk, a read-only or vanished folder) stops the run at that step with a
+    checkpoint (when the disk takes it) and raises :class:`~tlm_train.loggers.LoggerError` saying so; with
+    ``config.logger_errors == "warn"`` the run goes on without that backend instead (``metrics.jsonl``, which
+    every command reads, always stops it).
     """
     device_from_name(config.device, "--device")  # before a process group is joined on it
     info = init_distributed(config.device)
@@ -122,6 +126,7 @@ class Recipe:
         self.last_checkpoint: Path | None = None
         self._prune_pending = False
         self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
+        self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
 
     def __enter__(self) -> "Recipe":
@@ -405,7 +410,11 @@ class Recipe:
                     self._prune()  # the step after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at: compared where the step syncs anyway.
-                stop = requested() if info.world_size == 1 else (logged and self._any_rank(requested()))
+                asked = requested() or self.logger_error is not None
+                stop = asked if info.world_size == 1 else (logged and self._any_rank(asked))
+                if stop and self.logger_error is not None:
+                    self._stop_for_logger(step, sampler_state)
+                    break
                 self.maybe_checkpoint(step, sampler_state, force=stop)
                 if stop:
                     interrupted = True
@@ -415,7 +424,20 @@ class Recipe:
                     )
                     break
         bar.close()
-        return self.finish(step, interrupted)
+        result = self.finish(step, interrupted or self.logger_error is not None)
+        if self.logger_error is not None:
+            raise self.logger_error
+        return result
+
+    def _stop_for_logger(self, step: int, sampler_state: dict[str, Any]) -> None:
+        """A backend failed: checkpoint this step if the disk takes it, and say so in the error the run raises."""
+        error = cast(LoggerError, self.logger_error)
+        try:
+            self.maybe_checkpoint(step, sampler_state, force=True)
+            saved = f"checkpoint {self.last_checkpoint}"
+        except OSError as err:  # the disk that failed the logger may refuse the checkpoint too
+            saved = f"no checkpoint of step {step} ({err.strerror or err}); the newest is {self.last_checkpoint}"
+        error.args = (f"{error.args[0]}; stopped at step {step}: {saved}; continue with --resume {self.run_dir.path}",)
 
     def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [next(self.sampler) for _ in range(self.config.grad_accum)]
@@ -442,10 +464,17 @@ class Recipe:
         return NonFiniteLossError(message)
 
     def _log(self, record: dict[str, Any]) -> None:
-        """Give ``record`` to every logging backend (rank 0), with the seconds since training began."""
+        """Give ``record`` to every logging backend (rank 0), with the seconds since training began. A backend
+        that fails is dropped; it stops the run at this step unless ``logger_errors`` is "warn"."""
         if self.info.is_main:
             began, before = self._clock
-            self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
+            try:
+                self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
+            except LoggerError as err:
+                if self.config.logger_errors == "warn" and err.name != "jsonl":
+                    self.say(f"{err}; training goes on without it (--logger-errors warn)")
+                elif self.logger_error is None:
+                    self.logger_error = err
 
     def _good_checkpoint(self, failed: int) -> str:
         # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
@@ -539,8 +568,11 @@ class Recipe:
         if self._prune_pending:
             self._prune()  # the run ended; its last checkpoint is the newest and stays
         if self.info.is_main:
-            if plot_loss_curve(self.run_dir.metrics_path, self.run_dir.plot_path) is None:
-                self.say("matplotlib is not installed: no loss.png (pip install matplotlib)")
+            try:
+                if plot_loss_curve(self.run_dir.metrics_path, self.run_dir.plot_path) is None:
+                    self.say("matplotlib is not installed: no loss.png (pip install matplotlib)")
+            except OSError as err:  # a full disk: the checkpoint and metrics.jsonl are what matter
+                self.say(f"no loss.png: {err.strerror or err}")
             if not interrupted and self.config.sample_tokens > 0 and self.last_checkpoint is not None:
                 sample = self._sample()
         barrier()
