@@ -138,18 +138,13 @@ class TrainConfig:
     )
     lora_rank: int = field(
         default=0,
-        metadata={
-            "help": "fine-tune LoRA adapters of this rank on the frozen --init-from model (0: every weight trains)",
-            "shown": "0, full fine-tuning",
-        },
+        metadata={"help": "train only LoRA adapters of this rank on the frozen --init-from (0: off)", "metavar": "R"},
     )
     lora_alpha: float | None = field(
-        default=None, metadata={"help": "LoRA scale numerator: updates are B·A·(alpha/rank)", "shown": "the rank"}
+        default=None, metadata={"help": "LoRA updates are B·A·(alpha/rank)", "shown": "the rank", "metavar": "A"}
     )
-    lora_targets: str = field(
-        default="q,v", metadata={"help": "comma-separated roles to adapt: q, k, v, o, w1, w2, w3, lm_head"}
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA adapters' input"})
+    lora_targets: str = field(default="q,v", metadata={"help": "roles: q,k,v,o,w1,w2,w3,lm_head", "metavar": "ROLES"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input", "metavar": "P"})
     preset: str = field(
         default="tiny",
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
