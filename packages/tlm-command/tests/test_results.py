@@ -33,7 +33,8 @@ def runs():
     return [
         *(_summary(f"lr=0.01,seed={k}", "done", [6.2, 4.5 + k / 10, 3.6 + k / 10, 3.2 + k / 10], seed=k, lr=0.01)
           for k in range(3)),
-        _summary("lr=0.1,seed=0", "unstable", [6.2, 92.0, 8.0, 4.1], lr=0.1, unstable_at=10),
+        _summary("lr=0.1,seed=0", "unstable", [6.2, 92.0, 8.0, 3.45], lr=0.1, unstable_at=10),
+        _summary("lr=0.3,seed=0", "unstable", [6.2, 92.0, 80.0, 40.0], lr=0.3, unstable_at=10),
         _summary("lr=1,seed=0", "diverged", [6.2, 5.0], lr=1.0, diverged_at=17),
         _summary("lr=0.001,seed=0", "interrupted", [6.2, 5.9], lr=0.001),
     ]  # fmt: skip
@@ -49,7 +50,7 @@ def test_the_loss_axes_hold_the_done_runs_and_mark_where_the_others_left(runs) -
     assert 3.0 < low < 3.2 and 6.2 < high < 6.5  # the done runs' 3.2 .. 6.2, not the unstable run's 92
     # The unstable run left the range at step 10 (its 92): marked there, on the top edge; the diverged one at the
     # step its loss stopped being finite (17), never at step 0 or at its last evaluation.
-    assert _marks(by_step, "left-range") == [(10, high)]
+    assert _marks(by_step, "left-range") == [(10, high), (10, high)]
     assert _marks(by_step, "diverged") == [(17, high)]
     interrupted = [line for line in by_step.get_lines() if line.get_label().startswith("lr=0.001")]
     assert len(interrupted) == 1 and interrupted[0].get_linestyle() == "--"
@@ -86,11 +87,12 @@ def test_the_final_losses_are_points_with_error_bars_on_an_axis_the_data_sets(ru
     segment = bar.lines[2][0].get_segments()[0]
     assert segment[0][1] == pytest.approx(3.3 - sd) and segment[1][1] == pytest.approx(3.3 + sd)
     low, high = final.get_ylim()
-    assert 3.0 < low < 3.3 - sd and 4.1 < high < 4.5  # starts at the data (3.2 - sd), not at zero
-    assert sorted(y for x, y in _marks(final, "seed") if x == 0.01) == pytest.approx([3.2])  # first dot of each
+    # The axis is the done runs' (3.2 .. 3.4, with the error bar), not from zero and not up to the unstable 40.
+    assert 3.1 < low < 3.3 - sd and 3.3 + sd < high < 3.5
+    assert _marks(final, "left-range") == [(0.3, high)]  # the unstable run's 40, on the top edge
+    assert _marks(final, "unstable") == [(0.1, 3.45)]  # finished unstable inside the range: a ring on its dot
     assert _marks(final, "diverged") == [(1.0, high)]
-    assert _marks(final, "unstable") == [(0.1, 4.1)]
-    assert not [m for m in _marks(final, "mean") if m[0] == 0.001]  # interrupted: not a result, not drawn
+    assert [c.lines[0].get_xdata()[0] for c in final.containers] == [0.01, 0.1, 0.3]  # interrupted: not a result
     plt.close(fig)
 
 
@@ -99,7 +101,7 @@ def test_the_caption_names_every_setting_its_seeds_steps_and_endings(runs) -> No
 
     fig = figure(runs)
     text = fig.get_supxlabel().replace("\n", " ")
-    assert text.startswith("6 runs. lr=0.01: seeds 0,1,2, 30 steps (3 done); lr=0.1: seed 0, 30 steps (1 unstable)")
+    assert text.startswith("7 runs. lr=0.01: seeds 0,1,2, 30 steps (3 done); lr=0.1: seed 0, 30 steps (1 unstable)")
     assert "lr=1: seed 0, 30 steps (1 diverged); lr=0.001: seed 0, 30 steps (1 interrupted)." in text
     plt.close(fig)
 

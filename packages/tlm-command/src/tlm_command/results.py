@@ -103,21 +103,23 @@ class SettingStats:
         }
 
 
-def baseline_index(groups: list[Group]) -> int:
-    """The setting named ``baseline``, else the first."""
-    return next((i for i, g in enumerate(groups) if g.label == "baseline"), 0)
+def baseline_index(groups: list[Group], baseline: str = "baseline") -> int:
+    """The setting labelled ``baseline``, else the first."""
+    return next((i for i, g in enumerate(groups) if g.label == baseline), 0)
 
 
-def statistics(groups: list[Group]) -> list[SettingStats]:
-    """Each setting's mean, sd and N of final and best loss, and its final loss against the baseline's."""
+def statistics(groups: list[Group], *, baseline: str = "baseline") -> list[SettingStats]:
+    """Each setting's mean, sd and N of final and best loss, and its final loss against the baseline's (the
+    setting labelled ``baseline``, else the first)."""
     if not groups:
         return []
-    base = groups[baseline_index(groups)].finals()
+    reference = groups[baseline_index(groups, baseline)]
+    base = reference.finals()
     out = []
     for group in groups:
         finals = group.finals()
         diff = None
-        if group is not groups[baseline_index(groups)] and finals and base:
+        if group is not reference and finals and base:
             diff = difference(finals, base)
         statuses = {s: n for s in STATUSES if (n := sum(r.status == s for r in group.runs))}
         out.append(SettingStats(group.label, group.settings, group.seeds, statuses, describe(finals.values()),
@@ -277,26 +279,31 @@ def _band(ax: Any, group: Group, color: str) -> None:
 
 
 def _final_panel(ax: Any, groups: list[Group]) -> None:
-    """Each setting's final loss: the mean with ± sd error bars and every seed a dot, on an axis the data
-    sets (not from zero); a diverged run a red × at the top, an unstable one a hollow ring around its dot."""
+    """Each setting's final loss: the mean with ± sd error bars and every seed a dot, on an axis that the done
+    runs' final losses set (not from zero); a final loss above it a ▲ on the top edge, an unstable run a ring
+    around its dot, a setting with a diverged run a red × on the top edge."""
     key = _swept_key(groups)
     xs = [g.settings[key] for g in groups] if key else list(range(len(groups)))
-    values: list[float] = []
+    done = [r.final_val_loss for g in groups for r in g.runs if r.status == "done" and r.final_val_loss is not None]
+    finals_all = [f for g in groups for f in g.finals().values()]
+    for g in groups:  # a setting whose runs all ended done widens the range by its error bar
+        sample = describe(g.finals().values())
+        if sample.mean is not None and sample.sd is not None and all(r.status == "done" for r in g.runs):
+            done += [sample.mean - sample.sd, sample.mean + sample.sd]
+    low, high = _limits((min(done or finals_all), max(done or finals_all))) if done or finals_all else (0.0, 1.0)
     for x, g in zip(xs, groups, strict=True):
         finals = list(g.finals().values())
-        values += finals
         sample = describe(finals)
         if sample.mean is not None:
             ax.errorbar([x], [sample.mean], yerr=[[sample.sd or 0.0], [sample.sd or 0.0]], fmt="o", color="black",
-                        markersize=6, capsize=5, gid="mean")  # fmt: skip
+                        markersize=6, capsize=5)  # fmt: skip
             ax.plot([x] * len(finals), finals, ".", color="tab:blue", alpha=0.7, gid="seed")
-            values += [sample.mean - (sample.sd or 0.0), sample.mean + (sample.sd or 0.0)]
+        if any(f > high for f in finals):
+            ax.plot(x, high, "^", color="tab:orange", markersize=9, clip_on=False, gid="left-range")
         for r in g.runs:
-            if r.status == "unstable" and r.final_val_loss is not None:
+            if r.status == "unstable" and r.final_val_loss is not None and r.final_val_loss <= high:
                 ax.plot(x, r.final_val_loss, "o", markerfacecolor="none", color="tab:orange", markersize=10,
                         gid="unstable")  # fmt: skip
-    low, high = _limits((min(values), max(values))) if values else (0.0, 1.0)
-    for x, g in zip(xs, groups, strict=True):
         if any(r.status == "diverged" for r in g.runs):
             ax.plot(x, high, "x", color="red", markersize=10, markeredgewidth=2, clip_on=False, gid="diverged")
     ax.set_ylim(low, high)
