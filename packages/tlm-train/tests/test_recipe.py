@@ -269,7 +269,10 @@ def test_symlinks_planted_at_every_name_of_the_run_folder_are_never_followed(tmp
         assert not (run / name).is_symlink(), name  # replaced by the run's own file or folder
 
 
-@pytest.mark.parametrize(("name", "what"), [(".lock", "follows one"), ("checkpoints", "writes through one")])
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [(".lock", "follows one"), ("checkpoints", "writes through one"), ("tensorboard", "writes through one")],
+)
 def test_a_symlink_at_the_lock_or_the_checkpoints_is_refused_in_one_line(tmp_path, make_config, snapshot, name, what):
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command, positive_float
+from tlm_command.manifest import MANIFEST, read_manifest
 
-#: The file that makes a folder a sweep (``tlm sweep`` writes it).
-MANIFEST = "sweep.json"
 #: Summary fields that measure the machine, not the run: a resumed run's differ from an uninterrupted one's.
 TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
 
@@ -72,17 +71,27 @@ class RunSummary:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl``; a last line cut short by a kill is dropped."""
+    """The records of a ``metrics.jsonl``; a last line cut short by a kill is dropped. A record that is not an
+    object with an integer ``step`` >= 0 (a file edited by hand, or not tlm's) is one line naming the file."""
     if not path.is_file():
         return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             break
-        if isinstance(record, dict):
-            records.append(record)
+        step = record.get("step") if isinstance(record, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            what = f"step {json.dumps(step)}" if isinstance(record, dict) and "step" in record else "no step"
+            if not isinstance(record, dict):
+                what = f"a {type(record).__name__}, not an object"
+            raise UserError(f"{path}: line {number}: expected a record with an integer step >= 0, got {what}")
+        records.append(record)
     return records
 
 
@@ -232,16 +241,15 @@ def plot(summaries: list[RunSummary], out: str | os.PathLike[str], *, title: str
 
 def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
     """(name, folder, settings, status) of each run a sweep's manifest lists."""
-    from tlm_command.sweep import read_manifest
-
     manifest = read_manifest(folder)
+    for run in manifest["runs"]:
+        if (folder / run["name"]).is_symlink():
+            raise UserError(f"{folder / run['name']} is a symbolic link: a sweep's runs are folders of their own")
     return [(r["name"], folder / r["name"], r["settings"], r["status"]) for r in manifest["runs"]]
 
 
 def _messages(folder: Path) -> dict[str, str]:
     """Why each failed run of a sweep failed, as its manifest says."""
-    from tlm_command.sweep import read_manifest
-
     return {r["name"]: str(r["message"]) for r in read_manifest(folder)["runs"] if r.get("message")}
 
 

@@ -64,12 +64,19 @@ def build_model(config: ModelConfig, device: torch.device | str, *, seed: int) -
     return model
 
 
-def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpointing: bool = False) -> nn.Module:
+def wrap_model(
+    model: TransformerLM,
+    mode: str = "none",
+    *,
+    activation_checkpointing: bool = False,
+    document_mask_id: int | None = None,
+) -> nn.Module:
     """The module to train: :class:`LanguageModelLoss` around ``model``, under ``mode``:
     ``"none"`` (one process), ``"ddp"`` (DistributedDataParallel: full replica, gradients
     all-reduced) or ``"fsdp"`` (FSDP2: ``fully_shard`` on each block, then on the root, so each rank
     keeps 1/N of the parameters, gradients and optimizer state). ``model`` keeps its parameters
     (sharded as DTensors under FSDP2), so build the optimizer from it and take state dicts from it.
+    ``document_mask_id``: see :class:`LanguageModelLoss`.
     """
     check_choice("mode", mode, ("none", "ddp", "fsdp"))
     if mode != "none" and not (dist.is_available() and dist.is_initialized()):
@@ -82,7 +89,7 @@ def wrap_model(model: TransformerLM, mode: str = "none", *, activation_checkpoin
         # composable API keeps the state-dict keys unchanged.
         for block in model.layers:
             checkpoint_activations(block)
-    loss_module = LanguageModelLoss(model)
+    loss_module = LanguageModelLoss(model, document_mask_id=document_mask_id)
     if mode == "ddp":
         device = next(model.parameters()).device
         # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.

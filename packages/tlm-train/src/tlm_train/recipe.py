@@ -39,7 +39,7 @@ from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
-from tlm_train.loggers import Loggers, choose_loggers
+from tlm_train.loggers import LoggerError, Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
@@ -48,7 +48,8 @@ from tlm_train.step import NonFiniteLossError, StepStats, train_step
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
-    "seed", "decay_norms",
+    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets",
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
 )  # fmt: skip
 
 
@@ -85,7 +86,11 @@ def train(
     that step, abandoning later ones); without it, a folder that already holds checkpoints is refused.
     ``log`` receives one line per evaluation and event (rank 0 only); ``progress`` shows a tqdm bar
     (``None``: only on a terminal). Raises :class:`~tlm_train.NonFiniteLossError` when the loss or the
-    gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss.
+    gradient norm is not finite, naming the newest checkpoint whose weights gave a finite loss. A logging
+    backend that fails (a full disk, a read-only or vanished folder) stops the run at that step with a
+    checkpoint (when the disk takes it) and raises :class:`~tlm_train.loggers.LoggerError` saying so; with
+    ``config.logger_errors == "warn"`` the run goes on without that backend instead (``metrics.jsonl``, which
+    every command reads, always stops it).
     """
     device_from_name(config.device, "--device")  # before a process group is joined on it
     info = init_distributed(config.device)
@@ -122,6 +127,7 @@ class Recipe:
         self.last_checkpoint: Path | None = None
         self._prune_pending = False
         self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
+        self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
 
     def __enter__(self) -> "Recipe":
@@ -147,11 +153,18 @@ class Recipe:
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
+        if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
+            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
+        shape = source.config if source is not None else (saved or config).model_config()
+        context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
+            data = prepare_data(
+                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                context_length=context,
+            )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -162,10 +175,16 @@ class Recipe:
             )
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
-        if source is not None and not self.resume:
-            self.model.load_state_dict(source.state_dict())
+        if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
+            self.model.load_state_dict(_grown(source.state_dict(), self.model_config.vocab_size))
+        self.lora: dict[str, Any] | None = None
+        if config.lora_rank:
+            self.lora = self._adapt(cast(TransformerLM, source))
         self.loss_module = wrap_model(
-            self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
+            self.model,
+            config.distributed,
+            activation_checkpointing=config.activation_checkpointing,
+            document_mask_id=self._document_mask_id(data),
         )
         if config.compile:
             for block in self.model.layers:
@@ -199,15 +218,30 @@ class Recipe:
         context = self.model_config.context_length
         self.sampler = BatchSampler(
             data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
-            world_size=info.world_size,
+            world_size=info.world_size, rows=data.rows,
         )  # fmt: skip
         # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
-        self.val_batches = EvalBatches(data.val, micro, context, info.device, max_batches=config.eval_batches)
+        self.val_batches = EvalBatches(
+            data.val, micro, context, info.device, max_batches=config.eval_batches,
+            stride=context + 1 if data.rows else None,
+        )  # fmt: skip
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
+
+    def _document_mask_id(self, data: Dataset) -> int | None:
+        """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
+        if not self.config.document_mask:
+            return None
+        tokenizer = data.tokenizer
+        if tokenizer is None or SEPARATOR not in tokenizer.special_tokens:
+            raise ValueError(
+                f"{flag('document_mask')} splits windows at {SEPARATOR}, which "
+                + ("token-id data without --tokenizer does not name" if tokenizer is None else "the tokenizer lacks")
+            )
+        return int(tokenizer.encode(SEPARATOR)[0])
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
@@ -258,7 +292,7 @@ class Recipe:
         if config.init_from is None:
             return None, tokenizer
         artifact = artifacts.resolve(config.init_from)
-        if self.resume:  # the weights come from the run's own checkpoint; only the tokenizer is wanted here
+        if self.resume and not config.lora_rank:  # the weights come from the run's checkpoint; only the tokenizer
             model = None
         else:
             model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
@@ -275,6 +309,23 @@ class Recipe:
             self.say(f"--tokenizer {config.tokenizer} is used; the tokenizer of --init-from is not")
         return model, tokenizer if tokenizer is not None else own
 
+    def _adapt(self, base: TransformerLM) -> dict[str, Any]:
+        """Freeze the model and give it the adapters the config asks for; the record a checkpoint keeps of
+        them and of the base (the path ``init_from`` names and its weights' SHA-256)."""
+        from tlm_lora import weights_sha256
+        from tlm_train.lora import adapt, settings
+
+        config = self.config
+        if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
+            raise ValueError(
+                f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "
+                "would change the embedding too); leave lm_head out"
+            )
+        lora = settings(config)
+        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        adapt(self.model, lora, seed=config.seed)
+        return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
+
     def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
         config = self.config
         if config.init_from is None:
@@ -287,7 +338,11 @@ class Recipe:
                     f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
                     "fine-tune keeps the model's shape"
                 )
-        return dataclasses.replace(shape, rope_layout="interleaved")
+        # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
+        vocab = max(shape.vocab_size, data.vocab_size)
+        if vocab > shape.vocab_size:
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+        return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
@@ -308,6 +363,11 @@ class Recipe:
 
     def _load(self, checkpoint: Checkpoint) -> int:
         state = checkpoint.state
+        if self.lora is not None and state.get("lora", {}).get("base", {}).get("sha256") != self.lora["base"]["sha256"]:
+            raise ResumeError(
+                f"--resume {self.run_dir.path}: --init-from {self.config.init_from} is not the base model its "
+                f"adapters were trained on (the weights' SHA-256 differs from the one {checkpoint.path} records)"
+            )
         step = restore_state(state, self.model, self.optimizer, scheduler=self.scheduler, sampler=self.sampler)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -380,7 +440,11 @@ class Recipe:
                     self._prune()  # the step after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at: compared where the step syncs anyway.
-                stop = requested() if info.world_size == 1 else (logged and self._any_rank(requested()))
+                asked = requested() or self.logger_error is not None
+                stop = asked if info.world_size == 1 else (logged and self._any_rank(asked))
+                if stop and self.logger_error is not None:
+                    self._stop_for_logger(step, sampler_state)
+                    break
                 self.maybe_checkpoint(step, sampler_state, force=stop)
                 if stop:
                     interrupted = True
@@ -390,7 +454,20 @@ class Recipe:
                     )
                     break
         bar.close()
-        return self.finish(step, interrupted)
+        result = self.finish(step, interrupted or self.logger_error is not None)
+        if self.logger_error is not None:
+            raise self.logger_error
+        return result
+
+    def _stop_for_logger(self, step: int, sampler_state: dict[str, Any]) -> None:
+        """A backend failed: checkpoint this step if the disk takes it, and say so in the error the run raises."""
+        error = cast(LoggerError, self.logger_error)
+        try:
+            self.maybe_checkpoint(step, sampler_state, force=True)
+            saved = f"checkpoint {self.last_checkpoint}"
+        except OSError as err:  # the disk that failed the logger may refuse the checkpoint too
+            saved = f"no checkpoint of step {step} ({err.strerror or err}); the newest is {self.last_checkpoint}"
+        error.args = (f"{error.args[0]}; stopped at step {step}: {saved}; continue with --resume {self.run_dir.path}",)
 
     def _draw(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [next(self.sampler) for _ in range(self.config.grad_accum)]
@@ -417,10 +494,17 @@ class Recipe:
         return NonFiniteLossError(message)
 
     def _log(self, record: dict[str, Any]) -> None:
-        """Give ``record`` to every logging backend (rank 0), with the seconds since training began."""
+        """Give ``record`` to every logging backend (rank 0), with the seconds since training began. A backend
+        that fails is dropped; it stops the run at this step unless ``logger_errors`` is "warn"."""
         if self.info.is_main:
             began, before = self._clock
-            self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
+            try:
+                self.loggers.log({**record, "time_s": before + time.perf_counter() - began})
+            except LoggerError as err:
+                if self.config.logger_errors == "warn" and err.name != "jsonl":
+                    self.say(f"{err}; training goes on without it (--logger-errors warn)")
+                elif self.logger_error is None:
+                    self.logger_error = err
 
     def _good_checkpoint(self, failed: int) -> str:
         # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
@@ -475,6 +559,12 @@ class Recipe:
             return
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
+        if self.lora is not None:  # the adapters only: the frozen base is the --init-from model, named here
+            from tlm_train.lora import is_adapter_key
+
+            state["model"] = {k: v for k, v in state["model"].items() if is_adapter_key(k)}
+            state["lora"] = self.lora
+            state["model_config"] = self.model_config.to_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         if self._any_rank(not _finite(state["model"])):
@@ -508,8 +598,11 @@ class Recipe:
         if self._prune_pending:
             self._prune()  # the run ended; its last checkpoint is the newest and stays
         if self.info.is_main:
-            if plot_loss_curve(self.run_dir.metrics_path, self.run_dir.plot_path) is None:
-                self.say("matplotlib is not installed: no loss.png (pip install matplotlib)")
+            try:
+                if plot_loss_curve(self.run_dir.metrics_path, self.run_dir.plot_path) is None:
+                    self.say("matplotlib is not installed: no loss.png (pip install matplotlib)")
+            except OSError as err:  # a full disk: the checkpoint and metrics.jsonl are what matter
+                self.say(f"no loss.png: {err.strerror or err}")
             if not interrupted and self.config.sample_tokens > 0 and self.last_checkpoint is not None:
                 sample = self._sample()
         barrier()
@@ -536,6 +629,18 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
+def _grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
+    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
+    grown = dict(weights)
+    for name in ("token_embeddings.weight", "lm_head.weight"):
+        table = grown.get(name)
+        if table is not None and table.shape[0] < vocab_size:
+            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
+            grown[name] = torch.cat([table, extra])
+    return grown
+
+
 def _finite(weights: dict[str, torch.Tensor]) -> bool:
     """Whether this rank's part of the weights (its FSDP2 shards, or the whole model) is finite."""
     from torch.distributed.tensor import DTensor
@@ -556,8 +661,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
             f"--batch-size {config.batch_size} with --grad-accum {config.grad_accum} gives micro-batches of {micro}, "
             f"which do not divide among {info.world_size} ranks"
         )
-    if config.data and not resume:  # a resumed run reads the tokens it saved, not the text again
-        check_data_paths(config.data)
+    if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
+        check_data_paths(config.data, config.val_data)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -566,6 +671,7 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--init-from": [config.init_from],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
+        "--val-data": config.val_data,
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
