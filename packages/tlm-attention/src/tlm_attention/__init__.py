@@ -20,6 +20,9 @@ __all__ = [
     "blockwise_attention",
     "cache_mask",
     "causal_attention",
+    "document_ids",
+    "document_mask",
+    "document_positions",
     "head_layout",
     "register_attention_backend",
     "resolve_attention_backend",
@@ -31,6 +34,7 @@ _BACKENDS = ("ATTENTION_BACKENDS", "BACKENDS", "causal_attention", "register_att
 _HOMES = {
     **dict.fromkeys((*_BACKENDS, "resolve_attention_backend"), "tlm_attention.backends"),
     "blockwise_attention": "tlm_attention.blockwise",
+    **dict.fromkeys(("document_ids", "document_mask", "document_positions"), "tlm_attention.documents"),
     "head_layout": "tlm_attention.heads",
     **dict.fromkeys(("KVCache", "CacheStep", "cache_mask"), "tlm_attention.kv_cache"),
     "CausalMultiHeadSelfAttention": "tlm_attention.mha",
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
         resolve_attention_backend,
     )
     from tlm_attention.blockwise import blockwise_attention
+    from tlm_attention.documents import document_ids, document_mask, document_positions
     from tlm_attention.heads import head_layout
     from tlm_attention.kv_cache import CacheStep, KVCache, cache_mask
     from tlm_attention.mha import CausalMultiHeadSelfAttention

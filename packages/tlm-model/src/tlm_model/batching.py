@@ -30,11 +30,11 @@ class DecodeBatch:
     samples, is the caller's.
 
     **Chunked prefill** (vLLM's). ``join(prompt_ids)`` appends a row whose prompt is still to run; each
-    ``prefill()`` runs at most ``prefill_chunk`` tokens of the joined prompts (oldest first, several prompts
-    padded into one forward) and returns the logits of those whose prompt is now complete. A caller alternates
-    ``prefill()`` and ``step(...)``, so a long prompt delays the decoding rows by one chunk a step, not by its
-    whole length. A row still prefilling takes no token in ``step`` (its entry is ignored, its logits mean
-    nothing).
+    ``prefill()`` runs at most ``prefill_chunk`` tokens of the joined prompts (the fewest remaining first,
+    several prompts padded into one forward) and returns the logits of those whose prompt is now complete. A
+    caller alternates ``prefill()`` and ``step(...)``, so a long prompt delays the decoding rows by one chunk a
+    step, not by its whole length. A row still prefilling takes no token in ``step`` (its entry is ignored,
+    its logits mean nothing).
 
     **Static shapes.** The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots) and a
     step writes each row's token in place and attends over the whole buffer under a mask built once per step
@@ -94,17 +94,25 @@ class DecodeBatch:
 
     @torch.no_grad()
     def warm_up(self) -> None:
-        """Run one step at every batch bucket and prompt chunks of a few shapes on an empty batch, so that
-        a compiled model compiles now rather than on the first requests; the batch is left empty."""
+        """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
+        a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
+        on the first requests; the batch is left empty."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)})
+        zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 7)]
         try:
             for rows in sizes:
                 while len(self) < rows:
-                    self.add(torch.zeros(min(2, self.capacity) if len(self) else 1, dtype=torch.int64))
+                    self.add(zeros[min(len(self), 1)])
                 if all(n < self.capacity for n in self.lengths):
                     self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
+            # Chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
+            for group in ([zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]):
+                while len(self):
+                    self.remove(len(self) - 1)
+                if len(group) <= self.max_batch_size:
+                    self.add_many(group)
         finally:
             while len(self):
                 self.remove(len(self) - 1)
@@ -152,20 +160,27 @@ class DecodeBatch:
 
     @torch.no_grad()
     def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:
-        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows, oldest
-        first, in one forward; returns {row: next-token logits} for the rows whose prompt is now complete."""
+        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows, the fewest
+        remaining first (a short prompt joining beside a long one starts decoding at once; the long one still
+        advances every call), in one forward; returns {row: next-token logits} for the rows now complete."""
         budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
-        return self._prefill_rows(list(self.prefilling), budget)
+        rows = sorted(self.prefilling, key=lambda r: len(self._pending[r]))  # type: ignore[arg-type]
+        return self._prefill_rows(rows, budget)
 
     @torch.no_grad()
-    def add(self, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"]:
-        """Prefill ``prompt_ids`` and append it as the last row; returns its next-token logits."""
-        return self.add_many([prompt_ids])[0]
+    def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
+        """Prefill ``prompt_ids`` and append it as the last row; returns its next-token logits, shape (vocab,),
+        or with ``every_position`` the logits after each prompt token, shape (prompt, vocab), from the same
+        forwards (a server scoring the prompt: the last row is the next token's)."""
+        return self.add_many([prompt_ids], every_position=every_position)[0]
 
     @torch.no_grad()
-    def add_many(self, prompts: Sequence[Integer[Tensor, " prompt"]]) -> Float[Tensor, "n vocab"]:
+    def add_many(
+        self, prompts: Sequence[Integer[Tensor, " prompt"]], *, every_position: bool = False
+    ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "prompt vocab"]]:
         """Prefill ``prompts`` together (chunks of ``prefill_chunk`` tokens) and append them as the last rows,
-        in order; returns their next-token logits. Rows joined earlier and still prefilling are left as they are."""
+        in order; returns their next-token logits (with ``every_position``: a list of each prompt's logits after
+        every token). Rows joined earlier and still prefilling are left as they are."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
         if len(self) + len(prompts) > self.max_batch_size:
@@ -175,13 +190,17 @@ class DecodeBatch:
             )
         rows = [self.join(ids) for ids in prompts]
         done: dict[int, Tensor] = {}
+        scores: dict[int, list[Tensor]] | None = {row: [] for row in rows} if every_position else None
         try:
             while len(done) < len(rows):
-                done.update(self._prefill_rows([r for r in rows if r not in done], self.prefill_chunk))
+                todo = [r for r in rows if r not in done]
+                done.update(self._prefill_rows(todo, self.prefill_chunk, scores))
         except BaseException:
             for row in reversed(rows):  # all or nothing: the new rows go again
                 self.remove(row)
             raise
+        if scores is not None:
+            return [torch.cat(scores[r]) for r in rows]
         return torch.stack([done[r] for r in rows])
 
     @torch.no_grad()
@@ -225,7 +244,10 @@ class DecodeBatch:
         self._decoding[last] = 0
         return last if row != last else None
 
-    def _prefill_rows(self, rows: list[int], budget: int) -> dict[int, Tensor]:
+    def _prefill_rows(
+        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None
+    ) -> dict[int, Tensor]:
+        # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
         chunks: list[tuple[int, Tensor]] = []
         for row in rows:
             if budget == 0:
@@ -245,8 +267,18 @@ class DecodeBatch:
             tokens[i, : len(ids)] = ids
             positions[i, : len(ids)] = torch.arange(lengths[row], lengths[row] + len(ids), device=self._device)
         index = torch.tensor([row for row, _ in chunks], device=self._device)
-        last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
+        if scores is None:
+            last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
+        else:
+            last = torch.arange(width, device=self._device).expand(len(chunks), width)
         logits = self._prefill_fn(tokens, positions, self.caches, index, last)
+        if scores is not None:
+            for i, (row, ids) in enumerate(chunks):
+                scores[row].append(logits[i, : len(ids)])
+            logits = logits[
+                torch.arange(len(chunks), device=self._device),
+                last[:, 0] + torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device),
+            ]
         new = [0] * len(self)
         for row, ids in chunks:
             new[row] = len(ids)
