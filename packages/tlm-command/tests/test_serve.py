@@ -47,7 +47,7 @@ class Server:
     def __init__(self, checkpoint, *extra):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(checkpoint), "--port", "0", "--max-batch", "8",
-             "--max-queue", "4", "--model-name", "tiny", *extra],
+             "--max-queue", "4", "--model-name", "tiny", "--no-compile", *extra],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         line = self.process.stderr.readline()  # "tlm serve: tiny on http://127.0.0.1:PORT/v1 (...)"

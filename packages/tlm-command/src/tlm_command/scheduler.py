@@ -34,6 +34,7 @@ import torch
 
 from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
+from tlm_model.inference import unwrap
 
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
@@ -163,8 +164,14 @@ class Scheduler:
         max_queue: int,
         eos_ids: list[int],
         device: torch.device,
+        warm_up: bool = False,
     ) -> None:
+        """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
+        every batch size's step now, not on the first requests); its failure is raised here."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
+        # shapes would vary with every request): the eager model inside any compiled wrapper.
+        self._plain = unwrap(model)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
@@ -177,8 +184,13 @@ class Scheduler:
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
         self.steps = 0  # batched forwards so far (the tests read it)
         self.error: BaseException | None = None
+        self._warm_up = warm_up
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tlm-scheduler", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
 
     # ------------------------------------------------------------------ any thread
 
@@ -238,6 +250,15 @@ class Scheduler:
             self._in_flight -= count
 
     def _loop(self) -> None:
+        with torch.inference_mode():  # the warm-up's graphs are compiled under the mode the steps run in
+            try:
+                if self._warm_up:
+                    self.batch.warm_up()
+            except BaseException as err:
+                self.error = err
+                return
+            finally:
+                self._ready.set()
         try:
             with torch.inference_mode():
                 while self._next_step():
@@ -352,7 +373,7 @@ class Scheduler:
             for b, request in enumerate(group):
                 padded[b, : len(request.prompt)] = torch.tensor(request.prompt)
             padded = padded.to(self.device)
-            logits = self.model(padded)  # the model's: a failure ends everything
+            logits = self._plain(padded)  # the model's: a failure ends everything
             lengths = torch.tensor([len(r.prompt) for r in group], device=self.device)
             last = logits[torch.arange(len(group), device=self.device), lengths - 1]
             rows: list[_Row | None] = []
