@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -310,7 +310,7 @@ class Scheduler:
         if ready:
             saved, self._rows = self._rows, [self._rows[r] for r in ready]
             try:
-                sampled = self._sample([row.logits for row in self._rows])
+                sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
             finally:
                 self._rows = saved
             for r, token in zip(ready, sampled, strict=True):
@@ -398,7 +398,7 @@ class Scheduler:
             if generating:
                 saved, self._rows = self._rows, generating
                 try:
-                    self._sample([row.logits for row in generating])  # one token each: they all end here
+                    self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
                 finally:
                     self._rows = saved
             self._left(len(group))

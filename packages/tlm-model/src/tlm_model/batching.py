@@ -1,6 +1,6 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from jaxtyping import Float, Integer
@@ -70,6 +70,8 @@ class DecodeBatch:
         self._device = self.caches[0].device_lengths.device
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
+        self._decode_fn: Callable[..., Tensor]
+        self._prefill_fn: Callable[..., Tensor]
         if isinstance(model, InferenceModel):
             self._decode_fn, self._prefill_fn = model.decode_step, model.prefill_step
         else:

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache: the prompt is processed once, then one token a step."""
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from jaxtyping import Float, Int, Integer
@@ -136,11 +137,11 @@ def generate(
     eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     check_every = 1 if on_token is not None else EOS_CHECK_EVERY
     if _uses_static_cache(model):
-        out = _generate_static(
+        static = _generate_static(
             model, ids, lengths, capacity, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
             dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
         )  # fmt: skip
-        return out.squeeze(0) if squeeze else out
+        return static.squeeze(0) if squeeze else static
     ragged = any(n != width for n in lengths)
     if not ragged:
         cache, logits = prefill(ids if width <= capacity else ids[:, -keep:])
@@ -211,7 +212,7 @@ def _generate_static(
     keep, _ = sliding_window(model.config.context_length)
     batch = DecodeBatch(model, ids.shape[0], capacity=capacity)
     rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
-    logits = batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows])
+    logits = cast(Tensor, batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows]))
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     all_done_at = torch.full((), -1, device=ids.device)
     out = [ids]
@@ -284,7 +285,7 @@ def sample_tokens(
             return value.to(device, dtype)
         if isinstance(value, Sequence):
             return torch.tensor([none if v is None else v for v in value], dtype=dtype, device=device)
-        return torch.full((rows,), none if value is None else value, dtype=dtype, device=device)
+        return torch.full((rows,), none if value is None else cast(float, value), dtype=dtype, device=device)
 
     temperatures = per_row(temperature, torch.float32, 0.0)
     scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
