@@ -200,3 +200,25 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     for i, (_, prompt, new) in enumerate(requests):
         assert outputs[i] == generate(model, prompt, new, temperature=0)[len(prompt) :].tolist(), i
     torch._dynamo.reset()
+
+
+def test_a_short_prompt_beside_a_long_one_runs_at_once_and_the_long_one_is_never_starved():
+    # Chunks of 8 tokens. A 1-token prompt joins before each chunk: it runs in a forward of its own width (the
+    # long prompt's 7 would be padding past twice its width), until the long one, passed over twice, goes first.
+    model = TransformerLM(CFG).eval()
+    batch = DecodeBatch(model, 8, prefill_chunk=8)
+    prompts = _prompts([40, 1, 1, 1, 1], seed=5)
+    assert batch.join(prompts[0]) == 0 and batch.prefill() == {} and batch.lengths == (8,)
+    got, logits = [], {}
+    for prompt in prompts[1:]:
+        batch.join(prompt)
+        done = batch.prefill()
+        logits.update(done)
+        got.append((batch.lengths[0], sorted(done)))
+    assert got == [(8, [1]), (8, [2]), (16, []), (16, [3, 4])]
+    while batch.prefilling:
+        logits.update(batch.prefill())
+    assert batch.lengths == (40, 1, 1, 1, 1)
+    with torch.no_grad():
+        for row, prompt in enumerate(prompts):
+            torch.testing.assert_close(logits[row], model(prompt.unsqueeze(0))[0, -1], rtol=1e-5, atol=1e-5)

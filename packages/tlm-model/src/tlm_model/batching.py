@@ -69,6 +69,7 @@ class DecodeBatch:
             cache.select_rows([])
         self._device = self.caches[0].device_lengths.device
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
+        self._skipped: list[int] = []  # per row: prefill calls in a row that passed it over
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
         self._decode_fn: Callable[..., Tensor]
         self._prefill_fn: Callable[..., Tensor]
@@ -128,6 +129,7 @@ class DecodeBatch:
         for cache in self.caches:
             cache.append_empty_row()
         self._pending.append(ids.to(self._device))
+        self._skipped.append(0)
         self._decoding[rows] = 0
         return rows
 
@@ -162,12 +164,12 @@ class DecodeBatch:
 
     @torch.no_grad()
     def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:
-        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows, the fewest
-        remaining first (a short prompt joining beside a long one starts decoding at once; the long one still
-        advances every call), in one forward; returns {row: next-token logits} for the rows now complete."""
+        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows in one forward,
+        the fewest remaining first and none padded past twice the shortest one's chunk (a short prompt joining
+        beside a long one runs at once, in a forward of its own size; the long one goes on at the next call);
+        returns {row: next-token logits} for the rows whose prompt is now complete."""
         budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
-        rows = sorted(self.prefilling, key=lambda r: len(self._pending[r]))  # type: ignore[arg-type]
-        return self._prefill_rows(rows, budget)
+        return self._prefill_rows(list(self.prefilling), budget)
 
     @torch.no_grad()
     def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
@@ -240,8 +242,8 @@ class DecodeBatch:
             keep[row] = last
         for cache in self.caches:
             cache.select_rows(keep)
-        self._pending[row] = self._pending[last]
-        self._pending.pop()
+        self._pending[row], self._skipped[row] = self._pending[last], self._skipped[last]
+        self._pending.pop(), self._skipped.pop()
         self._decoding[row] = self._decoding[last]
         self._decoding[last] = 0
         return last if row != last else None
@@ -250,16 +252,24 @@ class DecodeBatch:
         self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None
     ) -> dict[int, Tensor]:
         # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
+        # The fewest remaining tokens first, and no prompt padded to more than twice the first one's chunk: a
+        # short prompt beside a long one runs in a forward of its own width, the long one at the next call.
+        # A row passed over twice goes first, so that prompts joining every step never starve a long one.
         chunks: list[tuple[int, Tensor]] = []
-        for row in rows:
-            if budget == 0:
-                break
+        order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
+        for row in order:
             ids = self._pending[row]
             assert ids is not None
-            chunks.append((row, ids[:budget]))
-            budget -= len(chunks[-1][1])
+            take = ids[:budget]
+            if budget == 0 or (chunks and len(take) > 2 * len(chunks[0][1])):
+                break
+            chunks.append((row, take))
+            budget -= len(take)
         if not chunks:
             return {}
+        taken = {row for row, _ in chunks}
+        for row in rows:
+            self._skipped[row] = 0 if row in taken else self._skipped[row] + 1
         width = max(len(ids) for _, ids in chunks)
         lengths = self.lengths
         tokens = torch.zeros(len(chunks), width, dtype=torch.int64, device=self._device)
