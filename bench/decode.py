@@ -18,6 +18,10 @@ round: the median and the range over the rounds are reported.
   (static caches, one compiled step). HF: eager ``generate`` (its dynamic cache), and ``generate`` with
   ``cache_implementation="static"`` and ``forward`` compiled with ``torch.compile`` (transformers' documented
   fast path; given the same inductor mode and weight freezing as tlm).
+- **ttft**: ``tlm serve``'s scheduler in this process (no HTTP, the eager model: ``--no-compile``), the course
+  shape with a 2560-token context: the time from submitting a 16-token greedy request to its first token, on an
+  idle scheduler and while a 2000-token prompt is being prefilled (submitted just before), at prefill chunks of
+  512 (the default) and 64 tokens.
 - **capacity**: one compiled step of a batch of 1 at cache capacities 128, 512 and 2048 (the course shape with a
   2048-token context): the step writes one token in place and attends over the whole buffer under a mask.
 """
@@ -175,6 +179,58 @@ def capacity(steps: int, repeats: int) -> dict:
     return {size: 1e3 * statistics.median(ts) / steps for size, ts in times.items()} | {"load": load_average()}
 
 
+def ttft(repeats: int) -> dict:
+    import dataclasses
+    import threading
+
+    from tlm_command.scheduler import Request, Scheduler
+
+    class Bytes:  # the scheduler's text stream needs bytes per id; any will do for timing
+        vocab_size = COURSE.vocab_size
+
+        def decode_bytes(self, ids):
+            return b"x" * len(ids)
+
+    cfg = dataclasses.replace(COURSE, context_length=2560)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval()
+    gen = torch.Generator().manual_seed(3)
+    short = torch.randint(1, cfg.vocab_size, (16,), generator=gen).tolist()
+    long = torch.randint(1, cfg.vocab_size, (2000,), generator=gen).tolist()
+    rows = {}
+    for chunk in (512, 64):
+        scheduler = Scheduler(model, Bytes(), max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
+        scheduler.batch.prefill_chunk = chunk
+
+        def send(prompt, max_tokens, scheduler=scheduler):
+            done = threading.Event()
+            request = Request(prompt, max_tokens, lambda piece, done=done: piece.finish_reason and done.set(),
+                              temperature=0.0)  # fmt: skip
+            request.submitted = time.perf_counter()
+            scheduler.submit(request)
+            return request, done
+
+        idle, busy = [], []
+        for _ in range(repeats):
+            request, done = send(short, 2)
+            done.wait()
+            idle.append(request.first_token_at - request.submitted)
+            _, background_done = send(long, 2)
+            time.sleep(0.05)  # its prefill under way
+            request, done = send(short, 2)
+            done.wait()
+            busy.append(request.first_token_at - request.submitted)
+            background_done.wait()
+        scheduler.close(timeout=5)
+        rows[str(chunk)] = {
+            "idle_ms": 1e3 * statistics.median(idle),
+            "busy_ms": 1e3 * statistics.median(busy),
+            "ratio": statistics.median(busy) / statistics.median(idle),
+            "busy_range_ms": [1e3 * min(busy), 1e3 * max(busy)],
+        }
+    return rows | {"load": load_average()}
+
+
 def render(results: dict, meta: dict) -> str:
     lines = [
         "# Fast decoding: tlm's static-cache step vs HF transformers' generate",
@@ -212,6 +268,18 @@ def render(results: dict, meta: dict) -> str:
             + ", ".join(f"{size}: {c[size]:.2f}" for size in ("128", "512", "2048"))
             + f" (load {c['load']:.1f}).",
         ]
+    if "ttft" in results:
+        t = results["ttft"]
+        lines += [
+            "",
+            "Time to first token of a 16-token request (scheduler in-process, eager), idle vs while a 2000-token "
+            "prompt prefills: "
+            + "; ".join(
+                f"chunk {c}: {t[c]['idle_ms']:.0f} ms vs {t[c]['busy_ms']:.0f} ms ({t[c]['ratio']:.1f}x)"
+                for c in ("512", "64")
+            )
+            + f" (load {t['load']:.1f}).",
+        ]
     compile_s = {k: round(v["compile_s"]) for k, v in results.items() if isinstance(v, dict) and "compile_s" in v}
     if compile_s:
         lines += ["", f"Compilation before the timings (s, not timed): {compile_s}."]
@@ -221,7 +289,7 @@ def render(results: dict, meta: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repeats, print only")
-    parser.add_argument("--only", choices=["batch", "single", "capacity"], action="append")
+    parser.add_argument("--only", choices=["batch", "single", "capacity", "ttft"], action="append")
     parser.add_argument("--new", type=int, default=32, help="new tokens per completion")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
@@ -229,7 +297,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
-    parts = args.only or ["batch", "single", "capacity"]
+    parts = args.only or ["batch", "single", "capacity", "ttft"]
     results = {}
     for part in parts:
         start = time.perf_counter()
@@ -237,6 +305,8 @@ def main() -> None:
             results[part] = batch(args.new, repeats)
         elif part == "single":
             results[part] = single(args.new, repeats)
+        elif part == "ttft":
+            results[part] = ttft(repeats)
         else:
             results[part] = capacity(16, repeats)
         print(f"{part}: {json.dumps(results[part])} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)

@@ -39,6 +39,11 @@ from tlm_model.inference import unwrap
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
 
+#: Prompt tokens prefilled between two decoding steps at most (DecodeBatch's ``prefill_chunk``). On a 2-core CPU
+#: (course shape, eager, bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an
+#: idle server while a 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
+PREFILL_CHUNK = 64
+
 
 class QueueFull(Exception):
     """The queue holds ``max_queue`` requests already: come back later."""
@@ -175,7 +180,7 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
-        self.batch = DecodeBatch(model, max_batch)
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=PREFILL_CHUNK)
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
