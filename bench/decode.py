@@ -238,7 +238,7 @@ def render(results: dict, meta: dict) -> str:
         f"Measured {meta['date']} on {meta['cpu']}, torch {meta['torch']}, transformers {meta['transformers']}, "
         f"{meta['threads']} thread(s) per side; this machine's CPU is shared with other work, so each ratio is the "
         "median of per-round ratios (tlm and HF alternate) with its range. `--new` tokens per completion: "
-        f"{meta['new']}. Method: `bench/decode.py`'s docstring.",
+        f"{meta['new']}; timed rounds per figure: {meta.get('repeats', '?')}. Method: `bench/decode.py`'s docstring.",
         "",
         "| workload | tlm tok/s | reference | reference tok/s | ratio (range) | greedy tokens equal | load |",
         "|---|---:|---|---:|---|---|---:|",
@@ -294,7 +294,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
+    parser.add_argument(
+        "--from-json", type=pathlib.Path, nargs="+", metavar="FILE",
+        help="write the section from the results of earlier runs (--json), each part from the last file holding it",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.from_json:
+        saved = [json.loads(path.read_text()) for path in args.from_json]
+        results = {k: v for run in saved for k, v in run["results"].items()}
+        meta = saved[-1]["meta"] | {"repeats": sorted({run["meta"].get("repeats", "?") for run in saved}, key=str)}
+        write_section("decode", render(results, meta), args.out)
+        return
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
     parts = args.only or ["batch", "single", "capacity", "ttft"]
@@ -317,6 +327,7 @@ def main() -> None:
         "transformers": transformers.__version__,
         "threads": args.threads,
         "new": args.new,
+        "repeats": repeats,
     }
     text = render(results, meta)
     print(text)

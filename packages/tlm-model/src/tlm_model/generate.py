@@ -204,12 +204,16 @@ def _generate_static(
     sampling: dict,
 ) -> Tensor:
     """:func:`generate`'s loop over a :class:`DecodeBatch` (static caches, one step shape): what an
-    :class:`InferenceModel` decodes with. A full row is refilled alone from its newest tokens but the one it
-    is about to take, then takes it with the others."""
+    :class:`InferenceModel` decodes with. A full row (only at the context: ``capacity`` is then the context)
+    is refilled alone from its newest tokens but the one it is about to take, then takes it with the others."""
     from tlm_model.batching import DecodeBatch
 
     width = ids.shape[1]
-    keep, _ = sliding_window(model.config.context_length)
+    context = model.config.context_length
+    keep, _ = sliding_window(context)
+    # The caches' capacity is a step's shape: rounded up to a power of two (at least 64, at most the context),
+    # requests of similar lengths share one compiled step. A window still slides only at the context.
+    capacity = min(context, max(64, 1 << (capacity - 1).bit_length()))
     batch = DecodeBatch(model, ids.shape[0], capacity=capacity)
     rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
     logits = cast(Tensor, batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows]))
