@@ -88,7 +88,16 @@ class InferenceModel(nn.Module):
         """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (one graph per batch size
         and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions."""
         with _frozen():
-            return self._decode(tokens, positions, caches)
+            if tokens.device.type != "cuda":
+                return self._decode(tokens, positions, caches)
+            # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
+            # each call is a new step, and the logits are copied out of the graph's memory, which the next
+            # replay reuses.
+            for cache in caches:
+                for buffer in (cache.key_buffer, cache.value_buffer):
+                    torch._dynamo.mark_static_address(buffer)
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._decode(tokens, positions, caches).clone()
 
     def prefill_step(
         self, tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor
