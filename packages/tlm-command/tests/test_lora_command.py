@@ -69,7 +69,7 @@ def test_peft_loads_the_exported_adapter_with_tlms_logits(lora_run: Path, export
         assert rel_err(from_peft(IDS), theirs) < 1e-5
 
 
-def test_commands_take_a_lora_run_and_a_peft_folder(lora_run: Path, exported: dict[str, Path], corpus, capsys):
+def test_commands_take_a_lora_run_and_a_peft_folder(run, lora_run, exported, corpus, capsys):
     losses = []
     for checkpoint in (lora_run, exported["peft"], exported["merged"]):
         argv = ["eval", "--checkpoint", str(checkpoint), "--data", str(corpus), "--max-tokens", "400", "--json"]
@@ -78,6 +78,9 @@ def test_commands_take_a_lora_run_and_a_peft_folder(lora_run: Path, exported: di
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] == pytest.approx(losses[2], rel=1e-5)
     assert main(["info", "--checkpoint", str(exported["peft"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "PEFT adapter folder"
+    assert main(["info", "--checkpoint", str(lora_run), "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    assert lora == {"rank": 4, "alpha": 8.0, "targets": ALL, "dropout": 0.0, "base": str(run.resolve())}
     # Greedy continuations agree between the run and its PEFT export, both read merged.
     texts = []
     for checkpoint in (lora_run, exported["peft"]):
