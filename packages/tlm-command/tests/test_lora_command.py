@@ -119,3 +119,24 @@ def test_lora_rank_is_a_sweepable_setting(run: Path, corpus: Path, tmp_path: Pat
         state = RunDir(tmp_path / "sweep" / f"lora_rank={rank}").checkpoints().load(2).state
         assert state["lora"]["rank"] == rank
         assert state["model"]["layers.0.attn.q_proj.lora_A.default"].shape == (rank, 32)
+
+
+def test_an_adapter_peft_itself_saved_opens_with_peft_logits(exported: dict[str, Path], tmp_path: Path, record_error):
+    base = transformers.AutoModelForCausalLM.from_pretrained(exported["hf"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.1)
+    wrapped = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    wrapped.save_pretrained(tmp_path / "adapter")  # names the base by the path it was loaded from
+    ours, _ = artifacts.load_model(artifacts.resolve(tmp_path / "adapter"))
+    with torch.no_grad():
+        theirs, mine = wrapped.eval()(input_ids=IDS).logits, ours(IDS)
+    record_error("a PEFT-saved adapter read by tlm vs peft, logits", mine, theirs)
+    assert rel_err(mine, theirs) < 1e-5
+    # What tlm cannot reproduce is refused by name rather than loaded wrong.
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**saved, "use_dora": True}))
+    with pytest.raises(ValueError, match=r"PEFT options tlm does not reproduce: \['use_dora'\]"):
+        artifacts.load_model(artifacts.resolve(tmp_path / "adapter"))

@@ -188,6 +188,10 @@ def peft_settings(folder: Path) -> dict[str, Any]:
         "alpha_pattern": bool(config.get("alpha_pattern")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "layers_to_transform": config.get("layers_to_transform") is not None,
+        "lora_bias": bool(config.get("lora_bias")),
+        "trainable_token_indices": bool(config.get("trainable_token_indices")),
+        "layer_replication": bool(config.get("layer_replication")),
+        "target_parameters": bool(config.get("target_parameters")),
     }
     if unsupported := [key for key, on in used.items() if on]:
         raise ValueError(f"{folder / PEFT_CONFIG}: PEFT options tlm does not reproduce: {unsupported}")
