@@ -28,7 +28,9 @@ from tlm_train.config import TrainConfig
 #: The settings ``tlm train --help`` shows first; ``--help-all`` adds the rest. Every flag's help, default
 #: and choices come from the dataclass field it sets (:class:`TrainConfig`, :class:`ModelConfig`).
 COMMON = ("out_dir", "data", "tokenizer", "vocab_size", "preset", "steps", "batch_size", "lr", "device")
-#: The exit status of a run stopped by a logger's failure (sysexits' EX_IOERR).
+#: The exit status of a run stopped by a logger's failure (sysexits' EX_IOERR): the run stopped with a checkpoint
+#: of that step when the disk took one (``--logger-errors warn``: it trains on without that logger instead). The
+#: others: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed).
 LOGGER_FAILED = 74
 #: Model fields with no flag: the vocabulary is the tokenizer's.
 _NO_FLAG = ("vocab_size",)
