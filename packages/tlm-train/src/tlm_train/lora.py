@@ -122,8 +122,11 @@ def load_lora_step(
         from tlm_train.checkpoint import read_sharded_tensors
 
         adapters = read_sharded_tensors(folder)
-    model = TransformerLM(ModelConfig.from_dict(state["model_config"]), fused=False, **options)
-    model.load_state_dict(base.state_dict())
+    from tlm_train.recipe import grown
+
+    config = ModelConfig.from_dict(state["model_config"])
+    model = TransformerLM(config, fused=False, **options)
+    model.load_state_dict(grown(base.state_dict(), config.vocab_size))  # a chat run's markers, as in training
     adapt(model, lora)
     load_named_adapters(model, adapters, str(folder))
     if merge:
