@@ -140,3 +140,23 @@ def test_an_adapter_peft_itself_saved_opens_with_peft_logits(exported: dict[str,
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**saved, "use_dora": True}))
     with pytest.raises(ValueError, match=r"PEFT options tlm does not reproduce: \['use_dora'\]"):
         artifacts.load_model(artifacts.resolve(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda c: "[1, 2]", "holds a JSON list, not an adapter config"),
+        (lambda c: "{not json", "is not readable JSON"),
+        (lambda c: json.dumps({**c, "r": 0}), "r must be a positive int"),
+        (lambda c: json.dumps({**c, "target_modules": ["embed_tokens"]}), "['embed_tokens'] are not Llama projections"),
+        (lambda c: json.dumps({**c, "base_model_name_or_path": "nowhere"}), "its base model nowhere is not there"),
+    ],
+)
+def test_a_damaged_peft_folder_is_one_line_naming_it(exported, tmp_path, fails, change, words):
+    import shutil
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(exported["peft"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(change(config))
+    fails(["generate", "--checkpoint", str(folder), "--prompt-ids", "1 2", "--max-new-tokens", "1"], words)
