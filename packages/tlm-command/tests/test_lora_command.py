@@ -160,3 +160,52 @@ def test_a_damaged_peft_folder_is_one_line_naming_it(exported, tmp_path, fails, 
     config = json.loads((folder / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(change(config))
     fails(["generate", "--checkpoint", str(folder), "--prompt-ids", "1 2", "--max-new-tokens", "1"], words)
+
+
+@pytest.mark.slow  # a chat base, a LoRA run and its resume, three exports: ~8 s on the 2-core machine
+def test_a_lora_chat_fine_tune_resumes_exports_and_serves_with_its_template(tmp_path: Path):
+    import shutil
+
+    from tlm_command.serve import _chat_template
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer.chat import ChatTemplate
+    from tlm_train import RunDir
+
+    conversation = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": " four"}]
+    records = [{"prompt": f"question {i} about cats", "completion": f"answer {i}: dogs"} for i in range(30)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*records, *[{"messages": conversation}] * 4]))
+    small = ["--data", str(data), "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e9",
+             "--warmup-steps", "1", "--sample-tokens", "0", "--quiet"]  # fmt: skip
+    shape = ["--vocab-size", "300", "--context-length", "32", "--d-model", "32", "--num-layers", "1",
+             "--num-heads", "2", "--d-ff", "64"]  # fmt: skip
+    base, lora, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
+    assert main(["train", *small, *shape, "--steps", "2", "--out-dir", str(base)]) == 0  # a chat model, markers in
+    tune = ["--init-from", str(base), "--steps", "4", "--checkpoint-interval", "2", "--lora-rank", "4",
+            "--lora-targets", "q,k,v,o,w1,w2,w3", "--lora-dropout", "0.1"]  # fmt: skip
+    assert main(["train", *small, *tune, "--out-dir", str(lora)]) == 0
+    shutil.copytree(lora, resumed)
+    assert main(["train", "--resume", str(resumed / "checkpoints" / "step_00000002"), "--quiet"]) == 0
+    got, want = (RunDir(r).checkpoints().load(4).state["model"] for r in (resumed, lora))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit-exact
+    for argv in (["--to-hf", str(base), "--out", str(tmp_path / "hf")],
+                 ["--to-peft", str(lora), "--out", str(tmp_path / "peft"), "--base", str(tmp_path / "hf")],
+                 ["--to-hf", str(lora), "--merge", "--out", str(tmp_path / "merged")]):  # fmt: skip
+        assert main(["convert", *argv]) == 0
+    wrapped = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "peft"
+    ).eval()
+    ours, _ = artifacts.load_model(artifacts.resolve(lora))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(ours(ids), wrapped(input_ids=ids).logits) < 1e-5
+    # The merged export's tokenizer applies the run's template as tlm does; tlm serve renders it for the LoRA
+    # run and for the PEFT folder (whose tokenizer is its base's).
+    tokenizer = Tokenizer.load(lora / "tokenizer")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    expected = list(hf_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    assert ChatTemplate(tokenizer, tokenizer.chat_template).encode(conversation).ids == expected
+    for checkpoint in (lora, tmp_path / "peft"):
+        artifact = artifacts.resolve(checkpoint)
+        render = _chat_template(artifact, artifacts.load_tokenizer(artifact))
+        assert render(conversation[:1]) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
