@@ -2,10 +2,11 @@
 
 Each run is read from what ``tlm train`` left in its folder: ``train.toml`` (the settings and the model)
 and ``metrics.jsonl`` (every record with its step and wall-clock seconds). The table gives per run the
-settings that differ between the runs, the final and best validation loss, the tokens trained on, the
-wall time and tokens per second, and whether it diverged (its loss stopped being finite); ``--out
-FILE.png`` draws validation loss against step and against wall-clock time, one curve per run, and the
-final loss against the one numeric setting that differs (a log axis, diverged runs marked).
+settings that differ between the runs, how it ended (done, diverged at step S, unstable, interrupted,
+failed), the final and best validation loss, the tokens trained on, the wall time and tokens per second;
+a second table gives per setting (runs alike but for the seed) the mean, sd and N of the final and best
+loss and the difference from the baseline with a 95% interval. ``--out FILE.png`` draws the loss by step
+and by wall-clock time and the final loss per setting (:mod:`tlm_command.results`).
 
     tlm compare runs/a runs/b --out compare.png
     tlm compare sweeps/lr --json
