@@ -36,7 +36,7 @@ def document_positions(ids: Integer[Tensor, "... seq"]) -> Integer[Tensor, "... 
     return index - began
 
 
-def document_mask(ids: Integer[Tensor, "batch seq"]) -> Bool[Tensor, "batch 1 seq seq"]:
+def document_mask(ids: Integer[Tensor, "*batch seq"]) -> Bool[Tensor, "*batch 1 seq seq"]:
     """The boolean attention mask (True = may attend) of causal attention within documents: query i sees
     key j when j <= i and both have the same id. Shaped (batch, 1, queries, keys), it broadcasts over the
     heads and is what every attention backend takes as ``mask=``. The diagonal is always True, so no row

@@ -243,13 +243,14 @@ class TransformerLM(nn.Module):
         in_indices: Integer[Tensor, "... seq"],
         targets: Integer[Tensor, "... seq"],
         *,
-        chunk_size: int = 256,
+        chunk_size: int | None = None,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, ""]:
         """Mean next-token cross-entropy, equal to ``F.cross_entropy(forward(ids), targets)``.
 
-        The LM head and the loss run ``chunk_size`` tokens at a time, so neither the full
-        (tokens × vocab) float32 logits nor their gradient is ever held in memory.
+        The LM head and the loss run ``chunk_size`` tokens at a time (None: 256 on a CPU, more on an
+        accelerator, :func:`~tlm_model.loss.default_chunk_size`), so neither the full (tokens × vocab)
+        float32 logits nor their gradient is ever held in memory.
         ``document_ids``: each document of a packed window alone (see :meth:`hidden_states`).
         """
         hidden = self.hidden_states(in_indices, document_ids=document_ids).flatten(0, -2)

@@ -73,6 +73,14 @@ class TrainConfig:
     val_fraction: float = field(
         default=0.1, metadata={"help": "share of the tokens held out for validation (the end of the data)"}
     )
+    max_data_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "refuse text --data that expands (decompressed, joined) past this many bytes, before the disk "
+            "fills",
+            "shown": "half the free space of the run folder's disk",
+        },
+    )
     tokenizer: str | None = field(
         default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
     )
@@ -130,18 +138,13 @@ class TrainConfig:
     )
     lora_rank: int = field(
         default=0,
-        metadata={
-            "help": "fine-tune LoRA adapters of this rank on the frozen --init-from model (0: every weight trains)",
-            "shown": "0, full fine-tuning",
-        },
+        metadata={"help": "train only LoRA adapters of this rank on the frozen --init-from (0: off)", "metavar": "R"},
     )
     lora_alpha: float | None = field(
-        default=None, metadata={"help": "LoRA scale numerator: updates are B·A·(alpha/rank)", "shown": "the rank"}
+        default=None, metadata={"help": "LoRA updates are B·A·(alpha/rank)", "shown": "the rank", "metavar": "A"}
     )
-    lora_targets: str = field(
-        default="q,v", metadata={"help": "comma-separated roles to adapt: q, k, v, o, w1, w2, w3, lm_head"}
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA adapters' input"})
+    lora_targets: str = field(default="q,v", metadata={"help": "roles: q,k,v,o,w1,w2,w3,lm_head", "metavar": "ROLES"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input", "metavar": "P"})
     preset: str = field(
         default="tiny",
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
@@ -204,7 +207,15 @@ class TrainConfig:
     )
     peak_flops: float | None = field(
         default=None,
-        metadata={"help": "the device's FLOP/s for MFU", "shown": "measured with a float32 GEMM at start-up"},
+        metadata={
+            "help": "the device's peak FLOP/s for MFU",
+            "shown": "the published dense peak for --dtype (H100/H200, A100, L4, ...), else a GEMM in --dtype measured "
+            "at start-up",
+        },
+    )
+    tf32: bool = field(
+        default=True,
+        metadata={"help": "on CUDA, float32 matmuls on TF32 tensor cores (--no-tf32: full float32 precision)"},
     )
     tensorboard: bool = field(
         default=False,
@@ -233,8 +244,9 @@ class TrainConfig:
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        if self.max_tokens is not None:
-            check_int("TrainConfig.max_tokens", self.max_tokens, low=1)
+        for name in ("max_tokens", "max_data_bytes"):
+            if getattr(self, name) is not None:
+                check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
         if self.min_lr is not None:
             check_number("TrainConfig.min_lr", self.min_lr, low=0.0, high=self.lr)
@@ -253,7 +265,7 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard", "tf32"):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in ("document_mask",):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
