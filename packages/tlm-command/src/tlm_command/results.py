@@ -18,13 +18,54 @@ import json
 import math
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tlm_command.compare import STATUSES, RunSummary
 from tlm_command.stats import Difference, Sample, describe, difference
 
 _SEED = re.compile(r"(^|,)seed=[^,]*")
+
+#: A finished run is ``unstable`` when some evaluation exceeded this multiple of its first (step 0) loss.
+UNSTABLE_ABOVE = 1.5
+#: How a run ended, as every table, JSON file and plot says it: ``done``; ``diverged`` (its loss stopped being
+#: finite, at ``diverged_at``); ``unstable`` (finished, but some evaluation went above ``UNSTABLE_ABOVE`` × its
+#: starting loss, first at ``unstable_at``); ``interrupted`` (stopped before its last step, resumable: not a
+#: result); ``failed`` (an error, in ``message``).
+STATUSES = ("done", "diverged", "unstable", "interrupted", "failed")
+
+
+@dataclass
+class RunSummary:
+    """What one run reached; :meth:`to_dict` is its entry of ``summary.json``."""
+
+    name: str
+    path: str
+    settings: dict[str, Any]  # what sets this run apart (a sweep's overrides, or what differs between runs)
+    status: str  # one of STATUSES
+    steps: int  # the last step trained
+    planned_steps: int
+    final_val_loss: float | None  # at the last step of a finished (done or unstable) run; None for any other
+    best_val_loss: float | None
+    tokens: int
+    parameters: int
+    wall_time_s: float | None
+    tokens_per_s: float | None
+    diverged: bool
+    diverged_at: int | None = None
+    seed: int | None = None
+    unstable_at: int | None = None  # the first evaluation above UNSTABLE_ABOVE × the starting loss
+    message: str | None = None  # why a failed run failed
+    curve: list[tuple[int, float | None, float]] = field(default_factory=list, repr=False)  # (step, time_s, val)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run reached its last step (done or unstable): only these have a final loss."""
+        return self.status in ("done", "unstable")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("curve")
+        return data
 
 
 @dataclass
