@@ -283,14 +283,25 @@ def _ms(values: list[float]) -> str:
 
 
 def _ended(runs: list[Any]) -> str:
-    from tlm_command.compare import status_text
-
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    text = ", ".join(f"{n} {s}" for s, n in counts.items())
-    odd = [status_text(r) for r in runs if r.status in ("diverged", "unstable", "failed")]
-    return text + (f" ({'; '.join(odd)})" if odd else "")
+    """How a setting's runs ended: ``2 done, 1 diverged (at step 57)``; ``3 unstable (above 1.5× the start first
+    at steps 20, 40, 60)``."""
+    parts = []
+    for status in ("done", "unstable", "diverged", "interrupted", "failed"):
+        these = [r for r in runs if r.status == status]
+        if not these:
+            continue
+        if status == "diverged":
+            steps = ", ".join(str(r.diverged_at) for r in these)
+            detail = f" (at step{'s' if len(these) > 1 else ''} {steps})"
+        elif status == "unstable":
+            steps = ", ".join(str(r.unstable_at) for r in these)
+            detail = f" (above 1.5× the start first at step{'s' if len(these) > 1 else ''} {steps})"
+        elif status == "failed":
+            detail = f" ({'; '.join(str(r.message) for r in these)})"
+        else:
+            detail = ""
+        parts.append(f"{len(these)} {status}{detail}")
+    return ", ".join(parts)
 
 
 def _versus(runs: list[Any], base: list[Any]) -> Any:
