@@ -228,6 +228,11 @@ def add_parser(commands: Any) -> None:
         "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
         help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="SETTING",
+        help="the setting compared against (default: baseline, else the first)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -262,34 +267,50 @@ def _status(status: str) -> str | None:
     return status if status in ("diverged", "failed") else None
 
 
-def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE) -> dict[str, Any]:
+def _baseline(groups: list[Any], baseline: str | None) -> str:
+    """The label of the baseline setting: ``baseline`` as given (``--baseline``, checked), else the setting
+    named ``baseline``, else the first."""
+    from tlm_command.results import baseline_index
+
+    labels = [g.label for g in groups]
+    if baseline is not None and baseline not in labels:
+        raise UserError(f"--baseline {baseline}: no such setting; the settings are {', '.join(labels)}")
+    return baseline if baseline is not None else labels[baseline_index(groups)] if groups else "baseline"
+
+
+def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE,
+           baseline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The runs and each setting's statistics, as ``tlm compare --json`` prints them and ``summary.json`` holds."""
-    from tlm_command.results import baseline_index, group_runs, statistics
+    from tlm_command.results import group_runs, statistics
 
     groups = group_runs(summaries)
+    label = _baseline(groups, baseline)
     return {
         "unstable_above": unstable_above,
-        "baseline": groups[baseline_index(groups)].label if groups else None,
+        "baseline": label if groups else None,
         "runs": [s.to_dict() for s in summaries],
-        "settings": [st.to_dict() for st in statistics(groups)],
+        "settings": [st.to_dict() for st in statistics(groups, baseline=label)],
     }
 
 
-def full_markdown(summaries: list[RunSummary]) -> str:
+def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None) -> str:
     """The run table, then the table of each setting's statistics against the baseline."""
     from tlm_command.results import group_runs, statistics, stats_markdown
 
-    return markdown(summaries) + "\n" + stats_markdown(statistics(group_runs(summaries)))
+    groups = group_runs(summaries)
+    return markdown(summaries) + "\n" + stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))
 
 
 def run(args: argparse.Namespace) -> int:
     summaries = collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")
+    text = full_markdown(summaries, baseline=args.baseline)  # checks --baseline before anything is written
     if args.out is not None:
         plot(summaries, args.out)
     if args.json:
-        print(json.dumps(report(summaries, unstable_above=args.unstable_above), indent=2, allow_nan=False))
+        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline)
+        print(json.dumps(data, indent=2, allow_nan=False))
     else:
-        sys.stdout.write(full_markdown(summaries))
+        sys.stdout.write(text)
     return 0
