@@ -8,9 +8,10 @@ The baseline is the setting named ``baseline``, else the first.
 
 The figure: validation loss by step (every run's every evaluation as a marker, and per setting of several
 seeds the mean curve with a min–max band), by wall-clock time, and the final loss per setting (mean with
-± sd error bars, each seed a dot). The loss axes are clipped to the range of the done runs, so that a run
-that blows up does not flatten the others: a run that leaves the range is marked (▲) where it left it, a
-diverged one (×) at the step it diverged; an interrupted run is drawn dashed and never marked as diverged.
+± sd error bars, each seed a dot). The loss axes are clipped to the range of the done runs (logarithmic
+when that range spans more than a factor of 3), so that a run that blows up does not flatten the others: a
+run that leaves the range is marked (▲) where it left it, a diverged one (×) at the step it diverged; an
+interrupted run is drawn dashed and never marked as diverged.
 The caption names the runs, their seeds and steps.
 """
 
@@ -24,6 +25,8 @@ from typing import Any
 from tlm_command.stats import Difference, Sample, describe, difference
 
 _SEED = re.compile(r"(^|,)seed=[^,]*")
+#: The loss axes turn logarithmic when the done runs' highest loss is above this multiple of their lowest.
+LOG_ABOVE = 3.0
 
 #: A finished run is ``unstable`` when some evaluation exceeded this multiple of its first (step 0) loss.
 UNSTABLE_ABOVE = 1.5
@@ -217,8 +220,10 @@ def loss_range(summaries: list[RunSummary]) -> tuple[float, float] | None:
     return None
 
 
-def _limits(span: tuple[float, float]) -> tuple[float, float]:
+def _limits(span: tuple[float, float], *, log: bool = False) -> tuple[float, float]:
     low, high = span
+    if log:
+        return low / 1.05, high * 1.05
     pad = max(0.05 * (high - low), 0.02 * max(abs(high), 1e-3))
     return low - pad, high + pad
 
@@ -250,7 +255,8 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
 
     groups = group_runs(summaries)
     span = loss_range(summaries)
-    limits = _limits(span) if span else None
+    log = bool(span and span[1] > LOG_ABOVE * span[0] > 0)  # e.g. a run without a norm that starts at 29 nats
+    limits = _limits(span, log=log) if span else None
     fig, (by_step, by_time, final) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, group in enumerate(groups):
@@ -263,6 +269,8 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
         ax.set_ylabel("validation loss (nats/token)")
         ax.grid(alpha=0.3)
         if limits:
+            if log:
+                ax.set_yscale("log")
             ax.set_ylim(*limits)
     if by_step.get_legend_handles_labels()[0]:
         by_step.legend(fontsize=7)
