@@ -138,6 +138,7 @@ def test_a_runs_file_names_its_runs_over_a_shared_base(tmp_path) -> None:
     assert (base["steps"], base["batch_size"], base["model"]["d_model"]) == (7, 8, 64)
 
 
+@pytest.mark.slow  # four short runs and a resume: seconds on a loaded machine
 def test_seeds_run_every_setting_n_times_and_the_summary_compares_settings_with_the_baseline(
     tmp_path, tokens, capsys
 ) -> None:
