@@ -120,9 +120,14 @@ def _frozen() -> Iterator[None]:
 def compile_for_inference(model: TransformerLM) -> InferenceModel:
     """``torch.compile`` ``model`` for inference with frozen weights and autotuned CPU GEMMs.
 
-    The first calls compile (tens of seconds on a small CPU); afterwards batch-1 decoding runs 1.6-3x
-    and prefill 1.1-2x faster than eager, depending on how fast the CPU's oneDNN GEMM is (see
+    The first calls compile (tens of seconds on a small CPU, minutes under load); afterwards batch-1 decoding
+    runs 1.6-3x and prefill 1.1-2x faster than eager, depending on how fast the CPU's oneDNN GEMM is (see
     docs/benchmarks.md). Outputs match the eager model to float32 rounding.
+
+    What it checks: a plain call refuses what the eager model refuses (ids outside the vocabulary, explicit
+    positions with a KV cache) before the graph runs. :meth:`InferenceModel.decode_step` and
+    :meth:`InferenceModel.prefill_step`, what :func:`generate` and :class:`~tlm_model.batching.DecodeBatch`
+    run, check nothing: their callers check the prompts once where they enter and feed sampled ids after.
     """
     return InferenceModel(model)
 
