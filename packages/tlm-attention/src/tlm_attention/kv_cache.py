@@ -264,6 +264,9 @@ class CacheStep(NamedTuple):
     positions: Tensor
     rows: Tensor | None
     mask: Tensor
+    #: Read only the first ``limit`` slots (an eager step, whose shapes may vary: no slot past the longest
+    #: row); None reads every slot (a compiled step of one shape). ``mask`` has as many slots.
+    limit: int | None = None
 
 
 def cache_mask(positions: Tensor, capacity: int) -> Tensor:

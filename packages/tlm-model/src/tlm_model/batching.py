@@ -73,6 +73,8 @@ class DecodeBatch:
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
         self._decode_fn: Callable[..., Tensor]
         self._prefill_fn: Callable[..., Tensor]
+        # An eager model's step may change shape: it reads only the slots up to the longest row's.
+        self._eager = not isinstance(model, InferenceModel)
         if isinstance(model, InferenceModel):
             self._decode_fn, self._prefill_fn = model.decode_step, model.prefill_step
         else:
@@ -227,7 +229,11 @@ class DecodeBatch:
         # Rows past the batch (and prefilling rows) write at their own length, a slot that holds nothing
         # that counts, or the scratch slot; their lengths do not move.
         positions = self.caches[0].device_lengths[:bucket].unsqueeze(1)
-        logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches)
+        if self._eager:
+            limit = max(lengths) + 1
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, limit)
+        else:
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches)
         for cache in self.caches:
             cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
@@ -283,7 +289,11 @@ class DecodeBatch:
             last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
         else:
             last = torch.arange(width, device=self._device).expand(len(chunks), width)
-        logits = self._prefill_fn(tokens, positions, self.caches, index, last)
+        if self._eager:
+            limit = max(lengths[row] + len(ids) for row, ids in chunks)
+            logits = self._prefill_fn(tokens, positions, self.caches, index, last, limit)
+        else:
+            logits = self._prefill_fn(tokens, positions, self.caches, index, last)
         if scores is not None:
             for i, (row, ids) in enumerate(chunks):
                 scores[row].append(logits[i, : len(ids)])

@@ -277,6 +277,7 @@ class TransformerLM(nn.Module):
         kv_cache: list[KVCache],
         rows: Integer[Tensor, " batch"] | None = None,
         last: Integer[Tensor, "batch ..."] | None = None,
+        limit: int | None = None,
     ) -> Float[Tensor, "batch ... vocab"]:
         """One step over static caches (what a compiled decode step runs): the next-token logits of token
         ``last[b]`` (default the last; ``last`` (batch, k): of k tokens) of each row.
@@ -286,15 +287,18 @@ class TransformerLM(nn.Module):
         ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the caches'
         capacity, never by what is stored, so a compiled step of one shape serves every step. The mask is
         built once here for all layers. Nothing is checked and no host state changes: the caller records
-        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run.
+        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run. ``limit`` (an eager
+        caller that knows every real token's position is below it) reads only the first ``limit`` slots.
         """
         capacity = kv_cache[0].capacity
         mask = cache_mask(positions, capacity)
+        if limit is not None:
+            mask = mask[..., :limit]
         # A padding token's scratch position is past the RoPE table when capacity == context_length.
         rope_positions = positions.clamp(max=capacity - 1)
         x = self.token_embeddings(in_indices)
         for layer, cache in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, rope_positions, CacheStep(cache, positions, rows, mask))
+            x = layer(x, rope_positions, CacheStep(cache, positions, rows, mask, limit))
         if last is None:
             x = x[:, -1]
         else:  # last (batch,) or (batch, k): logits (batch, vocab) or (batch, k, vocab)
