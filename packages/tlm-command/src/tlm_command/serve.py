@@ -48,7 +48,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--max-body", type=positive_int, default=None, metavar="BYTES",
-        help="a request body's bytes at most; larger ones get 413 (default: 2 MiB)",
+        help="a request body's bytes at most; larger ones get 413 (default: 1 MiB)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
