@@ -141,7 +141,7 @@ def _health_under_big_requests(server: _Server, context: int, longest_token: int
         latencies: list[float] = []
         done = threading.Event()
 
-        def poll() -> None:
+        def poll(done: threading.Event = done, latencies: list[float] = latencies) -> None:
             while not done.is_set():
                 start = time.perf_counter()
                 urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=60).read()
