@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -276,7 +276,7 @@ class Scheduler:
         self._joining = []
         if not self._rows:
             return True
-        tokens = self._sample([row.logits for row in self._rows])
+        tokens = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
         # Ended and cancelled rows leave before the forward; the last row takes each one's place.
         for r in reversed(range(len(self._rows))):
             if self._rows[r].request.cancelled.is_set():
@@ -353,7 +353,9 @@ class Scheduler:
             if generating:
                 saved, self._rows = self._rows, generating
                 try:
-                    self._sample([row.logits for row in generating])  # one token each: they all end here
+                    self._sample(
+                        [cast(torch.Tensor, row.logits) for row in generating]
+                    )  # one token each: they all end here
                 finally:
                     self._rows = saved
             self._left(len(group))
