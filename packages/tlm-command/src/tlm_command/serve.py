@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
     from tlm_command.scheduler import Scheduler
+    from tlm_tokenizer.chat import IM_END
     from tlm_tokenizer.hf_json import EOS_TOKEN
 
     device = parse_device(args.device)
@@ -139,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
     chat_template = _chat_template(artifact, tokenizer)
-    stops = [EOS_TOKEN] if EOS_TOKEN in tokenizer.special_tokens else []
+    # <|im_end|>: the end of a chat model's turn (its ChatML template's marker, issue 32).
+    stops = [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
     eos_ids = [tokenizer.encode(s)[0] for s in stops]
     name = model_id(args.checkpoint, args.model_name)
     # Bound before the model thread starts, so a taken port is one line and no thread is left behind.
