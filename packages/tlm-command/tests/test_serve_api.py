@@ -243,14 +243,14 @@ def test_lm_evals_request_one_token_with_echo_is_scored_from_the_same_prefill(se
     assert body["usage"]["completion_tokens"] == 2
 
 
-def test_a_list_of_prompts_gives_the_choices_of_each_alone_and_n_seeded_choices_differ(served):
+def test_a_list_of_prompts_gives_the_choices_of_each_alone_and_n_seeded_choices_differ(served, tokenizer):
     alone = [post(served, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0})[1] for p in ("a b", "c")]
     status, both = post(served, "/v1/completions", {"prompt": ["a b", "c"], "max_tokens": 6, "temperature": 0})
     assert status == 200 and [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert both["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
 
-    no_end = {"0": -100}  # byte 0 (nearly never drawn) stands in below; the end-of-text id is banned
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}  # every choice runs to max_tokens
     body = {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 77, "n": 3, "logit_bias": no_end}
     first, again = post(served, "/v1/completions", body)[1], post(served, "/v1/completions", body)[1]
     texts = [c["text"] for c in first["choices"]]
@@ -308,7 +308,7 @@ def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served,
     )
 
 
-def test_a_request_that_raises_in_the_scheduler_ends_alone(served, monkeypatch):
+def test_a_request_that_raises_in_the_scheduler_ends_alone(served, tokenizer, monkeypatch):
     import tlm_command.scheduler as module
 
     class Faulty(module.TextStream):
@@ -330,11 +330,13 @@ def test_a_request_that_raises_in_the_scheduler_ends_alone(served, monkeypatch):
 
     thread = threading.Thread(target=send_normal)
     thread.start()
-    status, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": "FAULT", "logprobs": 0})
+    # Greedy and never the end of text: it reaches its third token.
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    faulty = {"prompt": "x", "max_tokens": 5, "stop": ["FAULT"], "logprobs": 0, "temperature": 0, "logit_bias": no_end}
+    status, body = post(served, "/v1/completions", faulty)
     assert status == 500 and body["error"]["type"] == "server_error" and "injected" in body["error"]["message"]
     # Streamed with logprobs, each token is an event: the error comes after two, as an SSE error event.
-    status, lines = served.stream("/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": ["FAULT"], "stream": True,
-                                                      "logprobs": 0})  # fmt: skip
+    status, lines = served.stream("/v1/completions", {**faulty, "stream": True})
     assert status == 200 and len(lines) == 4, lines
     assert json.loads(lines[2][6:])["error"]["type"] == "server_error" and lines[3] == "data: [DONE]"
     thread.join()
