@@ -257,6 +257,7 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, b
         ({"prompt": "x", "suffix": "y"}, 400, "unknown field 'suffix'"),
         (b'{"prompt": "\xff"}', 400, "not valid JSON"),
         ("[" * 100_000, 400, "not valid JSON"),
+        ('{"prompt": "x", "user": ' + "[" * 900 + "]" * 900 + "}", 400, "user: Input should be a valid string"),
     ],
 )
 def test_pathological_values_are_refused_by_name_before_any_work(server, body, status, fragment):

@@ -378,11 +378,13 @@ def create_app(
             )
             if chars > max_chars:
                 raise too_long("messages", f"{chars} characters, more than {context_length} tokens can hold")
-        _check_utf8(data, "")
         try:
+            _check_utf8(data, "")
             request = model.model_validate(data)
         except ValidationError as err:
             raise _validation_error(err) from None
+        except RecursionError:
+            raise APIError(400, "body: the JSON is nested too deeply") from None
         for name, why in UNSUPPORTED.items():
             if getattr(request, name) is not None:
                 raise APIError(400, f"{name}: {why} by this server", param=name)
