@@ -276,6 +276,35 @@ def test_penalties_and_logit_bias_follow_openais_definitions(served, model, toke
     assert forced["choices"][0]["text"] == "AAAAA"  # id 65 is the byte "A": a +100 bias is a ban of the rest
 
 
+def test_per_row_temperature_and_top_p_draw_what_tlm_models_sampler_draws(served, model, tokenizer):
+    from tlm_model import sample_next_token
+
+    prompt = [40, 41, 42, 43]
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100.0}
+    bodies = [{"prompt": prompt, "max_tokens": 10, "temperature": t, "top_p": p, "seed": 11, "logprobs": 0,
+               "logit_bias": no_end} for t, p in ((0.8, 0.5), (1.3, 0.9), (0.5, 1.0))]  # fmt: skip
+    results = [None] * len(bodies)
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, post(served, "/v1/completions", bodies[i])))
+        for i in range(len(bodies))
+    ]  # fmt: skip  (together: one batch, each row its own parameters)
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    for body, (status, answer) in zip(bodies, results, strict=True):
+        assert status == 200, answer
+        generator = torch.Generator().manual_seed(11)
+        ids = list(prompt)
+        for _ in range(10):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids]))[0, -1].float()
+            logits[int(next(iter(no_end)))] -= 100.0
+            top_p = body["top_p"] if body["top_p"] < 1 else None
+            ids.append(
+                int(sample_next_token(logits, temperature=body["temperature"], top_p=top_p, generator=generator))
+            )
+        assert answer["choices"][0]["logprobs"]["tokens"] == [text_of(tokenizer, i) for i in ids[len(prompt) :]]
+
+
 def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served, tokenizer):
     from tlm_command.openai_api import chat_prompt_ids
 
