@@ -276,6 +276,31 @@ def test_penalties_and_logit_bias_follow_openais_definitions(served, model, toke
     assert forced["choices"][0]["text"] == "AAAAA"  # id 65 is the byte "A": a +100 bias is a ban of the rest
 
 
+def test_streamed_choices_carry_the_same_text_and_scores_as_the_whole_answer(served, tokenizer):
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    body = {"prompt": ["a b", "The"], "max_tokens": 7, "n": 2, "seed": 5, "echo": True, "logprobs": 2,
+            "logit_bias": no_end}  # fmt: skip
+    whole = post(served, "/v1/completions", body)[1]
+    status, lines = served.stream("/v1/completions", {**body, "stream": True})
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    for choice in whole["choices"]:
+        parts = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert "".join(p["text"] for p in parts) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for p in parts if p["logprobs"] for x in p["logprobs"][key]] == choice["logprobs"][key], key
+        assert parts[-1]["finish_reason"] == choice["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == whole["usage"]  # the last choice's last chunk counts every choice
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"messages": messages, "max_tokens": 6, "seed": 2, "logprobs": True, "top_logprobs": 2, "logit_bias": no_end}
+    whole = post(served, "/v1/chat/completions", chat)[1]["choices"][0]
+    status, lines = served.stream("/v1/chat/completions", {**chat, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == whole["message"]["content"]
+    assert [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]] == whole["logprobs"]["content"]
+
+
 def test_per_row_temperature_and_top_p_draw_what_tlm_models_sampler_draws(served, model, tokenizer):
     from tlm_model import sample_next_token
 
