@@ -437,7 +437,7 @@ def test_the_access_log_is_one_line_per_request(parts, capfd):
     assert lines[2].startswith("tlm serve: GET /health 200")
 
 
-def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_the_start(tmp_path, parts, fails):
+def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_the_start(tmp_path, parts):
     from types import SimpleNamespace
 
     from tlm_command.args import UserError
@@ -463,3 +463,14 @@ def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_t
     (tmp_path / "chat_template.jinja").write_text("{{ messages[3]['content'] + 1 }}")
     with pytest.raises(UserError, match="the chat template fails on a one-message conversation"):
         _chat_template(artifact, tokenizer)
+
+
+def test_a_chat_template_that_does_not_compile_stops_tlm_serve_in_one_line(tmp_path, parts, fails):
+    from tlm_model import save_model_file
+
+    model, tokenizer = parts
+    save_model_file(model, tmp_path / "model")
+    tokenizer.save(tmp_path / "model" / "tokenizer")
+    (tmp_path / "model" / "tokenizer" / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
+    fails(["serve", "--checkpoint", str(tmp_path / "model"), "--port", "0"], "chat_template.jinja: the chat template "
+          "does not compile", "no_such_filter")  # fmt: skip
