@@ -222,3 +222,18 @@ def test_a_short_prompt_beside_a_long_one_runs_at_once_and_the_long_one_is_never
     with torch.no_grad():
         for row, prompt in enumerate(prompts):
             torch.testing.assert_close(logits[row], model(prompt.unsqueeze(0))[0, -1], rtol=1e-5, atol=1e-5)
+
+
+def test_every_position_gives_the_prompts_logits_from_the_same_prefill():
+    torch.manual_seed(0)
+    model = TransformerLM(CFG).eval()
+    prompt = torch.randint(0, CFG.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+    scored, plain = DecodeBatch(model, 2), DecodeBatch(model, 2)
+    every = scored.add(prompt, every_position=True)
+    with torch.no_grad():
+        torch.testing.assert_close(every, model(prompt.unsqueeze(0))[0], rtol=0, atol=1e-5)  # cache-free reference
+    # The plain add's LM head runs on the last token alone (a (1, d_model) product, not (9, d_model)): the two
+    # agree to float32 rounding of the head's GEMM; the keys and values cached are the same bits (the step below).
+    torch.testing.assert_close(every[-1], plain.add(prompt), rtol=1e-6, atol=1e-6)
+    token = torch.tensor([3])
+    torch.testing.assert_close(scored.step(token), plain.step(token), rtol=0, atol=0)  # the same row was cached

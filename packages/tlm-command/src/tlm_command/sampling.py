@@ -42,6 +42,7 @@ class RowParams:
     frequency: Tensor  # (batch,) float32
     bias: Tensor | None = None  # (batch, vocab) float32
     counts: Tensor | None = None  # (batch, vocab) float32
+    sampled: Tensor | None = None  # (sampled rows,) long: the rows that draw (the others are greedy)
 
 
 def adjusted_logits(logits: Tensor, params: RowParams) -> Tensor:
@@ -68,9 +69,11 @@ def sample_rows(
     x = adjusted_logits(logits, params)
     if all(generator is None for generator in generators):
         return x.argmax(-1)
-    # tlm_model's batched sampler: one call for every row, each seeded row's noise from its own generator.
-    greedy = torch.tensor([generator is None for generator in generators], device=x.device)
-    temperature = params.temperature.masked_fill(greedy, 0.0)
+    # tlm_model's batched sampler: one call for every row, each seeded row's noise from its own generator; a
+    # greedy row (no generator) gets temperature 0.
+    sampled = [r for r, generator in enumerate(generators) if generator is not None]
+    rows = params.sampled if params.sampled is not None else torch.tensor(sampled, device=x.device)
+    temperature = torch.zeros_like(params.temperature).index_copy(0, rows, params.temperature[rows])
     return sample_tokens(x, temperature, None, params.top_p if any_top_p else None, generators)
 
 
