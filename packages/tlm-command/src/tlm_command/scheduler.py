@@ -185,6 +185,7 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
+        self._last: list[tuple[Request, Piece]] = []  # ended requests' last pieces, sent once their rows left
         self._params_rows: list[_Row] = []  # the rows _cached_params was built for
         self._cached_params: RowParams | None = None
         self._one = torch.ones(1, device=device)
@@ -230,8 +231,7 @@ class Scheduler:
 
     @property
     def active(self) -> int:
-        """Rows whose request has not ended (one that just ended leaves its row at the thread's next removal)."""
-        return sum(not row.request.cancelled.is_set() for row in list(self._rows))
+        return len(self._rows)
 
     @property
     def waiting(self) -> int:
@@ -332,6 +332,7 @@ class Scheduler:
                 self._rows[r], tokens[r] = self._rows[-1], tokens[-1]
                 self._rows.pop(), tokens.pop()
                 self._left(1)
+        self._send_last()
         prefilling = set(self.batch.prefilling)
         if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
             logits = self.batch.step(torch.stack(tokens))  # a failure here is the model's: _loop ends it all
@@ -411,6 +412,7 @@ class Scheduler:
                 finally:
                     self._rows = saved
             self._left(len(group))
+            self._send_last()
 
     def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
         """``tokens`` scored under ``logits`` (one row each), read back to the host."""
@@ -501,20 +503,30 @@ class Scheduler:
         request.completion_tokens += 1
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        # An ended request is marked before its last piece goes out, so that no one told it ended counts it active.
+        # An ended request's last piece goes out once its row has left (_send_last), so that a client told it
+        # ended never finds it counted active.
         if token_id in self.eos:
             request.cancelled.set()
-            request.emit(Piece(row.stream.close(), "stop", scored))
+            self._last.append((request, Piece(row.stream.close(), "stop", scored)))
             return
         text, stopped = row.stream.add(token_id)
         if stopped:
             request.cancelled.set()
-            request.emit(Piece(text, "stop", scored))
+            self._last.append((request, Piece(text, "stop", scored)))
         elif request.completion_tokens >= request.max_tokens:
             request.cancelled.set()
-            request.emit(Piece(text + row.stream.close(), "length", scored))
+            self._last.append((request, Piece(text + row.stream.close(), "length", scored)))
         elif text or scored:
             request.emit(Piece(text, None, scored))
+
+    def _send_last(self) -> None:
+        """Emit the last pieces of the requests that ended (their rows have left); one that raises fails alone."""
+        last, self._last = self._last, []
+        for request, piece in last:
+            try:
+                request.emit(piece)
+            except Exception as err:
+                self._fail(request, err)
 
 
 def _emit_quietly(request: Request, piece: Piece) -> None:
