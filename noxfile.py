@@ -393,6 +393,23 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(ROOT / "bench" / f"{name}.py"))
 
 
+@nox.session(default=False, venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check (issue 33, ``bench/gpu.py``, ≤ 8 min on one H100/H200): the CUDA test leg, a bf16 training
+    step tlm vs HF (both compiled) with MFU against the device's peak, bit-exact resume and a NaN stop on CUDA;
+    writes the GPU section of docs/benchmarks.md.
+
+    On the machine's own python (TLM_GPU_PYTHON, else python3), nothing installed: the packages come from
+    packages/*/src on the path, so a GPU box with no network and an older torch runs it; a test module needing
+    a package that python lacks is reported as not collected. ``nox -s gpu -- --only bench`` passes arguments on;
+    ``tools/gpu_check.sh`` is the same without nox.
+    """
+    if not _has_cuda():
+        session.skip("no CUDA device here (nvidia-smi finds no GPU); bench/gpu.py --dry-run checks the script on a CPU")
+    python = os.environ.get("TLM_GPU_PYTHON", "python3")
+    session.run(python, str(ROOT / "bench" / "gpu.py"), *session.posargs, external=True)
+
+
 @nox.session(default=False)
 def mutate(session: nox.Session) -> None:
     """Mutation testing (tools/mutate.py, docs/mutation.md); slow: pass e.g. ``-- --max-per-file 25``."""

@@ -206,3 +206,21 @@ def test_an_ablation_trains_round_trips_generates_evaluates_and_is_refused_by_th
 
     fails(["convert", "--to-hf", str(out), "--out", str(tmp_path / "hf")], f"ModelConfig.{field}={value!r}")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_logger_that_failed_is_one_line_and_its_own_exit_status(tmp_path, tokens, capsys, monkeypatch):
+    import tlm_train
+    from tlm_train.loggers import LoggerError
+
+    def fails(config, **kwargs):
+        error = LoggerError("tensorboard", OSError(28, "No space left on device"))
+        error.args = (f"{error}; stopped at step 3: checkpoint RUN/checkpoints/step_00000003",)
+        raise error
+
+    monkeypatch.setattr(tlm_train, "train", fails)
+    status = main(["train", "--data", str(tokens), "--out-dir", str(tmp_path / "run"), "--tensorboard", *SMALL])
+    assert status == 74
+    assert capsys.readouterr().err == (
+        "tlm: error: the tensorboard logger failed: OSError: [Errno 28] No space left on device; stopped at step 3: "
+        "checkpoint RUN/checkpoints/step_00000003\n"
+    )

@@ -25,7 +25,7 @@ def reference_block(
     sd = {k: v.double() for k, v in sd.items()}
     x = x.double()
     seq = x.shape[-2]
-    positions = torch.arange(seq) if positions is None else positions
+    positions = torch.arange(seq, device=x.device) if positions is None else positions
 
     def split(t):
         return t.unflatten(-1, (heads, -1)).transpose(-2, -3)

@@ -1,12 +1,16 @@
 """The logging backends: every metrics.jsonl record has its step and wall-clock time (continued over a resume);
 TensorBoard's own reader reads back what metrics.jsonl says, each step once after a resume; names are checked."""
 
+import errno
+import os
+import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
-from tlm_train import MetricsLog, train
+from tlm_train import MetricsLog, RunDir, train
 from tlm_train.loggers import TENSORBOARD_DIR, choose_loggers
 
 
@@ -62,3 +66,183 @@ def test_backends_are_chosen_by_name_and_a_missing_library_says_what_to_install(
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # importing it now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'tlm-train\[tensorboard\]'"):
         choose_loggers(["tensorboard"], tmp_path)
+
+
+class _FullDisk:
+    """An event file on a disk that fills once ``room`` flushes have gone through: every write or flush after
+    raises ENOSPC, as a full file system does."""
+
+    def __init__(self, file, room):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.file.write(data)
+
+    def flush(self):
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= 1
+        self.file.flush()
+
+    def fileno(self):
+        return self.file.fileno()
+
+    def close(self):
+        self.file.close()
+
+
+def _fill_after(monkeypatch, room):
+    from tlm_train import loggers
+
+    create = loggers._create_in
+    monkeypatch.setattr(loggers, "_create_in", lambda folder, name: _FullDisk(create(folder, name), room))
+
+
+def _loads(checkpoint, step):
+    from tlm_train.checkpoint import load_step_model
+
+    assert checkpoint.name == f"step_{step:08d}"
+    model = load_step_model(checkpoint)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("checkpoint_fails", [False, True])
+def test_a_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_loads(
+    make_config, tmp_path, monkeypatch, checkpoint_fails
+) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from tlm_train import RunDir
+    from tlm_train.checkpoint import CheckpointManager
+    from tlm_train.loggers import LoggerError
+
+    # One flush at the start, one per logged step (every step): the disk fills while step 5 is logged.
+    _fill_after(monkeypatch, room=1 + 5)
+    if checkpoint_fails:  # the same full disk refuses the checkpoint of step 5 too
+        save = CheckpointManager.save
+
+        def full(self, model, state):
+            if state["step"] == 5:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return save(self, model, state)
+
+        monkeypatch.setattr(CheckpointManager, "save", full)
+    run = tmp_path / "run"
+    with pytest.raises(LoggerError) as info:
+        train(make_config(tensorboard=True, steps=8, checkpoint_interval=4, eval_interval=4, keep_checkpoints=3))
+    message = str(info.value)
+    assert message.startswith("the tensorboard logger failed: OSError: [Errno 28] No space left on device; ")
+    assert message.endswith(f"; continue with --resume {run}")
+    newest = RunDir(run).checkpoints().steps()[-1]
+    path = RunDir(run).checkpoints().path(newest)
+    if checkpoint_fails:
+        assert f"stopped at step 5: no checkpoint of step 5 (No space left on device); the newest is {path};" in message
+        assert newest == 4
+    else:
+        assert f"stopped at step 5: checkpoint {path};" in message and newest == 5
+    _loads(path, newest)
+    assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()] == [0, 1, 2, 3, 4, 5]  # the jsonl goes on
+    # The run continues from there to its end (a disk with room again).
+    monkeypatch.undo()
+    result = train(make_config(tensorboard=True, steps=8, checkpoint_interval=4, eval_interval=4), resume=True)
+    assert result.step == 8 and not result.interrupted
+    # TensorBoard reads both processes' files: the first one's up to the resumed step (step 5's scalars never
+    # reached its disk), the second one's after it, each value the one metrics.jsonl holds.
+    logged = _scalars(run, "loss/train")
+    assert [s for s, _ in logged] == ([1, 2, 3, 4, 5, 6, 7, 8] if checkpoint_fails else [1, 2, 3, 4, 6, 7, 8])
+    assert set(logged) <= set(_expected(run, "train_loss"))
+
+
+def test_logger_errors_warn_trains_on_without_the_failed_logger(make_config, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    _fill_after(monkeypatch, room=1 + 3)
+    lines = []
+    result = train(make_config(tensorboard=True, logger_errors="warn", eval_interval=2), log=lines.append)
+    assert result.step == 4 and not result.interrupted
+    said = [line for line in lines if "logger failed" in line]
+    assert said == ["the tensorboard logger failed: OSError: [Errno 28] No space left on device; training goes on "
+                    "without it (--logger-errors warn)"]  # fmt: skip
+    run = tmp_path / "run"
+    assert [r["step"] for r in MetricsLog(run / "metrics.jsonl").read()] == [0, 1, 2, 3, 4]
+    assert [s for s, _ in _scalars(run, "loss/train")] == [1, 2]  # what reached the disk before it filled
+
+
+def test_the_jsonl_logger_failing_stops_the_run_even_under_warn(make_config, tmp_path, monkeypatch) -> None:
+    from tlm_train.loggers import LoggerError
+    from tlm_train.metrics import MetricsLog as Log
+
+    append = Log.append
+
+    def full(self, record):
+        if record["step"] >= 2 and "event" not in record:
+            raise OSError(errno.EROFS, "Read-only file system")
+        append(self, record)
+
+    monkeypatch.setattr(Log, "append", full)
+    with pytest.raises(LoggerError, match=r"^the jsonl logger failed: OSError: \[Errno 30\] Read-only file system; "
+                                          r"stopped at step 2: checkpoint \S+/step_00000002; "):  # fmt: skip
+        train(make_config(logger_errors="warn", checkpoint_interval=4))
+    _loads(RunDir(tmp_path / "run").checkpoints().path(2), 2)
+
+
+def test_a_removed_event_file_is_a_logger_failure(tmp_path) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from tlm_train.loggers import LoggerError
+
+    loggers = choose_loggers(["tensorboard"], tmp_path)
+    loggers.log({"step": 1, "train_loss": 2.0})
+    for event_file in (tmp_path / TENSORBOARD_DIR).iterdir():
+        event_file.unlink()  # writes to it would succeed, and be lost
+    with pytest.raises(LoggerError, match="the event file was removed while the run wrote it"):
+        loggers.log({"step": 2, "train_loss": 1.5})
+    assert loggers.names == ["jsonl"]  # the failed backend is dropped, the others go on
+    loggers.log({"step": 3, "train_loss": 1.0})
+    loggers.close()
+    assert [r["step"] for r in MetricsLog(tmp_path / "metrics.jsonl").read()] == [1, 2, 3]
+
+
+def test_a_real_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_loads(make_config, tmp_path) -> None:
+    """The same on a real file system that fills: a 4 KiB tmpfs mounted at RUN/tensorboard (root on Linux only)."""
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from tlm_train.loggers import LoggerError
+
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root on Linux; the injected ENOSPC tests above run everywhere")
+    mount = tmp_path / "run" / TENSORBOARD_DIR
+    mount.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
+    try:
+        with pytest.raises(LoggerError, match=r"^the tensorboard logger failed: OSError: \[Errno 28\] No space left"):
+            train(make_config(tensorboard=True, steps=200, checkpoint_interval=1000, eval_interval=1000))
+        steps = RunDir(tmp_path / "run").checkpoints().steps()
+        assert len(steps) == 1 and 1 <= steps[0] < 200  # the one checkpoint: the step the disk filled at
+        _loads(RunDir(tmp_path / "run").checkpoints().path(steps[0]), steps[0])
+        records = MetricsLog(tmp_path / "run" / "metrics.jsonl").read()
+        assert records[-1]["step"] == steps[0]
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_event_files_are_never_written_through_a_symlink_at_run_tensorboard(make_config, tmp_path, snapshot) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from tlm_train.loggers import TensorBoardLogger
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("precious\n")
+    before = snapshot(victim)
+    run = tmp_path / "run"
+    train(make_config(tensorboard=True))
+    for event_file in (run / TENSORBOARD_DIR).iterdir():
+        event_file.unlink()
+    (run / TENSORBOARD_DIR).rmdir()
+    (run / TENSORBOARD_DIR).symlink_to(victim, target_is_directory=True)
+    message = rf"^{run / TENSORBOARD_DIR} is a symbolic link: tlm train never writes through one; remove it"
+    with pytest.raises(ValueError, match=message):  # a resume is refused before anything is written
+        train(make_config(tensorboard=True, steps=6), resume=True)
+    with pytest.raises(ValueError, match=message):  # and the logger itself never follows one
+        TensorBoardLogger(run)
+    assert snapshot(victim) == before and RunDir(run).checkpoints().steps()[-1] == 4

@@ -6,7 +6,7 @@ baseline). Settings are TrainConfig fields (lr, batch_size, steps, ...) and Mode
 
     tlm sweep --out-dir sweeps/lr --grid lr=1e-4,3e-4,1e-3,3e-3 --set steps=200
     tlm sweep --out-dir sweeps/lr-bs --grid lr=1e-3,3e-3 --grid batch_size=8,32 --config base.toml
-    tlm sweep --out-dir sweeps/ablations --runs ablations.toml
+    tlm sweep --out-dir sweeps/ablations --runs ablations.toml --seeds 3
     tlm sweep --resume sweeps/lr
 
 A runs file holds an optional [base] table of shared settings and one [runs.NAME] table per run:
@@ -19,17 +19,23 @@ A runs file holds an optional [base] table of shared settings and one [runs.NAME
 
 Each run is an ordinary tlm train run folder, SWEEP/NAME/, that every command reads (tlm generate,
 eval, compare...). SWEEP/sweep.json, the manifest, is rewritten whole as each run starts and ends.
-A run whose loss stops being finite is recorded as diverged and the sweep goes on. --resume keeps the
+A run whose loss stops being finite is recorded as diverged and the sweep goes on. --seeds N runs every
+setting N times, with seeds SEED, SEED+1, ... (SEED the base's, 0 by default; or give seed in a grid),
+and the summary gives each setting's mean, standard deviation and N, and its difference from the
+baseline (the run or setting named baseline, else the first) with a 95% interval. --resume keeps the
 finished runs and continues the others, each from its newest checkpoint. --jobs N trains N runs at
 once, each in its own process with 1/N of the CPU threads (OMP_NUM_THREADS, else the CPUs this process
 may use); by default, on the CPU, one single-threaded run per thread. At the end: SWEEP/summary.json,
 summary.md and sweep.png (validation loss by step and by wall-clock time, final loss by the swept setting).
+How each run ended: done, diverged (at step S), unstable (finished, but an evaluation exceeded
+--unstable-above × its first: 1.5 by default), interrupted (resumable; not a result) or failed.
 """
 
 import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import signal
@@ -43,15 +49,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_command.args import UserError, add_command, positive_int, say
-from tlm_command.compare import MANIFEST
+from tlm_command.args import UserError, add_command, positive_float, positive_int, say
+from tlm_command.compare import UNSTABLE_ABOVE
+from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
 
-FORMAT = "tlm-sweep/1"
-#: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
+#: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
-SUMMARY_JSON, SUMMARY_MD, PLOT = "summary.json", "summary.md", "sweep.png"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")
-_RESERVED = {MANIFEST, SUMMARY_JSON, SUMMARY_MD, PLOT, ".lock"}
+#: The most runs a plan may hold unless --max-runs says otherwise: a grid's product grows fast.
+MAX_RUNS = 1000
 
 
 def add_parser(commands: Any) -> None:
@@ -70,7 +75,17 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--config", metavar="FILE.toml", help="base settings, as tlm train --config reads them")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
     parser.add_argument(
+        "--seeds", type=positive_int, default=None, metavar="N", help="run every setting N times, seeds SEED..SEED+N-1"
+    )
+    parser.add_argument(
+        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+    )  # fmt: skip
+    parser.add_argument(
         "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
+    )
+    parser.add_argument(
+        "--max-runs", type=positive_int, default=MAX_RUNS, help="refuse a plan of more runs than this (its size said)"
     )
     parser.add_argument("--quiet", action="store_true", help="no log lines")
     parser.set_defaults(run=run)
@@ -148,8 +163,9 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest."""
+def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
+    of more than ``max_runs`` combinations is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []
     for item in grid:
         key, values = _split(item, "--grid")
@@ -160,6 +176,12 @@ def expand_grid(grid: list[str]) -> list[tuple[str, dict[str, Any]]]:
         if any(not t for t in texts):
             raise UserError(f"--grid {item!r}: an empty value")
         axes.append((flat, [(t, _value(t)) for t in texts]))
+    size = math.prod(len(values) for _, values in axes)
+    if max_runs is not None and size > max_runs:
+        sizes = " x ".join(str(len(values)) for _, values in axes)
+        raise UserError(
+            f"--grid: {sizes} = {size:,} runs, more than --max-runs {max_runs:,}; split the sweep or raise it"
+        )
     runs = []
     for combination in itertools.product(*(values for _, values in axes)):
         keys = [key for key, _ in axes]
@@ -199,18 +221,22 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise UserError("give --grid KEY=V1,V2,... (one or more) or --runs FILE.toml")
     base = TrainConfig() if args.config is None else _base_config(args.config)
     flat_base: dict[str, Any] = {}
+    max_runs = getattr(args, "max_runs", MAX_RUNS)
     if args.runs:
         flat_base, runs = _read_runs_file(args.runs)
+        if len(runs) > max_runs:
+            raise UserError(f"--runs {args.runs}: {len(runs):,} runs, more than --max-runs {max_runs:,}")
     else:
-        runs = expand_grid(args.grid)
+        runs = expand_grid(args.grid, max_runs=max_runs)
     for item in args.set:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
     base_dict = apply({k: v for k, v in base.to_dict().items() if k != "out_dir"}, flat_base)
+    if getattr(args, "seeds", None) is not None:
+        runs = with_seeds(runs, args.seeds, int(base_dict.get("seed", 0)))
     names = [name for name, _ in runs]
     for name in names:
-        if not _NAME.fullmatch(name) or name in _RESERVED:
-            raise UserError(f"run name {name!r} is not a plain folder name (letters, digits, . _ = , + -)")
+        check_name(name, "run name")
         if names.count(name) > 1:
             raise UserError(f"run name {name!r} is given twice")
     for name, settings in runs:
@@ -220,6 +246,13 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
     return {"format": FORMAT, "base": base_dict, "runs": entries}
+
+
+def with_seeds(runs: list[tuple[str, dict[str, Any]]], n: int, first: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each run ``n`` times, with seeds ``first`` .. ``first + n - 1`` (``NAME,seed=K``), the seed fastest."""
+    if any("seed" in settings for _, settings in runs):
+        raise UserError("--seeds N and seed in a grid or a run's settings: give the seeds one way")
+    return [(f"{name},seed={first + k}", {**settings, "seed": first + k}) for name, settings in runs for k in range(n)]
 
 
 def _setting_names(message: str) -> str:
@@ -239,14 +272,21 @@ def _base_config(path: str) -> Any:
 # ------------------------------------------------------------------------------------------ the manifest
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    path = folder / MANIFEST
-    if not path.is_file():
-        raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
-    manifest = _parsed(path, json.loads, json.JSONDecodeError, f"{path} is not a sweep manifest")
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a {FORMAT} manifest")
-    return manifest
+def _check_resumable(folder: Path, manifest: dict[str, Any]) -> None:
+    """Refuse, before anything is written, a run folder that is a symbolic link (a run would train wherever it
+    points) and a run still to train whose settings are not a TrainConfig (a manifest edited by hand)."""
+    from tlm_train.config import TrainConfig
+
+    for i, entry in enumerate(manifest["runs"]):
+        path = folder / entry["name"]
+        if path.is_symlink():  # a finished run's too: the summary would read wherever it points
+            raise UserError(f"{path} is a symbolic link: tlm sweep never trains into one; remove it")
+        if entry["status"] in FINISHED:
+            continue
+        try:
+            TrainConfig.from_dict({**apply(manifest["base"], entry["settings"]), "out_dir": str(path)})
+        except (TypeError, ValueError) as err:
+            raise UserError(f"{folder / MANIFEST}: runs[{i}] ({entry['name']}): {_setting_names(str(err))}") from None
 
 
 def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
@@ -257,20 +297,18 @@ def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
-    """One process runs a sweep at a time (``flock``: the kernel frees it when the holder dies)."""
-    fd = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
-    try:
-        try:
-            import fcntl
+    """One process runs a sweep at a time: ``SWEEP/.lock`` held as a run folder's lock is (``flock``, freed by
+    the kernel when the holder dies; opened with ``O_NOFOLLOW``, so a symlink planted there is refused)."""
+    from tlm_train.run_dir import RunInUseError, RunLock
 
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover - no advisory locks on Windows
-            pass
-        except BlockingIOError:
-            raise UserError(f"{folder} is in use by another tlm sweep; wait for it to finish") from None
+    try:
+        held = RunLock(folder / LOCK, command="tlm sweep")
+    except RunInUseError:
+        raise UserError(f"{folder} is in use by another tlm sweep; wait for it to finish") from None
+    try:
         yield
     finally:
-        os.close(fd)
+        held.release()
 
 
 # ------------------------------------------------------------------------------------------ running
@@ -304,8 +342,12 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     from tlm_train import NonFiniteLossError, RunDir, TrainConfig, train
 
     config = TrainConfig.from_dict(job["config"])
-    resume = RunDir(config.out_dir).config_path.is_file()
     name = job["name"]
+    if Path(config.out_dir).is_symlink():  # planted since the sweep checked its folders: nothing is written there
+        return {"status": "failed", "message": f"{config.out_dir} is a symbolic link: tlm sweep never trains into one"}
+    resume = RunDir(config.out_dir).config_path.is_file()
+    if resume:
+        config = resume_config(config)
     log = None if job["quiet"] else (lambda line: say(f"[{name}] {line}"))
     try:
         result = train(config, resume=resume, log=log, progress=False)
@@ -314,7 +356,22 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:  # one run's failure is recorded; the sweep goes on
         first = str(err).splitlines()[0] if str(err) else ""
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
-    return {"status": "stopped" if result.interrupted else "done"}
+    return {"status": "interrupted" if result.interrupted else "done"}
+
+
+def resume_config(planned: Any) -> Any:
+    """What a run resumes with: its own ``train.toml`` with the planned settings that a resume may change over
+    it (steps, learning rate, intervals, ...), as ``tlm train --resume RUN --steps N`` does. The others (model,
+    data, tokenizer, seed: ``tlm_train.recipe.FIXED_ON_RESUME``) are the run's: re-applied, a vocabulary the
+    tokenizer filled to fewer tokens than --vocab-size would read as a changed one and refuse the resume."""
+    import dataclasses
+
+    from tlm_train import RunDir, TrainConfig
+    from tlm_train.recipe import FIXED_ON_RESUME
+
+    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
+    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
+    return RunDir(planned.out_dir).read_config(out_dir=planned.out_dir, **changeable)
 
 
 def _init_worker(threads: int) -> None:
@@ -381,7 +438,7 @@ class Sweep:
                 self._started(entry)
                 outcome = train_run(self.job(entry))
                 self._ended(entry, outcome)
-                if outcome["status"] == "stopped":
+                if outcome["status"] == "interrupted":
                     return False
         finally:
             torch.set_num_threads(previous)
@@ -413,7 +470,7 @@ class Sweep:
                     break
                 try:
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                except KeyboardInterrupt:  # each run checkpoints and returns "stopped"
+                except KeyboardInterrupt:  # each run checkpoints and returns "interrupted"
                     stopping = True
                     _forward_interrupt(pool)
                     continue
@@ -421,7 +478,7 @@ class Sweep:
                     entry = running.pop(future)
                     outcome = _outcome(future)
                     self._ended(entry, outcome)
-                    stopping = stopping or outcome["status"] == "stopped"
+                    stopping = stopping or outcome["status"] == "interrupted"
         return not stopping
 
 
@@ -444,31 +501,41 @@ def _outcome(future: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ the summary
 
 
-def summarize(folder: Path, manifest: dict[str, Any]) -> list[Any]:
-    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep)."""
+def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float = UNSTABLE_ABOVE) -> list[Any]:
+    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep); a run that
+    failed before its folder held anything is there too, with its message."""
+    from tlm_command.compare import RunSummary
     from tlm_command.compare import summarize as summarize_run
 
     summaries = []
     for entry in manifest["runs"]:
         path = folder / entry["name"]
-        if not (path / "train.toml").is_file():
+        if path.is_symlink() or not (path / "train.toml").is_file():  # a link planted since the sweep began
+            if entry["status"] == "failed" and not path.is_symlink():
+                summaries.append(RunSummary(
+                    entry["name"], entry["name"], entry["settings"], "failed", 0, 0, None, None, 0, 0, None, None,
+                    False, seed=entry["settings"].get("seed"), message=entry.get("message"),
+                ))  # fmt: skip
             continue
         status = entry["status"] if entry["status"] in ("diverged", "failed") else None
-        summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status)
+        summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status,
+                                message=entry.get("message"), unstable_above=unstable_above)  # fmt: skip
         summary.path = entry["name"]
         summaries.append(summary)
     return summaries
 
 
-def write_summary(folder: Path, manifest: dict[str, Any], *, quiet: bool) -> list[Any]:
+def write_summary(
+    folder: Path, manifest: dict[str, Any], *, quiet: bool, unstable_above: float = UNSTABLE_ABOVE
+) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
-    from tlm_command.compare import markdown, plot
+    from tlm_command.compare import full_markdown, plot, report
     from tlm_core.atomic import atomic_write
 
-    summaries = summarize(folder, manifest)
-    data = {"format": FORMAT, "runs": [s.to_dict() for s in summaries]}
+    summaries = summarize(folder, manifest, unstable_above=unstable_above)
+    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above)}
     atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + markdown(summaries))
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries))
     if summaries:
         try:
             plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
@@ -480,10 +547,11 @@ def write_summary(folder: Path, manifest: dict[str, Any], *, quiet: bool) -> lis
 
 def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
-        if args.out_dir is not None or args.grid or args.runs or args.config or args.set:
-            raise UserError("--resume continues a sweep as planned; it takes only --jobs and --quiet")
+        if args.out_dir is not None or args.grid or args.runs or args.config or args.set or args.seeds:
+            raise UserError("--resume continues a sweep as planned; it takes only --jobs, --unstable-above and --quiet")
         folder = Path(args.resume)
         manifest = read_manifest(folder)
+        _check_resumable(folder, manifest)
     else:
         if args.out_dir is None:
             raise UserError("give --out-dir SWEEP for a new sweep, or --resume SWEEP")
@@ -499,7 +567,7 @@ def run(args: argparse.Namespace) -> int:
         manifest["jobs"] = jobs
         _write_manifest(folder, manifest)
         completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
-        write_summary(folder, manifest, quiet=args.quiet)
+        write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above)
     if not completed:
         say(f"sweep stopped: continue it with tlm sweep --resume {folder}")
         return 130

@@ -4,20 +4,26 @@ litgpt's ``choose_logger``).
 A record is a flat dict with ``step`` and ``time_s`` (seconds since training began, a resumed run
 continuing the count) and whatever was measured: ``train_loss``, ``val_loss``, ``lr``, ... or an
 ``event``. ``metrics.jsonl`` is always written, and is the record every tlm command reads; TensorBoard
-(``tensorboard=True``, ``tlm train --tensorboard``) writes event files under ``RUN/tensorboard/`` through
-``torch.utils.tensorboard`` (the optional ``tlm-train[tensorboard]``).
+(``tensorboard=True``, ``tlm train --tensorboard``) writes event files under ``RUN/tensorboard/``: the
+records are TensorBoard's own (its ``RecordWriter``, torch's ``scalar`` summaries), the file is this
+module's, created with ``O_EXCL | O_NOFOLLOW`` inside a folder opened with ``O_NOFOLLOW`` (the optional
+``tlm-train[tensorboard]``). Each record is written and flushed when it is logged, so a backend's failure
+(a full disk, a folder removed) is raised by :meth:`Loggers.log` as a :class:`LoggerError`, at the step it
+happened.
 """
 
+import errno
+import itertools
 import os
+import socket
+import stat
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tlm_train.metrics import MetricsLog
-from tlm_train.run_dir import METRICS_NAME
-
-#: The folder of TensorBoard's event files inside a run folder (``tensorboard --logdir RUN``).
-TENSORBOARD_DIR = "tensorboard"
+from tlm_train.run_dir import METRICS_NAME, TENSORBOARD_DIR
 
 #: TensorBoard tags of the numbers a record may hold; anything else (events, settings) is not a scalar.
 TENSORBOARD_TAGS = {
@@ -54,48 +60,126 @@ class JsonlLogger:
 
 
 class TensorBoardLogger:
-    """Scalars in TensorBoard event files under ``RUN/tensorboard/``, one per number of a record at its step.
+    """Scalars in a TensorBoard event file under ``RUN/tensorboard/``, one per number of a record at its step.
 
-    A run resumed at step N opens its writer with ``purge_step=N + 1``: TensorBoard's readers then drop
-    what the interrupted process had logged past the resumed step, as ``metrics.jsonl`` is truncated.
+    A run resumed at step N starts its file as torch's ``SummaryWriter(purge_step=N + 1)`` does: TensorBoard's
+    readers then drop what the interrupted process had logged past the resumed step, as ``metrics.jsonl`` is
+    truncated. ``RUN/tensorboard`` is made here and never followed when it is a symbolic link (ValueError).
     """
 
     def __init__(self, run_dir: Path, *, start_step: int = 0) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # torch's writer needs the tensorboard package itself
+            import torch.utils.tensorboard  # noqa: F401 - torch's check that the tensorboard package is there
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+            from tensorboard.summary.writer.record_writer import RecordWriter
+            from torch.utils.tensorboard.summary import scalar
+        except ImportError:  # torch's summaries need the tensorboard package itself
             raise ImportError(
                 "--tensorboard needs the tensorboard package: pip install 'tlm-train[tensorboard]'"
             ) from None
+        self._event, self._scalar = Event, scalar
         self.log_dir = run_dir / TENSORBOARD_DIR
-        self.writer = SummaryWriter(
-            str(self.log_dir), purge_step=start_step + 1 if start_step > 0 else None, flush_secs=10
-        )
+        # tensorboard's own file name: time, host, process, and a count within the process.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILES)}"
+        self.path = self.log_dir / name
+        self._file = _create_in(self.log_dir, name)
+        self._writer = RecordWriter(self._file)
+        try:
+            self._write(Event(file_version="brain.Event:2"))
+            if start_step > 0:
+                self._write(Event(step=start_step + 1, file_version="brain.Event:2"))
+                self._write(Event(step=start_step + 1, session_log=SessionLog(status=SessionLog.START)))
+            self._file.flush()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _write(self, event: Any) -> None:
+        event.wall_time = time.time()
+        self._writer.write(event.SerializeToString())
 
     def log(self, record: dict[str, Any]) -> None:
         step = record["step"]
         for key, tag in TENSORBOARD_TAGS.items():
             value = record.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self.writer.add_scalar(tag, value, global_step=step)
+                self._write(self._event(step=int(step), summary=self._scalar(tag, value)))
+        self._file.flush()
+        if os.fstat(self._file.fileno()).st_nlink == 0:  # writes to a removed file succeed, and are lost
+            raise FileNotFoundError(errno.ENOENT, "the event file was removed while the run wrote it", str(self.path))
 
     def close(self) -> None:
-        self.writer.close()
+        self._file.close()
+
+
+_FILES = itertools.count()
+
+
+def _create_in(folder: Path, name: str) -> Any:
+    """A new file ``name`` in ``folder`` (made if missing), open for binary writing: the folder is opened with
+    ``O_NOFOLLOW`` and the file created in it with ``O_EXCL | O_NOFOLLOW``, so no symlink planted at either
+    is followed."""
+    try:
+        os.mkdir(folder, 0o777)
+    except FileExistsError:
+        pass
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | nofollow)
+    except OSError:
+        if folder.is_symlink():
+            raise ValueError(f"{folder} is a symbolic link: tlm train never writes through one; remove it") from None
+        raise
+    try:
+        if not stat.S_ISDIR(os.fstat(dir_fd).st_mode):  # pragma: no cover - O_DIRECTORY refuses it first
+            raise NotADirectoryError(f"{folder} is not a folder")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(name, flags, 0o666, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    return os.fdopen(fd, "wb")
 
 
 #: The backends by name; ``jsonl`` is always among those a run opens.
 LOGGERS: dict[str, Callable[..., MetricLogger]] = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger}
 
 
-class Loggers:
-    """Every chosen backend behind the one interface: :meth:`log` gives each the record."""
+class LoggerError(RuntimeError):
+    """A backend failed to record (a full disk, a read-only or vanished folder): ``name`` and the ``error``."""
 
-    def __init__(self, backends: Sequence[MetricLogger] = ()) -> None:
+    def __init__(self, name: str, error: BaseException) -> None:
+        first = str(error).splitlines()[0] if str(error) else ""
+        super().__init__(f"the {name} logger failed: {type(error).__name__}: {first}")
+        self.name, self.error = name, error
+
+
+class Loggers:
+    """Every chosen backend behind the one interface: :meth:`log` gives each the record.
+
+    A backend that raises is closed and dropped, then :meth:`log` raises :class:`LoggerError` naming it, once;
+    the others go on being given records."""
+
+    def __init__(self, backends: Sequence[MetricLogger] = (), names: Sequence[str] | None = None) -> None:
         self.backends = list(backends)
+        self.names = list(names) if names is not None else [type(b).__name__ for b in self.backends]
 
     def log(self, record: dict[str, Any]) -> None:
-        for backend in self.backends:
-            backend.log(record)
+        failed: LoggerError | None = None
+        kept = []
+        for name, backend in zip(self.names, self.backends, strict=True):
+            try:
+                backend.log(record)
+            except Exception as err:
+                failed = failed or LoggerError(name, err)
+                try:
+                    backend.close()
+                except Exception:  # its own failure is the one being reported
+                    pass
+            else:
+                kept.append((name, backend))
+        if failed is not None:
+            self.names, self.backends = [n for n, _ in kept], [b for _, b in kept]
+            raise failed
 
     def close(self) -> None:
         for backend in self.backends:
@@ -112,4 +196,4 @@ def choose_loggers(names: Sequence[str], run_dir: str | os.PathLike[str], *, sta
     if unknown:
         raise ValueError(f"unknown logger(s) {unknown}; expected some of {sorted(LOGGERS)}")
     chosen = ["jsonl", *dict.fromkeys(name for name in names if name != "jsonl")]
-    return Loggers([LOGGERS[name](Path(run_dir), start_step=start_step) for name in chosen])
+    return Loggers([LOGGERS[name](Path(run_dir), start_step=start_step) for name in chosen], chosen)

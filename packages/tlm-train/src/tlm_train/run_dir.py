@@ -31,6 +31,8 @@ CHECKPOINT_DIR = "checkpoints"
 METRICS_NAME = "metrics.jsonl"
 PLOT_NAME = "loss.png"
 LOCK_NAME = ".lock"
+#: The folder of TensorBoard's event files inside a run folder (``tensorboard --logdir RUN``).
+TENSORBOARD_DIR = "tensorboard"
 _EARLIER_STEP = re.compile(r"step_(\d+)\.pt")  # tlm-train 0.1's checkpoint files
 
 
@@ -99,13 +101,15 @@ class RunDir:
             )
 
     def check_links(self) -> None:
-        """Refuse a symlink at ``RUN/checkpoints``: step folders would be written wherever it points. (Every file
-        the run creates is replaced by rename or opened with ``O_NOFOLLOW``, the lock too; see ARCHITECTURE.md.)"""
-        if self.checkpoints_dir.is_symlink():
-            raise ValueError(
-                f"{self.checkpoints_dir} is a symbolic link: tlm train never writes through one; remove it (to keep "
-                "checkpoints on another disk, put the whole --out-dir there)"
-            )
+        """Refuse a symlink at ``RUN/checkpoints`` or ``RUN/tensorboard``: step folders or event files would be
+        written wherever it points. (Every file the run creates is replaced by rename or opened with
+        ``O_NOFOLLOW``, the lock too; see ARCHITECTURE.md.)"""
+        for folder in (self.checkpoints_dir, self.path / TENSORBOARD_DIR):
+            if folder.is_symlink():
+                raise ValueError(
+                    f"{folder} is a symbolic link: tlm train never writes through one; remove it (to keep "
+                    f"{folder.name} on another disk, put the whole --out-dir there)"
+                )
 
     def checkpoints(self, keep: int = 2) -> CheckpointManager:
         return CheckpointManager(self.checkpoints_dir, keep=keep)
@@ -146,14 +150,14 @@ class RunLock:
     """An exclusive ``flock`` on ``RUN/.lock``. The file keeps who holds it (pid, host), for the message a
     second process gets; the kernel releases the lock when the holder exits, however it exits."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, command: str = "tlm train") -> None:
         self.path = path
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         try:
             self._fd: int | None = os.open(path, flags, 0o666)
         except OSError as err:
             if err.errno == errno.ELOOP or path.is_symlink():
-                raise ValueError(f"{path} is a symbolic link: tlm train never follows one; remove it") from None
+                raise ValueError(f"{path} is a symbolic link: {command} never follows one; remove it") from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(self._fd).st_mode):
@@ -166,7 +170,7 @@ class RunLock:
             holder = _read_holder(self._fd)
             self.release()
             raise RunInUseError(
-                f"{path.parent} is in use by another tlm train ({holder}); wait for it to finish, or choose another "
+                f"{path.parent} is in use by another {command} ({holder}); wait for it to finish, or choose another "
                 "--out-dir"
             ) from None
 
