@@ -204,9 +204,9 @@ def test_the_scheduler_ends_a_request_on_an_end_of_text_id_without_a_stop_text()
                           device=torch.device("cpu"))  # fmt: skip
     emitted, done = [], threading.Event()
 
-    def emit(text, reason):
-        emitted.append((text, reason))
-        if reason is not None:
+    def emit(piece):
+        emitted.append((piece.text, piece.finish_reason))
+        if piece.finish_reason is not None:
             done.set()
 
     request = Request(prompt=[104, 105], max_tokens=20, emit=emit, temperature=0.0, stop=[])

@@ -88,3 +88,26 @@ def test_only_the_main_rank_writes_the_given_tokenizer_into_the_run(tmp_path, to
     data = prepare_data(TrainConfig(data=[str(tokens)]), run, tokenizer=tokenizer, is_main=is_main)
     assert data.tokenizer is tokenizer and data.vocab_size == 256
     assert run.has_tokenizer() == is_main
+
+
+def test_without_max_data_bytes_the_corpus_may_take_half_the_free_disk(tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 1000, encoding="utf-8")
+    usage = namedtuple("usage", "total used free")
+    seen = []
+
+    def disk_usage(path):
+        seen.append(str(path))
+        return usage(10**12, 0, 1999)  # 1,999 bytes free: half, rounded down, is 999 < 1,000
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"t\.txt: the corpus passed --max-data-bytes 999 "):
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+    assert seen == [str(run.path)]  # the run folder's disk, where the corpus is written
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 2000))
+    with pytest.raises(ValueError, match="--data holds 1 tokens"):  # 1,000 bytes fit; too few tokens is next
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path), vocab_size=300), run)

@@ -292,3 +292,23 @@ def test_a_run_refuses_data_past_max_data_bytes_before_writing_its_data(tmp_path
     with pytest.raises(ValueError, match=r"c\.jsonl: the corpus passed --max-data-bytes 10 "):
         prepare_data(config, run)
     assert [p.name for p in run.path.iterdir()] == []  # no data, no tokenizer, no temporary corpus
+
+
+def test_chat_data_is_read_through_the_same_checked_bounded_reader(tmp_path):
+    from tlm_train.chat_data import conversations, is_chat_file
+    from tlm_train.sources import MAX_RECORD_BYTES
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "chat.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n" + json.dumps(chat).encode() + b"\n"))  # compressed, a blank line first
+    assert is_chat_file(path) and [n for n, _ in conversations(path)] == [2]
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    _gzip_bomb(bomb, 2 * MAX_RECORD_BYTES, prefix=json.dumps(chat).encode() + b'\n{"messages": "')
+    assert is_chat_file(bomb)  # the first record decides; the second is the bomb
+    with pytest.raises(ValueError, match=rf"^--data {bomb} line 2: a record over {MAX_RECORD_BYTES:,} bytes"):
+        list(conversations(bomb))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(json.dumps(chat).encode() * 50)[:-30])
+    with pytest.raises(ValueError, match=rf"^--data {cut}: truncated gzip data"):
+        list(conversations(cut))

@@ -185,12 +185,19 @@ def _lines(path: str | Path, stream: Readable, limit: int) -> Iterator[tuple[int
         yield number, b"".join(pending)
 
 
-def _jsonl_texts(path: str | Path, stream: Readable, text_field: str, limit: int) -> Iterator[str]:
+def json_lines(path: str | Path, stream: Readable, limit: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line of the JSON Lines ``stream`` read from ``path``, blank ones included:
+    a line that is not UTF-8, or longer than ``limit`` bytes, raises ``ValueError`` naming the file and line,
+    the long one before more than ``limit`` bytes of it are held."""
     for number, raw in _lines(path, stream, limit):
         try:
-            line = raw.decode("utf-8")
+            yield number, raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise ValueError(f"--data {path} line {number}: not UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+def _jsonl_texts(path: str | Path, stream: Readable, text_field: str, limit: int) -> Iterator[str]:
+    for number, line in json_lines(path, stream, limit):
         if not line.strip():
             continue
         try:
