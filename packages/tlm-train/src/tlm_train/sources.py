@@ -243,7 +243,6 @@ def write_corpus(
     two documents; returns the number of documents. Writing more than ``max_bytes`` in all raises ``ValueError``
     naming the file being read, before the piece that would pass the limit is written."""
     count = written = 0
-    where = "--data"
 
     def write(data: bytes) -> None:
         nonlocal written
