@@ -1,5 +1,7 @@
 """A run's data: the default corpus, text encoded once into RUN/data, token files checked."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,39 @@ def test_without_max_data_bytes_the_corpus_may_take_half_the_free_disk(tmp_path,
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 2000))
     with pytest.raises(ValueError, match="--data holds 1 tokens"):  # 1,000 bytes fit; too few tokens is next
         prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path), vocab_size=300), run)
+
+
+def _chat_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    records = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_an_unreadable_chat_template_is_one_error_naming_it(tmp_path) -> None:
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), chat_template=str(tmp_path / "no"))
+    with pytest.raises(ValueError, match=rf"^--chat-template {tmp_path / 'no'}: cannot read it \("):
+        prepare_data(config, run, context_length=32)
+
+
+def test_a_given_tokenizer_gains_the_chat_markers_and_keeps_the_template(tmp_path) -> None:
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE
+
+    given = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path))
+    prepare_data(config, run, tokenizer=given, context_length=32)
+    saved = run.tokenizer()
+    assert saved.chat_template == CHATML_TEMPLATE  # what generate and serve render chats with
+    assert saved.special_tokens == ["<|endoftext|>", *CHAT_MARKERS] and saved.vocab_size == 257 + len(CHAT_MARKERS)
+
+
+def test_a_tokenizer_trained_on_chat_data_has_the_chat_markers_as_special_tokens(tmp_path) -> None:
+    from tlm_tokenizer.chat import CHAT_MARKERS
+
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), vocab_size=300)
+    prepare_data(config, run, context_length=32)
+    assert run.tokenizer().special_tokens == ["<|endoftext|>", *CHAT_MARKERS]
