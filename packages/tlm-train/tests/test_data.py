@@ -149,3 +149,48 @@ def test_a_tokenizer_trained_on_chat_data_has_the_chat_markers_as_special_tokens
     config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), vocab_size=300)
     prepare_data(config, run, context_length=32)
     assert run.tokenizer().special_tokens == ["<|endoftext|>", *CHAT_MARKERS]
+
+
+def test_a_full_disk_while_the_data_is_written_is_one_error_naming_the_run_folder(tmp_path, monkeypatch) -> None:
+    import errno
+
+    import tlm_train.data as data_module
+
+    real = data_module.create_new
+
+    class Full:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data_module, "create_new", lambda path: Full(real(path)))
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100, encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"^--out-dir {run.path}: the disk filled while the run's data was written "):
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+    assert [p.name for p in run.path.iterdir()] == []  # the partial corpus is removed
+
+
+def test_validation_text_and_chat_data_are_bounded_by_max_data_bytes_too(tmp_path) -> None:
+    text, held_out = tmp_path / "t.txt", tmp_path / "v.txt"
+    text.write_text(default_corpus()[:20_000], encoding="utf-8")
+    held_out.write_text("x" * 30_000, encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(text)], val_data=[str(held_out)], out_dir=str(run.path), vocab_size=300,
+                         max_data_bytes=25_000)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^--val-data {held_out}: the corpus passed --max-data-bytes 25,000 "):
+        prepare_data(config, run)
+    run = RunDir(tmp_path / "chat-run")
+    chat = _chat_file(tmp_path)
+    with pytest.raises(ValueError, match=rf"^--data {chat}: the corpus passed --max-data-bytes 100 "):
+        prepare_data(TrainConfig(data=[str(chat)], out_dir=str(run.path), max_data_bytes=100), run, context_length=32)
+    assert not (run.path / "data").exists() and not (run.path / "tokenizer").exists()

@@ -246,17 +246,18 @@ def write_corpus(
     text_field: str = "text",
     extra: Iterable[str] = (),
     max_bytes: int | None = None,
+    flag: str = "--data",
 ) -> int:
     """Write every document of ``sources`` (then the ``extra`` texts) to ``sink`` as UTF-8, ``separator`` between
     two documents; returns the number of documents. Writing more than ``max_bytes`` in all raises ``ValueError``
-    naming the file being read, before the piece that would pass the limit is written."""
+    naming the file being read (as ``flag FILE``), before the piece that would pass the limit is written."""
     count = written = 0
 
     def write(data: bytes) -> None:
         nonlocal written
         if max_bytes is not None and written + len(data) > max_bytes:
             raise ValueError(
-                f"{where}: the corpus passed --max-data-bytes {max_bytes:,} (text from all --data files, "
+                f"{where}: the corpus passed --max-data-bytes {max_bytes:,} (text from all {flag} files, "
                 f"decompressed); raise --max-data-bytes if the disk has room, or give less data"
             )
         sink.write(data)
@@ -271,7 +272,7 @@ def write_corpus(
         count += 1
 
     for source in sources:
-        where = f"--data {source}"
+        where = f"{flag} {source}"
         for document in documents(source, text_field):
             put(document)
     where = "the default corpus"
