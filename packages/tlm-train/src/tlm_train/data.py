@@ -6,6 +6,7 @@ What a run derives from text (``RUN/tokenizer/`` and ``RUN/data/``) is written o
 so a resumed run reads exactly the tokens the first one trained on.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -99,10 +100,18 @@ def prepare_data(
         return data
     chat = _chat_files(config)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
-        if chat:
-            _encode_chat(config, run, tokenizer, context_length)
-        else:
-            _encode_text(config, run, tokenizer)
+        try:
+            if chat:
+                _encode_chat(config, run, tokenizer, context_length)
+            else:
+                _encode_text(config, run, tokenizer)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                raise
+            raise ValueError(
+                f"--out-dir {run.path}: the disk filled while the run's data was written ({err.strerror}); free "
+                "space there, or bound the text with --max-data-bytes"
+            ) from None
     tokenizer = run.tokenizer()
     train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
     val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
@@ -144,12 +153,21 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
         eos = SEPARATOR if SEPARATOR in specials else ""
         remove_leftovers(run.path, CORPUS)
         corpus = temp_path(run.path / CORPUS)
+        limit, written = _text_limit(config, run), 0
         try:
             with create_new(corpus) as sink:
                 for path in config.data:
                     for _, messages in conversations(path):
                         text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
-                        sink.write((text + SEPARATOR).encode("utf-8"))
+                        data = (text + SEPARATOR).encode("utf-8")
+                        written += len(data)
+                        if written > limit:
+                            raise ValueError(
+                                f"--data {path}: the corpus passed --max-data-bytes {limit:,} (the conversations as "
+                                "the template renders them); raise --max-data-bytes if the disk has room, or give "
+                                "less data"
+                            )
+                        sink.write(data)
             vocab, merges = train_bpe(str(corpus), config.vocab_size, specials, progress=False)
         finally:
             corpus.unlink(missing_ok=True)
@@ -262,6 +280,13 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
 
 
+def _text_limit(config: TrainConfig, run: RunDir) -> int:
+    """The most bytes of text a run writes for its tokenizer and encoder, each corpus file bounded before the disk
+    fills: ``--max-data-bytes``, or else half the free space of the run folder's disk (the tokens need room too:
+    up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed)."""
+    return config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
+
+
 def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 
@@ -276,9 +301,7 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     # A fresh name created exclusively: a symlink planted in the run folder is never followed.
     remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
-    # The text is bounded before the disk fills: by --max-data-bytes, or else by half the free space (the tokens
-    # need room too: up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed).
-    limit = config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
+    limit = _text_limit(config, run)
     try:
         with create_new(corpus) as sink:
             write_corpus(
@@ -313,7 +336,8 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                 held_out = temp_path(run.path / CORPUS)
                 try:
                     with create_new(held_out) as sink:
-                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field)
+                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field,
+                                     max_bytes=limit, flag="--val-data")  # fmt: skip
                     val = encode_file(tokenizer, held_out, raw, progress=False)
                 finally:
                     held_out.unlink(missing_ok=True)
