@@ -94,13 +94,13 @@ def _token_bytes(tokenizer: Any, vocab: int) -> "torch.Tensor | None":
 
 
 def run(args: argparse.Namespace) -> int:
+    from tlm_core.atomic import check_input
     from tlm_core.progress import progress_bar
     from tlm_core.tensors import dtype_from_name
     from tlm_train import EvalBatches, evaluate
 
     device = parse_device(args.device)
-    if not Path(args.data).is_file():  # the cheap checks before the model loads
-        raise FileNotFoundError(f"--data {args.data}: no such file")
+    check_input(args.data, "--data")  # the cheap checks before the model loads: a regular file
     model, tokenizer, artifact = load_model(args, device)
     ids = _tokens(Path(args.data), tokenizer, args.token_dtype)
     if args.max_tokens is not None:

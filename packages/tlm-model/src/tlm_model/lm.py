@@ -243,14 +243,19 @@ class TransformerLM(nn.Module):
         in_indices: Integer[Tensor, "... seq"],
         targets: Integer[Tensor, "... seq"],
         *,
-        chunk_size: int = 256,
+        chunk_size: int | None = None,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, ""]:
         """Mean next-token cross-entropy, equal to ``F.cross_entropy(forward(ids), targets)``.
 
-        The LM head and the loss run ``chunk_size`` tokens at a time, so neither the full
-        (tokens × vocab) float32 logits nor their gradient is ever held in memory.
+        The LM head and the loss run ``chunk_size`` tokens at a time (None: 256 on a CPU, more on an
+        accelerator, :func:`~tlm_model.loss.default_chunk_size`), so neither the full (tokens × vocab)
+        float32 logits nor their gradient is ever held in memory.
         ``document_ids``: each document of a packed window alone (see :meth:`hidden_states`).
         """
-        hidden = self.hidden_states(in_indices, document_ids=document_ids)
-        return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
+        hidden = self.hidden_states(in_indices, document_ids=document_ids).flatten(0, -2)
+        # A head that is not a plain Linear (a LoRA-adapted one, tlm_lora.LoRALinear) hands over the operands
+        # whose product is its output, so the chunked loss still never builds the logits.
+        operands = getattr(self.lm_head, "loss_operands", None)
+        hidden, weight = operands(hidden) if operands is not None else (hidden, self.lm_head.weight)
+        return chunked_cross_entropy(hidden, weight, targets.flatten(), chunk_size)

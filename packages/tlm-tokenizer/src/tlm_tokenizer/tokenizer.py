@@ -3,10 +3,12 @@
 import json
 import operator
 import os
+import re
 from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from itertools import chain
 from pathlib import Path
-from typing import Any, SupportsIndex, cast
+from typing import Any, Literal, SupportsIndex, cast
 
 from tlm_core.checks import short_repr
 from tlm_tokenizer import bpe, hf_json
@@ -25,6 +27,7 @@ _ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uin
 CACHE_ENTRIES = 1 << 18
 # Longer pre-tokens are not cached: they rarely repeat, and 2**18 of them could hold gigabytes.
 CACHE_MAX_CHARS = 128
+_ALLOWED_SPECIAL = 'allowed_special must be "all", "none" or a set of special tokens'
 
 
 class Tokenizer:
@@ -96,6 +99,7 @@ class Tokenizer:
                 self._ids[encoded] = index
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
         self._splitter = special_splitter(self.special_tokens)
+        self._splitters: dict[frozenset[str], re.Pattern[str] | None] = {}  # per allowed_special set
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
@@ -238,19 +242,45 @@ class Tokenizer:
         lookup.update(new)
         return list(chain.from_iterable(map(lookup.__getitem__, pretokens)))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens are matched first and never split."""
+    def encode(self, text: str, allowed_special: Literal["all", "none"] | AbstractSet[str] = "all") -> list[int]:
+        """Token ids of ``text``; the special tokens that ``allowed_special`` allows are matched first and never
+        split, the others are encoded as the ordinary text they are.
+
+        ``allowed_special`` is tiktoken's control: ``"all"`` (the default: every special token), ``"none"`` (text
+        is only ever text: what a server does with what a user typed, so that no one can type a control token)
+        or a set of this tokenizer's special tokens. Unlike tiktoken, text that holds a special token not allowed
+        is never an error: it is encoded as text (tiktoken's ``disallowed_special=()``).
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        if self._splitter is None:
+        splitter = self._splitter_for(allowed_special)
+        if splitter is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
-        for position, part in enumerate(self._splitter.split(text)):
+        for position, part in enumerate(splitter.split(text)):
             if position % 2:
                 ids.append(self._special_ids[part])
             elif part:
                 ids += self._encode_ordinary(part)
         return ids
+
+    def _splitter_for(self, allowed_special: object) -> re.Pattern[str] | None:
+        if isinstance(allowed_special, str):
+            if allowed_special == "all":
+                return self._splitter
+            if allowed_special == "none":
+                return None
+            raise ValueError(f"{_ALLOWED_SPECIAL}, got {allowed_special!r}")
+        if not isinstance(allowed_special, AbstractSet):
+            raise TypeError(f"{_ALLOWED_SPECIAL}, got {type(allowed_special).__name__}")
+        allowed = frozenset(allowed_special)
+        if unknown := sorted(map(repr, allowed.difference(self._special_ids))):
+            raise ValueError(f"allowed_special holds tokens that are not special tokens here: {', '.join(unknown[:5])}")
+        if allowed == frozenset(self.special_tokens):
+            return self._splitter
+        if allowed not in self._splitters:
+            self._splitters[allowed] = special_splitter(allowed)
+        return self._splitters[allowed]
 
     def _stream_cut(self, buffer: str) -> int:
         """Largest p such that encode(buffer[:p]) + encode(rest) == encode(buffer + rest) for any rest."""

@@ -9,13 +9,14 @@ so a resumed run reads exactly the tokens the first one trained on.
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tlm_core.atomic import create_new, remove_leftovers, replace_dir, temp_path
+from tlm_core.atomic import check_input, create_new, remove_leftovers, replace_dir, temp_path
 from tlm_train.config import TrainConfig
 from tlm_train.run_dir import RunDir
 from tlm_train.sources import write_corpus
@@ -48,11 +49,11 @@ def is_token_file(path: str | os.PathLike[str]) -> bool:
 
 
 def check_data_paths(data: list[str], val_data: list[str] | None = None) -> None:
-    """What ``--data`` may be, checked before anything is written: existing files, text or one token file; and
-    ``--val-data``: existing files of the same kind (one token file for token data, text or chat otherwise)."""
+    """What ``--data`` may be, checked before anything is written: existing regular files (not a folder, device
+    or FIFO), text or one token file; and ``--val-data``: existing files of the same kind (one token file for
+    token data, text or chat otherwise)."""
     for name in val_data or []:
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"--val-data {name}: no such file")
+        check_input(name, "--val-data")
     if val_data:
         tokens = data and is_token_file(data[0])
         if tokens and (len(val_data) > 1 or not is_token_file(val_data[0])):
@@ -62,8 +63,7 @@ def check_data_paths(data: list[str], val_data: list[str] | None = None) -> None
         if not data:
             raise ValueError("--val-data needs --data: the built-in corpus has its own validation split")
     for name in data:
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"--data {name}: no such file")
+        check_input(name, "--data")
     tokens = [name for name in data if is_token_file(name)]
     if tokens and len(data) > 1:
         raise ValueError(
@@ -196,8 +196,7 @@ def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -
     """The 1-D integer ids of a token file, memory-mapped: ``.npy`` (no pickles), or raw little-endian
     ``token_dtype`` (``.bin``, ``.u16``, ``.u32``, what ``tlm tokenizer encode`` writes)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such token file")
+    check_input(path, "--data")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -277,6 +276,9 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     # A fresh name created exclusively: a symlink planted in the run folder is never followed.
     remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
+    # The text is bounded before the disk fills: by --max-data-bytes, or else by half the free space (the tokens
+    # need room too: up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed).
+    limit = config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
     try:
         with create_new(corpus) as sink:
             write_corpus(
@@ -285,6 +287,7 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                 separator=separator,
                 text_field=config.text_field,
                 extra=() if config.data else (default_corpus(),),
+                max_bytes=limit,
             )
         if tokenizer is None:
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
