@@ -406,3 +406,29 @@ def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_t
     (tmp_path / "chat_template.jinja").write_text("{{ messages[3]['content'] + 1 }}")
     with pytest.raises(UserError, match="the chat template fails on a one-message conversation"):
         _chat_template(artifact, tokenizer)
+
+
+def test_a_chat_models_turn_ends_at_im_end(parts):
+    # tlm serve's stops for a tokenizer with the ChatML markers: a forced <|im_end|> ends the answer there.
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+    from tlm_command.serve import stop_tokens
+
+    model, tokenizer = parts
+    stops = stop_tokens(tokenizer)
+    assert stops == ["<|endoftext|>", "<|im_end|>"]
+    end = tokenizer.encode("<|im_end|>")[0]
+    scheduler = Scheduler(model, tokenizer, max_batch=2, max_queue=2, eos_ids=[tokenizer.encode(s)[0] for s in stops],
+                          device=torch.device("cpu"))  # fmt: skip
+    app = create_app(scheduler, tokenizer, model_name="tiny", context_length=CONTEXT, default_stops=stops,
+                     vocab_size=model.config.vocab_size)  # fmt: skip
+    try:
+        with Client(app) as client:
+            status, body = client.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logit_bias": {str(end): 100},
+            })  # fmt: skip
+    finally:
+        scheduler.close(timeout=5)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 1
