@@ -97,7 +97,7 @@ def prepare_data(
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
         return data
-    chat = _chat_files(config)
+    chat = chat_files(config)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
         if chat:
             _encode_chat(config, run, tokenizer, context_length)
@@ -109,7 +109,7 @@ def prepare_data(
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
 
 
-def _chat_files(config: TrainConfig) -> bool:
+def chat_files(config: TrainConfig) -> bool:
     """Whether ``--data`` is chat data; refuses a mix of chat and text files."""
     from tlm_train.chat_data import is_chat_file
 
