@@ -166,3 +166,19 @@ def test_lora_on_chat_data_needs_a_base_tokenizer_with_the_markers(tmp_path, mak
     artifact = artifacts.resolve(str(tmp_path / "lora"))
     model, _ = artifacts.load_model(artifact)
     assert artifacts.load_tokenizer(artifact).chat_template == CHATML_TEMPLATE and model.config.vocab_size == 290
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [(None, "no such file"), ("{% for m in messages %", "not valid Jinja")],
+    ids=["missing", "bad"],
+)
+def test_a_chat_template_that_cannot_be_used_is_refused_before_anything_is_written(
+    tmp_path, make_config, chat_file, template, message
+):
+    path = tmp_path / "t.jinja"
+    if template is not None:
+        path.write_text(template, encoding="utf-8")
+    with pytest.raises((FileNotFoundError, ValueError), match=f"--chat-template {path}: .*{message}"):
+        train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(path)))
+    assert not (tmp_path / "run").exists()
