@@ -366,9 +366,10 @@ def train(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def experiments(session: nox.Session) -> None:
-    """Regenerate docs/experiments.md: an LR sweep to divergence, a batch-size sweep, the four ablations, a sample.
+    """Regenerate docs/experiments.md: the LR sweep to divergence, no RMSNorm, the ablations, batch sizes, a sample.
 
-    Runs in build/experiments/ (minutes on 2 cores); ``-- --scale 0.25`` runs a quarter of the steps.
+    3 seeds per setting, in build/experiments/ (about 35 minutes on 2 idle cores, estimated); run it again after a
+    stop and it continues. ``-- --smoke --doc /tmp/smoke.md`` checks the whole command at a tiny scale in a minute.
     """
     _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
     session.run("python", str(ROOT / "tools" / "make_experiments_doc.py"), *session.posargs)

@@ -218,16 +218,16 @@ def run_all(out: pathlib.Path, figures: pathlib.Path) -> dict[str, Any]:
     best_lr = float(best_group.settings["lr"])
     plot(lr_runs, figures / "lr.png", title="learning-rate sweep")
 
-    # 2. RMSNorm removed, at the best rate and the two grid rates below it; the baseline's runs at those rates
-    # are the learning-rate sweep's (the same settings and seeds, so the pairs are by seed).
-    lower = [r for r in LRS if r < best_lr][-2:]
-    norm_lrs = [*lower, best_lr]
+    # 2. RMSNorm removed, at the best rate, the two grid rates below it (does a lower rate restore stability?) and
+    # the two above (where does the edge move?); the baseline's runs at those rates are the learning-rate sweep's
+    # (the same settings and seeds, so the pairs are by seed).
+    norm_lrs = [*[r for r in LRS if r < best_lr][-2:], best_lr, *[r for r in LRS if r > best_lr][:2]]
     norm_plan = {f"no-norm,lr={r:g}": {"lr": r, "model": {"norm_placement": "none"}} for r in norm_lrs}
     norm_runs = sweep(out, "no-norm", common, runs=norm_plan)
     beside = [s for s in lr_runs if lr_of(s) in norm_lrs]
     baseline_at = [s for r in norm_lrs for s in renamed([x for x in beside if lr_of(x) == r], f"baseline,lr={r:g}",
                                                         {"lr": r})]  # fmt: skip
-    plot(baseline_at + norm_runs, figures / "no-norm.png", title="RMSNorm removed, at the best rate and below")
+    plot(baseline_at + norm_runs, figures / "no-norm.png", title="RMSNorm removed, around the best rate")
 
     # 3. Post-norm, NoPE and SiLU beside the baseline at the best rate (whose runs are the sweep's at that rate).
     ablations = copy.deepcopy(ABLATIONS)
@@ -283,14 +283,25 @@ def _ms(values: list[float]) -> str:
 
 
 def _ended(runs: list[Any]) -> str:
-    from tlm_command.compare import status_text
-
-    counts: dict[str, int] = {}
-    for r in runs:
-        counts[r.status] = counts.get(r.status, 0) + 1
-    text = ", ".join(f"{n} {s}" for s, n in counts.items())
-    odd = [status_text(r) for r in runs if r.status in ("diverged", "unstable", "failed")]
-    return text + (f" ({'; '.join(odd)})" if odd else "")
+    """How a setting's runs ended: ``2 done, 1 diverged (at step 57)``; ``3 unstable (above 1.5× the start first
+    at steps 20, 40, 60)``."""
+    parts = []
+    for status in ("done", "unstable", "diverged", "interrupted", "failed"):
+        these = [r for r in runs if r.status == status]
+        if not these:
+            continue
+        if status == "diverged":
+            steps = ", ".join(str(r.diverged_at) for r in these)
+            detail = f" (at step{'s' if len(these) > 1 else ''} {steps})"
+        elif status == "unstable":
+            steps = ", ".join(str(r.unstable_at) for r in these)
+            detail = f" (above 1.5× the start first at step{'s' if len(these) > 1 else ''} {steps})"
+        elif status == "failed":
+            detail = f" ({'; '.join(str(r.message) for r in these)})"
+        else:
+            detail = ""
+        parts.append(f"{len(these)} {status}{detail}")
+    return ", ".join(parts)
 
 
 def _versus(runs: list[Any], base: list[Any]) -> Any:
@@ -385,6 +396,10 @@ def page(v: dict[str, Any]) -> str:
     norm_table = "\n".join(rows)
     at_best = norm_at[best_lr]
     unstable_at_best = any(r.status in ("diverged", "unstable") for r in at_best)
+    shaky = [lr for lr in v["norm_lrs"] if any(r.status in ("diverged", "unstable") for r in norm_at[lr])]
+    base_shaky = [lr for lr in v["norm_lrs"] if any(r.status in ("diverged", "unstable") for r in at[lr])]
+    norm_edge = min(shaky) if shaky else None
+    norm_edge_lower = norm_edge is not None and (not base_shaky or norm_edge < min(base_shaky))
     if unstable_at_best:
         lower_ok = [lr for lr in stable_at if lr < best_lr]
         norm_text = (f"Without RMSNorm, at the best rate of the baseline ({best_lr:g}): {_ended(at_best)}. "
@@ -394,6 +409,12 @@ def page(v: dict[str, Any]) -> str:
         norm_text = (f"Without RMSNorm, at the baseline's best rate ({best_lr:g}), every run finished without a "
                      f"spike above 1.5× its start ({_ended(at_best)}): at this scale removing the norm did not make "
                      "training unstable. ")  # fmt: skip
+    if norm_edge is not None:
+        moved = ": removing RMSNorm moved the edge to a lower rate. " if norm_edge_lower else ". "
+        norm_text += (f"The edge of stability without the norm is lr = {norm_edge:g} ({_ended(norm_at[norm_edge])}), "
+                      f"where the baseline's runs ended {_ended(at[norm_edge])}{moved}")  # fmt: skip
+    else:
+        norm_text += "No rate tried here made the runs without the norm diverge or go unstable. "
     norm_text += "Final loss, " + "; ".join(norm_sentences) + "."
 
     # Post-norm, NoPE, SiLU.
@@ -456,6 +477,10 @@ def page(v: dict[str, Any]) -> str:
         ("the next rate up is worse", _interval(d_up), "yes" if d_up and d_up.excludes_zero and d_up.estimate > 0
          else "no (within noise)" if d_up else "–"),
         ("no RMSNorm is unstable at the best rate", _ended(at_best), "yes" if unstable_at_best else "no"),
+        ("no RMSNorm is unstable at a rate the baseline trains at",
+         f"no-norm's edge {norm_edge:g}, the baseline's {min(base_shaky):g}" if norm_edge and base_shaky else
+         f"no-norm's edge {norm_edge:g}, none for the baseline here" if norm_edge else "no edge without the norm",
+         "yes" if norm_edge_lower else "no"),
         ("a lower rate restores stability without RMSNorm",
          f"stable at lr = {', '.join(f'{x:g}' for x in stable_at)}" if stable_at else "no rate stable",
          ("yes" if any(x < best_lr for x in stable_at) else "no") if unstable_at_best else "– (it was stable)"),
@@ -523,7 +548,7 @@ under each figure names its runs, seeds and steps.
 
 {norm_table}
 
-![baseline and no-norm at the best rate and two rates below]({f}/no-norm.png)
+![baseline and no-norm at the best rate, two rates below and two above]({f}/no-norm.png)
 
 {norm_text}
 

@@ -103,6 +103,16 @@ def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by
     expected = difference({k: finals["wide", k] for k in range(3)}, {k: finals["baseline", k] for k in range(3)})
     assert wide["vs_baseline"] == {**expected.to_dict(), "excludes_zero": expected.excludes_zero}
     assert wide["vs_baseline"]["method"] == "paired" and wide["final_val_loss"]["n"] == 3
+    # --baseline chooses the setting the others are compared with.
+    assert main(["compare", *sorted(str(p) for p in tmp_path.iterdir()), "--json", "--baseline", "lr=0.002"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["baseline"] == "lr=0.002" and report["settings"][1]["vs_baseline"] is None
+    assert report["settings"][0]["vs_baseline"]["estimate"] == pytest.approx(-expected.estimate, rel=1e-12)
+
+
+def test_a_baseline_that_is_not_a_setting_is_one_line(tmp_path, fails) -> None:
+    _run(tmp_path / "a", FINISHED, lr=1e-3)
+    fails(["compare", str(tmp_path / "a"), "--baseline", "b"], "--baseline b: no such setting; the settings are a")
 
 
 def test_a_path_that_is_neither_a_run_nor_a_sweep_is_one_line(tmp_path, fails) -> None:

@@ -59,6 +59,18 @@ def test_the_loss_axes_hold_the_done_runs_and_mark_where_the_others_left(runs) -
     plt.close(fig)
 
 
+def test_the_loss_axes_turn_logarithmic_when_the_done_runs_span_more_than_a_factor_of_three(runs) -> None:
+    import matplotlib.pyplot as plt
+
+    no_norm = _summary("no-norm,seed=0", "done", [29.2, 6.5, 4.0, 3.3], **{"model.norm_placement": "none"})
+    fig = figure([*runs, no_norm])
+    by_step, by_time, _ = fig.axes
+    assert (by_step.get_yscale(), by_time.get_yscale()) == ("log", "log")
+    low, high = by_step.get_ylim()
+    assert 3.0 < low < 3.2 and 29.2 < high < 31  # 3.2 .. 29.2, the done runs' whole range
+    plt.close(fig)
+
+
 def test_a_setting_of_several_seeds_has_its_mean_curve_and_min_max_band(runs) -> None:
     import matplotlib.pyplot as plt
 

@@ -138,6 +138,7 @@ def test_a_runs_file_names_its_runs_over_a_shared_base(tmp_path) -> None:
     assert (base["steps"], base["batch_size"], base["model"]["d_model"]) == (7, 8, 64)
 
 
+@pytest.mark.slow  # four short runs and a resume: seconds on a loaded machine
 def test_seeds_run_every_setting_n_times_and_the_summary_compares_settings_with_the_baseline(
     tmp_path, tokens, capsys
 ) -> None:
@@ -163,6 +164,11 @@ def test_seeds_run_every_setting_n_times_and_the_summary_compares_settings_with_
         (finals[3e-3, 5] - finals[1e-3, 5] + finals[3e-3, 6] - finals[1e-3, 6]) / 2, rel=1e-9
     )
     assert "| lr=3e-3 | 5, 6 | 2 done |" in (out / "summary.md").read_text()
+    # The summary again, against another baseline: a resume of a finished sweep trains nothing.
+    assert main(["sweep", "--resume", str(out), "--baseline", "lr=3e-3", "--jobs", "1", "--quiet"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["baseline"] == "lr=3e-3" and again["runs"] == summary["runs"]
+    assert again["settings"][0]["vs_baseline"]["estimate"] == pytest.approx(-versus["estimate"], rel=1e-12)
 
 
 def test_a_failed_run_is_in_the_summary_with_its_message(tmp_path, capsys) -> None:

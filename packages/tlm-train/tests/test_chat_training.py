@@ -147,27 +147,6 @@ def test_a_resumed_chat_run_is_bit_identical_and_keeps_its_chat_settings(tmp_pat
         train(config("resumed", 6, train_on="all"), resume=True)
 
 
-def test_lora_on_chat_data_needs_a_base_tokenizer_with_the_markers(tmp_path, make_config, chat_file):
-    from tlm_train import artifacts
-
-    text = tmp_path / "text.txt"
-    text.write_text(" ".join(WORDS * 200), encoding="utf-8")
-    chat = {"data": [str(chat_file[0])], "steps": 1, "lora_rank": 4}
-    # A base without the markers: the embedding would have to grow, which a frozen LoRA base cannot.
-    train(make_config(data=[str(text)], vocab_size=290, steps=1, out_dir=str(tmp_path / "plain")))
-    with pytest.raises(ValueError, match="--lora-rank keeps the --init-from model's embedding frozen"):
-        train(make_config(init_from=str(tmp_path / "plain"), out_dir=str(tmp_path / "refused"), **chat))
-    assert not (tmp_path / "refused" / "data").exists()
-    # A base pretrained with them as special tokens: LoRA trains on the chat data, and the run loads as a model.
-    specials = ["<|endoftext|>", *CHAT_MARKERS]
-    train(make_config(data=[str(text)], vocab_size=290, steps=1, out_dir=str(tmp_path / "base"),
-                      special_tokens=specials))  # fmt: skip
-    train(make_config(init_from=str(tmp_path / "base"), out_dir=str(tmp_path / "lora"), **chat))
-    artifact = artifacts.resolve(str(tmp_path / "lora"))
-    model, _ = artifacts.load_model(artifact)
-    assert artifacts.load_tokenizer(artifact).chat_template == CHATML_TEMPLATE and model.config.vocab_size == 290
-
-
 @pytest.mark.parametrize(
     ("template", "message"),
     [(None, "no such file"), ("{% for m in messages %", "not valid Jinja")],

@@ -2,10 +2,11 @@
 
 Each run is read from what ``tlm train`` left in its folder: ``train.toml`` (the settings and the model)
 and ``metrics.jsonl`` (every record with its step and wall-clock seconds). The table gives per run the
-settings that differ between the runs, the final and best validation loss, the tokens trained on, the
-wall time and tokens per second, and whether it diverged (its loss stopped being finite); ``--out
-FILE.png`` draws validation loss against step and against wall-clock time, one curve per run, and the
-final loss against the one numeric setting that differs (a log axis, diverged runs marked).
+settings that differ between the runs, how it ended (done, diverged at step S, unstable, interrupted,
+failed), the final and best validation loss, the tokens trained on, the wall time and tokens per second;
+a second table gives per setting (runs alike but for the seed) the mean, sd and N of the final and best
+loss and the difference from the baseline with a 95% interval. ``--out FILE.png`` draws the loss by step
+and by wall-clock time and the final loss per setting (:mod:`tlm_command.results`).
 
     tlm compare runs/a runs/b --out compare.png
     tlm compare sweeps/lr --json
@@ -16,58 +17,18 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command, positive_float
 from tlm_command.manifest import MANIFEST, read_manifest
+from tlm_command.results import STATUSES, UNSTABLE_ABOVE, RunSummary
+
+__all__ = ["STATUSES", "UNSTABLE_ABOVE", "RunSummary", "collect", "full_markdown", "markdown", "plot", "report",
+           "status_text", "summarize"]  # fmt: skip
 
 #: Summary fields that measure the machine, not the run: a resumed run's differ from an uninterrupted one's.
 TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
-
-
-#: A finished run is ``unstable`` when some evaluation exceeded this multiple of its first (step 0) loss.
-UNSTABLE_ABOVE = 1.5
-#: How a run ended, as every table, JSON file and plot says it: ``done``; ``diverged`` (its loss stopped being
-#: finite, at ``diverged_at``); ``unstable`` (finished, but some evaluation went above ``UNSTABLE_ABOVE`` × its
-#: starting loss, first at ``unstable_at``); ``interrupted`` (stopped before its last step, resumable: not a
-#: result); ``failed`` (an error, in ``message``).
-STATUSES = ("done", "diverged", "unstable", "interrupted", "failed")
-
-
-@dataclass
-class RunSummary:
-    """What one run reached; :meth:`to_dict` is its entry of ``summary.json``."""
-
-    name: str
-    path: str
-    settings: dict[str, Any]  # what sets this run apart (a sweep's overrides, or what differs between runs)
-    status: str  # one of STATUSES
-    steps: int  # the last step trained
-    planned_steps: int
-    final_val_loss: float | None  # at the last step of a finished (done or unstable) run; None for any other
-    best_val_loss: float | None
-    tokens: int
-    parameters: int
-    wall_time_s: float | None
-    tokens_per_s: float | None
-    diverged: bool
-    diverged_at: int | None = None
-    seed: int | None = None
-    unstable_at: int | None = None  # the first evaluation above UNSTABLE_ABOVE × the starting loss
-    message: str | None = None  # why a failed run failed
-    curve: list[tuple[int, float | None, float]] = field(default_factory=list, repr=False)  # (step, time_s, val)
-
-    @property
-    def finished(self) -> bool:
-        """Whether the run reached its last step (done or unstable): only these have a final loss."""
-        return self.status in ("done", "unstable")
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("curve")
-        return data
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -265,8 +226,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     parser.add_argument(
         "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="SETTING",
+        help="the setting compared against (default: baseline, else the first)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -301,34 +267,50 @@ def _status(status: str) -> str | None:
     return status if status in ("diverged", "failed") else None
 
 
-def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE) -> dict[str, Any]:
+def _baseline(groups: list[Any], baseline: str | None) -> str:
+    """The label of the baseline setting: ``baseline`` as given (``--baseline``, checked), else the setting
+    named ``baseline``, else the first."""
+    from tlm_command.results import baseline_index
+
+    labels = [g.label for g in groups]
+    if baseline is not None and baseline not in labels:
+        raise UserError(f"--baseline {baseline}: no such setting; the settings are {', '.join(labels)}")
+    return baseline if baseline is not None else labels[baseline_index(groups)] if groups else "baseline"
+
+
+def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE,
+           baseline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The runs and each setting's statistics, as ``tlm compare --json`` prints them and ``summary.json`` holds."""
-    from tlm_command.results import baseline_index, group_runs, statistics
+    from tlm_command.results import group_runs, statistics
 
     groups = group_runs(summaries)
+    label = _baseline(groups, baseline)
     return {
         "unstable_above": unstable_above,
-        "baseline": groups[baseline_index(groups)].label if groups else None,
+        "baseline": label if groups else None,
         "runs": [s.to_dict() for s in summaries],
-        "settings": [st.to_dict() for st in statistics(groups)],
+        "settings": [st.to_dict() for st in statistics(groups, baseline=label)],
     }
 
 
-def full_markdown(summaries: list[RunSummary]) -> str:
+def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None) -> str:
     """The run table, then the table of each setting's statistics against the baseline."""
     from tlm_command.results import group_runs, statistics, stats_markdown
 
-    return markdown(summaries) + "\n" + stats_markdown(statistics(group_runs(summaries)))
+    groups = group_runs(summaries)
+    return markdown(summaries) + "\n" + stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))
 
 
 def run(args: argparse.Namespace) -> int:
     summaries = collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")
+    text = full_markdown(summaries, baseline=args.baseline)  # checks --baseline before anything is written
     if args.out is not None:
         plot(summaries, args.out)
     if args.json:
-        print(json.dumps(report(summaries, unstable_above=args.unstable_above), indent=2, allow_nan=False))
+        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline)
+        print(json.dumps(data, indent=2, allow_nan=False))
     else:
-        sys.stdout.write(full_markdown(summaries))
+        sys.stdout.write(text)
     return 0

@@ -8,9 +8,10 @@ The baseline is the setting named ``baseline``, else the first.
 
 The figure: validation loss by step (every run's every evaluation as a marker, and per setting of several
 seeds the mean curve with a min–max band), by wall-clock time, and the final loss per setting (mean with
-± sd error bars, each seed a dot). The loss axes are clipped to the range of the done runs, so that a run
-that blows up does not flatten the others: a run that leaves the range is marked (▲) where it left it, a
-diverged one (×) at the step it diverged; an interrupted run is drawn dashed and never marked as diverged.
+± sd error bars, each seed a dot). The loss axes are clipped to the range of the done runs (logarithmic
+when that range spans more than a factor of 3), so that a run that blows up does not flatten the others: a
+run that leaves the range is marked (▲) where it left it, a diverged one (×) at the step it diverged; an
+interrupted run is drawn dashed and never marked as diverged.
 The caption names the runs, their seeds and steps.
 """
 
@@ -18,13 +19,56 @@ import json
 import math
 import re
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tlm_command.compare import STATUSES, RunSummary
 from tlm_command.stats import Difference, Sample, describe, difference
 
 _SEED = re.compile(r"(^|,)seed=[^,]*")
+#: The loss axes turn logarithmic when the done runs' highest loss is above this multiple of their lowest.
+LOG_ABOVE = 3.0
+
+#: A finished run is ``unstable`` when some evaluation exceeded this multiple of its first (step 0) loss.
+UNSTABLE_ABOVE = 1.5
+#: How a run ended, as every table, JSON file and plot says it: ``done``; ``diverged`` (its loss stopped being
+#: finite, at ``diverged_at``); ``unstable`` (finished, but some evaluation went above ``UNSTABLE_ABOVE`` × its
+#: starting loss, first at ``unstable_at``); ``interrupted`` (stopped before its last step, resumable: not a
+#: result); ``failed`` (an error, in ``message``).
+STATUSES = ("done", "diverged", "unstable", "interrupted", "failed")
+
+
+@dataclass
+class RunSummary:
+    """What one run reached; :meth:`to_dict` is its entry of ``summary.json``."""
+
+    name: str
+    path: str
+    settings: dict[str, Any]  # what sets this run apart (a sweep's overrides, or what differs between runs)
+    status: str  # one of STATUSES
+    steps: int  # the last step trained
+    planned_steps: int
+    final_val_loss: float | None  # at the last step of a finished (done or unstable) run; None for any other
+    best_val_loss: float | None
+    tokens: int
+    parameters: int
+    wall_time_s: float | None
+    tokens_per_s: float | None
+    diverged: bool
+    diverged_at: int | None = None
+    seed: int | None = None
+    unstable_at: int | None = None  # the first evaluation above UNSTABLE_ABOVE × the starting loss
+    message: str | None = None  # why a failed run failed
+    curve: list[tuple[int, float | None, float]] = field(default_factory=list, repr=False)  # (step, time_s, val)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run reached its last step (done or unstable): only these have a final loss."""
+        return self.status in ("done", "unstable")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("curve")
+        return data
 
 
 @dataclass
@@ -176,8 +220,10 @@ def loss_range(summaries: list[RunSummary]) -> tuple[float, float] | None:
     return None
 
 
-def _limits(span: tuple[float, float]) -> tuple[float, float]:
+def _limits(span: tuple[float, float], *, log: bool = False) -> tuple[float, float]:
     low, high = span
+    if log:
+        return low / 1.05, high * 1.05
     pad = max(0.05 * (high - low), 0.02 * max(abs(high), 1e-3))
     return low - pad, high + pad
 
@@ -209,7 +255,8 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
 
     groups = group_runs(summaries)
     span = loss_range(summaries)
-    limits = _limits(span) if span else None
+    log = bool(span and span[1] > LOG_ABOVE * span[0] > 0)  # e.g. a run without a norm that starts at 29 nats
+    limits = _limits(span, log=log) if span else None
     fig, (by_step, by_time, final) = plt.subplots(1, 3, figsize=(16, 4.8), layout="constrained")
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, group in enumerate(groups):
@@ -222,6 +269,8 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
         ax.set_ylabel("validation loss (nats/token)")
         ax.grid(alpha=0.3)
         if limits:
+            if log:
+                ax.set_yscale("log")
             ax.set_ylim(*limits)
     if by_step.get_legend_handles_labels()[0]:
         by_step.legend(fontsize=7)

@@ -79,8 +79,13 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="SETTING",
+        help="the setting compared against (default: baseline, else the first)",
+    )
     parser.add_argument(
         "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
     )
@@ -526,16 +531,21 @@ def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float =
 
 
 def write_summary(
-    folder: Path, manifest: dict[str, Any], *, quiet: bool, unstable_above: float = UNSTABLE_ABOVE
+    folder: Path,
+    manifest: dict[str, Any],
+    *,
+    quiet: bool,
+    unstable_above: float = UNSTABLE_ABOVE,
+    baseline: str | None = None,
 ) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
     from tlm_command.compare import full_markdown, plot, report
     from tlm_core.atomic import atomic_write
 
     summaries = summarize(folder, manifest, unstable_above=unstable_above)
-    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above)}
+    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline)}
     atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries))
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries, baseline=baseline))
     if summaries:
         try:
             plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
@@ -548,7 +558,9 @@ def write_summary(
 def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.out_dir is not None or args.grid or args.runs or args.config or args.set or args.seeds:
-            raise UserError("--resume continues a sweep as planned; it takes only --jobs, --unstable-above and --quiet")
+            raise UserError(
+                "--resume continues a sweep as planned; it takes only --jobs, --unstable-above, --baseline and --quiet"
+            )
         folder = Path(args.resume)
         manifest = read_manifest(folder)
         _check_resumable(folder, manifest)
@@ -567,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
         manifest["jobs"] = jobs
         _write_manifest(folder, manifest)
         completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
-        write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above)
+        write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above, baseline=args.baseline)
     if not completed:
         say(f"sweep stopped: continue it with tlm sweep --resume {folder}")
         return 130

@@ -37,7 +37,7 @@ from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import Checkpoint, capture_state, load_step_model, restore_state
 from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, chat_files, check_data_paths, is_token_file, prepare_data
+from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
@@ -159,8 +159,6 @@ class Recipe:
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
-        if config.lora_rank and source is not None and source_tokenizer is not None:
-            self._check_lora_vocabulary(source, source_tokenizer)
         if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
             self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
         shape = source.config if source is not None else (saved or config).model_config()
@@ -184,7 +182,7 @@ class Recipe:
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
-            self.model.load_state_dict(_grown(source.state_dict(), self.model_config.vocab_size))
+            self.model.load_state_dict(grown(source.state_dict(), self.model_config.vocab_size))
         self.lora: dict[str, Any] | None = None
         if config.lora_rank:
             self.lora = self._adapt(cast(TransformerLM, source))
@@ -237,22 +235,6 @@ class Recipe:
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
-
-    def _check_lora_vocabulary(self, source: TransformerLM, tokenizer: Any) -> None:
-        """Chat data adds the template's markers to a tokenizer that lacks them, which grows the embedding; a LoRA
-        run keeps the base frozen and names it by its weights, so it cannot: refused before any data is written."""
-        from tlm_tokenizer.chat import CHAT_MARKERS
-
-        config = self.config
-        if config.chat_template is not None or not chat_files(config):
-            return
-        missing = [m for m in CHAT_MARKERS if m not in tokenizer.special_tokens]
-        if missing and source.config.vocab_size < tokenizer.vocab_size + len(missing):
-            raise ValueError(
-                f"{flag('lora_rank')} keeps the --init-from model's embedding frozen, but chat data adds the markers "
-                f"{' '.join(missing)} its tokenizer lacks; pretrain with --special-tokens '<|endoftext|>' "
-                "'<|im_start|>' '<|im_end|>', or fine-tune without LoRA first"
-            )
 
     def _document_mask_id(self, data: Dataset) -> int | None:
         """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
@@ -379,7 +361,9 @@ class Recipe:
                 "would change the embedding too); leave lm_head out"
             )
         lora = settings(config)
-        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
+        # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
+        sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
@@ -706,7 +690,7 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
-def _grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+def grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
     old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
     grown = dict(weights)
