@@ -14,7 +14,6 @@ Examples are packed (joined by ``<|endoftext|>``, which is never a target, windo
 tokens, cut or filled with ``<|endoftext|>``, windows aligned to the rows).
 """
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,20 +22,19 @@ from typing import Any
 import numpy as np
 
 from tlm_tokenizer.chat import check_messages
-from tlm_train.sources import is_jsonl, open_binary
-
-
-def _lines(stream: Any) -> Any:
-    return io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
+from tlm_train import sources
+from tlm_train.sources import _lines, is_jsonl, open_binary
 
 
 def _first_record(path: str | Path) -> object:
     with open_binary(path) as stream:
-        try:
-            line = next((line for line in _lines(stream) if line.strip()), "")
-            return json.loads(line)
-        except (ValueError, UnicodeDecodeError):
-            return None
+        for _, raw in _lines(path, stream, sources.MAX_RECORD_BYTES):  # a record is bounded as text records are
+            if raw.strip():
+                try:
+                    return json.loads(raw)
+                except (ValueError, RecursionError):
+                    return None
+    return None
 
 
 def is_chat_file(path: str | Path, text_field: str = "text") -> bool:
@@ -52,20 +50,20 @@ def is_chat_file(path: str | Path, text_field: str = "text") -> bool:
 
 def conversations(path: str | Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
     """``(line number, messages)`` for each record of a chat file, in OpenAI's message format."""
-    number = 0
     with open_binary(path) as stream:
-        try:
-            for number, line in enumerate(_lines(stream), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise ValueError(f"--data {path} line {number}: not JSON ({err})") from None
-                where = f"--data {path} line {number}"
-                yield number, check_messages(_messages(record, where), where)
-        except UnicodeDecodeError as err:
-            raise ValueError(f"--data {path} after line {number}: not UTF-8 ({err.reason})") from None
+        for number, raw in _lines(path, stream, sources.MAX_RECORD_BYTES):
+            if not raw.strip():
+                continue
+            where = f"--data {path} line {number}"
+            try:
+                record = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{where}: not UTF-8 ({err.reason} at byte {err.start})") from None
+            except ValueError as err:
+                raise ValueError(f"{where}: not JSON ({err})") from None
+            except RecursionError:
+                raise ValueError(f"{where}: not JSON (nested too deeply)") from None
+            yield number, check_messages(_messages(record, where), where)
 
 
 def _messages(record: object, where: str) -> Any:
