@@ -94,11 +94,12 @@ def prepare_data(
     if config.data and is_token_file(config.data[0]):
         data = _token_file(config, tokenizer)
         if is_main:
-            _check_token_file(Path(config.data[0]), run, resume=resume)
+            val = Path(config.val_data[0]) if config.val_data else None
+            _check_token_file(Path(config.data[0]), run, resume=resume, val_path=val)
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
         return data
-    chat = _chat_files(config)
+    chat = chat_files(config)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
         try:
             if chat:
@@ -118,7 +119,7 @@ def prepare_data(
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
 
 
-def _chat_files(config: TrainConfig) -> bool:
+def chat_files(config: TrainConfig) -> bool:
     """Whether ``--data`` is chat data; refuses a mix of chat and text files."""
     from tlm_train.chat_data import is_chat_file
 
@@ -238,27 +239,35 @@ def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _check_token_file(path: Path, run: RunDir, *, resume: bool) -> None:
-    identity = {"path": str(path), **file_identity(path)}
+def _check_token_file(path: Path, run: RunDir, *, resume: bool, val_path: Path | None = None) -> None:
+    files = {"token_file": ("--data", path), **({"val_token_file": ("--val-data", val_path)} if val_path else {})}
+    identities = {key: {"path": str(p), **file_identity(p)} for key, (_, p) in files.items()}
     info = run.data_dir / INFO
     if resume and info.is_file():
         try:
-            recorded = json.loads(info.read_text(encoding="utf-8"))["token_file"]
-            have = (int(recorded["bytes"]), str(recorded["sha256"]))
+            document = json.loads(info.read_text(encoding="utf-8"))
+            recorded = {
+                key: (int(document[key]["bytes"]), str(document[key]["sha256"]))
+                for key in identities
+                if key == "token_file" or key in document  # a validation file is checked once it was recorded
+            }
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(
                 f"{info} is damaged ({type(err).__name__}: {err}); the run's data cannot be checked"
             ) from None
-        if have != (identity["bytes"], identity["sha256"]):
-            raise ValueError(
-                f"--data {path} changed since the run started ({identity['bytes']} bytes, SHA-256 "
-                f"{identity['sha256'][:16]}..., recorded {have[0]} bytes, {have[1][:16]}...); a resumed run trains "
-                "on the tokens it started with: restore the file, or start a new run"
-            )
+        for key, have in recorded.items():
+            identity = identities[key]
+            if have != (identity["bytes"], identity["sha256"]):
+                flag, changed = files[key]
+                raise ValueError(
+                    f"{flag} {changed} changed since the run started ({identity['bytes']} bytes, SHA-256 "
+                    f"{identity['sha256'][:16]}..., recorded {have[0]} bytes, {have[1][:16]}...); a resumed run "
+                    "trains on the tokens it started with: restore the file, or start a new run"
+                )
         return
 
     def fill(folder: Path) -> None:  # a fresh run, or one that tlm-train 0.2 started without a record
-        (folder / INFO).write_text(json.dumps({"token_file": identity}) + "\n", encoding="utf-8")
+        (folder / INFO).write_text(json.dumps(identities) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
 

@@ -741,6 +741,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         )
     if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
         check_data_paths(config.data, config.val_data)
+    if config.chat_template is not None and not resume:
+        _check_chat_template(config.chat_template)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -750,10 +752,23 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
         "--val-data": config.val_data,
+        "--chat-template": [config.chat_template],
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
+
+
+def _check_chat_template(path: str) -> None:
+    """A ``--chat-template`` file that exists, reads and compiles, before anything is written."""
+    from tlm_tokenizer.chat import compile_template
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--chat-template {path}: no such file")
+    try:
+        compile_template(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"--chat-template {path}: {err}") from None
 
 
 @contextlib.contextmanager
