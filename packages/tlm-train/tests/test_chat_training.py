@@ -161,13 +161,3 @@ def test_a_chat_template_that_cannot_be_used_is_refused_before_anything_is_writt
     with pytest.raises((FileNotFoundError, ValueError), match=f"--chat-template {path}: .*{message}"):
         train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(path)))
     assert not (tmp_path / "run").exists()
-
-
-def test_a_chat_record_is_bounded_like_a_text_record(tmp_path, make_config, monkeypatch):
-    from tlm_train import sources
-
-    monkeypatch.setattr(sources, "MAX_RECORD_BYTES", 100)
-    path = tmp_path / "long.jsonl"
-    path.write_text(json.dumps({"prompt": "x" * 200, "completion": "y"}) + "\n", encoding="utf-8")
-    with pytest.raises(ValueError, match="long.jsonl line 1: a record over 100 bytes"):
-        train(make_config(data=[str(path)], vocab_size=300))
