@@ -143,6 +143,13 @@ class TrainConfig:
     )
     checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept (the newest always)"})
+    async_checkpoint: bool = field(
+        default=True,
+        metadata={
+            "help": "write one-process checkpoints on a background thread from a host copy of the state (training "
+            "goes on; --no-async-checkpoint: write before the next step)"
+        },
+    )
     # Execution.
     device: str = field(default="cpu", metadata={"help": "a torch device: cpu, cuda, cuda:1, mps, ..."})
     dtype: str = field(
@@ -222,7 +229,15 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard", "tf32"):
+        for name in (
+            "decay_norms",
+            "compile",
+            "deterministic",
+            "activation_checkpointing",
+            "tensorboard",
+            "tf32",
+            "async_checkpoint",
+        ):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in (
             "out_dir",
