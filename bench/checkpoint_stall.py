@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--preset", default="course-tinystories")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--print-only", action="store_true")
+    parser.add_argument("--device", default="cpu", help="cuda: the GPU check's part (bench/gpu.py)")
+    parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
     args = parser.parse_args()
     import numpy as np
     from _common import cpu_description, load_average, write_section
@@ -95,7 +97,8 @@ def main() -> None:
             settings = {"data": [str(tokens)], "vocab_size": 10_000, "preset": args.preset, "batch_size": 2,
                         "steps": args.steps, "warmup_steps": 1, "log_interval": 1, "eval_interval": 10_000,
                         "eval_batches": 1, "checkpoint_interval": 4, "keep_checkpoints": 5, "sample_tokens": 0,
-                        "peak_flops": 1e12, "async_checkpoint": mode == "background"}  # fmt: skip
+                        "peak_flops": 1e12, "async_checkpoint": mode == "background",
+                        "device": args.device}  # fmt: skip
             intervals, _ = run({**settings, "out_dir": f"{tmp}/{mode}"})
             _, memory = run({**settings, "out_dir": f"{tmp}/{mode}-memory", "measure_memory": True})
             # intervals[i] ends at step i + 2; a save follows steps 4 and 8, so the intervals ending at 5 and 9.
@@ -107,10 +110,11 @@ def main() -> None:
             print(mode, rows[mode], flush=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "cpu": cpu_description(), "load": (load_before, load_average())}  # fmt: skip
+    where = meta["cpu"] if args.device == "cpu" else args.device
     lines = [
         "## Checkpoint stall: a save inline vs on the background writer",
         "",
-        f"Measured {meta['date']} on {meta['cpu']}, training on one thread; **the machine was shared and busy** "
+        f"Measured {meta['date']} on {where}, training on one thread; **the machine was shared and busy** "
         f"(1-minute load average {meta['load'][0]:.1f} before, {meta['load'][1]:.1f} after). `{args.preset}` preset, "
         f"batch 2, {args.steps} steps, a checkpoint (weights + AdamW state, ~12 bytes a parameter) after steps 4 "
         "and 8; each mode a fresh process.",
@@ -125,6 +129,8 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows, "meta": meta, "text": text}))
     if not args.print_only:
         write_section("checkpoint_stall", text, args.out)
 

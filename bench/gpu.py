@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 # The benchmark before the runs whose deterministic=True switches deterministic algorithms on for the process.
-PARTS = ["census", "chunk", "bench", "nan", "resume", "tests"]
+PARTS = ["census", "chunk", "bench", "nan", "resume", "stall", "tests"]
 
 
 def _pythonpath() -> str:
@@ -414,6 +414,20 @@ def part_nan(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, An
     return result
 
 
+def part_stall(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    """bench/checkpoint_stall.py on this device: the step after a save, inline vs the background writer."""
+    target = out / "stall.json"
+    preset = "tiny" if dry else "gpt2-small"
+    cmd = [sys.executable, str(ROOT / "bench" / "checkpoint_stall.py"), "--device", str(device), "--preset", preset,
+           "--print-only", "--json", str(target)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
+    if done.returncode or not target.exists():
+        return {"ok": False, "error": done.stderr[-1500:]}
+    result = json.loads(target.read_text())
+    return {"ok": True, **result}
+
+
 # --------------------------------------------------------------------------------------- report
 
 
@@ -481,6 +495,15 @@ def render(report: dict[str, Any]) -> str:
             f"{nan['steps_run']} steps; state equals the step-7 checkpoint: {nan['state_equals_step_7_checkpoint']}; "
             f"CUDA context alive: {nan['cuda_alive']}"
         )
+    stall = parts.get("stall", {})
+    if stall.get("rows"):
+        lines.append(
+            "- checkpoint stall on this device (GPT-2-small preset, batch 2): "
+            + "; ".join(
+                f"{mode}: step {r['step_s']:.3f} s, after a save {', '.join(f'{t:.3f}' for t in r['after_save_s'])} s"
+                for mode, r in stall["rows"].items()
+            )
+        )
     tests = parts.get("tests", {})
     if "passed" in tests:
         lines.append(
@@ -521,7 +544,7 @@ def main() -> int:
     began = time.perf_counter()
     functions: dict[str, Callable[..., dict[str, Any]]] = {
         "tests": part_tests, "census": part_census, "chunk": part_chunk, "bench": part_bench,
-        "resume": part_resume, "nan": part_nan,
+        "resume": part_resume, "nan": part_nan, "stall": part_stall,
     }  # fmt: skip
     for name in chosen:
         start = time.perf_counter()

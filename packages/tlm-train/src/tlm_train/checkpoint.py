@@ -75,7 +75,8 @@ def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
             raise ValueError(f"{where} is a tensor on the meta device (no data); materialise it before saving")
         data = value.detach().cpu().contiguous().reshape(-1)
         h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if data.numel():  # the tensor's own bytes, not a copy (hashlib reads large buffers without the GIL)
+            h.update(memoryview(data.view(torch.uint8).numpy()))
     elif isinstance(value, dict):
         h.update(f"D{len(value)}".encode())
         for key, item in value.items():
@@ -115,20 +116,23 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
         raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    data = buffer.getvalue()
-    data += _TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n"
-    if isinstance(out, (str, os.PathLike)):
-        path = Path(os.fspath(out))
-        if path.is_dir():
-            raise IsADirectoryError(f"out must be a file path, got the folder {path}")
-        if not path.parent.is_dir():
-            raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
-        with atomic_file(path) as handle:
-            handle.write(data)
-    else:
-        cast(IO[bytes], out).write(data)
-        if hasattr(out, "flush"):
-            out.flush()
+    # The serialised bytes are hashed and written where torch.save left them: no copy of the whole state.
+    with buffer.getbuffer() as data:
+        trailer = _TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n"
+        if isinstance(out, (str, os.PathLike)):
+            path = Path(os.fspath(out))
+            if path.is_dir():
+                raise IsADirectoryError(f"out must be a file path, got the folder {path}")
+            if not path.parent.is_dir():
+                raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
+            with atomic_file(path) as handle:
+                handle.write(data)
+                handle.write(trailer)
+        else:
+            cast(IO[bytes], out).write(data)
+            cast(IO[bytes], out).write(trailer)
+            if hasattr(out, "flush"):
+                out.flush()
 
 
 def load_train_state(src: Source) -> dict[str, Any]:
