@@ -53,9 +53,8 @@ def alternate(a: Callable[[], None], b: Callable[[], None], repeats: int, warmup
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(
-        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    )
+    tensors = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def measure(preset: str, rank: int, targets: str, batch: int, repeats: int, device: str) -> dict:
@@ -73,7 +72,7 @@ def measure(preset: str, rank: int, targets: str, batch: int, repeats: int, devi
         runs[name] = (model, optimizer, loss)
 
     def step(name: str) -> Callable[[], None]:
-        model, optimizer, loss = runs[name]
+        _, optimizer, loss = runs[name]
 
         def run() -> None:
             train_step(loss, optimizer, batches, max_grad_norm=1.0)

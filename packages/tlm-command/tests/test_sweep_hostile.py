@@ -137,8 +137,8 @@ def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
 
     _run_folder(tmp_path / "run", b'{"step": 0, "val_loss": 4.0, "time_s": 0.5}\n{"step": 2, "val_lo')
     assert main(["compare", str(tmp_path / "run"), "--json"]) == 0
-    (summary,) = json.loads(capsys.readouterr().out)
-    assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "stopped")
+    (summary,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "interrupted")
 
 
 def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(tmp_path, fails, monkeypatch) -> None:
@@ -316,3 +316,48 @@ def test_symlinks_planted_where_a_sweep_a_comparison_and_tensorboard_write_are_n
     fails(["compare", str(folder)], f"{folder / 'a'} is a symbolic link: a sweep's runs are folders of their own")
     fails(["sweep", "--resume", str(folder)], f"{folder / 'a'} is a symbolic link: tlm sweep never trains into one")
     assert [s.name for s in sweep.summarize(folder, sweep.read_manifest(folder))] == ["b"]
+
+
+def test_one_sweep_at_a_time_and_a_run_folder_planted_as_a_link_mid_sweep_fails_that_run(tmp_path, fails) -> None:
+    from tlm_train.run_dir import RunLock
+
+    folder = tmp_path / "sweep"
+    _manifest(folder, [_entry("a")])
+    holder = RunLock(folder / ".lock", command="tlm sweep")  # another sweep holds the folder
+    try:
+        fails(["sweep", "--resume", str(folder)], f"{folder} is in use by another tlm sweep; wait for it to finish")
+    finally:
+        holder.release()
+    (tmp_path / "outside").mkdir()
+    (folder / "a").symlink_to(tmp_path / "outside", target_is_directory=True)  # planted after the sweep's check
+    job = sweep.Sweep(folder, json.loads((folder / "sweep.json").read_text()), jobs=1, quiet=True).job(_entry("a"))
+    outcome = sweep.train_run(job)
+    assert outcome == {"status": "failed", "message": f"{folder / 'a'} is a symbolic link: tlm sweep never trains "
+                                                      "into one"}  # fmt: skip
+    assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_a_manifest_of_another_format_or_shape_is_one_line(tmp_path, fails) -> None:
+    folder = tmp_path / "sweep"
+    fails(["sweep", "--resume", str(folder)], f"{folder}: not a sweep folder (no sweep.json in it)")
+    folder.mkdir()
+    for data in ({"base": BASE, "runs": [_entry()]}, {"format": "tlm-sweep/2"}, [sweep.FORMAT]):
+        (folder / "sweep.json").write_text(json.dumps(data))
+        fails(["compare", str(folder)], f"{folder / 'sweep.json'} is not a tlm-sweep/1 manifest")
+
+
+def test_the_manifest_checks_bound_jobs_and_shorten_what_they_quote() -> None:
+    check = manifest_module.check_manifest
+    good = {"format": sweep.FORMAT, "base": BASE, "runs": [_entry()]}
+    check({**good, "jobs": 1}, "m")  # the smallest number of jobs, and none (the default)
+    check(good, "m")
+    for jobs, shown in ((0, "0"), ("2", '"2"'), (2.0, "2.0"), (False, "false")):
+        with pytest.raises(manifest_module.UserError, match=f"^m: jobs must be a positive integer, got {shown}$"):
+            check({**good, "jobs": jobs}, "m")
+    fits = "s" * 58  # 60 characters quoted: shown whole
+    with pytest.raises(manifest_module.UserError) as info:
+        check({**good, "runs": [_entry(settings=fits)]}, "m")
+    assert str(info.value) == f'm: runs[0].settings must be a table of settings, got "{fits}"'
+    with pytest.raises(manifest_module.UserError) as info:
+        check({**good, "runs": [_entry(settings=fits + "s")]}, "m")  # 61: cut to 57 and "..."
+    assert str(info.value) == f'm: runs[0].settings must be a table of settings, got "{fits[:56]}...'

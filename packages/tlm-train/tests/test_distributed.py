@@ -210,7 +210,7 @@ def test_compile_is_applied_to_each_block_in_place_before_wrapping(monkeypatch) 
     # torchtitan's order (checkpointing, compile, then fully_shard), in place: the state-dict keys stay.
     order = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: order.append(("compile", self)))
-    monkeypatch.setattr(tlm_train.distributed, "LanguageModelLoss", lambda m: order.append(("wrap", m)) or m)
+    monkeypatch.setattr(tlm_train.distributed, "LanguageModelLoss", lambda m, **k: order.append(("wrap", m)) or m)
     model = TransformerLM(ModelConfig(48, 8, 16, 2, 2, 24), fused=False)
     keys = list(model.state_dict())
     wrap_model(model, "none", compile=True)

@@ -85,9 +85,12 @@ def test_the_plot_draws_each_logged_loss_against_its_step(tmp_path, monkeypatch)
     drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
     assert drawn == {
         "train": ([r["step"] for r in records], [r["train_loss"] for r in records]),
-        "validation": ([2, 4], [2.0, 1.5]),
+        "validation (each evaluation)": ([2, 4], [2.0, 1.5]),
     }
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+    # Each evaluation a marker and no line between two: a line would draw losses that no evaluation measured.
+    validation = ax.get_lines()[1]
+    assert (validation.get_marker(), validation.get_linestyle()) == ("o", "None")
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation (each evaluation)"]
 
 
 def test_a_symlink_planted_at_the_log_mid_run_is_an_error_not_followed(tmp_path) -> None:

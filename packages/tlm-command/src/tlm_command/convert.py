@@ -19,6 +19,7 @@ from typing import Any
 
 from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
+from tlm_tokenizer.chat import IM_END
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
 
@@ -62,7 +63,9 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
         files.update(tokenizer.hf_files())
         if EOS_TOKEN in tokenizer.special_tokens:
             (eos,) = tokenizer.encode(EOS_TOKEN)
-            generation = hf_generation_config(eos, bos_token_id=eos, pad_token_id=eos)
+            # A chat model ends its turn with <|im_end|>: generation stops there too.
+            ends = [eos, *(tokenizer.encode(IM_END) if IM_END in tokenizer.special_tokens else [])]
+            generation = hf_generation_config(ends if len(ends) > 1 else eos, bos_token_id=eos, pad_token_id=eos)
     files["generation_config.json"] = (json.dumps({**generation, "do_sample": False}, indent=2) + "\n").encode()
     return files
 
@@ -107,9 +110,12 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.merge and not adapted:
             raise UserError(f"--merge: {args.to_hf} is a tlm {artifact.describe()} with no LoRA adapters to merge")
-        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        model, step = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
-        save_hf(model, args.out, extra_files=hf_files(tokenizer))
+        from tlm_command.model_card import model_card
+
+        card = {"README.md": model_card(model, tokenizer, artifact, step)}
+        save_hf(model, args.out, extra_files={**hf_files(tokenizer), **card})
         source_kind, target = f"tlm {artifact.describe()}", "HF Llama folder"
     report = {
         "from": source,
@@ -155,6 +161,13 @@ def _to_peft(args: argparse.Namespace) -> int:
             f"--to-peft {args.to_peft} is a tlm {artifact.describe()} with no LoRA adapters (see --lora-rank)"
         )
     folder, state = found
+    base_vocab = artifacts.model_config(artifacts.resolve(state["lora"]["base"]["path"])).vocab_size
+    if state["model_config"]["vocab_size"] != base_vocab:
+        raise UserError(
+            f"--to-peft {args.to_peft}: its vocabulary grew from the base's {base_vocab} to "
+            f"{state['model_config']['vocab_size']} ids (a chat template's markers), which a PEFT adapter of the "
+            "base cannot carry; export the merged model with --to-hf --merge"
+        )
     model = load_lora_step(folder, state, dtype=torch.float32, merge=False)
     adapters = to_hf_lora_state_dict(lora_state_dict(model), model.config)
     base = os.path.abspath(args.base if args.base is not None else state["lora"]["base"]["path"])

@@ -1,18 +1,14 @@
 """``tlm train``: text to a tokenizer, a trained model and a sample, in one run folder.
 
-Every setting is a flag, read over ``--config FILE.toml``; the model starts from ``--preset`` and any
-of its fields can be set (``--num-kv-heads 2``); ``--init-from X`` fine-tunes X (a run, checkpoint, HF Llama
-or PEFT adapter folder), ``--lora-rank R`` only LoRA adapters on X's frozen weights. ``--resume RUN``
-continues a run from its newest checkpoint that verifies (``RUN/checkpoints/step_N``: that step); flags apply
-from the resumed step on, and one that would change the model, data, tokenizer or seed is refused.
+Every setting is a flag, read over ``--config FILE.toml``; the model is ``--preset`` with any field a flag
+too (``--num-kv-heads 2``). ``--init-from X`` fine-tunes X (a run, checkpoint, HF Llama or PEFT adapter
+folder); ``--lora-rank R`` trains only LoRA adapters on its frozen weights. ``--resume RUN`` continues from the
+newest checkpoint that verifies (or ``RUN/checkpoints/step_N``): flags apply from there on, and one that would
+change the model, data, tokenizer or seed is refused. Scale-out is torchrun's, rank 0 writing the files:
+``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU).
 
-Scale-out is torchrun's (the same command on every rank; rank 0 writes the files):
-
-    torchrun --nproc-per-node 2 -m tlm train --distributed fsdp      # one machine, gloo on CPU
-
-Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed),
-74 a logger failed (a full disk...): the run stopped with a checkpoint of that step when the disk took one
-(``--logger-errors warn``: it trains on without that logger instead).
+Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed), 74 a
+logger failed (a full disk...; stopped, checkpointed when the disk took it; ``--logger-errors warn`` trains on).
 """
 
 import argparse
@@ -32,8 +28,12 @@ from tlm_train.config import TrainConfig
 #: The settings ``tlm train --help`` shows first; ``--help-all`` adds the rest. Every flag's help, default
 #: and choices come from the dataclass field it sets (:class:`TrainConfig`, :class:`ModelConfig`).
 COMMON = ("out_dir", "data", "tokenizer", "vocab_size", "preset", "steps", "batch_size", "lr", "device")
-#: The exit status of a run stopped by a logger's failure (sysexits' EX_IOERR).
+#: The exit status of a run stopped by a logger's failure (sysexits' EX_IOERR): the run stopped with a checkpoint
+#: of that step when the disk took one (``--logger-errors warn``: it trains on without that logger instead). The
+#: others: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed).
 LOGGER_FAILED = 74
+#: The metavar of a number flag by its type (a field's ``metavar`` metadata wins).
+_METAVARS: dict[Any, str] = {int: "N", float: "X"}
 #: Model fields with no flag: the vocabulary is the tokenizer's.
 _NO_FLAG = ("vocab_size",)
 
@@ -92,7 +92,8 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
         choices = field.metadata.get("choices")
-        metavar = None if choices else "FILE" if field.name == "data" else field.name.upper()
+        # A number's metavar is its kind (N, X), so most flags fit their help on the same line; others name it.
+        metavar = None if choices else field.metadata.get("metavar", _METAVARS.get(kind, field.name.upper()))
         parser.add_argument(flag, type=kind, nargs="+" if is_list else None, metavar=metavar, choices=choices, **common)
 
 

@@ -17,6 +17,8 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+#: A target that the loss skips (prompt tokens of a chat example, padding): torch's and HF's ignore_index.
+IGNORE_INDEX = -100
 #: Integer dtypes that gather does not take, widened to int64 (never read as a mask).
 _WIDEN = frozenset({torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
@@ -31,10 +33,13 @@ def _chunked_loss(
     compute = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for float64 input
     grad_weight = torch.zeros_like(weight, dtype=compute) if want_weight else None
     total = torch.zeros((), dtype=compute, device=hidden.device)
+    kept = targets != IGNORE_INDEX
+    count = kept.sum().clamp_min(1).to(compute)  # the targets that count, on the device (no host read)
     autocast = torch.is_autocast_enabled(hidden.device.type)
     for start in range(0, n, chunk_size):
         h = hidden[start : start + chunk_size]
-        t = targets[start : start + chunk_size]
+        k = kept[start : start + chunk_size].unsqueeze(1)
+        t = torch.where(k.squeeze(1), targets[start : start + chunk_size], 0)  # an ignored target gathers id 0
         logits = torch.matmul(h, weight.t()).to(compute)
         picked = logits.gather(1, t.unsqueeze(1))
         # loss = logsumexp(logits) − logits[target], with logsumexp = log Σ exp(logits − max) + max. The
@@ -42,11 +47,12 @@ def _chunked_loss(
         row_max = logits.amax(dim=1, keepdim=True)
         exp = logits.sub_(row_max).exp_()
         sum_exp = exp.sum(dim=1, keepdim=True)
-        total += (sum_exp.log() + row_max - picked).sum()
+        total += ((sum_exp.log() + row_max - picked) * k).sum()
         if grad_hidden is not None or grad_weight is not None:
-            # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n, built in place.
-            grad_logits = exp.div_(sum_exp.mul_(n))
-            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= 1.0 / n
+            # d(mean loss)/d(logits) = (softmax - one_hot(target)) / count, built in place; an ignored row's
+            # normaliser is made infinite, so its gradient is 0 with no extra pass over the chunk.
+            grad_logits = exp.div_(sum_exp.mul_(count).masked_fill_(~k, float("inf")))
+            grad_logits[torch.arange(t.shape[0], device=t.device), t] -= k.squeeze(1) / count
             if autocast:
                 # Out-of-place GEMMs, which autocast runs in its dtype; the head's gradient summed in float32.
                 if grad_hidden is not None:
@@ -60,7 +66,7 @@ def _chunked_loss(
                 torch.matmul(grad_logits.to(weight.dtype), weight, out=grad_hidden[start : start + chunk_size])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t(), h.to(compute))
-    return total / n, grad_hidden, grad_weight
+    return total / count, grad_hidden, grad_weight
 
 
 def default_chunk_size(device: torch.device | str, vocab_size: int) -> int:
@@ -105,8 +111,10 @@ def chunked_cross_entropy(
     forward pass (and handed to autograd); otherwise (evaluation under ``torch.no_grad()``) only the
     loss is, with no gradient buffer built. The shapes are checked here; the values are not: a target
     outside ``[0, vocab)`` is refused by ``gather``'s kernel (``RuntimeError`` on the CPU, a device-side
-    assert elsewhere), so no value is read back to the host. ``chunk_size`` None:
-    :func:`default_chunk_size` for the device and vocabulary.
+    assert elsewhere), so no value is read back to the host. Targets equal to ``IGNORE_INDEX`` (-100) are
+    skipped, as ``F.cross_entropy``'s ``ignore_index`` skips them: the mean is over the others (0 when
+    every target is ignored, where torch gives NaN). ``chunk_size`` None: :func:`default_chunk_size` for the
+    device and vocabulary.
     """
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -32,11 +32,13 @@ from tlm_ffn.options import default_d_ff
 from tlm_lora.roles import check_targets
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_tokenizer.chat import TRAIN_ON
 
 CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
+CHAT_LAYOUTS = ("packed", "padded")
 LOGGER_ERRORS = ("stop", "warn")
 
 
@@ -51,19 +53,23 @@ class TrainConfig:
     # Output.
     out_dir: str = field(
         default="runs/default",
-        metadata={"help": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/"},
+        metadata={
+            "metavar": "DIR",
+            "help": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/",
+        },
     )
     # Data.
     data: list[str] = field(
         default_factory=list,
         metadata={
+            "metavar": "FILE",
             "help": "text or JSON Lines files (.txt, .jsonl; either may end in .gz or .zst), encoded with the run's "
             "tokenizer, or one token-id file (.npy, or raw .bin/.u16/.u32 with token_dtype)",
             "shown": "Python's own pydoc topics, no download",
         },
     )
     text_field: str = field(
-        default="text", metadata={"help": "the field of each JSON Lines record that holds its text"}
+        default="text", metadata={"metavar": "NAME", "help": "the field of each JSON Lines record that holds its text"}
     )
     token_dtype: str = field(
         default="uint16", metadata={"help": "the id type of a raw token file", "choices": TOKEN_DTYPES}
@@ -71,38 +77,83 @@ class TrainConfig:
     val_fraction: float = field(
         default=0.1, metadata={"help": "share of the tokens held out for validation (the end of the data)"}
     )
+    max_data_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "refuse text --data that expands (decompressed, joined) past this many bytes, before the disk "
+            "fills",
+            "shown": "half the free space of the run folder's disk",
+        },
+    )
     tokenizer: str | None = field(
-        default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
+        default=None,
+        metadata={"metavar": "DIR", "help": "a tokenizer folder to use instead of training one", "shown": "train one"},
     )
     vocab_size: int = field(
         default=1024,
         metadata={"help": "vocabulary of the tokenizer to train (or the id range of a token file)"},
     )
     special_tokens: list[str] = field(
-        default_factory=lambda: ["<|endoftext|>"], metadata={"help": "special tokens of the tokenizer to train"}
+        default_factory=lambda: ["<|endoftext|>"],
+        metadata={"metavar": "TOKEN", "help": "special tokens of the tokenizer to train"},
+    )
+    # Packed documents, chat data and validation data (issue 32).
+    document_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "attention stops at <|endoftext|> inside a window and positions restart per document: each "
+            "packed document trains as if alone (needs a tokenizer with <|endoftext|>)"
+        },
+    )
+    train_on: str = field(
+        default="completion",
+        metadata={
+            "help": "chat data: the target tokens the loss counts: the assistant's (completion), the others "
+            "(prompt) or all",
+            "choices": TRAIN_ON,
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "metavar": "FILE",
+            "help": "chat data: a Jinja chat template file (as transformers reads one) instead of the default",
+            "shown": "ChatML, its markers added to the tokenizer as special tokens",
+        },
+    )
+    val_data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "metavar": "FILE",
+            "help": "validation files of any --data kind",
+            "shown": "the last --val-fraction of --data",
+        },
+    )
+    chat_layout: str = field(
+        default="packed",
+        metadata={
+            "help": "chat data: examples packed into windows (joined by <|endoftext|>) or padded, one per window",
+            "choices": CHAT_LAYOUTS,
+        },
     )
     # Model: start from `init_from`'s weights and shape, or from `preset` with `model` overriding fields.
     init_from: str | None = field(
         default=None,
         metadata={
+            "metavar": "PATH",
             "help": "fine-tune: start from this run, checkpoint or HF Llama folder (its weights, shape and tokenizer)",
             "shown": "random weights",
         },
     )
     lora_rank: int = field(
         default=0,
-        metadata={
-            "help": "fine-tune LoRA adapters of this rank on the frozen --init-from model (0: every weight trains)",
-            "shown": "0, full fine-tuning",
-        },
+        metadata={"help": "LoRA adapters' rank (0: full fine-tuning)", "metavar": "R"},
     )
     lora_alpha: float | None = field(
-        default=None, metadata={"help": "LoRA scale numerator: updates are B·A·(alpha/rank)", "shown": "the rank"}
+        default=None, metadata={"help": "LoRA updates are B·A·(alpha/rank)", "shown": "the rank", "metavar": "A"}
     )
-    lora_targets: str = field(
-        default="q,v", metadata={"help": "comma-separated roles to adapt: q, k, v, o, w1, w2, w3, lm_head"}
-    )
-    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA adapters' input"})
+    lora_targets: str = field(default="q,v", metadata={"help": "roles: q,k,v,o,w1,w2,w3,lm_head", "metavar": "ROLES"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input", "metavar": "P"})
     preset: str = field(
         default="tiny",
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
@@ -198,8 +249,10 @@ class TrainConfig:
         },
     )
     # The sample printed at the end.
-    sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
-    sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
+    sample_prompt: str = field(
+        default="The ", metadata={"metavar": "TEXT", "help": "the prompt of the sample at the end"}
+    )
+    sample_tokens: int = field(default=64, metadata={"help": "tokens sampled at the end (0: none)"})
     sample_temperature: float = field(default=0.8, metadata={"help": "temperature of the sample printed at the end"})
 
     def __post_init__(self) -> None:
@@ -209,8 +262,9 @@ class TrainConfig:
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        if self.max_tokens is not None:
-            check_int("TrainConfig.max_tokens", self.max_tokens, low=1)
+        for name in ("max_tokens", "max_data_bytes"):
+            if getattr(self, name) is not None:
+                check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
         if self.min_lr is not None:
             check_number("TrainConfig.min_lr", self.min_lr, low=0.0, high=self.lr)
@@ -239,6 +293,8 @@ class TrainConfig:
             "async_checkpoint",
         ):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
+        for name in ("document_mask",):
+            check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in (
             "out_dir",
             "token_dtype",
@@ -252,7 +308,7 @@ class TrainConfig:
         ):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a str, got {type(getattr(self, name)).__name__}")
-        for name in ("tokenizer", "init_from"):
+        for name in ("tokenizer", "init_from", "chat_template"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
         check_int("TrainConfig.lora_rank", self.lora_rank, low=0)
@@ -271,7 +327,9 @@ class TrainConfig:
             raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
             self.data = [self.data]
-        for name in ("data", "special_tokens"):
+        if isinstance(self.val_data, str):
+            self.val_data = [self.val_data]
+        for name in ("data", "special_tokens", "val_data"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
                 raise TypeError(f"TrainConfig.{name} must be a list of non-empty strings, got {value!r}")

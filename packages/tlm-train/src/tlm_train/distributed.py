@@ -69,6 +69,7 @@ def wrap_model(
     mode: str = "none",
     *,
     activation_checkpointing: bool = False,
+    document_mask_id: int | None = None,
     compile: bool = False,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
@@ -77,6 +78,7 @@ def wrap_model(
     all-reduced) or ``"fsdp"`` (FSDP2: ``fully_shard`` on each block, then on the root, so each rank
     keeps 1/N of the parameters, gradients and optimizer state). ``model`` keeps its parameters
     (sharded as DTensors under FSDP2), so build the optimizer from it and take state dicts from it.
+    ``document_mask_id``: see :class:`LanguageModelLoss`.
 
     torchtitan's order: activation checkpointing, then ``compile`` (each block, in place, so the
     state-dict keys stay), then sharding. ``param_dtype`` (bfloat16 or float16 training under FSDP2):
@@ -98,7 +100,7 @@ def wrap_model(
     if compile:
         for block in model.layers:
             block.compile()
-    loss_module = LanguageModelLoss(model)
+    loss_module = LanguageModelLoss(model, document_mask_id=document_mask_id)
     if mode == "ddp":
         device = next(model.parameters()).device
         # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.

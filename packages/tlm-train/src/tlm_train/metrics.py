@@ -133,7 +133,9 @@ def measure_gemm_flops(
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.PathLike[str]) -> Path | None:
-    """Draw train and validation loss against step; ``None`` (nothing written) without matplotlib."""
+    """Draw train and validation loss against step; ``None`` (nothing written) without matplotlib. Each
+    evaluation is a marker with no line between them: with evaluations far apart, a line would draw a
+    validation curve that no evaluation measured."""
     try:
         import matplotlib
 
@@ -148,7 +150,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
     if train:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
     if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+        ax.plot(*zip(*val, strict=True), "o", linestyle="none", label="validation (each evaluation)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

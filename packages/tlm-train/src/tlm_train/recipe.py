@@ -50,6 +50,7 @@ from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
     "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets",
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
 )  # fmt: skip
 
 
@@ -161,11 +162,18 @@ class Recipe:
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
+        if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
+            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
+        shape = source.config if source is not None else (saved or config).model_config()
+        context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
+            data = prepare_data(
+                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                context_length=context,
+            )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -177,7 +185,7 @@ class Recipe:
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
-            self.model.load_state_dict(source.state_dict())
+            self.model.load_state_dict(grown(source.state_dict(), self.model_config.vocab_size))
         self.lora: dict[str, Any] | None = None
         if config.lora_rank:
             self.lora = self._adapt(cast(TransformerLM, source))
@@ -185,6 +193,7 @@ class Recipe:
             self.model,
             config.distributed,
             activation_checkpointing=config.activation_checkpointing,
+            document_mask_id=self._document_mask_id(data),
             compile=config.compile,  # before sharding, as torchtitan does
             param_dtype=torch.bfloat16 if config.dtype == "bfloat16" else None,
         )
@@ -217,15 +226,30 @@ class Recipe:
         context = self.model_config.context_length
         self.sampler = BatchSampler(
             data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
-            world_size=info.world_size,
+            world_size=info.world_size, rows=data.rows,
         )  # fmt: skip
         # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
-        self.val_batches = EvalBatches(data.val, micro, context, info.device, max_batches=config.eval_batches)
+        self.val_batches = EvalBatches(
+            data.val, micro, context, info.device, max_batches=config.eval_batches,
+            stride=context + 1 if data.rows else None,
+        )  # fmt: skip
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
+
+    def _document_mask_id(self, data: Dataset) -> int | None:
+        """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
+        if not self.config.document_mask:
+            return None
+        tokenizer = data.tokenizer
+        if tokenizer is None or SEPARATOR not in tokenizer.special_tokens:
+            raise ValueError(
+                f"{flag('document_mask')} splits windows at {SEPARATOR}, which "
+                + ("token-id data without --tokenizer does not name" if tokenizer is None else "the tokenizer lacks")
+            )
+        return int(tokenizer.encode(SEPARATOR)[0])
 
     def _cuda_settings(self) -> None:
         """TF32 for float32 matmuls (unless --no-tf32) and, for a deterministic run, what CUDA needs for it;
@@ -340,7 +364,9 @@ class Recipe:
                 "would change the embedding too); leave lm_head out"
             )
         lora = settings(config)
-        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
+        # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
+        sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
@@ -356,7 +382,11 @@ class Recipe:
                     f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
                     "fine-tune keeps the model's shape"
                 )
-        return dataclasses.replace(shape, rope_layout="interleaved")
+        # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
+        vocab = max(shape.vocab_size, data.vocab_size)
+        if vocab > shape.vocab_size:
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+        return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
@@ -676,6 +706,18 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
+def grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
+    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
+    grown = dict(weights)
+    for name in ("token_embeddings.weight", "lm_head.weight"):
+        table = grown.get(name)
+        if table is not None and table.shape[0] < vocab_size:
+            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
+            grown[name] = torch.cat([table, extra])
+    return grown
+
+
 def _finite(weights: dict[str, torch.Tensor]) -> bool:
     """Whether this rank's part of the weights (its FSDP2 shards, or the whole model) is finite."""
     from torch.distributed.tensor import DTensor
@@ -713,8 +755,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
             f"--batch-size {config.batch_size} with --grad-accum {config.grad_accum} gives micro-batches of {micro}, "
             f"which do not divide among {info.world_size} ranks"
         )
-    if config.data and not resume:  # a resumed run reads the tokens it saved, not the text again
-        check_data_paths(config.data)
+    if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
+        check_data_paths(config.data, config.val_data)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -723,6 +765,7 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--init-from": [config.init_from],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
+        "--val-data": config.val_data,
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name

@@ -28,6 +28,7 @@ from jaxtyping import Int
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from tlm_model import document_ids
 from tlm_optim import clip_grad_norm_
 
 
@@ -38,14 +39,22 @@ class NonFiniteLossError(RuntimeError):
 class LanguageModelLoss(nn.Module):
     """``forward(inputs, targets)`` is ``model.loss(inputs, targets)``: the mean next-token
     cross-entropy without materialising the logits. DDP and FSDP2 act on a module's forward, so
-    wrap this module, not the model, and keep using ``model`` for state dicts and generation."""
+    wrap this module, not the model, and keep using ``model`` for state dicts and generation.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``document_mask_id`` (the end-of-text id) masks attention at the document boundaries inside each
+    window: the document ids come from the inputs on the device (``cumsum``), read by nothing on the host.
+    """
+
+    def __init__(self, model: nn.Module, *, document_mask_id: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.document_mask_id = document_mask_id
 
     def forward(self, inputs: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
-        return cast(Any, self.model).loss(inputs, targets)
+        if self.document_mask_id is None:
+            return cast(Any, self.model).loss(inputs, targets)
+        documents = document_ids(inputs, self.document_mask_id)
+        return cast(Any, self.model).loss(inputs, targets, document_ids=documents)
 
 
 @dataclass(frozen=True)
