@@ -425,7 +425,7 @@ def part_stall(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, 
     if done.returncode or not target.exists():
         return {"ok": False, "error": done.stderr[-1500:]}
     result = json.loads(target.read_text())
-    return {"ok": True, **result}
+    return {"ok": True, "preset": preset, **result}
 
 
 # --------------------------------------------------------------------------------------- report
@@ -498,7 +498,7 @@ def render(report: dict[str, Any]) -> str:
     stall = parts.get("stall", {})
     if stall.get("rows"):
         lines.append(
-            "- checkpoint stall on this device (GPT-2-small preset, batch 2): "
+            f"- checkpoint stall on this device ({stall['preset']} preset, batch 2): "
             + "; ".join(
                 f"{mode}: step {r['step_s']:.3f} s, after a save {', '.join(f'{t:.3f}' for t in r['after_save_s'])} s"
                 for mode, r in stall["rows"].items()

@@ -76,7 +76,7 @@ def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
         data = value.detach().cpu().contiguous().reshape(-1)
         h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
         if data.numel():  # the tensor's own bytes, not a copy (hashlib reads large buffers without the GIL)
-            h.update(memoryview(data.view(torch.uint8).numpy()))
+            h.update(cast(Any, data.view(torch.uint8).numpy()))
     elif isinstance(value, dict):
         h.update(f"D{len(value)}".encode())
         for key, item in value.items():
@@ -654,8 +654,10 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
                 out = source.clone()
             else:
                 accelerator = source.device
-                out = next(pinned, None)
-                if out is None or out.shape != source.shape or out.dtype != source.dtype:
+                reuse = next(pinned, None)
+                if reuse is not None and reuse.shape == source.shape and reuse.dtype == source.dtype:
+                    out = reuse
+                else:
                     out = torch.empty(source.shape, dtype=source.dtype, pin_memory=torch.cuda.is_available())
                 out.copy_(source, non_blocking=True)
                 fresh.append(out)

@@ -245,7 +245,7 @@ def train_step(
         scaler.step(optimizer, **found_inf_kw)
         scaler.update()
     else:
-        optimizer.step(**found_inf_kw)
+        cast(Any, optimizer).step(**found_inf_kw)
     if scheduler is not None:
         scheduler.step()
     if own:
