@@ -16,6 +16,7 @@ of text written, before the disk fills.
 
 import codecs
 import gzip
+import io
 import json
 import zlib
 from collections.abc import Iterable, Iterator
@@ -56,20 +57,27 @@ def is_jsonl(path: str | Path) -> bool:
     return bool(suffixes) and suffixes[-1] in JSONL
 
 
-class _Checked:
+class _Checked(io.BufferedIOBase):
     """A decompressing stream whose failures (truncated, corrupt, not of its kind) are a ``ValueError``
-    naming the file."""
+    naming the file. A readable binary stream (``io.BufferedIOBase``), so ``io.TextIOWrapper`` takes it too."""
 
     def __init__(self, path: str | Path, kind: str, stream: Readable, errors: tuple[type[BaseException], ...]):
+        super().__init__()
         self.path, self.kind, self.stream, self.errors = path, kind, stream, errors
 
-    def read(self, size: int = -1, /) -> bytes:
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1, /) -> bytes:
         try:
-            return self.stream.read(size)
+            return self.stream.read(-1 if size is None else size)
         except EOFError:
             raise ValueError(f"--data {self.path}: truncated {self.kind} data (it ends mid-stream)") from None
         except self.errors as err:
             raise ValueError(f"--data {self.path}: not readable as {self.kind} data ({err})") from None
+
+    def read1(self, size: int = -1, /) -> bytes:
+        return self.read(size)
 
 
 def _zstd_check(raw: BinaryIO, path: str | Path) -> None:
