@@ -525,7 +525,7 @@ def render(report: dict[str, Any]) -> str:
         )
     census = parts.get("census", {})
     if "calls" in census:
-        lines.append(f"- dtype census of a bf16 step on CUDA: {census['calls']}")
+        lines.append(f"- dtype census of a bf16 step on this device: {census['calls']}")
     return "\n".join(lines) + "\n"
 
 
