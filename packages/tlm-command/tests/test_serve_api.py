@@ -395,7 +395,7 @@ def test_a_request_that_raises_in_the_scheduler_ends_alone(served, tokenizer, mo
     assert json.loads(lines[2][6:])["error"]["type"] == "server_error" and lines[3] == "data: [DONE]"
     thread.join()
     assert results["normal"][0] == 200 and results["normal"][1]["choices"][0]["text"] == expected
-    status, health = served.get("/health")
+    status, health = served.get("/health")  # one reading: two could see a finishing request's row apart
     assert status == 200 and health["status"] == "ok"
 
 
@@ -524,3 +524,29 @@ def test_a_chat_template_that_does_not_compile_stops_tlm_serve_in_one_line(tmp_p
     (tmp_path / "model" / "tokenizer" / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
     fails(["serve", "--checkpoint", str(tmp_path / "model"), "--port", "0"], "chat_template.jinja: the chat template "
           "does not compile", "no_such_filter")  # fmt: skip
+
+
+def test_a_chat_models_turn_ends_at_im_end(parts):
+    # tlm serve's stops for a tokenizer with the ChatML markers: a forced <|im_end|> ends the answer there.
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+    from tlm_command.serve import stop_tokens
+
+    model, tokenizer = parts
+    stops = stop_tokens(tokenizer)
+    assert stops == ["<|endoftext|>", "<|im_end|>"]
+    end = tokenizer.encode("<|im_end|>")[0]
+    scheduler = Scheduler(model, tokenizer, max_batch=2, max_queue=2, eos_ids=[tokenizer.encode(s)[0] for s in stops],
+                          device=torch.device("cpu"))  # fmt: skip
+    app = create_app(scheduler, tokenizer, model_name="tiny", context_length=CONTEXT, default_stops=stops,
+                     vocab_size=model.config.vocab_size)  # fmt: skip
+    try:
+        with Client(app) as client:
+            status, body = client.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logit_bias": {str(end): 100},
+            })  # fmt: skip
+    finally:
+        scheduler.close(timeout=5)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 1

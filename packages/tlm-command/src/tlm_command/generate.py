@@ -46,8 +46,8 @@ def add_parser(commands: Any) -> None:
     prompt.add_argument("--prompt-ids", metavar='"ID ID ..."', help="the prompt's token ids")
     parser.add_argument(
         "--allowed-special", choices=["all", "none"], default="all",
-        help="which special-token text in --prompt becomes special tokens (tiktoken's allowed_special; default "
-        "all; none: the text is text, as tlm serve encodes what clients send)",
+        help="which special-token text in --prompt becomes special tokens, as tiktoken's allowed_special (none: "
+        "the text is text, as tlm serve encodes what clients send) (default: all)",
     )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=positive_int, default=100, metavar="N", help="new tokens at most")
     parser.add_argument("--temperature", type=temperature, default=1.0, help="0 decodes greedily")

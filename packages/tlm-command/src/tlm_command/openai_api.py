@@ -151,49 +151,21 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
                     tokenizer: Any) -> list[int]:  # fmt: skip
     """The ids of ``render(messages)`` in which only the template's own text may hold special tokens.
 
-    The template is rendered twice: with each message's content replaced by a random mark, which shows where the
-    template's own text lies, and with the contents. When the second is the first with the marks replaced by the
-    contents (the template puts contents in verbatim), special tokens are matched in the template's text only and
-    the rest is encoded as text, so the ids are ``tokenizer.encode(text)``'s except that no content becomes a
-    special token. A template that changes contents (trims them, say) gets its whole text encoded with no special
-    token at all.
+    Where the contents lie comes from a second render with a random mark for each
+    (:func:`tlm_tokenizer.chat.locate_contents`); special tokens are then matched in the template's text only and
+    the rest is encoded as text (:func:`tlm_tokenizer.chat.encode_pieces`, what training encodes with), so the ids
+    are ``tokenizer.encode(text)``'s except that no content becomes a special token. A template that changes
+    contents (trims them, say) gets its whole text encoded with no special token at all.
     """
+    from tlm_tokenizer.chat import encode_pieces, locate_contents
+
     try:
-        text = render(messages)
-        nonce = uuid.uuid4().hex
-        marks = [f"\x00{nonce}{i}\x00" for i in range(len(messages))]
-        marked = render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
+        text, contents = locate_contents(render, messages)
     except Exception as err:
         raise TemplateError(f"{type(err).__name__}: {err}") from err
-    spans: list[tuple[int, int]] = []  # the template's own text, as spans of `text`
-    rebuilt: list[str] = []
-    position = 0
-    for mark, message in zip(marks, messages, strict=True):
-        at = marked.find(mark, position)
-        if at < 0:
-            return tokenizer.encode(text, allowed_special="none")
-        start = sum(map(len, rebuilt))
-        rebuilt.append(marked[position:at])
-        spans.append((start, start + at - position))
-        rebuilt.append(message["content"])
-        position = at + len(mark)
-    start = sum(map(len, rebuilt))
-    rebuilt.append(marked[position:])
-    spans.append((start, start + len(marked) - position))
-    if "".join(rebuilt) != text or any(mark in marked[position:] for mark in marks):
+    if contents is None:
         return tokenizer.encode(text, allowed_special="none")
-    specials = tokenizer.special_tokens
-    if not specials:
-        return tokenizer.encode(text, allowed_special="none")
-    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=lambda s: (-len(s), s)))))
-    ids: list[int] = []
-    done = 0
-    for found in pattern.finditer(text):
-        if any(a <= found.start() and found.end() <= b for a, b in spans):
-            ids += tokenizer.encode(text[done : found.start()], allowed_special="none")
-            ids += tokenizer.encode(found.group(), allowed_special={found.group()})
-            done = found.end()
-    return ids + tokenizer.encode(text[done:], allowed_special="none")
+    return [token for _, ids in encode_pieces(tokenizer, text, contents) for token in ids]
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")

@@ -115,6 +115,15 @@ def _chat_template(artifact: Any, tokenizer: Any) -> Any:
     return render
 
 
+def stop_tokens(tokenizer: Any) -> list[str]:
+    """The special tokens that end every answer: ``<|endoftext|>``, and ``<|im_end|>``, the end of a chat
+    model's turn (the ChatML template's marker), where the tokenizer has them."""
+    from tlm_tokenizer.chat import IM_END
+    from tlm_tokenizer.hf_json import EOS_TOKEN
+
+    return [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
+
+
 def model_id(checkpoint: str, model_name: str | None) -> str:
     """The model id clients name: ``--model-name``, else the checkpoint folder's own name (after links)."""
     return model_name or Path(checkpoint).resolve().name
@@ -137,16 +146,13 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
     from tlm_command.scheduler import Scheduler
-    from tlm_tokenizer.chat import IM_END
-    from tlm_tokenizer.hf_json import EOS_TOKEN
 
     device = parse_device(args.device)
     model, tokenizer, artifact = load_model(args, device)
     if tokenizer is None:
         raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
     chat_template = _chat_template(artifact, tokenizer)
-    # <|im_end|>: the end of a chat model's turn (its ChatML template's marker, issue 32).
-    stops = [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
+    stops = stop_tokens(tokenizer)
     eos_ids = [tokenizer.encode(s)[0] for s in stops]
     name = model_id(args.checkpoint, args.model_name)
     # Bound before the model thread starts, so a taken port is one line and no thread is left behind.
