@@ -375,7 +375,10 @@ def experiments(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "make_experiments_doc.py"), *session.posargs)
 
 
-BENCHMARKS = ["run", "gqa", "tokenizer", "optim", "train", "bf16", "lora", "document_mask", "dcp_memory", "checkpoint_stall", "serve"]
+BENCHMARKS = [
+    "run", "gqa", "decode", "tokenizer", "optim", "train", "bf16", "lora", "document_mask", "dcp_memory",
+    "checkpoint_stall", "serve",
+]  # fmt: skip
 # The references each benchmark measures against, beside tlm's own packages.
 BENCH_REQUIREMENTS = ["numpy", *COURSE_REQUIREMENTS, "tokenizers>=0.15"]
 

@@ -22,6 +22,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 ORDER = [
     "model",
     "gqa",
+    "decode",
     "tokenizer",
     "optim",
     "train",
@@ -36,6 +37,7 @@ ORDER = [
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
     "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
+    "decode": "fast decoding: the static-cache step vs HF transformers' generate (`bench/decode.py`)",
     "tokenizer": "the tokenizer: tlm-tokenizer vs HF tokenizers and tiktoken (`bench/tokenizer.py`)",
     "optim": "the optimizer and batches: tlm-optim vs torch.optim (`bench/optim.py`)",
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",

@@ -98,7 +98,7 @@ def main() -> None:
 
     total = prompt.shape[1] + args.new_tokens
     caches = ours.new_kv_cache(1, capacity=total)
-    tlm_bytes = sum(c.keys.nbytes + c.values.nbytes for c in caches)
+    tlm_bytes = sum(c.key_buffer.nbytes + c.value_buffer.nbytes for c in caches)  # the allocation (+1 scratch slot)
     cfg = ours.config
     mha_bytes = tlm_bytes * cfg.num_heads // cfg.kv_heads
     with torch.no_grad():

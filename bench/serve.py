@@ -62,10 +62,11 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
 
 
 class _Server:
-    def __init__(self, folder: pathlib.Path, max_batch: int) -> None:
+    def __init__(self, folder: pathlib.Path, max_batch: int, *extra: str) -> None:
+        # The first stderr line comes once the server listens (after the compiled step's warm-up).
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
-             str(max_batch), "--max-queue", "256", "--model-name", "course"],
+             str(max_batch), "--max-queue", "256", "--model-name", "course", *extra],
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         line = self.process.stderr.readline()
@@ -222,7 +223,8 @@ def render(rows: list[dict], meta: dict) -> str:
         "one-at-a-time row, the same work).",
         f"Model: `course-tinystories` shape with random weights; each request a streamed greedy completion of "
         f"{meta['max_tokens']} tokens from one of {len(PROMPTS)} prompts of different lengths; each client sends "
-        f"{meta['requests']} requests one after another. `tlm serve --max-batch {meta['max_batch']}`, on 127.0.0.1.",
+        f"{meta['requests']} requests one after another. `tlm serve --max-batch {meta['max_batch']}"
+        f"{'' if meta.get('compiled', False) else ' --no-compile'}`, on 127.0.0.1.",
         "",
         "| run | requests | tokens | tokens/s | × one at a time | TTFT p50 / p99 (s) | last token p50 / p99 (s) |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -250,17 +252,19 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests each client sends")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 tokens, no doc written")
+    parser.add_argument("--clients", type=int, nargs="+", help="these client counts only (no doc written)")
+    parser.add_argument("--no-compile", action="store_true", help="tlm serve --no-compile (eager decoding)")
     parser.add_argument("--health", action="store_true", help="only /health's latency under big requests")
     args = parser.parse_args()
     import torch
 
     max_tokens = 16 if args.quick else args.max_tokens
-    counts = [1, 4] if args.quick else [1, 4, 16]
+    counts = args.clients or ([1, 4] if args.quick else [1, 4, 16])
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
         folder = _model_folder(out)
-        server = _Server(folder, max_batch=max(counts))
+        server = _Server(folder, max(counts), *(["--no-compile"] if args.no_compile else []))
         if args.health:
             from tlm_model import ModelConfig
             from tlm_tokenizer import Tokenizer
@@ -290,10 +294,10 @@ def main() -> None:
         print(rows[-1], file=sys.stderr)
     meta = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "load_before": load_before, "load_after": load_average(), "max_tokens": max_tokens,
-            "requests": args.requests, "max_batch": max(counts)}  # fmt: skip
+            "requests": args.requests, "max_batch": max(counts), "compiled": not args.no_compile}  # fmt: skip
     text = render(rows, meta)
     print(text)
-    if not args.quick:
+    if not args.quick and not args.clients:
         write_section("serve", text)
         print(f"wrote {os.path.relpath(ROOT / 'docs' / 'benchmarks.md')}", file=sys.stderr)
 

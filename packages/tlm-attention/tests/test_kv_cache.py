@@ -163,3 +163,78 @@ def test_rows_leave_join_and_are_replaced_between_steps():
     assert cache.lengths == (3, 2, 2)
     cache.select_rows([])
     assert cache.batch_size == 0 and cache.length == 0
+
+
+# Static use (issue 34): writes in place at each row's slots, whole buffers back, lengths on the device.
+def test_write_stores_at_each_rows_slots_and_advance_records_the_lengths():
+    cache = KVCache(3, 2, capacity=5, d_head=4)
+    cache.select_rows([0, 1])
+    cache.advance([2, 0])
+    keys, values = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
+    positions = torch.tensor([[2, 3], [0, 5]])  # row 1's second token is padding: the scratch slot
+    got_k, _ = cache.write(keys, values, positions)
+    assert got_k.shape == (2, 2, 6, 4) and got_k.data_ptr() == cache.key_buffer.data_ptr()
+    assert cache.lengths == (2, 0)  # write changes no host state
+    assert torch.equal(cache.key_buffer[0, :, 2:4], keys[0]) and torch.equal(cache.value_buffer[0, :, 2:4], values[0])
+    assert torch.equal(cache.key_buffer[1, :, 0], keys[1, :, 0])
+    assert torch.equal(cache.key_buffer[1, :, 5], keys[1, :, 1])
+    assert cache.keys.shape == (2, 2, 5, 4)  # the rows in use, without the scratch slot
+    cache.advance([2, 1])
+    assert cache.lengths == (4, 1) and cache.device_lengths[:2].tolist() == [4, 1]
+    assert torch.equal(cache.positions(2), torch.tensor([[4, 5], [1, 2]]))
+    rows_k, _ = cache.write(keys[:1, :, :1], values[:1, :, :1], torch.tensor([[1]]), rows=torch.tensor([1]))
+    assert torch.equal(rows_k[0], cache.key_buffer[1]) and torch.equal(cache.key_buffer[1, :, 1], keys[0, :, 0])
+    with pytest.raises(ValueError, match=r"holds 5 tokens per row; \(4, 1\) \+ \[2, 0\] does not fit"):
+        cache.advance([2, 0])
+    with pytest.raises(ValueError, match=r"new must hold one int per row \(2\), got 1"):
+        cache.advance([1])
+    assert cache.lengths == (4, 1)
+
+
+def test_device_lengths_follow_every_host_change():
+    cache = KVCache(3, 1, capacity=6, d_head=2)
+    cache.update(torch.randn(3, 1, 4, 2), torch.randn(3, 1, 4, 2))
+    cache.truncate([4, 1, 2])
+    cache.update(torch.randn(3, 1, 1, 2), torch.randn(3, 1, 1, 2), cache.positions(1))
+    assert cache.device_lengths.tolist() == [5, 2, 3] == list(cache.lengths)
+    cache.select_rows([2, 0])
+    assert cache.device_lengths[:2].tolist() == [3, 5] == list(cache.lengths)
+    assert cache.append_empty_row() == 2 and cache.lengths == (3, 5, 0) and cache.device_lengths[2] == 0
+    cache.truncate([2, 2, 0])
+    assert cache.device_lengths.tolist() == [2, 2, 0]
+    cache.reset()
+    assert cache.device_lengths.tolist() == [0, 0, 0] and cache.length == 0
+
+
+def test_cache_mask_reads_the_slots_up_to_each_position_and_the_scratch_slot_only_for_padding():
+    from tlm_attention import cache_mask
+
+    mask = cache_mask(torch.tensor([[0, 2], [3, 4]]), capacity=4)
+    assert mask.shape == (2, 1, 2, 5)
+    expected = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]], dtype=torch.bool)
+    assert torch.equal(mask[:, 0], expected)
+
+
+@pytest.mark.slow
+def test_a_compiled_write_stores_the_new_entries_only_never_a_copy_of_the_buffer():
+    # ~20 s (one inductor C++ build). The write must not grow with the capacity: inductor's code for it has
+    # no loop as long as a buffer's slots and no copy of a buffer back into the cache.
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    capacity = 999
+    cache = KVCache(2, 2, capacity=capacity, d_head=8)
+    keys, values = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)
+    positions = torch.tensor([[3], [7]])
+
+    def write(k, v, p):
+        cache.write(k, v, p)
+
+    _, (code,) = run_and_get_code(torch.compile(write, dynamic=False, fullgraph=True), keys, values, positions)
+    bounds = [int(n) for n in re.findall(r"x\d+<static_cast<int64_t>\((\d+)L\)", code)]
+    assert bounds and max(bounds) < capacity, bounds  # loops over (batch, heads, d_head), never the slots
+    assert ".copy_(" not in code and "capacity" not in code
+    assert torch.equal(cache.key_buffer[0, :, 3], keys[0, :, 0])
+    assert torch.equal(cache.value_buffer[1, :, 7], values[1, :, 0])
+    assert cache.key_buffer[0, :, 4:].abs().sum() == 0

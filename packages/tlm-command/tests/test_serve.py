@@ -47,7 +47,7 @@ class Server:
     def __init__(self, checkpoint, *extra):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(checkpoint), "--port", "0", "--max-batch", "8",
-             "--max-queue", "4", "--model-name", "tiny", *extra],
+             "--max-queue", "4", "--model-name", "tiny", "--no-compile", *extra],
             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
         )  # fmt: skip
         line = self.process.stderr.readline()  # "tlm serve: tiny on http://127.0.0.1:PORT/v1 (...)"
@@ -324,10 +324,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     assert health["active"] == 0 and health["steps"] - before < CONTEXT - 10 - 5
 
 
-def test_a_full_server_answers_429_with_retry_after_instead_of_queueing(server):
+def test_a_full_server_answers_429_with_retry_after_instead_of_queueing(server, checkpoint):
     # 8 rows and 4 waiting places (the fixture's --max-batch 8 --max-queue 4): of 13 long requests sent at
-    # once, at least one finds no place. Closing the connections then frees every row.
-    body = json.dumps({"prompt": "x", "max_tokens": CONTEXT - 10, "temperature": 0, "stream": True})
+    # once, at least one finds no place. Closing the connections then frees every row. The end of text is
+    # banned, so that no request ends early and frees a place.
+    from tlm_tokenizer import Tokenizer
+
+    eot = Tokenizer.load(checkpoint / "tokenizer").encode("<|endoftext|>", allowed_special="all")[0]
+    body = json.dumps({"prompt": "x", "max_tokens": CONTEXT - 10, "temperature": 0, "stream": True,
+                       "logit_bias": {str(eot): -100}})  # fmt: skip
     conns = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=60) for _ in range(13)]
     for conn in conns:
         conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})

@@ -410,7 +410,7 @@ def test_only_a_model_failure_makes_the_server_unhealthy(parts):
             if broken["on"]:
                 raise RuntimeError("device lost (injected)")
 
-        hook = model.register_forward_pre_hook(fault)
+        hook = model.lm_head.register_forward_pre_hook(fault)  # every forward, the static decode step too
         try:
             status, body = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})
         finally:
@@ -463,6 +463,56 @@ def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_t
     (tmp_path / "chat_template.jinja").write_text("{{ messages[3]['content'] + 1 }}")
     with pytest.raises(UserError, match="the chat template fails on a one-message conversation"):
         _chat_template(artifact, tokenizer)
+
+
+@pytest.mark.slow
+def test_a_compiled_model_compiles_every_batch_size_at_start_and_never_for_a_request(parts, served, monkeypatch):
+    # Issue 34: tlm serve compiles by default; the scheduler warms the step up for every batch bucket (and the
+    # prompt chunks' dynamic sizes) before it takes requests. A counting backend (dynamo's graphs, no C++
+    # build, ~15 s of tracing) shows nothing compiles for 6 concurrent requests on 2 rows (joining and
+    # leaving), whose greedy texts equal the eager server's.
+    import torch._dynamo
+
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+    from tlm_model import compile_for_inference, inference
+
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setitem(inference.DECODE_COMPILE_KWARGS, "cpu", {"backend": backend, "fullgraph": True,
+                                                                  "dynamic": False})  # fmt: skip
+    monkeypatch.setattr(inference, "PREFILL_COMPILE_KWARGS", {"backend": backend, "fullgraph": True})
+    torch._dynamo.reset()
+    model, tokenizer = parts
+    scheduler = Scheduler(compile_for_inference(model), tokenizer, max_batch=2, max_queue=8, warm_up=True,
+                          eos_ids=[tokenizer.encode("<|endoftext|>")[0]], device=torch.device("cpu"))  # fmt: skip
+    warm = len(graphs)
+    assert warm >= 3  # the steps of 1 and 2 rows, and prompt chunks
+    app = create_app(scheduler, tokenizer, model_name="tiny", context_length=CONTEXT, default_stops=["<|endoftext|>"],
+                     vocab_size=model.config.vocab_size)  # fmt: skip
+    prompts = ["Once upon a time", "x", "The quick brown fox jumps over the lazy dog and", "def f(", "a b", "The"]
+    answers = {}
+    with Client(app) as client:
+
+        def ask(prompt):
+            answers[prompt] = post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    scheduler.close(timeout=5)
+    assert len(graphs) == warm
+    for prompt in prompts:
+        expected = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert answers[prompt][0] == 200
+        assert answers[prompt][1]["choices"][0]["text"] == expected[1]["choices"][0]["text"]
+    torch._dynamo.reset()
 
 
 def test_a_chat_template_that_does_not_compile_stops_tlm_serve_in_one_line(tmp_path, parts, fails):

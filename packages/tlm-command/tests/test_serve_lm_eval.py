@@ -85,7 +85,7 @@ def export(run, tmp_path_factory):
 def server(export):
     process = subprocess.Popen(
         [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(export), "--port", "0", "--model-name", "tiny",
-         "--dtype", "float32", "--quiet"],
+         "--dtype", "float32", "--quiet", "--no-compile"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     line = process.stderr.readline()

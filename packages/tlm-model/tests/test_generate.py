@@ -12,7 +12,7 @@ import torch
 
 from tlm_attention import BACKENDS
 from tlm_model import ModelConfig, TransformerLM, generate
-from tlm_model.generate import _filter_logits
+from tlm_model.generate import EOS_CHECK_EVERY, _filter_logits, sample_tokens
 
 CFG = ModelConfig(vocab_size=61, context_length=40, d_model=32, num_layers=2, num_heads=4, d_ff=64)
 
@@ -235,7 +235,16 @@ def test_generation_stops_once_every_row_has_emitted_eos(model, lm_reference):
     for r in range(2):
         assert torch.equal(out[r, 3 : 3 + first[r] + 1], new[r, : first[r] + 1])
         assert (out[r, 3 + first[r] :] == eos).all()  # a finished row is padded with eos
-    assert calls == [3] + [1] * last  # no forward after the last row finished
+    # Nothing after the last row finished is returned; the loop asks the device whether every row has ended
+    # once every EOS_CHECK_EVERY steps, so it may run a few forwards past it (on_token: none, see below).
+    assert calls[: last + 1] == [3] + [1] * last and len(calls) < last + 1 + EOS_CHECK_EVERY
+    calls.clear()
+    hook = model.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[-1]))
+    try:
+        streamed = generate(model, prompt, steps, temperature=0, eos_token_id=eos, on_token=lambda ids: None)
+    finally:
+        hook.remove()
+    assert torch.equal(streamed, out) and calls == [3] + [1] * last  # read every step: no forward past the end
 
 
 def test_generation_runs_to_max_new_tokens_when_no_row_emits_eos(model):
@@ -265,14 +274,16 @@ def test_cached_generation_in_bfloat16_matches_the_float64_model(model, lm_refer
 
 
 def test_sampling_in_bfloat16_uses_float32_probabilities():
-    # Sampling from bf16 logits gives the float32 softmax's distribution: same draws, same generator.
+    # Sampling from bf16 logits gives the float32 softmax's distribution: the exponential race's winner
+    # argmax(p / E) re-derived in float32 from the same generator's Exp(1) draws.
     model = _sharp_model()
     prompt = torch.tensor([[3, 1, 4]]).expand(64, -1)
     bf16 = model.to(torch.bfloat16)
     out = generate(bf16, prompt, 1, temperature=0.9, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         logits = bf16(prompt)[:, -1].float() / 0.9
-    expected = torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(5))
+    noise = torch.empty(logits.shape).exponential_(generator=torch.Generator().manual_seed(5))
+    expected = (torch.softmax(logits, -1) / noise).argmax(-1, keepdim=True)
     assert torch.equal(out[:, -1:], expected)
 
 
@@ -486,3 +497,76 @@ def test_ragged_rows_in_a_two_token_context_slide_like_their_prompt_alone_and_th
         alone = generate(model, prompt, 5, temperature=0)
         assert alone.tolist() == greedy_sliding_reference(model, prompt, 5)
         assert torch.equal(out[b, ids.shape[1] - len(prompt) :], alone)
+
+
+# Batched sampling (issue 34): one call for every row, each with its own settings and generator.
+def test_sample_tokens_gives_each_seeded_row_the_tokens_it_gets_alone():
+    logits = torch.randn(4, 23, generator=torch.Generator().manual_seed(0))
+    settings = dict(temperature=[0.7, 0.0, 1.3, 1.0], top_k=[None, 3, 5, 0], top_p=[0.9, None, 1.0, 0.5])
+    seeds = [11, 12, None, 13]
+
+    def generators(rows):
+        return [None if seeds[r] is None else torch.Generator().manual_seed(seeds[r]) for r in rows]
+
+    together = sample_tokens(logits, **settings, generators=generators(range(4)))
+    for r in (0, 1, 3):  # the seeded rows and the greedy one: alone, and in another batch order
+        alone = sample_tokens(logits[r : r + 1], **{k: v[r : r + 1] for k, v in settings.items()},
+                              generators=generators([r]))  # fmt: skip
+        order = [r, *[o for o in range(4) if o != r]][::-1]
+        shuffled = sample_tokens(logits[order], **{k: [v[o] for o in order] for k, v in settings.items()},
+                                 generators=generators(order))  # fmt: skip
+        assert together[r] == alone[0] == shuffled[order.index(r)], r
+    assert together[1] == logits[1].argmax()
+
+
+def test_sample_tokens_keeps_to_each_rows_own_limits_and_distribution():
+    # 3 rows x 4,000 draws: row 0 may only draw its 2 most likely tokens, row 1 the smallest set reaching 0.6,
+    # row 2 any token with softmax(logits / 2) frequencies (5 standard errors, fixed seed).
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 9, generator=gen, dtype=torch.float64)
+    draws = 4_000
+    rows = logits.repeat_interleave(draws, 0)
+    out = sample_tokens(rows, [2.0] * draws + [1.0] * draws + [2.0] * draws, [2] * draws + [None] * 2 * draws,
+                        [None] * draws + [0.6] * draws + [None] * draws, gen).view(3, draws)  # fmt: skip
+    assert set(out[0].tolist()) == set(torch.topk(logits[0], 2).indices.tolist())
+    probs = torch.softmax(logits[1], -1)
+    ranked, total, nucleus = probs.argsort(descending=True).tolist(), 0.0, set()
+    for token in ranked:  # the closed-form rule, as a loop
+        nucleus.add(token)
+        total += probs[token].item()
+        if total >= 0.6:
+            break
+    assert set(out[1].tolist()) == nucleus
+    expected = torch.softmax(logits[2] / 2.0, -1)
+    freq = torch.bincount(out[2], minlength=9).double() / draws
+    assert ((freq - expected).abs() <= 5 * torch.sqrt(expected * (1 - expected) / draws) + 1e-3).all()
+
+
+@pytest.mark.parametrize(
+    ("case", "kwargs"),
+    [
+        ("ragged prompts, greedy", dict(prompt_lengths=[7, 3], temperature=0)),
+        ("slides past the context", dict(temperature=0, long=True)),
+        ("ragged, slides, sampled", dict(prompt_lengths=[2, 7], long=True, seed=3)),
+        ("eos ends rows", dict(temperature=0, eos=True)),
+    ],
+)
+def test_static_cache_decoding_gives_the_tokens_of_the_eager_loop(model, monkeypatch, case, kwargs):
+    # What a compiled model decodes with (static caches, one step shape, refilled rows when a window slides),
+    # run eagerly here: the tokens of generate's eager loop over growing caches.
+    import importlib
+
+    generate_module = importlib.import_module("tlm_model.generate")  # the module, not the function it exports
+    prompt = torch.randint(0, CFG.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
+    new = 2 * CFG.context_length if kwargs.pop("long", False) else 12
+    seed = kwargs.pop("seed", None)
+    if kwargs.pop("eos", False):
+        kwargs["eos_token_id"] = int(generate(model, prompt, 6, temperature=0)[0, -1])
+
+    def run():
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        return generate(model, prompt, new, generator=generator, **kwargs)
+
+    eager = run()
+    monkeypatch.setattr(generate_module, "_uses_static_cache", lambda m: True)
+    assert torch.equal(run(), eager), case

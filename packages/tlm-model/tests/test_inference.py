@@ -33,3 +33,25 @@ def test_compiled_inference_matches_eager_prefill_and_greedy_decoding():
 def test_rejects_other_modules():
     with pytest.raises(TypeError, match="model must be a TransformerLM, got Linear"):
         InferenceModel(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("bad", [-1, CFG.vocab_size])
+def test_ids_the_eager_model_refuses_are_refused_before_the_compiled_graph(bad):
+    # Issue 35 item 7: a compiled gather would wrap -1 round to the last row; the boundary reads the ids' range
+    # once, outside the graph, and raises the eager model's IndexError (nothing is compiled for it).
+    model = TransformerLM(CFG).eval()
+    ids = torch.tensor([[1, bad]])
+    with pytest.raises(IndexError, match="index out of range"):
+        model(ids)
+    with pytest.raises(IndexError, match=r"in_indices must lie in \[0, vocab_size=61\), got values in"):
+        compile_for_inference(model)(ids)
+    with pytest.raises(TypeError, match="in_indices must be an integer tensor, got dtype torch.float32"):
+        compile_for_inference(model)(ids.float())
+
+
+def test_positions_that_could_contradict_the_cache_are_refused_by_the_compiled_model_too():
+    model = TransformerLM(CFG).eval()
+    cache = model.new_kv_cache(1)
+    with pytest.raises(ValueError, match="token_positions must be None with a kv_cache"):
+        compile_for_inference(model)(torch.tensor([[1, 2]]), torch.tensor([[5, 6]]), cache)
+    assert cache[0].lengths == (0,)

@@ -308,14 +308,20 @@ def test_a_failed_cached_step_leaves_every_cache_as_it_was(exception, failing_la
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
-def test_positions_with_a_cache_come_from_the_cache():
+def test_positions_with_a_cache_come_from_the_cache_and_explicit_ones_are_refused():
+    # Issue 35 item 7: positions that could contradict the cache's lengths are refused where they enter
+    # (no value is read); the cache's own positions continue each row.
     model = TransformerLM(SMALL).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 7))
     with torch.no_grad():
         full = model(ids)
         cache = model.new_kv_cache(2)
-        model(ids[:, :4], kv_cache=cache, token_positions=torch.arange(4))  # explicit, the cache's own
-        last = model(ids[:, 4:], kv_cache=cache, token_positions=torch.arange(4, 7, dtype=torch.uint8))
+        model(ids[:, :4], kv_cache=cache)
+        for positions in (torch.arange(4, 7), torch.arange(10, 13)):  # the cache's own, and contradicting
+            with pytest.raises(ValueError, match="token_positions must be None with a kv_cache"):
+                model(ids[:, 4:], kv_cache=cache, token_positions=positions)
+        assert [c.lengths for c in cache] == [(4, 4)] * SMALL.num_layers
+        last = model(ids[:, 4:], kv_cache=cache)
     torch.testing.assert_close(last, full[:, 4:], rtol=1e-4, atol=1e-5)
 
 

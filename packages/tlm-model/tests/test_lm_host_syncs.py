@@ -59,3 +59,21 @@ def test_a_decode_step_of_rows_of_different_lengths_reads_nothing(options, host_
             model(torch.randint(0, CFG.vocab_size, (2, 1)), kv_cache=cache)
     assert reads == []
     assert [c.lengths for c in cache] == [(7, 4)] * CFG.num_layers
+
+
+def test_a_static_cache_step_and_batched_sampling_read_nothing(host_reads):
+    # Issue 34: DecodeBatch's step (positions from the caches' device lengths, the mask built on the device) and
+    # sample_tokens with per-row settings and generators: the tokens stay on the device until a caller reads them.
+    from tlm_model import sample_tokens
+    from tlm_model.batching import DecodeBatch
+
+    model = TransformerLM(CFG).eval()
+    batch = DecodeBatch(model, 4, prefill_chunk=4)
+    logits = batch.add_many([torch.tensor([1, 2, 3]), torch.tensor([4]), torch.tensor([5, 6, 7, 8, 9])])
+    generators = [torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(2)]
+    with host_reads() as reads:
+        for _ in range(3):
+            tokens = sample_tokens(logits, [0.8, 0.0, 1.2], [5, None, 0], [0.9, None, 1.0], generators)
+            logits = batch.step(tokens)
+    assert reads == []
+    assert batch.lengths == (6, 4, 8)

@@ -13,10 +13,12 @@ __version__ = "0.4.0"
 __all__ = [
     "ATTENTION_BACKENDS",
     "BACKENDS",
+    "CacheStep",
     "CausalMultiHeadSelfAttention",
     "KVCache",
     "__version__",
     "blockwise_attention",
+    "cache_mask",
     "causal_attention",
     "document_ids",
     "document_mask",
@@ -35,7 +37,7 @@ _HOMES = {
     "blockwise_attention": "tlm_attention.blockwise",
     **dict.fromkeys(("document_ids", "document_mask", "document_positions"), "tlm_attention.documents"),
     "head_layout": "tlm_attention.heads",
-    "KVCache": "tlm_attention.kv_cache",
+    **dict.fromkeys(("KVCache", "CacheStep", "cache_mask"), "tlm_attention.kv_cache"),
     "CausalMultiHeadSelfAttention": "tlm_attention.mha",
     "scaled_dot_product_attention": "tlm_attention.sdpa",
     "softmax": "tlm_attention.softmax",
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from tlm_attention.blockwise import blockwise_attention
     from tlm_attention.documents import document_ids, document_mask, document_positions
     from tlm_attention.heads import head_layout
-    from tlm_attention.kv_cache import KVCache
+    from tlm_attention.kv_cache import CacheStep, KVCache, cache_mask
     from tlm_attention.mha import CausalMultiHeadSelfAttention
     from tlm_attention.sdpa import scaled_dot_product_attention
     from tlm_attention.softmax import softmax

@@ -1,6 +1,7 @@
 """Per-layer key/value cache for incremental decoding, with a length per row."""
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -32,6 +33,16 @@ class KVCache:
 
     Slots past a row's length hold nothing that counts, so :meth:`truncate` back to an earlier length
     undoes an ``update`` exactly; a model uses it to make a decoding step all-or-nothing across its layers.
+
+    **Static use** (a compiled decode step of one shape, CUDA graphs). :meth:`write` stores the new
+    tokens at the slots their positions name with one indexed copy into the buffers (inductor writes
+    the new entries only, in place) and returns the rows' *whole* buffers, ``capacity + 1`` slots each:
+    the step's shape never depends on how much is stored, and the caller masks each query to the slots
+    up to its position (:func:`cache_mask`, once per step for every layer). Slot ``capacity`` is a
+    scratch slot that no real token reads: padding tokens and rows that take no token write there.
+    :meth:`write` changes no host state; :meth:`advance` then records the new lengths, so a step that
+    failed half-way leaves every length as it was. Each row's length is also held on the device
+    (:attr:`device_lengths`, int64, one entry per buffer row), so positions never come from the host.
     """
 
     def __init__(
@@ -50,11 +61,14 @@ class KVCache:
             ("d_head", d_head),
         ):
             check_positive_int(name, value)
-        shape = (batch_size, num_heads, capacity, d_head)
+        # One slot more than the capacity: the scratch slot (see "Static use").
+        shape = (batch_size, num_heads, capacity + 1, d_head)
         self._key_buffer = torch.zeros(shape, device=device, dtype=dtype)
         self._value_buffer = torch.zeros(shape, device=device, dtype=dtype)
-        self.keys, self.values = self._key_buffer, self._value_buffer  # the rows in use: views of the buffers
+        #: Each buffer row's length on the device (a row not in use keeps a stale value <= capacity).
+        self.device_lengths = torch.zeros(batch_size, dtype=torch.int64, device=self._key_buffer.device)
         self.capacity = capacity
+        self._use_rows(batch_size)  # keys/values: the rows in use, views of the buffers without the scratch slot
         self.max_batch_size = batch_size
         #: The longest row's length: every row's while the rows agree (the slots a step reads).
         self.length = 0
@@ -77,9 +91,54 @@ class KVCache:
         return self._row_lengths is not None
 
     def positions(self, new: int) -> Tensor:
-        """(batch, new) int64 positions of the next ``new`` tokens of each row: its length onwards."""
+        """(batch, new) int64 positions of the next ``new`` tokens of each row: its length onwards (from
+        :attr:`device_lengths`: nothing crosses from the host)."""
         steps = torch.arange(new, device=self.keys.device)
-        return torch.tensor(self.lengths, device=self.keys.device).unsqueeze(1) + steps
+        return self.device_lengths[: self.batch_size].unsqueeze(1) + steps
+
+    @property
+    def key_buffer(self) -> Tensor:
+        """Every buffer row, ``capacity + 1`` slots each (the last is the scratch slot)."""
+        return self._key_buffer
+
+    @property
+    def value_buffer(self) -> Tensor:
+        return self._value_buffer
+
+    def write(
+        self, keys: Tensor, values: Tensor, positions: Tensor, rows: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Store (batch, heads, new, d_head) ``keys`` and ``values`` at slots ``positions`` (batch, new) of
+        buffer rows ``rows`` (batch,) (default the first ``batch`` rows); return those rows' whole buffers
+        (batch, heads, capacity + 1, d_head). A position of ``capacity`` writes the scratch slot.
+
+        One indexed copy per buffer (``index_put_``, as gpt-fast's ``index_copy_``): compiled, it writes the
+        new entries only. Nothing is checked and no host state changes (a compiled step's hot path): the
+        caller keeps positions within ``[0, capacity]`` and records the new lengths with :meth:`advance`.
+        """
+        batch = keys.shape[0]
+        index = torch.arange(batch, device=keys.device) if rows is None else rows
+        # Advanced indices around a slice put their axes first: (batch, new, heads, d_head).
+        self._key_buffer[index[:, None], :, positions] = keys.transpose(1, 2)
+        self._value_buffer[index[:, None], :, positions] = values.transpose(1, 2)
+        if rows is None:
+            return self._key_buffer[:batch], self._value_buffer[:batch]
+        return self._key_buffer[rows], self._value_buffer[rows]
+
+    def advance(self, new: Sequence[int], device_new: Tensor | None = None) -> None:
+        """Row ``r`` of the rows in use now holds ``new[r]`` more tokens (after :meth:`write`); ``device_new``,
+        the same counts as an int64 tensor on the cache's device, saves building it from the host."""
+        current = self.lengths
+        if len(new) != len(current):
+            raise ValueError(f"new must hold one int per row ({len(current)}), got {len(new)}")
+        lengths = [have + n for have, n in zip(current, new, strict=True)]
+        if any(n < 0 for n in new) or max(lengths, default=0) > self.capacity:
+            raise ValueError(f"the KV cache holds {self.capacity} tokens per row; {current} + {list(new)} does not fit")
+        if device_new is None:
+            device_new = torch.tensor(list(new), dtype=torch.int64, device=self.device_lengths.device)
+        self.device_lengths[: len(current)] += device_new
+        self.length = max(lengths, default=0)
+        self._row_lengths = None if len(set(lengths)) <= 1 else lengths
 
     def update(self, keys: Tensor, values: Tensor, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Append (batch, heads, new, d_head) keys and values; return all stored so far.
@@ -108,12 +167,11 @@ class KVCache:
             self.keys[:, :, start:end] = keys
             self.values[:, :, start:end] = values
         else:
-            # Row b's token t goes to slot positions[b, t]: one scatter along the slot axis.
-            index = positions.to(torch.int64)[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
-            self.keys.scatter_(2, index, keys)
-            self.values.scatter_(2, index, values)
+            # Row b's token t goes to slot positions[b, t]: one indexed copy (written in place when compiled).
+            self.write(keys, values, positions.to(torch.int64))
             if self._row_lengths is not None:
                 self._row_lengths = [n + new for n in self._row_lengths]
+        self.device_lengths[: self.batch_size] += new
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
@@ -128,11 +186,12 @@ class KVCache:
             self._set_lengths(lengths)
             return
         check_int("length", length, low=0, high=min(self.lengths, default=0))
-        self.length, self._row_lengths = length, None
+        self._set_lengths([length] * self.batch_size)
+        self.length = length
 
     def reset(self) -> None:
         """Every row in use empty again."""
-        self.length, self._row_lengths = 0, None
+        self._set_lengths([0] * self.batch_size)
 
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices of the rows in use), in this order; the others are forgotten.
@@ -154,12 +213,17 @@ class KVCache:
 
     def append_row(self, source: "KVCache", row: int = 0) -> int:
         """Add a copy of ``source``'s row ``row`` as a new last row; returns its index."""
+        self.append_empty_row()
+        self.set_row(self.batch_size - 1, source, row)
+        return self.batch_size - 1
+
+    def append_empty_row(self) -> int:
+        """Add an empty row (length 0) as the new last row; returns its index."""
         if self.batch_size == self.max_batch_size:
             raise ValueError(f"the KV cache has room for {self.max_batch_size} rows, all in use")
         lengths = self.lengths
         self._use_rows(self.batch_size + 1)
         self._set_lengths([*lengths, 0])
-        self.set_row(self.batch_size - 1, source, row)
         return self.batch_size - 1
 
     def set_row(self, row: int, source: "KVCache", source_row: int = 0) -> None:
@@ -181,8 +245,33 @@ class KVCache:
         self._set_lengths(lengths)
 
     def _use_rows(self, rows: int) -> None:
-        self.keys, self.values = self._key_buffer[:rows], self._value_buffer[:rows]
+        self.keys = self._key_buffer[:rows, :, : self.capacity]
+        self.values = self._value_buffer[:rows, :, : self.capacity]
 
     def _set_lengths(self, lengths: list[int]) -> None:
+        # Rows join, leave and are cut back between steps, not during them: one host-to-device copy.
+        self.device_lengths[: len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
         self.length = max(lengths, default=0)
         self._row_lengths = None if len(set(lengths)) <= 1 else lengths
+
+
+class CacheStep(NamedTuple):
+    """What one layer's attention needs for a step over a static :class:`KVCache`: the cache, each new
+    token's slot ``positions`` (batch, new) (``capacity`` for padding), the buffer ``rows`` (batch,) the
+    step's rows are (None: the first ``batch``), and ``mask`` from :func:`cache_mask`, shared by all layers."""
+
+    cache: KVCache
+    positions: Tensor
+    rows: Tensor | None
+    mask: Tensor
+    #: Read only the first ``limit`` slots (an eager step, whose shapes may vary: no slot past the longest
+    #: row); None reads every slot (a compiled step of one shape). ``mask`` has as many slots.
+    limit: int | None = None
+
+
+def cache_mask(positions: Tensor, capacity: int) -> Tensor:
+    """(batch, 1, new, capacity + 1) boolean: the token at ``positions[b, t]`` may read slots ``0 ..
+    positions[b, t]`` (causal, and blind to the slots past its row's length and to the scratch slot unless
+    it is a padding token at ``capacity`` itself). Built once per step, on the device."""
+    slots = torch.arange(capacity + 1, device=positions.device)
+    return (slots <= positions.unsqueeze(-1)).unsqueeze(1)

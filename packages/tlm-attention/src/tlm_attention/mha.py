@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from tlm_attention.backends import ATTENTION_BACKENDS, masked_attention_backend, resolve_attention_backend
 from tlm_attention.documents import document_mask
 from tlm_attention.heads import head_layout
-from tlm_attention.kv_cache import KVCache
+from tlm_attention.kv_cache import CacheStep, KVCache
 from tlm_linear import Linear, register_split_layout
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -102,7 +102,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         self,
         x: Float[Tensor, "... seq d_model"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | CacheStep | None = None,
         *,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
@@ -119,7 +119,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
         ``kv_cache.positions(seq)`` continues rows of different lengths, each from its own. The caller
         guarantees the shapes (the annotations state them) and the positions: nothing here re-checks
         them or reads a value back to the host.
+
+        With a :class:`~tlm_attention.kv_cache.CacheStep` (a static cache's step: what a compiled decode step
+        passes), the new keys and values are written at the step's slots and the queries attend over the
+        rows' whole buffers under the step's mask; ``token_positions`` are then the RoPE positions.
         """
+        if isinstance(kv_cache, CacheStep):
+            return self._static_step(x, token_positions, kv_cache)
         if token_positions is not None and self.rope is None and kv_cache is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
         if document_ids is not None and kv_cache is not None:
@@ -156,6 +162,22 @@ class CausalMultiHeadSelfAttention(nn.Module):
                 k, v = kv_cache.update(k, v)
             out = self._attention_fn(q, k, v)
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
+
+    def _static_step(self, x: Tensor, rope_positions: Tensor | None, step: CacheStep) -> Tensor:
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        split = "batch seq (heads d_head) -> batch heads seq d_head"
+        q, k, v = (rearrange(t, split, d_head=self.d_head) for t in (q, k, v))
+        if self.rope is not None and rope_positions is not None:
+            positions = rearrange(rope_positions, "batch seq -> batch 1 seq")
+            q, k = self.rope(q, positions), self.rope(k, positions)
+        keys, values = step.cache.write(k, v, step.positions, step.rows)
+        if step.limit is not None:
+            keys, values = keys[:, :, : step.limit], values[:, :, : step.limit]
+        out = self._attention_fn(q, keys, values, mask=step.mask)
+        return self.output_proj(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
 
     def extra_repr(self) -> str:
         return (

@@ -5,8 +5,9 @@ Two functions, each the one place of its job:
 
 - :func:`sample_rows`: OpenAI's ``frequency_penalty`` and ``presence_penalty`` (over the tokens each row has
   generated so far), ``logit_bias``, then greedy (``temperature`` 0) or a draw from softmax(logits / temperature)
-  cut to ``top_p``, each sampled row with its own ``torch.Generator``. A row without penalties or bias, at
-  temperature t and top_p p, draws exactly what :func:`tlm_model.sample_next_token` draws (``tlm generate``).
+  cut to ``top_p``, each sampled row with its own ``torch.Generator``, through :func:`tlm_model.sample_tokens` (one
+  call for the batch). A row without penalties or bias, at temperature t and top_p p, draws exactly what
+  :func:`tlm_model.sample_next_token` draws (``tlm generate``).
 - :func:`token_logprobs`: the log-probabilities OpenAI reports: ``log_softmax`` of the model's logits in float32,
   before temperature, penalties and bias, for the chosen token and the top k.
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from tlm_model import sample_tokens
 
 #: A temperature below this is greedy. softmax(logits / t) in float32 overflows to inf (then NaN) once
 #: logits / t passes 3.4e38, and already at t = 1e-5 a gap of 0.001 between two logits is a factor of e^100:
@@ -64,21 +67,14 @@ def sample_rows(
     """The next token of every row of ``logits`` (batch, vocab): greedy where ``generators[r]`` is None (the row's
     temperature is 0), else a draw with that generator. ``any_top_p``: some sampled row has top_p < 1."""
     x = adjusted_logits(logits, params)
-    tokens = x.argmax(-1)
+    if all(generator is None for generator in generators):
+        return x.argmax(-1)
+    # tlm_model's batched sampler: one call for every row, each seeded row's noise from its own generator; a
+    # greedy row (no generator) gets temperature 0.
     sampled = [r for r, generator in enumerate(generators) if generator is not None]
-    if not sampled:
-        return tokens
     rows = params.sampled if params.sampled is not None else torch.tensor(sampled, device=x.device)
-    scaled = x[rows] / params.temperature[rows, None]
-    if any_top_p:
-        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # As tlm_model's top_p: drop a token when those ranked above it already reach top_p (the best stays).
-        drop = probs.cumsum(-1) - probs >= params.top_p[rows, None]
-        scaled = scaled.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(scaled, -1)
-    draws = [torch.multinomial(probs[i : i + 1], 1, generator=generators[r]).reshape(1) for i, r in enumerate(sampled)]
-    return tokens.index_copy(0, rows, torch.cat(draws))
+    temperature = torch.zeros_like(params.temperature).index_copy(0, rows, params.temperature[rows])
+    return sample_tokens(x, temperature, None, params.top_p if any_top_p else None, generators)
 
 
 def token_logprobs(logits: Tensor, chosen: Tensor, top: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -2,9 +2,11 @@
 for every active request (continuous batching).
 
 Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between
-steps while it has fewer than ``max_batch`` rows. A request that generates more than one token joins with
-its prompt run alone (:meth:`tlm_model.batching.DecodeBatch.add`), then every step feeds one token to every
-row in one forward. A request that only scores its prompt (``max_tokens`` 0 with ``echo``) or generates one
+steps while it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a
+row whose prompt is prefilled with the other joining prompts, a chunk a step (at most the batch's
+``prefill_chunk`` tokens, shortest prompt first: :meth:`tlm_model.batching.DecodeBatch.prefill`) between the
+decoding rows' steps, so a long prompt does not stall them; then every step feeds one token to every
+decoding row in one forward. A request that only scores its prompt (``max_tokens`` 0 with ``echo``) or generates one
 token needs no cache: those that join together run as one padded prefill (:meth:`Scheduler._prefill_only`),
 and end there. Each row samples with its own parameters (:mod:`tlm_command.sampling`, one call for the batch)
 and its own ``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
@@ -33,9 +35,15 @@ import torch
 
 from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
+from tlm_model.inference import unwrap
 
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
+
+#: Prompt tokens prefilled between two decoding steps at most (DecodeBatch's ``prefill_chunk``). On a 2-core CPU
+#: (course shape, eager, bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an
+#: idle server while a 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
+PREFILL_CHUNK = 64
 
 
 class QueueFull(Exception):
@@ -162,15 +170,22 @@ class Scheduler:
         max_queue: int,
         eos_ids: list[int],
         device: torch.device,
+        warm_up: bool = False,
     ) -> None:
+        """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
+        every batch size's step now, not on the first requests); its failure is raised here."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
+        # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
+        # shapes would vary with every request): the eager model inside any compiled wrapper.
+        self._plain = unwrap(model)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
-        self.batch = DecodeBatch(model, max_batch)
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=PREFILL_CHUNK)
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
+        self._last: list[tuple[Request, Piece]] = []  # ended requests' last pieces, sent once their rows left
         self._params_rows: list[_Row] = []  # the rows _cached_params was built for
         self._cached_params: RowParams | None = None
         self._one = torch.ones(1, device=device)
@@ -179,8 +194,13 @@ class Scheduler:
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
         self.steps = 0  # batched forwards so far (the tests read it)
         self.error: BaseException | None = None
+        self._warm_up = warm_up
+        self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tlm-scheduler", daemon=True)
         self._thread.start()
+        self._ready.wait()
+        if self.error is not None:
+            raise self.error
 
     # ------------------------------------------------------------------ any thread
 
@@ -239,6 +259,15 @@ class Scheduler:
             self._in_flight -= count
 
     def _loop(self) -> None:
+        with torch.inference_mode():  # the warm-up's graphs are compiled under the mode the steps run in
+            try:
+                if self._warm_up:
+                    self.batch.warm_up()
+            except BaseException as err:
+                self.error = err
+                return
+            finally:
+                self._ready.set()
         try:
             with torch.inference_mode():
                 while self._next_step():
@@ -280,7 +309,22 @@ class Scheduler:
         self._joining = []
         if not self._rows:
             return True
-        tokens = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
+        # One chunk of the joined prompts (shortest first, at most the batch's prefill_chunk tokens), so a long
+        # prompt is run a chunk a step between the decoding rows' steps instead of stalling them.
+        if self.batch.prefilling:
+            for r, logits in self.batch.prefill().items():  # the model's: a failure ends everything
+                self._rows[r].logits = logits
+        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
+        tokens = [torch.zeros((), dtype=torch.long, device=self.device)] * len(self._rows)
+        if ready:
+            saved, self._rows = self._rows, [self._rows[r] for r in ready]
+            try:
+                sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
+            finally:
+                self._rows = saved
+            for r, token in zip(ready, sampled, strict=True):
+                tokens[r] = token
+                self._rows[r].logits = None
         # Ended and cancelled rows leave before the forward; the last row takes each one's place.
         for r in reversed(range(len(self._rows))):
             if self._rows[r].request.cancelled.is_set():
@@ -288,15 +332,18 @@ class Scheduler:
                 self._rows[r], tokens[r] = self._rows[-1], tokens[-1]
                 self._rows.pop(), tokens.pop()
                 self._left(1)
-        if self._rows:
+        self._send_last()
+        prefilling = set(self.batch.prefilling)
+        if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
             logits = self.batch.step(torch.stack(tokens))  # a failure here is the model's: _loop ends it all
-            for row, row_logits in zip(self._rows, logits.unbind(0), strict=True):
-                row.logits = row_logits
+            for r, row in enumerate(self._rows):
+                row.logits = None if r in prefilling else logits[r]
             self.steps += 1
         return True
 
     def _join(self, request: Request) -> None:
-        """Prefill ``request`` alone into a new row (its prompt's scores first, with ``echo``)."""
+        """Give ``request`` a new row whose prompt is prefilled a chunk a step with the others joining
+        (:meth:`DecodeBatch.join`); with ``echo``, prefilled at once, to score the prompt first."""
         try:
             row = _Row(request, self.tokenizer, self.vocab, self.device)
         except Exception as err:
@@ -304,6 +351,10 @@ class Scheduler:
             self._left(1)
             return
         prompt = torch.tensor(request.prompt, device=self.device)
+        if not request.echo:
+            self.batch.join(prompt)
+            self._rows.append(row)
+            return
         logits = self.batch.add(prompt, every_position=request.echo)  # the model's: a failure ends everything
         if request.echo:
             try:
@@ -332,7 +383,7 @@ class Scheduler:
             for b, request in enumerate(group):
                 padded[b, : len(request.prompt)] = torch.tensor(request.prompt)
             padded = padded.to(self.device)
-            logits = self.model(padded)  # the model's: a failure ends everything
+            logits = self._plain(padded)  # the model's: a failure ends everything
             lengths = torch.tensor([len(r.prompt) for r in group], device=self.device)
             last = logits[torch.arange(len(group), device=self.device), lengths - 1]
             rows: list[_Row | None] = []
@@ -357,12 +408,11 @@ class Scheduler:
             if generating:
                 saved, self._rows = self._rows, generating
                 try:
-                    self._sample(
-                        [cast(torch.Tensor, row.logits) for row in generating]
-                    )  # one token each: they all end here
+                    self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
                 finally:
                     self._rows = saved
             self._left(len(group))
+            self._send_last()
 
     def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
         """``tokens`` scored under ``logits`` (one row each), read back to the host."""
@@ -453,19 +503,30 @@ class Scheduler:
         request.completion_tokens += 1
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
+        # An ended request's last piece goes out once its row has left (_send_last), so that a client told it
+        # ended never finds it counted active.
         if token_id in self.eos:
-            request.emit(Piece(row.stream.close(), "stop", scored))
             request.cancelled.set()
+            self._last.append((request, Piece(row.stream.close(), "stop", scored)))
             return
         text, stopped = row.stream.add(token_id)
         if stopped:
-            request.emit(Piece(text, "stop", scored))
             request.cancelled.set()
+            self._last.append((request, Piece(text, "stop", scored)))
         elif request.completion_tokens >= request.max_tokens:
-            request.emit(Piece(text + row.stream.close(), "length", scored))
             request.cancelled.set()
+            self._last.append((request, Piece(text + row.stream.close(), "length", scored)))
         elif text or scored:
             request.emit(Piece(text, None, scored))
+
+    def _send_last(self) -> None:
+        """Emit the last pieces of the requests that ended (their rows have left); one that raises fails alone."""
+        last, self._last = self._last, []
+        for request, piece in last:
+            try:
+                request.emit(piece)
+            except Exception as err:
+                self._fail(request, err)
 
 
 def _emit_quietly(request: Request, piece: Piece) -> None:

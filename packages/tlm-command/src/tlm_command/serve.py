@@ -57,6 +57,11 @@ def add_parser(commands: Any) -> None:
         help="a request body's bytes at most; larger ones get 413 (default: 1 MiB)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
+    parser.add_argument(
+        "--no-compile", action="store_true",
+        help="decode with the eager model (default: compile the decode step once at start, warmed up for every "
+        "batch size before the server listens, so no request waits for it)",
+    )  # fmt: skip
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
     parser.set_defaults(run=run)
 
@@ -157,9 +162,14 @@ def run(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as err:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
+    if not args.no_compile:
+        from tlm_model import compile_for_inference
+
+        model = compile_for_inference(model)  # type: ignore[assignment]
     scheduler = Scheduler(
-        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device
-    )
+        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
+        warm_up=not args.no_compile,
+    )  # fmt: skip
     app = create_app(
         scheduler,
         tokenizer,

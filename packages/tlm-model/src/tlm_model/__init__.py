@@ -27,6 +27,7 @@ _HOMES = {
     "save_hf": "tlm_model.interop",
     "generate": "tlm_model.generate",
     "sample_next_token": "tlm_model.generate",
+    "sample_tokens": "tlm_model.generate",
     "DecodeBatch": "tlm_model.batching",
     "load_model_file": "tlm_model.checkpoint",
     "save_model_file": "tlm_model.checkpoint",
@@ -48,6 +49,7 @@ __all__ = [
     "generate",
     "load_model_file",
     "sample_next_token",
+    "sample_tokens",
     "save_hf",
     "save_model_file",
     "unwrap",
@@ -60,7 +62,7 @@ if TYPE_CHECKING:
     from tlm_model.checkpoint import load_model_file, save_model_file
     from tlm_model.config import PRESETS, ModelConfig
     from tlm_model.cross_entropy import cross_entropy
-    from tlm_model.generate import generate, sample_next_token
+    from tlm_model.generate import generate, sample_next_token, sample_tokens
     from tlm_model.inference import InferenceModel, compile_for_inference, unwrap
     from tlm_model.interop import from_hf, save_hf
     from tlm_model.lm import TransformerLM

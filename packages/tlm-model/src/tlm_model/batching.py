@@ -1,5 +1,7 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
+from collections.abc import Callable, Sequence
+
 import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
@@ -10,30 +12,73 @@ from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
 
+def batch_bucket(rows: int, max_batch_size: int) -> int:
+    """The batch size a step over ``rows`` rows runs at: the next power of two, at most ``max_batch_size``.
+    A compiled step has one graph per bucket, so rows joining and leaving reuse a handful of graphs."""
+    return min(max_batch_size, 1 << max(0, rows - 1).bit_length())
+
+
 class DecodeBatch:
     """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
 
-    ``add(prompt_ids)`` runs a prompt alone (its own KV cache, sized to it) and appends it as a new row of
-    the batch's cache; ``step(tokens)`` feeds one new token to every row in one batched forward and
-    returns each row's next-token logits; ``remove(row)`` lets a row go. A row's logits are those of its
-    sequence decoded alone, up to float rounding of the batched matmuls (the cache keeps a length per row,
-    see :class:`~tlm_attention.KVCache`). This is the model-side half of a server's scheduler (vLLM's and
-    TGI's continuous batching): which requests join or leave, and how each one samples, is the caller's.
+    ``add(prompt_ids)`` prefills a prompt and appends it as a new row; ``add_many(prompts)`` prefills several
+    together (one padded forward per chunk of ``prefill_chunk`` tokens); ``step(tokens)`` feeds one new token
+    to every row in one batched forward and returns each row's next-token logits; ``remove(row)`` lets a row
+    go. A row's logits are those of its sequence decoded alone, up to float rounding of the batched matmuls
+    (the cache keeps a length per row, see :class:`~tlm_attention.KVCache`). This is the model-side half of a
+    server's scheduler (vLLM's and TGI's continuous batching): which requests join or leave, and how each one
+    samples, is the caller's.
+
+    **Chunked prefill** (vLLM's). ``join(prompt_ids)`` appends a row whose prompt is still to run; each
+    ``prefill()`` runs at most ``prefill_chunk`` tokens of the joined prompts (the fewest remaining first,
+    several prompts padded into one forward) and returns the logits of those whose prompt is now complete. A
+    caller alternates ``prefill()`` and ``step(...)``, so a long prompt delays the decoding rows by one chunk a
+    step, not by its whole length. A row still prefilling takes no token in ``step`` (its entry is ignored,
+    its logits mean nothing).
+
+    **Static shapes.** The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots) and a
+    step writes each row's token in place and attends over the whole buffer under a mask built once per step
+    (:meth:`TransformerLM.forward_static`): its shape depends only on the batch bucket
+    (:func:`batch_bucket`) and the capacity. With a model from :func:`~tlm_model.compile_for_inference` the
+    step is one compiled graph per bucket (CUDA graphs on CUDA) that never recompiles as rows join, leave
+    and grow; prompt chunks run through a dynamic-shape graph of their own.
 
     Rows are numbered ``0 .. len(batch) - 1`` and stay compact: removing row ``r`` moves the last row into
     its place (``remove`` says which row moved). A sequence longer than ``capacity`` (default: the model's
-    context) does not fit; the caller keeps prompt + new tokens within it. Nothing is checked per step.
+    context) does not fit: ``step`` refuses to feed a full row (host-side lengths, no device read).
     """
 
-    def __init__(self, model: TransformerLM | InferenceModel, max_batch_size: int, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        model: TransformerLM | InferenceModel,
+        max_batch_size: int,
+        capacity: int | None = None,
+        *,
+        prefill_chunk: int = 512,
+    ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
         check_positive_int("max_batch_size", max_batch_size)
+        check_positive_int("prefill_chunk", prefill_chunk)
         self.model = model
-        self.capacity = model.config.context_length if capacity is None else capacity
-        self.caches = model.new_kv_cache(max_batch_size, capacity=self.capacity)
+        self.prefill_chunk = prefill_chunk
+        self._lm = model.model if isinstance(model, InferenceModel) else model
+        self.caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        self.capacity = self.caches[0].capacity
         for cache in self.caches:
             cache.select_rows([])
+        self._device = self.caches[0].device_lengths.device
+        self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
+        self._skipped: list[int] = []  # per row: prefill calls in a row that passed it over
+        self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
+        self._decode_fn: Callable[..., Tensor]
+        self._prefill_fn: Callable[..., Tensor]
+        # An eager model's step may change shape: it reads only the slots up to the longest row's.
+        self._eager = not isinstance(model, InferenceModel)
+        if isinstance(model, InferenceModel):
+            self._decode_fn, self._prefill_fn = model.decode_step, model.prefill_step
+        else:
+            self._decode_fn = self._prefill_fn = torch.no_grad()(model.forward_static)
 
     def __len__(self) -> int:
         return self.caches[0].batch_size
@@ -44,32 +89,154 @@ class DecodeBatch:
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        """Each row's tokens so far (prompt + tokens fed)."""
+        """Each row's tokens so far (prompt + tokens fed; a prefilling row: its prompt tokens run so far)."""
         return self.caches[0].lengths
+
+    @property
+    def prefilling(self) -> tuple[int, ...]:
+        """The rows whose prompt has not finished running."""
+        return tuple(r for r, ids in enumerate(self._pending) if ids is not None)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
+        a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
+        on the first requests; the batch is left empty."""
+        if len(self):
+            raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
+        sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)})
+        zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 7)]
+        try:
+            for rows in sizes:
+                while len(self) < rows:
+                    self.add(zeros[min(len(self), 1)])
+                if all(n < self.capacity for n in self.lengths):
+                    self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
+            # Chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
+            for group in ([zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]):
+                while len(self):
+                    self.remove(len(self) - 1)
+                if len(group) <= self.max_batch_size:
+                    self.add_many(group)
+        finally:
+            while len(self):
+                self.remove(len(self) - 1)
+
+    def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
+        """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
+        if len(self) == self.max_batch_size:
+            raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
+        ids = self._checked(prompt_ids, least=1)
+        rows = len(self)
+        for cache in self.caches:
+            cache.append_empty_row()
+        self._pending.append(ids.to(self._device))
+        self._skipped.append(0)
+        self._decoding[rows] = 0
+        return rows
+
+    @torch.no_grad()
+    def refill(self, row: int, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"] | None:
+        """Row ``row`` holds exactly ``prompt_ids`` from now on (a window that slid): its tokens are forgotten
+        and ``prompt_ids`` prefilled alone; returns its next-token logits (None for no ids: the row is empty)."""
+        check_int("row", row, low=0, high=len(self) - 1)
+        ids = self._checked(prompt_ids, least=0)
+        for cache in self.caches:
+            lengths = list(cache.lengths)
+            lengths[row] = 0
+            cache.truncate(lengths)
+        if len(ids) == 0:
+            self._pending[row] = None
+            self._decoding[row] = 1
+            return None
+        self._pending[row] = ids.to(self._device)
+        self._decoding[row] = 0
+        done: dict[int, Tensor] = {}
+        while not done:
+            done = self._prefill_rows([row], self.prefill_chunk)
+        return done[row]
+
+    def _checked(self, prompt_ids: object, least: int) -> Tensor:
+        if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not least <= len(prompt_ids) <= self.capacity:
+            raise ValueError(
+                f"prompt_ids must be a tensor of shape (prompt,) with {least} to {self.capacity} ids, got "
+                + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
+            )
+        return as_index_tensor("prompt_ids", prompt_ids, self._lm.config.vocab_size, "vocab_size")
+
+    @torch.no_grad()
+    def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:
+        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows in one forward,
+        the fewest remaining first and none padded past twice the shortest one's chunk (a short prompt joining
+        beside a long one runs at once, in a forward of its own size; the long one goes on at the next call);
+        returns {row: next-token logits} for the rows whose prompt is now complete."""
+        budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
+        return self._prefill_rows(list(self.prefilling), budget)
 
     @torch.no_grad()
     def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
-        """Run ``prompt_ids`` alone and append it as the last row; returns its next-token logits, shape (vocab,),
+        """Prefill ``prompt_ids`` and append it as the last row; returns its next-token logits, shape (vocab,),
         or with ``every_position`` the logits after each prompt token, shape (prompt, vocab), from the same
-        forward (a server scoring the prompt: the last row is the next token's)."""
+        forwards (a server scoring the prompt: the last row is the next token's)."""
+        return self.add_many([prompt_ids], every_position=every_position)[0]
+
+    @torch.no_grad()
+    def add_many(
+        self, prompts: Sequence[Integer[Tensor, " prompt"]], *, every_position: bool = False
+    ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "prompt vocab"]]:
+        """Prefill ``prompts`` together (chunks of ``prefill_chunk`` tokens) and append them as the last rows,
+        in order; returns their next-token logits (with ``every_position``: a list of each prompt's logits after
+        every token). Rows joined earlier and still prefilling are left as they are."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
-        if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not 0 < len(prompt_ids) <= self.capacity:
+        if len(self) + len(prompts) > self.max_batch_size:
             raise ValueError(
-                f"prompt_ids must be a tensor of shape (prompt,) with 1 to {self.capacity} ids, got "
-                + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
+                f"the batch has room for {self.max_batch_size} rows; {len(self)} in use + {len(prompts)} new is "
+                "too many"
             )
-        ids = as_index_tensor("prompt_ids", prompt_ids, self.model.config.vocab_size, "vocab_size")
-        alone = self.model.new_kv_cache(1, capacity=len(ids))
-        logits = self.model(ids.unsqueeze(0), kv_cache=alone)[0]
-        for cache, source in zip(self.caches, alone, strict=True):
-            cache.append_row(source)
-        return logits if every_position else logits[-1]
+        rows = [self.join(ids) for ids in prompts]
+        done: dict[int, Tensor] = {}
+        scores: dict[int, list[Tensor]] | None = {row: [] for row in rows} if every_position else None
+        try:
+            while len(done) < len(rows):
+                todo = [r for r in rows if r not in done]
+                done.update(self._prefill_rows(todo, self.prefill_chunk, scores))
+        except BaseException:
+            for row in reversed(rows):  # all or nothing: the new rows go again
+                self.remove(row)
+            raise
+        if scores is not None:
+            return [torch.cat(scores[r]) for r in rows]
+        return torch.stack([done[r] for r in rows])
 
     @torch.no_grad()
     def step(self, tokens: Integer[Tensor, " batch"]) -> Float[Tensor, "batch vocab"]:
-        """Feed ``tokens[r]`` to row ``r``, every row in one forward; returns each row's next-token logits."""
-        return self.model(tokens.unsqueeze(1), kv_cache=self.caches)[:, -1]
+        """Feed ``tokens[r]`` to row ``r``, every row in one forward; returns each row's next-token logits.
+
+        A row still prefilling ignores its token. ``tokens`` are trusted (sampled ids): nothing is read back."""
+        rows = len(self)
+        if tokens.shape != (rows,):
+            raise ValueError(f"tokens must have shape ({rows},), one per row, got {tuple(tokens.shape)}")
+        lengths = self.lengths
+        taking = [int(ids is None) for ids in self._pending]
+        full = [r for r in range(rows) if taking[r] and lengths[r] >= self.capacity]
+        if full:
+            raise ValueError(f"rows {full} hold {self.capacity} tokens, the capacity: remove them before the next step")
+        bucket = batch_bucket(rows, self.max_batch_size)
+        fed = tokens.to(self._device, torch.int64)
+        if bucket > rows:
+            fed = torch.cat([fed, fed.new_zeros(bucket - rows)])
+        # Rows past the batch (and prefilling rows) write at their own length, a slot that holds nothing
+        # that counts, or the scratch slot; their lengths do not move.
+        positions = self.caches[0].device_lengths[:bucket].unsqueeze(1)
+        if self._eager:
+            limit = max(lengths) + 1
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, limit)
+        else:
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches)
+        for cache in self.caches:
+            cache.advance(taking, self._decoding[:rows])
+        return logits[:rows]
 
     def remove(self, row: int) -> int | None:
         """Drop row ``row``; the last row moves into its place. Returns the index the moved row had, or None."""
@@ -81,4 +248,72 @@ class DecodeBatch:
             keep[row] = last
         for cache in self.caches:
             cache.select_rows(keep)
+        self._pending[row], self._skipped[row] = self._pending[last], self._skipped[last]
+        self._pending.pop(), self._skipped.pop()
+        self._decoding[row] = self._decoding[last]
+        self._decoding[last] = 0
         return last if row != last else None
+
+    def _prefill_rows(
+        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None
+    ) -> dict[int, Tensor]:
+        # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
+        # The fewest remaining tokens first, and no prompt padded to more than twice the first one's chunk: a
+        # short prompt beside a long one runs in a forward of its own width, the long one at the next call.
+        # A row passed over twice goes first, so that prompts joining every step never starve a long one.
+        chunks: list[tuple[int, Tensor]] = []
+        order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
+        for row in order:
+            ids = self._pending[row]
+            assert ids is not None
+            take = ids[:budget]
+            if budget == 0 or (chunks and len(take) > 2 * len(chunks[0][1])):
+                break
+            chunks.append((row, take))
+            budget -= len(take)
+        if not chunks:
+            return {}
+        taken = {row for row, _ in chunks}
+        for row in rows:
+            self._skipped[row] = 0 if row in taken else self._skipped[row] + 1
+        width = max(len(ids) for _, ids in chunks)
+        lengths = self.lengths
+        tokens = torch.zeros(len(chunks), width, dtype=torch.int64, device=self._device)
+        # Padding goes to the scratch slot (position capacity), which no real token reads.
+        positions = torch.full((len(chunks), width), self.capacity, dtype=torch.int64, device=self._device)
+        for i, (row, ids) in enumerate(chunks):
+            tokens[i, : len(ids)] = ids
+            positions[i, : len(ids)] = torch.arange(lengths[row], lengths[row] + len(ids), device=self._device)
+        index = torch.tensor([row for row, _ in chunks], device=self._device)
+        if scores is None:
+            last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
+        else:
+            last = torch.arange(width, device=self._device).expand(len(chunks), width)
+        if self._eager:
+            limit = max(lengths[row] + len(ids) for row, ids in chunks)
+            logits = self._prefill_fn(tokens, positions, self.caches, index, last, limit)
+        else:
+            logits = self._prefill_fn(tokens, positions, self.caches, index, last)
+        if scores is not None:
+            for i, (row, ids) in enumerate(chunks):
+                scores[row].append(logits[i, : len(ids)])
+            logits = logits[
+                torch.arange(len(chunks), device=self._device),
+                last[:, 0] + torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device),
+            ]
+        new = [0] * len(self)
+        for row, ids in chunks:
+            new[row] = len(ids)
+        for cache in self.caches:
+            cache.advance(new)
+        done = {}
+        for i, (row, ids) in enumerate(chunks):
+            rest = self._pending[row]
+            assert rest is not None
+            if len(ids) == len(rest):
+                self._pending[row] = None
+                self._decoding[row] = 1
+                done[row] = logits[i]
+            else:
+                self._pending[row] = rest[len(ids) :]
+        return done

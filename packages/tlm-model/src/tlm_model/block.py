@@ -4,7 +4,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_attention import CausalMultiHeadSelfAttention, KVCache
+from tlm_attention import CacheStep, CausalMultiHeadSelfAttention, KVCache
 from tlm_ffn import SiLUFFN, SwiGLU
 from tlm_model.config import ModelConfig, check_config
 from tlm_norm import RMSNorm
@@ -102,7 +102,7 @@ class TransformerBlock(nn.Module):
         self,
         x: Float[Tensor, "... seq d_model"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | CacheStep | None = None,
         *,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache: the prompt is processed once, then one token a step."""
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from jaxtyping import Float, Int, Integer
@@ -12,17 +13,30 @@ from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
 
-def _filter_logits(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
+def _filter_logits(logits: Tensor, top_k: int | Tensor | None, top_p: float | Tensor | None) -> Tensor:
+    """``logits`` with -inf outside each row's ``top_k`` most likely (ties at the k-th kept; 0 or >= vocab: no
+    limit) and outside the smallest set whose probability reaches ``top_p`` (1: no limit). Each limit is one
+    value or one per row (a tensor of the leading shape); one sort serves both."""
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(-1, descending=True)
+    keep = torch.ones_like(ordered, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.as_tensor(top_k, device=logits.device).long().unsqueeze(-1)
+        k = torch.where((k > 0) & (k < vocab), k, vocab)
+        keep &= ordered >= ordered.gather(-1, (k - 1).expand(*ordered.shape[:-1], 1))
+    if top_p is not None:
+        p = torch.as_tensor(top_p, device=logits.device, dtype=torch.float32).unsqueeze(-1)
+        probs = torch.softmax(ordered.masked_fill(~keep, float("-inf")).float(), -1)
         # Drop a token when the tokens ranked above it already reach top_p; the best always stays.
-        drop = probs.cumsum(-1) - probs >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return logits
+        keep &= (probs.cumsum(-1) - probs < p) | (p >= 1.0)
+    return logits.masked_fill(~torch.zeros_like(keep).scatter(-1, order, keep), float("-inf"))
+
+
+#: Without an ``on_token`` callback (which reads every token anyway), :func:`generate` asks the device whether
+#: every row has ended once every this many steps, not every step, and cuts the steps past the end afterwards.
+EOS_CHECK_EVERY = 8
 
 
 def sliding_window(context_length: int) -> tuple[int, int]:
@@ -69,7 +83,14 @@ def generate(
     positions in the KV cache, so row ``b`` gets the tokens its prompt gets alone (up to float rounding of
     a batched matmul), and slides its own window when it alone fills the context.
 
-    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode on CPU.
+    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode: it then decodes
+    through a :class:`~tlm_model.batching.DecodeBatch` over static caches sized to the request, one compiled
+    graph of one shape for every step (a window that slides rebuilds a full row alone; the tokens are those
+    of the eager model, up to float rounding).
+
+    **Host syncs.** A step reads nothing back unless ``on_token`` is given (it gets each token) or
+    ``eos_token_id`` is: then whether every row has ended is read every step with ``on_token``, else every
+    :data:`EOS_CHECK_EVERY` steps, and the few steps run past the end are cut from the result.
     """
     if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim not in (1, 2) or prompt_ids.shape[-1] == 0:
         raise ValueError(
@@ -113,6 +134,14 @@ def generate(
             layer.truncate(sizes)
         return cache, all_logits[torch.arange(len(rows), device=ids.device), torch.tensor(sizes, device=ids.device) - 1]
 
+    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
+    check_every = 1 if on_token is not None else EOS_CHECK_EVERY
+    if _uses_static_cache(model):
+        static = _generate_static(
+            model, ids, lengths, capacity, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
+            dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
+        )  # fmt: skip
+        return static.squeeze(0) if squeeze else static
     ragged = any(n != width for n in lengths)
     if not ragged:
         cache, logits = prefill(ids if width <= capacity else ids[:, -keep:])
@@ -121,16 +150,18 @@ def generate(
         rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
         cache, logits = prefill_rows([row if len(row) <= capacity else row[-keep:] for row in rows])
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    all_done_at = torch.full((), -1, device=ids.device)  # the first step after which every row had ended
     out = [ids]
-    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     for step in range(max_new_tokens):
         token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if eos_tensor is not None:
             token = torch.where(finished, eos_tensor[0], token)
             finished |= torch.isin(token, eos_tensor)
+            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
         out.append(token.unsqueeze(1))
         stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
-        if stop or step + 1 == max_new_tokens or (eos_tensor is not None and bool(finished.all())):
+        ended = eos_tensor is not None and (step + 1) % check_every == 0 and bool(finished.all())
+        if stop or step + 1 == max_new_tokens or ended:
             break
         if not ragged and cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
             cache, logits = prefill(torch.cat(out, dim=1)[:, -keep:])
@@ -143,8 +174,71 @@ def generate(
                     row = before[b, width - lengths[b] :]
                     _rebuild_row(model, cache, b, row[len(row) - (keep - 1) :])
         logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
-    result = torch.cat(out, dim=1)
+    result = _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos_tensor, check_every)
     return result.squeeze(0) if squeeze else result
+
+
+def _uses_static_cache(model: object) -> bool:
+    """Whether :func:`generate` decodes ``model`` over static caches (a compiled model's one step shape)."""
+    return isinstance(model, InferenceModel)
+
+
+def _cut_after_the_end(result: Tensor, all_done_at: Tensor, width: int, eos: Tensor | None, check_every: int) -> Tensor:
+    """``result`` without the steps run after every row had ended (at most ``check_every - 1``): one read."""
+    if eos is None or check_every == 1:
+        return result
+    done = int(all_done_at)
+    return result if done < 0 else result[:, : width + done + 1]
+
+
+def _generate_static(
+    model: InferenceModel | TransformerLM,
+    ids: Tensor,
+    lengths: list[int],
+    capacity: int,
+    max_new_tokens: int,
+    eos: Tensor | None,
+    on_token: Callable[[Tensor], bool | None] | None,
+    check_every: int,
+    squeeze: bool,
+    sampling: dict,
+) -> Tensor:
+    """:func:`generate`'s loop over a :class:`DecodeBatch` (static caches, one step shape): what an
+    :class:`InferenceModel` decodes with. A full row (only at the context: ``capacity`` is then the context)
+    is refilled alone from its newest tokens but the one it is about to take, then takes it with the others."""
+    from tlm_model.batching import DecodeBatch
+
+    width = ids.shape[1]
+    context = model.config.context_length
+    keep, _ = sliding_window(context)
+    # The caches' capacity is a step's shape: rounded up to a power of two (at least 64, at most the context),
+    # requests of similar lengths share one compiled step. A window still slides only at the context.
+    capacity = min(context, max(64, 1 << (capacity - 1).bit_length()))
+    batch = DecodeBatch(model, ids.shape[0], capacity=capacity)
+    rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
+    logits = cast(Tensor, batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows]))
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    all_done_at = torch.full((), -1, device=ids.device)
+    out = [ids]
+    for step in range(max_new_tokens):
+        token = sample_next_token(logits, **sampling)
+        if eos is not None:
+            token = torch.where(finished, eos[0], token)
+            finished |= torch.isin(token, eos)
+            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
+        out.append(token.unsqueeze(1))
+        stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
+        ended = eos is not None and (step + 1) % check_every == 0 and bool(finished.all())
+        if stop or step + 1 == max_new_tokens or ended:
+            break
+        full = [b for b, n in enumerate(batch.lengths) if n == capacity]
+        if full:
+            before = torch.cat(out[:-1], dim=1)
+            for b in full:
+                row = before[b, width - lengths[b] :]
+                batch.refill(b, row[len(row) - (keep - 1) :])
+        logits = batch.step(token)
+    return _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos, check_every)
 
 
 def sample_next_token(
@@ -156,15 +250,67 @@ def sample_next_token(
     generator: torch.Generator | None = None,
 ) -> Int[Tensor, "..."]:
     """The next token of each row of ``logits``: the argmax at ``temperature=0``, else a draw from
-    softmax(logits / temperature) restricted by ``top_k`` and ``top_p`` (what :func:`generate` does each step).
+    softmax(logits / temperature) restricted by ``top_k`` and ``top_p`` (what :func:`generate` does each step):
+    :func:`sample_tokens` with the same settings for every row and one ``generator`` for all of them.
 
     Arguments are not checked here (a decoding loop calls this every step): :func:`generate` checks them.
     """
     if temperature == 0:
         return logits.argmax(-1)
-    filtered = _filter_logits(logits.float() / temperature, top_k, top_p)
-    flat = torch.softmax(filtered, -1).reshape(-1, filtered.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(filtered.shape[:-1])
+    flat = logits.reshape(-1, logits.shape[-1])
+    return sample_tokens(flat, temperature, top_k, top_p, generator).reshape(logits.shape[:-1])
+
+
+def sample_tokens(
+    logits: Float[Tensor, "batch vocab"],
+    temperature: float | Sequence[float] | Tensor,
+    top_k: int | Sequence[int | None] | Tensor | None = None,
+    top_p: float | Sequence[float | None] | Tensor | None = None,
+    generators: torch.Generator | Sequence[torch.Generator | None] | None = None,
+) -> Int[Tensor, " batch"]:
+    """One token for every row of ``logits`` in one call, each row with its own settings: a row with
+    temperature 0 takes its argmax; another draws from softmax(logits / temperature) restricted to its
+    ``top_k`` most likely tokens (ties at the k-th kept; None or 0: no limit) and to the smallest set whose
+    probability reaches its ``top_p`` (None or 1: no limit). Each setting is one value for every row or one
+    per row (a sequence, or a tensor on the logits' device).
+
+    The draw is the exponential race (argmax of p / E, E ~ Exp(1) drawn per token; as vLLM and gpt-fast
+    sample without a host sync), whose winner is distributed as p exactly. ``generators`` is one generator for
+    every row, or one per row: a row with its own generator draws its noise from it alone, so its tokens do
+    not depend on what else is in the batch; rows with None share torch's default generator. Nothing is
+    checked or read back here (a server's hot path): the caller validates the settings once per request.
+    """
+    rows = logits.shape[0]
+    device = logits.device
+    logits = logits.float()
+
+    def per_row(value: object, dtype: torch.dtype, none: float) -> Tensor:
+        if isinstance(value, Tensor):
+            return value.to(device, dtype)
+        if isinstance(value, Sequence):
+            return torch.tensor([none if v is None else v for v in value], dtype=dtype, device=device)
+        return torch.full((rows,), none if value is None else cast(float, value), dtype=dtype, device=device)
+
+    temperatures = per_row(temperature, torch.float32, 0.0)
+    scaled = logits / torch.where(temperatures > 0, temperatures, 1.0).unsqueeze(1)
+    scaled = _filter_logits(
+        scaled,
+        None if top_k is None else per_row(top_k, torch.int64, 0),
+        None if top_p is None else per_row(top_p, torch.float32, 1.0),
+    )
+    probs = torch.softmax(scaled, -1)
+    noise = torch.empty_like(probs)
+    if isinstance(generators, torch.Generator) or generators is None:
+        noise.exponential_(generator=generators)
+    else:
+        if any(g is None for g in generators):
+            noise.exponential_()
+        for row, g in enumerate(generators):
+            if g is not None:
+                noise[row].exponential_(generator=g)
+    # A draw of exactly 0 would make 0/0 of a dropped token: the smallest normal float instead.
+    drawn = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
+    return torch.where(temperatures > 0, drawn, logits.argmax(-1))
 
 
 def _rebuild_row(model: TransformerLM | InferenceModel, cache: list, row: int, tokens: Tensor) -> None:

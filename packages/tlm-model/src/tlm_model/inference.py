@@ -1,12 +1,15 @@
 """A compiled, weight-frozen view of a TransformerLM for inference (prefill and KV-cached decoding), and
 :func:`unwrap`, which finds the model inside it and the other wrappers."""
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from tlm_model.lm import TransformerLM
+from tlm_attention import KVCache
+from tlm_model.lm import POSITIONS_WITH_CACHE, TransformerLM, check_token_ids
 
 #: What ``compile_for_inference`` passes to ``torch.compile``. max-autotune lets inductor pick its
 #: own C++ GEMM kernels; with frozen weights they work on pre-packed (oneDNN) copies of the weights.
@@ -15,6 +18,19 @@ from tlm_model.lm import TransformerLM
 #: eager as here, 1.37-1.50x frozen but not pre-packed (MKL matmuls), 1.25-1.28x not frozen; on a CPU
 #: where oneDNN's GEMM ran 2.8x MKL's, 3x (docs/benchmarks.md).
 COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
+
+#: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
+#: one graph per (batch bucket, capacity), never a dynamic size; CUDA graphs on CUDA ("reduce-overhead"),
+#: inductor's autotuned C++ GEMMs on CPU.
+DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
+    "cuda": {"mode": "reduce-overhead", "dynamic": False, "fullgraph": True},
+    "cpu": {"mode": "max-autotune-no-cudagraphs", "dynamic": False, "fullgraph": True},
+}
+
+#: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: dynamo's automatic dynamic
+#: shapes, so the sizes that change (rows, chunk width) become symbolic after the first recompile while the
+#: caches' buffers stay static.
+PREFILL_COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": None, "fullgraph": True}
 
 
 class InferenceModel(nn.Module):
@@ -31,6 +47,19 @@ class InferenceModel(nn.Module):
             raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
         self.model = model.eval()
         self.compiled = torch.compile(model, **COMPILE_KWARGS)
+        device = model.lm_head.weight.device.type
+        decode_kwargs = DECODE_COMPILE_KWARGS.get(device, DECODE_COMPILE_KWARGS["cpu"])
+
+        # Two functions (two code objects), so the fixed-shape decode graphs and the dynamic-shape prefill
+        # graphs are cached apart.
+        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
+            return model.forward_static(tokens, positions, caches)
+
+        def prefill(tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor) -> Tensor:
+            return model.forward_static(tokens, positions, caches, rows, last)
+
+        self._decode = torch.compile(decode, **decode_kwargs)
+        self._prefill = torch.compile(prefill, **PREFILL_COMPILE_KWARGS)
 
     @property
     def config(self):  # type: ignore[no-untyped-def]
@@ -39,21 +68,66 @@ class InferenceModel(nn.Module):
     def new_kv_cache(self, *args: Any, **kwargs: Any):  # type: ignore[no-untyped-def]
         return self.model.new_kv_cache(*args, **kwargs)
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        import torch._inductor.config as inductor_config
+    def forward(
+        self,
+        in_indices: Tensor,
+        token_positions: Tensor | None = None,
+        kv_cache: list[KVCache] | None = None,
+    ) -> Tensor:
+        """The model's forward, compiled. The ids are checked here, as the eager model's embedding checks
+        them (an id outside the vocabulary is an error, not another row's logits): one read of their
+        range, at this boundary and outside the compiled graph. The decoding loops (:meth:`decode_step`,
+        :meth:`prefill_step`) feed ids they checked or sampled themselves and skip it."""
+        check_token_ids(in_indices, self.model.config.vocab_size)
+        if token_positions is not None and kv_cache is not None:
+            raise ValueError(POSITIONS_WITH_CACHE)
+        with _frozen():
+            return self.compiled(in_indices, token_positions, kv_cache)
 
-        # Freezing is read when inductor compiles, which may be any call (a new shape recompiles),
-        # so it is switched on around every call rather than once.
-        with torch.no_grad(), inductor_config.patch(freezing=True):
-            return self.compiled(*args, **kwargs)
+    def decode_step(self, tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
+        """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (one graph per batch size
+        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions."""
+        with _frozen():
+            if tokens.device.type != "cuda":
+                return self._decode(tokens, positions, caches)
+            # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
+            # each call is a new step, and the logits are copied out of the graph's memory, which the next
+            # replay reuses.
+            for cache in caches:
+                for buffer in (cache.key_buffer, cache.value_buffer):
+                    torch._dynamo.mark_static_address(buffer)
+            torch.compiler.cudagraph_mark_step_begin()
+            return self._decode(tokens, positions, caches).clone()
+
+    def prefill_step(
+        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor
+    ) -> Tensor:
+        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes)."""
+        with _frozen():
+            return self._prefill(tokens, positions, caches, rows, last)
+
+
+@contextlib.contextmanager
+def _frozen() -> Iterator[None]:
+    import torch._inductor.config as inductor_config
+
+    # Freezing is read when inductor compiles, which may be any call (a new shape recompiles),
+    # so it is switched on around every call rather than once.
+    with torch.no_grad(), inductor_config.patch(freezing=True):
+        yield
 
 
 def compile_for_inference(model: TransformerLM) -> InferenceModel:
     """``torch.compile`` ``model`` for inference with frozen weights and autotuned CPU GEMMs.
 
-    The first calls compile (tens of seconds on a small CPU); afterwards batch-1 decoding runs 1.6-3x
-    and prefill 1.1-2x faster than eager, depending on how fast the CPU's oneDNN GEMM is (see
+    The first calls compile (tens of seconds on a small CPU, minutes under load); afterwards batch-1 decoding
+    runs 1.6-3x and prefill 1.1-2x faster than eager, depending on how fast the CPU's oneDNN GEMM is (see
     docs/benchmarks.md). Outputs match the eager model to float32 rounding.
+
+    What it checks: a plain call refuses what the eager model refuses (ids outside the vocabulary, explicit
+    positions with a KV cache) before the graph runs. :meth:`InferenceModel.decode_step` and
+    :meth:`InferenceModel.prefill_step`, what :func:`generate` and :class:`~tlm_model.batching.DecodeBatch`
+    run, check nothing: their callers check the prompts once where they enter and feed sampled ids after.
     """
     return InferenceModel(model)
 

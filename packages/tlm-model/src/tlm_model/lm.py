@@ -6,7 +6,14 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_attention import CausalMultiHeadSelfAttention, KVCache, document_positions, resolve_attention_backend
+from tlm_attention import (
+    CacheStep,
+    CausalMultiHeadSelfAttention,
+    KVCache,
+    cache_mask,
+    document_positions,
+    resolve_attention_backend,
+)
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock, build_norm, build_rope
 from tlm_model.config import ModelConfig, check_config
@@ -14,6 +21,29 @@ from tlm_model.loss import chunked_cross_entropy
 
 #: What ``torch.compile`` puts before every state-dict key of the module it wraps.
 COMPILED_PREFIX = "_orig_mod."
+
+#: Why explicit positions and a KV cache are refused together: the cache's rows already say where each
+#: row continues, and positions that contradicted them would write one token over another.
+POSITIONS_WITH_CACHE = (
+    "token_positions must be None with a kv_cache: each row continues at its own cached length "
+    "(KVCache.positions); give positions only without a cache"
+)
+
+
+def check_token_ids(in_indices: object, vocab_size: int) -> None:
+    """Refuse what the eager model's embedding refuses (non-integer ids, ids outside ``[0, vocab_size)``),
+    with one read of the ids' range: for a boundary that runs a compiled graph, whose gather would
+    otherwise wrap ``-1`` round to the last row."""
+    if not isinstance(in_indices, Tensor):
+        raise TypeError(f"in_indices must be a torch.Tensor, got {type(in_indices).__name__}")
+    if in_indices.is_floating_point() or in_indices.is_complex() or in_indices.dtype == torch.bool:
+        raise TypeError(f"in_indices must be an integer tensor, got dtype {in_indices.dtype}")
+    if in_indices.numel() == 0 or in_indices.device.type == "meta":
+        return
+    ids = in_indices.long()
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        raise IndexError(f"in_indices must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
 
 
 def _strip_compiled_prefix(
@@ -181,11 +211,13 @@ class TransformerLM(nn.Module):
         document of a packed window is computed as it would be alone. Not with ``kv_cache``.
 
         The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens with
-        those cached, the caches from :meth:`new_kv_cache` and of one length per row, no explicit
-        ``token_positions`` with a cache, which supplies them): the boundaries check it
+        those cached, the caches from :meth:`new_kv_cache`): the boundaries check it
         (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state the shapes,
-        and nothing here reads a value back to the host.
+        and nothing here reads a value back to the host. Explicit ``token_positions`` with a cache, which
+        supplies them, are refused (without reading a value).
         """
+        if kv_cache is not None and token_positions is not None:
+            raise ValueError(POSITIONS_WITH_CACHE)
         if document_ids is not None:
             if kv_cache is not None:
                 raise ValueError("document_ids is for whole packed windows; it cannot be given with kv_cache")
@@ -237,6 +269,42 @@ class TransformerLM(nn.Module):
         if document_ids is None:
             return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
         return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache, document_ids=document_ids))
+
+    def forward_static(
+        self,
+        in_indices: Integer[Tensor, "batch seq"],
+        positions: Integer[Tensor, "batch seq"],
+        kv_cache: list[KVCache],
+        rows: Integer[Tensor, " batch"] | None = None,
+        last: Integer[Tensor, "batch ..."] | None = None,
+        limit: int | None = None,
+    ) -> Float[Tensor, "batch ... vocab"]:
+        """One step over static caches (what a compiled decode step runs): the next-token logits of token
+        ``last[b]`` (default the last; ``last`` (batch, k): of k tokens) of each row.
+
+        Token ``t`` of row ``b`` is stored at slot ``positions[b, t]`` of buffer row ``rows[b]`` (default
+        ``b``) of every layer's cache and attends to that row's slots up to it; a padding token has position
+        ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the caches'
+        capacity, never by what is stored, so a compiled step of one shape serves every step. The mask is
+        built once here for all layers. Nothing is checked and no host state changes: the caller records
+        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run. ``limit`` (an eager
+        caller that knows every real token's position is below it) reads only the first ``limit`` slots.
+        """
+        capacity = kv_cache[0].capacity
+        mask = cache_mask(positions, capacity)
+        if limit is not None:
+            mask = mask[..., :limit]
+        # A padding token's scratch position is past the RoPE table when capacity == context_length.
+        rope_positions = positions.clamp(max=capacity - 1)
+        x = self.token_embeddings(in_indices)
+        for layer, cache in zip(self.layers, kv_cache, strict=True):
+            x = layer(x, rope_positions, CacheStep(cache, positions, rows, mask, limit))
+        if last is None:
+            x = x[:, -1]
+        else:  # last (batch,) or (batch, k): logits (batch, vocab) or (batch, k, vocab)
+            batch = torch.arange(x.shape[0], device=x.device).view(-1, *[1] * (last.ndim - 1))
+            x = x[batch, last]
+        return self.lm_head(self.ln_final(x))
 
     def loss(
         self,
