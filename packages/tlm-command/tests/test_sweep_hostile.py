@@ -141,7 +141,9 @@ def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
     assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "stopped")
 
 
-def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(tmp_path, fails, monkeypatch) -> None:
+def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(
+    tmp_path, fails, monkeypatch, capsys
+) -> None:
     import itertools
 
     def no_product(*args, **kwargs):
@@ -165,6 +167,12 @@ def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(t
     by_file = argparse.Namespace(grid=[], runs=str(runs), config=None, set=[], max_runs=4)
     assert [r["name"] for r in sweep.plan(by_file, out)["runs"]] == ["r0", "r1", "r2", "r3"]
     assert sweep.MAX_RUNS == 1000 and not out.exists()
+    from tlm_command.main import main
+
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--max-runs MAX_RUNS refuse a plan of more runs than this (its size said) (default: 1000)" in said
 
 
 @pytest.mark.slow  # two short trainings (~4 s)
