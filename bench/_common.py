@@ -19,15 +19,20 @@ from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
-ORDER = ["model", "gqa", "tokenizer", "optim", "train", "checkpoint", "serve"]
+ORDER = ["model", "gqa", "tokenizer", "optim", "train", "bf16", "lora", "document_mask", "checkpoint", "serve", "gpu"]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
     "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
     "tokenizer": "the tokenizer: tlm-tokenizer vs HF tokenizers and tiktoken (`bench/tokenizer.py`)",
     "optim": "the optimizer and batches: tlm-optim vs torch.optim (`bench/optim.py`)",
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
+    "lora": "LoRA against full fine-tuning: trainable parameters, AdamW state, step time (`bench/lora.py`)",
+
+    "document_mask": "document masking's cost in a training step, per attention backend (`bench/document_mask.py`)",
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
+    "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",
+    "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (
     "# Benchmarks\n\n"

@@ -6,8 +6,9 @@ For each package: LICENSE identical to the repository's and listed in ``license-
 includes LICENSE and CHANGELOG.md; project URLs Homepage, Repository, Issues and Changelog; a
 classifier for each Python version CI runs; a CHANGELOG.md with an entry for the current version;
 ``__version__`` equal to that version; siblings required with a compatible range that admits their
-current version; README links absolute (a relative link breaks on an index page). Exits 1 listing
-every problem.
+current version; README links absolute (a relative link breaks on an index page); a package that requires
+torch gives PyTorch's CPU-only install line (``CPU_TORCH_LINE``) in its README, so that a CPU machine need not
+pull the CUDA build. Exits 1 listing every problem.
 """
 
 import pathlib
@@ -19,6 +20,7 @@ import tomllib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CI_PYTHONS = ["3.11"]  # the versions CI runs (keep in step with the classifiers)
 URLS = ["Homepage", "Repository", "Issues", "Changelog"]
+CPU_TORCH_LINE = "python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
 
 
 def version_of(package_dir: pathlib.Path) -> str:
@@ -73,6 +75,9 @@ def check(package_dir: pathlib.Path, versions: dict[str, str]) -> list[str]:
     for target in re.findall(r"\]\(([^)]+)\)", readme):
         if not re.match(r"[a-z][a-z0-9+.-]*:", target) and not target.startswith("#"):
             problems.append(f"{name}: README link {target!r} is relative; it breaks on an index page")
+    requires = {re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0] for r in project.get("dependencies", [])}
+    if "torch" in requires and not re.search(rf"^{re.escape(CPU_TORCH_LINE)}$", readme, flags=re.M):
+        problems.append(f"{name}: requires torch, and its README lacks the CPU-only install line {CPU_TORCH_LINE!r}")
     return problems
 
 

@@ -39,52 +39,91 @@ def test_runs_side_by_side_with_what_differs_and_how_each_ended(tmp_path, capsys
     _run(tmp_path / "b", DIVERGED, lr=1e-2)
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png), "--json"]) == 0
-    a, b = json.loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)
+    a, b = report["runs"]
     parameters = sum(p.numel() for p in TransformerLM(config.model_config()).parameters())
     assert a == {
         "name": "a", "path": str(tmp_path / "a"), "settings": {"lr": 1e-3}, "status": "done", "steps": 4,
         "planned_steps": 4, "final_val_loss": 3.2, "best_val_loss": 3.1, "tokens": 256, "parameters": parameters,
-        "wall_time_s": 2.0, "tokens_per_s": 128.0, "diverged": False, "diverged_at": None,
+        "wall_time_s": 2.0, "tokens_per_s": 128.0, "diverged": False, "diverged_at": None, "seed": 0,
+        "unstable_at": None, "message": None,
     }  # fmt: skip
     assert (b["settings"], b["status"], b["diverged"], b["diverged_at"]) == ({"lr": 1e-2}, "diverged", True, 3)
     assert (b["final_val_loss"], b["best_val_loss"], b["steps"], b["tokens_per_s"]) == (None, 3.5, 2, 128 / 1.25)
+    # One run per setting, each named by its run: the first is the baseline; the diverged one has no final loss.
+    assert report["baseline"] == "a" and report["unstable_above"] == 1.5
+    assert [(s["label"], s["statuses"], s["final_val_loss"]["n"]) for s in report["settings"]] == [
+        ("a", {"done": 1}, 1),
+        ("b", {"diverged": 1}, 0),
+    ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert len(table) == 4 and "| b | lr=0.01 | diverged at step 3 | 2/4 |" in table[3]
+    assert "| b | lr=0.01 | diverged at step 3 | 2/4 |" in table[3]
+    assert table[5].startswith("| setting | seeds | runs | final val loss, mean ± sd (N) |")
+
+
+UNSTABLE = [  # finished, but its loss went to 6.5 > 1.5 × 4.0 at step 2 on the way
+    {"step": 0, "tokens": 0, "val_loss": 4.0, "time_s": 0.5},
+    {"step": 2, "tokens": 128, "train_loss": 5.0, "val_loss": 6.5, "time_s": 1.5},
+    {"step": 4, "tokens": 256, "train_loss": 3.3, "val_loss": 3.4, "time_s": 2.0},
+]
+INTERRUPTED = FINISHED[:2]  # stopped (Ctrl-C) at step 2 of 4: resumable
+
+
+def test_each_status_says_what_happened_and_the_unstable_threshold_is_a_flag(tmp_path, capsys) -> None:
+    for name, records in (("done", FINISHED), ("diverged", DIVERGED), ("unstable", UNSTABLE),
+                          ("interrupted", INTERRUPTED)):  # fmt: skip
+        _run(tmp_path / name, records, lr=len(name) * 1e-3)
+    folders = [str(tmp_path / n) for n in ("done", "diverged", "unstable", "interrupted")]
+    assert main(["compare", *folders, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert [r["status"] for r in runs] == ["done", "diverged", "unstable", "interrupted"]
+    assert (runs[2]["unstable_at"], runs[2]["final_val_loss"]) == (2, 3.4)  # finished: a result, flagged
+    assert runs[3]["final_val_loss"] is None and not runs[3]["diverged"]  # interrupted is never diverged
+    assert main(["compare", *folders]) == 0
+    table = capsys.readouterr().out
+    assert "| unstable (step 2: 6.50, 1.62× its start 4.00) |" in table
+    assert "| interrupted at step 2 (resumable; not a result) |" in table
+    assert main(["compare", *folders, "--json", "--unstable-above", "2"]) == 0  # 6.5 < 2 × 4.0
+    assert json.loads(capsys.readouterr().out)["runs"][2]["status"] == "done"
+
+
+def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by_seed(tmp_path, capsys) -> None:
+    from tlm_command.stats import difference
+
+    finals = {("baseline", 0): 3.20, ("baseline", 1): 3.25, ("baseline", 2): 3.18,
+              ("wide", 0): 3.10, ("wide", 1): 3.16, ("wide", 2): 3.07}  # fmt: skip
+    for (setting, seed), final in finals.items():
+        records = [*FINISHED[:2], {**FINISHED[2], "val_loss": final}]
+        _run(tmp_path / f"{setting}{seed}", records, seed=seed, lr=1e-3 if setting == "baseline" else 2e-3)
+    assert main(["compare", *sorted(str(p) for p in tmp_path.iterdir()), "--json"]) == 0
+    base, wide = json.loads(capsys.readouterr().out)["settings"]
+    assert (base["label"], base["seeds"], base["vs_baseline"]) == ("lr=0.001", [0, 1, 2], None)
+    expected = difference({k: finals["wide", k] for k in range(3)}, {k: finals["baseline", k] for k in range(3)})
+    assert wide["vs_baseline"] == {**expected.to_dict(), "excludes_zero": expected.excludes_zero}
+    assert wide["vs_baseline"]["method"] == "paired" and wide["final_val_loss"]["n"] == 3
+    # --baseline chooses the setting the others are compared with.
+    assert main(["compare", *sorted(str(p) for p in tmp_path.iterdir()), "--json", "--baseline", "lr=0.002"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["baseline"] == "lr=0.002" and report["settings"][1]["vs_baseline"] is None
+    assert report["settings"][0]["vs_baseline"]["estimate"] == pytest.approx(-expected.estimate, rel=1e-12)
+
+
+def test_a_baseline_that_is_not_a_setting_is_one_line(tmp_path, fails) -> None:
+    _run(tmp_path / "a", FINISHED, lr=1e-3)
+    fails(["compare", str(tmp_path / "a"), "--baseline", "b"], "--baseline b: no such setting; the settings are a")
 
 
 def test_a_path_that_is_neither_a_run_nor_a_sweep_is_one_line(tmp_path, fails) -> None:
     fails(["compare", str(tmp_path)], f"{tmp_path}: neither a run folder (train.toml) nor a sweep folder (sweep.json)")
 
 
-def test_the_plot_draws_each_runs_curves_by_step_and_by_time_and_marks_the_divergence(tmp_path, monkeypatch) -> None:
+def test_the_plot_is_written_whole_whatever_the_users_default_format(tmp_path, monkeypatch) -> None:
     matplotlib = pytest.importorskip("matplotlib")
-    import matplotlib.pyplot as plt
 
     _run(tmp_path / "a", FINISHED, lr=1e-3)
-    _run(tmp_path / "b", DIVERGED, lr=1e-2)
-    figures = []
-    close = plt.close
-    monkeypatch.setattr(plt, "close", lambda fig: (figures.append(fig), close(fig)))
-    monkeypatch.setitem(matplotlib.rcParams, "savefig.format", "pdf")  # a user's default format does not apply
+    monkeypatch.setitem(matplotlib.rcParams, "savefig.format", "pdf")
     png = tmp_path / "compare.png"
-    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png)]) == 0
+    assert main(["compare", str(tmp_path / "a"), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    by_step, by_time, _ = figures[0].axes
-
-    def curves(ax):
-        return [(line.get_label(), line.get_xdata().tolist(), line.get_ydata().tolist()) for line in ax.get_lines()]
-
-    a_losses, b_losses = [r["val_loss"] for r in FINISHED], [r["val_loss"] for r in DIVERGED[:2]]
-    assert curves(by_step)[:2] == [("a", [0, 2, 4], a_losses), ("b", [0, 2], b_losses)]
-    assert curves(by_time) == [("a", [0.5, 1.5, 2.0], a_losses), ("b", [0.25, 1.0], b_losses)]
-    cross = by_step.get_lines()[2]  # b diverged: a red × on its last validation loss
-    assert (cross.get_marker(), cross.get_color()) == ("x", "red")
-    assert (cross.get_xdata().tolist(), cross.get_ydata().tolist()) == ([2], [3.5])
-    assert [text.get_text() for text in by_step.get_legend().get_texts()] == ["a", "b"]
-    # Both panels plot the validation loss, one against the step and one against the wall-clock time.
-    assert [(ax.get_xlabel(), ax.get_ylabel()) for ax in (by_step, by_time)] == [
-        ("step", "validation loss (nats/token)"),
-        ("wall-clock time (s)", "validation loss (nats/token)"),
-    ]

@@ -15,14 +15,41 @@ from tlm_train import RunDir
 
 
 def _reference(model, ids, context):
-    """Non-overlapping windows of context + 1 tokens, each scored after its first: summed nats and targets."""
+    """Non-overlapping windows of context + 1 tokens, each scored after its first, and the tail they leave scored
+    from the window that ends at the last token: summed nats and targets."""
     starts = range(0, len(ids) - context, context)
     targets = [ids[s + 1 : s + context + 1].tolist() for s in starts]
     inputs = torch.tensor(np.stack([ids[s : s + context] for s in starts]))
     with torch.no_grad():
         logits = model(inputs).double()
     nats = F.cross_entropy(logits.flatten(0, 1), torch.tensor(np.stack(targets)).flatten(), reduction="sum").item()
+    tail = len(ids) - 1 - (starts[-1] + context)  # the targets no window reached
+    if tail:
+        with torch.no_grad():
+            last = model(torch.tensor(ids[len(ids) - 1 - context : len(ids) - 1])[None])[0, -tail:].double()
+        nats += F.cross_entropy(last, torch.tensor(ids[len(ids) - tail :]).long(), reduction="sum").item()
+        targets.append(ids[len(ids) - tail :].tolist())
     return nats, [int(t) for row in targets for t in row]
+
+
+def test_a_sliding_stride_equals_scoring_each_token_alone(run, held_out, capsys):
+    argv = ["eval", "--checkpoint", str(run), "--data", str(held_out), "--context-length", "8", "--stride", "3",
+            "--max-tokens", "40", "--json", "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    model = load_model_file(RunDir(run).checkpoints().path(24)).eval()
+    ids = RunDir(run).tokenizer().encode(held_out.read_text(encoding="utf-8"))[:40]
+    # By hand: token p is predicted from the window start that first reaches it (0, 3, 6, ... then the end).
+    nats, scored = 0.0, set()
+    starts = [*range(0, 40 - 8, 3)]
+    starts += [40 - 1 - 8] if starts[-1] + 8 < 39 else []
+    for start in starts:
+        for p in (q for q in range(start + 1, start + 9) if q not in scored):
+            with torch.no_grad():
+                nats -= F.log_softmax(model(torch.tensor([ids[start:p]]))[0, -1].double(), -1)[ids[p]].item()
+            scored.add(p)
+    assert (report["tokens"], report["stride"]) == (39, 3)
+    assert report["loss"] == pytest.approx(nats / 39, rel=1e-6)
 
 
 def test_a_text_file_against_an_independent_computation(run, held_out, capsys):
@@ -67,6 +94,7 @@ def test_the_plain_report_is_one_line(run, held_out, capsys):
         (["--data", "{text}", "--context-length", "64"], "--context-length 64 exceeds the model's context length 32"),
         (["--data", "{binary}"], "is not UTF-8 text"),
         (["--data", "{text}", "--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
+        (["--data", "{text}", "--stride", "40"], "--stride 40 exceeds the context length 32"),
     ],
 )
 def test_errors_are_one_line(run, held_out, tmp_path, fails, extra, fragment):

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -51,6 +52,9 @@ class Server:
         )  # fmt: skip
         line = self.process.stderr.readline()  # "tlm serve: tiny on http://127.0.0.1:PORT/v1 (...)"
         assert " on http://127.0.0.1:" in line, line + self.process.stderr.read()
+        # The rest of stderr (the access log) is read as it comes, so that the pipe never fills.
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
         self.port = int(line.split("127.0.0.1:")[1].split("/")[0])
         self.url = f"http://127.0.0.1:{self.port}/v1"
         for _ in range(200):
@@ -210,7 +214,7 @@ def _error(status, body, code, fragment):
         ({"prompt": "word " * CONTEXT, "max_tokens": 1}, 400, "maximum context length"),
         ({"prompt": "x", "temperature": -0.1}, 400, "temperature"),
         ({"prompt": "x", "top_p": 0}, 400, "top_p"),
-        ({"prompt": "x", "n": 2}, 400, "n"),
+        ({"prompt": "x", "n": 0}, 400, "n"),
         ({"prompt": "x", "stop": 3}, 400, "stop"),
         ({"prompt": [1, 99999]}, 400, "below the vocabulary size"),
         ({}, 400, "prompt"),
@@ -220,6 +224,79 @@ def _error(status, body, code, fragment):
 def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, body, status, fragment):
     _error(*server.post("/v1/completions", body)[:2], status, fragment)
     assert server.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        ({"prompt": "x", "seed": 2**64}, 400, "seed"),
+        ({"prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+        ({"prompt": "ab\ud800"}, 400, "prompt: the text is not valid UTF-8"),
+        ({"prompt": ["ok", "\udfffx"]}, 400, "prompt.1: the text is not valid UTF-8"),
+        ({"prompt": "x", "stop": "\ud800"}, 400, "stop: the text is not valid UTF-8"),
+        ({"prompt": [1] * (CONTEXT + 1)}, 400, "maximum context length"),
+        ({"prompt": [[1, 2], [1] * (CONTEXT + 1)]}, 400, "prompt.1 has"),
+        ({"prompt": "x" * 1_500_000}, 400, "characters, more than"),
+        ({"prompt": [1] * 1_000_000}, 413, "--max-body"),
+        ({"prompt": [[1, 2], []]}, 400, "prompt.1: the prompt is empty"),
+        ({"prompt": [[1, 2], "x"]}, 400, "prompt"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": "x", "tools": [{"type": "function"}]}, 400, "tools: function calling is not supported"),
+        ({"prompt": "x", "functions": []}, 400, "functions"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "it needs echo"),
+        ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"prompt": "x", "frequency_penalty": float("nan")}, 400, "frequency_penalty"),
+        ({"prompt": "x", "n": 1000}, 400, "n"),
+        ({"prompt": ["x"] * 20}, 400, "prompts is more than"),
+        ({"prompt": "x", "best_of": 2}, 400, "unknown field 'best_of'"),
+        ({"prompt": "x", "suffix": "y"}, 400, "unknown field 'suffix'"),
+        (b'{"prompt": "\xff"}', 400, "not valid JSON"),
+        ("[" * 100_000, 400, "not valid JSON"),
+    ],
+)
+def test_pathological_values_are_refused_by_name_before_any_work(server, body, status, fragment):
+    _error(*server.post("/v1/completions", body)[:2], status, fragment)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": [{"role": "user", "content": "hi\udfff"}]}, "messages.0.content: the text is not valid UTF-8"),
+        ({"messages": [{"role": "user", "content": "x" * 1_500_000}]}, "characters, more than"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs: needs logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "function_call": "auto"}, "function_call"),
+    ],
+)
+def test_pathological_chat_values_are_refused_by_name(server, body, fragment):
+    _error(*server.post("/v1/chat/completions", body)[:2], 400, fragment)
+
+
+def test_after_every_pathological_value_the_same_process_serves_normally(server, client, checkpoint):
+    # Values the sampler could not take before: a temperature far below float32's range is greedy; the
+    # ends of the generator's seed range are seeds.
+    expected = tlm_generate(checkpoint, PROMPTS[1], 12, "--temperature", "0")["text"]
+    tiny = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1e-300)
+    assert tiny.choices[0].text == expected
+    for seed in (2**64 - 1, -(2**63)):
+        assert server.post("/v1/completions", {"prompt": "x", "max_tokens": 4, "seed": seed})[0] == 200
+    assert server.get("/health") == (200, {**server.get("/health")[1], "status": "ok"})
+    answer = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0)
+    assert answer.choices[0].text == expected
+    # The access log has a line for each request, with its tokens.
+    usage = f"prompt_tokens={answer.usage.prompt_tokens} completion_tokens={answer.usage.completion_tokens} ttft="
+    for _ in range(100):  # the line is written once the answer's last byte is sent
+        if any(line.startswith("tlm serve: POST /v1/completions 200 " + usage) for line in server.log):
+            break
+        time.sleep(0.02)
+    assert any(line.startswith("tlm serve: POST /v1/completions 200 " + usage) for line in server.log), server.log[-3:]
+    assert any(line.startswith("tlm serve: POST /v1/completions 413 ") for line in server.log)
 
 
 def test_bad_chat_requests(server):

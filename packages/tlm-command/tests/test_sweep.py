@@ -108,7 +108,7 @@ def test_a_killed_sweep_resumes_to_the_summary_and_weights_of_an_uninterrupted_o
         assert torch.equal(tensor, _weights(killed / "lr=1e-3")[name]), name
     # Every run folder is an ordinary one: tlm compare reads the sweep as the summary says.
     assert main(["compare", str(whole), "--json"]) == 0
-    compared = json.loads(capsys.readouterr().out)
+    compared = json.loads(capsys.readouterr().out)["runs"]
     drop = lambda r: {k: v for k, v in r.items() if k not in (*TIMING_FIELDS, "path")}  # noqa: E731
     assert [drop(r) for r in compared] == [drop(r) for r in _summary(whole)]
 
@@ -136,6 +136,54 @@ def test_a_runs_file_names_its_runs_over_a_shared_base(tmp_path) -> None:
     ]  # fmt: skip
     base = manifest["base"]
     assert (base["steps"], base["batch_size"], base["model"]["d_model"]) == (7, 8, 64)
+
+
+@pytest.mark.slow  # four short runs and a resume: seconds on a loaded machine
+def test_seeds_run_every_setting_n_times_and_the_summary_compares_settings_with_the_baseline(
+    tmp_path, tokens, capsys
+) -> None:
+    out = tmp_path / "sweep"
+    sets = [a for k, v in {**SETTINGS, "steps": 6, "eval_interval": 3, "data": tokens, "seed": 5}.items()
+            for a in ("--set", f"{k}={v}")]  # fmt: skip
+    assert main(["sweep", "--out-dir", str(out), "--grid", "lr=1e-3,3e-3", "--seeds", "2", *sets, "--jobs", "1",
+                 "--quiet"]) == 0  # fmt: skip
+    manifest = sweep.read_manifest(out)
+    assert [(r["name"], r["settings"]) for r in manifest["runs"]] == [
+        ("lr=1e-3,seed=5", {"lr": 1e-3, "seed": 5}), ("lr=1e-3,seed=6", {"lr": 1e-3, "seed": 6}),
+        ("lr=3e-3,seed=5", {"lr": 3e-3, "seed": 5}), ("lr=3e-3,seed=6", {"lr": 3e-3, "seed": 6}),
+    ]  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    base, other = summary["settings"]
+    assert summary["baseline"] == "lr=1e-3" and (base["seeds"], other["seeds"]) == ([5, 6], [5, 6])
+    finals = {(r["settings"]["lr"], r["seed"]): r["final_val_loss"] for r in summary["runs"]}
+    assert base["final_val_loss"]["n"] == 2
+    assert base["final_val_loss"]["mean"] == pytest.approx((finals[1e-3, 5] + finals[1e-3, 6]) / 2, rel=1e-12)
+    versus = other["vs_baseline"]
+    assert versus["method"] == "paired" and versus["n"] == 2  # the same seeds: paired by seed
+    assert versus["estimate"] == pytest.approx(
+        (finals[3e-3, 5] - finals[1e-3, 5] + finals[3e-3, 6] - finals[1e-3, 6]) / 2, rel=1e-9
+    )
+    assert "| lr=3e-3 | 5, 6 | 2 done |" in (out / "summary.md").read_text()
+    # The summary again, against another baseline: a resume of a finished sweep trains nothing.
+    assert main(["sweep", "--resume", str(out), "--baseline", "lr=3e-3", "--jobs", "1", "--quiet"]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["baseline"] == "lr=3e-3" and again["runs"] == summary["runs"]
+    assert again["settings"][0]["vs_baseline"]["estimate"] == pytest.approx(-versus["estimate"], rel=1e-12)
+
+
+def test_a_failed_run_is_in_the_summary_with_its_message(tmp_path, capsys) -> None:
+    out = tmp_path / "sweep"
+    sets = [a for k, v in {**SETTINGS, "steps": 2, "data": tmp_path / "missing.npy"}.items()
+            for a in ("--set", f"{k}={v}")]  # fmt: skip
+    assert main(["sweep", "--out-dir", str(out), "--grid", "lr=1e-3", *sets, "--jobs", "1", "--quiet"]) == 1
+    (run,) = json.loads((out / "summary.json").read_text())["runs"]
+    assert run["status"] == "failed" and "missing.npy" in run["message"]
+    assert f"| failed: {run['message']} |" in (out / "summary.md").read_text()
+
+
+def test_seeds_are_given_one_way(tmp_path, fails) -> None:
+    fails(["sweep", "--out-dir", str(tmp_path / "s"), "--grid", "seed=1,2", "--seeds", "2"],
+          "--seeds N and seed in a grid or a run's settings: give the seeds one way")  # fmt: skip
 
 
 @pytest.mark.parametrize(

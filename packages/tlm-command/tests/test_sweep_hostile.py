@@ -137,8 +137,8 @@ def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
 
     _run_folder(tmp_path / "run", b'{"step": 0, "val_loss": 4.0, "time_s": 0.5}\n{"step": 2, "val_lo')
     assert main(["compare", str(tmp_path / "run"), "--json"]) == 0
-    (summary,) = json.loads(capsys.readouterr().out)
-    assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "stopped")
+    (summary,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "interrupted")
 
 
 def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(

@@ -54,6 +54,8 @@ def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
         (["encode", "--tokenizer", "{tmp}/none", "--input", "{text}", "--out", "{tmp}/x"], "{tmp}/none"),
         (["encode", "--tokenizer", "{tmp}/tok", "--input", "{missing}", "--out", "{tmp}/x"], "--input: expected"),
         (["encode", "--tokenizer", "{tmp}/tok", "--input", "{text}", "--out", "{text}"], "would overwrite the input"),
+        (["train", "--input", "/dev/zero", "--vocab-size", "300", "--out", "{tmp}/t"], "/dev/zero: a character"),
+        (["encode", "--tokenizer", "{tmp}/tok", "--input", "{tmp}/user", "--out", "{tmp}/x"], "{tmp}/user: a folder"),
     ],
 )
 def test_user_errors_are_one_line_exit_2_and_inputs_survive(text, tmp_path, fails, capsys, args, message):

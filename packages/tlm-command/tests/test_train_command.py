@@ -1,6 +1,7 @@
 """``tlm train``: flags for every setting and every model field, one-line errors before anything is written,
 resume refusals that leave the run untouched."""
 
+import gzip
 import json
 
 import numpy as np
@@ -64,6 +65,9 @@ def test_gqa_and_tied_embeddings_from_flags_and_the_checkpoint_says_so(tmp_path,
         (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: not a tlm train run folder"),
         (["--config", "/nonexistent/c.toml"], "--config /nonexistent/c.toml: no such file"),
         (["--data", "/nonexistent/x.npy"], "--data /nonexistent/x.npy: no such file"),
+        (["--data", "/dev/zero"], "--data /dev/zero: a character device, expected a regular file"),
+        (["--data", "{tmp}"], "--data {tmp}: a folder, expected a regular file"),
+        (["--max-data-bytes", "0"], "--max-data-bytes must be positive, got 0"),
         (["--data", "{tokens}", "{tokens}"], "one token-id file"),
         (["--tokenizer", "/nonexistent/tok"], "--tokenizer /nonexistent/tok: no such folder"),
     ]
@@ -75,9 +79,26 @@ def test_gqa_and_tied_embeddings_from_flags_and_the_checkpoint_says_so(tmp_path,
 )
 def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, tokens, fails, argv, message):
     out = tmp_path / "run"
-    argv = [a.format(tokens=tokens) for a in argv]
-    fails(["train", "--out-dir", str(out), "--quiet", *SMALL, *argv], message)
+    argv = [a.format(tokens=tokens, tmp=tmp_path) for a in argv]
+    fails(["train", "--out-dir", str(out), "--quiet", *SMALL, *argv], message.format(tmp=tmp_path))
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("cut.txt.gz", lambda: gzip.compress(b"some text " * 500)[:-40], "truncated gzip data"),
+        ("plain.zst", lambda: b"plain text, not Zstandard\n" * 20, "not Zstandard data"),
+        ("gz.txt", lambda: gzip.compress(b"some text " * 500), "holds gzip-compressed data"),
+        ("big.txt", lambda: b"some text " * 500, "the corpus passed --max-data-bytes 1,000 "),
+    ],
+)
+def test_a_hostile_data_file_is_one_line_naming_it_and_the_run_keeps_no_data(tmp_path, fails, name, data, message):
+    path, out = tmp_path / name, tmp_path / "run"
+    path.write_bytes(data())
+    fails(["train", "--data", str(path), "--out-dir", str(out), "--quiet", "--max-data-bytes", "1000", *SMALL],
+          f"tlm: error: --data {path}: {message}")  # fmt: skip
+    assert not (out / "data").exists() and not (out / "tokenizer").exists()
 
 
 @pytest.mark.parametrize("flag", ["--init-from", "--tokenizer"])

@@ -1,4 +1,5 @@
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -392,3 +393,25 @@ def test_a_missing_file_is_reported_on_a_file_system_that_counts_one_link_per_fo
     monkeypatch.setattr(os, "stat", stat_one_link)
     with pytest.raises(FileNotFoundError, match="missing from the folder"):
         read_dir_files(tmp_path / "d", ["nope"])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_open_input_refuses_what_is_not_a_regular_file_without_blocking(tmp_path):
+    from tlm_core.atomic import check_input, open_input
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # no writer: a blocking open would hang here
+    cases = [(fifo, "a FIFO (named pipe)"), (tmp_path, "a folder")]
+    if os.path.exists("/dev/null"):
+        cases.append((Path("/dev/null"), "a character device"))
+    for path, kind in cases:
+        for check in (open_input, check_input):
+            with pytest.raises(ValueError, match=rf"^--flag {path}: {re.escape(kind)}, expected a regular file$"):
+                check(path, "--flag")
+    with pytest.raises(FileNotFoundError, match=r"--flag \S+absent: no such file"):
+        open_input(tmp_path / "absent", "--flag")
+    regular = tmp_path / "data"
+    regular.write_bytes(b"abc")
+    with open_input(regular, "--flag") as handle:
+        os.replace(fifo, regular)  # what the name now says does not matter: the checked handle is read
+        assert handle.read() == b"abc" and os.get_blocking(handle.fileno())

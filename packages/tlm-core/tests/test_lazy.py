@@ -22,6 +22,7 @@ def package(tmp_path, monkeypatch):
     )
     (root / "run.py").write_text("def run():\n    return 'ran'\n")
     (root / "things.py").write_text("import json\n\nclass Thing:\n    pass\n")
+    (root / "helper.py").write_text("def helper():\n    return 'helped'\n")  # named like a function, not exported
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "lazypkg"
     for name in [m for m in sys.modules if m == "lazypkg" or m.startswith("lazypkg.")]:
@@ -52,3 +53,17 @@ def test_a_loaded_name_is_kept_on_the_package_and_not_looked_up_again(package, m
     assert vars(lazypkg)["Thing"] is thing  # bound on the module: Python finds it without __getattr__
     monkeypatch.setattr(importlib, "import_module", lambda name: pytest.fail(f"imported {name} again"))
     assert lazypkg.Thing is thing
+
+
+def test_a_submodule_that_is_not_its_names_home_is_bound_as_the_module(package):
+    # Only a name whose home is the submodule of that name turns into the function; any other submodule import
+    # binds the module itself, as in any package, even one holding a function of its own name.
+    importlib.import_module(f"{package}.helper")
+    importlib.import_module(f"{package}.things")
+    lazypkg = importlib.import_module(package)
+
+    assert lazypkg.helper is sys.modules["lazypkg.helper"] and lazypkg.helper.helper() == "helped"
+    assert lazypkg.things is sys.modules["lazypkg.things"]
+    assert lazypkg.Thing is lazypkg.things.Thing  # the export still loads from its home
+    lazypkg.run = "set by hand"  # a plain assignment is kept as given
+    assert lazypkg.run == "set by hand"

@@ -1,10 +1,11 @@
 import math
+import pickle
 
 import pytest
 import torch
 from torch import nn
 
-from tlm_linear import Linear, register_split_layout
+from tlm_linear import Linear, register_split_layout, split_layout
 
 
 class Stacked(nn.Module):
@@ -88,3 +89,12 @@ def test_a_fused_key_present_beside_the_parts_wins_and_the_parts_are_unexpected(
     result = module.load_state_dict(state, strict=False)
     assert set(result.unexpected_keys) == {"a.weight", "b.weight"}
     assert torch.equal(module.ab.weight, fused)
+
+
+def test_split_layout_reports_the_registered_parts_and_survives_a_pickle():
+    module = Stacked()
+    assert split_layout(module, "ab") == {"a": 3, "b": 2}
+    assert split_layout(module, "a") is None
+    assert split_layout(pickle.loads(pickle.dumps(module)), "ab") == {"a": 3, "b": 2}
+    split_layout(module, "ab")["a"] = 99  # a copy: the record is not changed through it
+    assert split_layout(module, "ab") == {"a": 3, "b": 2}

@@ -182,3 +182,65 @@ def test_bfloat16_inputs_are_reduced_in_float32():
 def test_mismatched_widths_are_a_value_error():
     with pytest.raises(ValueError, match=r"hidden must be \(tokens, d_model\) and weight \(vocab, d_model\)"):
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 6), torch.zeros(4, dtype=torch.long))
+
+
+class _GemmDtypes(TorchDispatchMode):
+    """The input dtypes of every matrix product and attention kernel run inside the block."""
+
+    GEMMS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "matmul", "dot", "addbmm"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name in self.GEMMS or "scaled_dot_product" in name:
+            # Attention's operands are (batch, heads, seq, head_dim); its float32 log-sum-exp (3-D) is no operand.
+            rank = 4 if "scaled_dot_product" in name else 2
+            leaves = pytree.tree_leaves((args, kwargs))
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.ndim >= rank]
+            self.calls.append((name, {t.dtype for t in tensors if t.is_floating_point()}))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 7])
+def test_under_autocast_every_gemm_of_loss_and_backward_runs_in_bfloat16(chunk_size):
+    # The census: the model's projections, attention, and the chunked head's three GEMMs (logits, d hidden,
+    # d head) of the forward and the backward, all in bfloat16; the loss itself reduced in float32.
+    model = TransformerLM(SMALL, fused=False)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 16))
+    with _GemmDtypes() as census, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.loss(ids, ids.roll(1, 1), chunk_size=chunk_size)
+        loss.backward()
+    names = {name for name, _ in census.calls}
+    assert "mm" in names and any("scaled_dot_product" in n for n in names)
+    assert [call for call in census.calls if call[1] != {torch.bfloat16}] == []
+    assert loss.dtype == torch.float32
+
+
+def test_autocast_head_gradients_match_autograd_through_autocast():
+    # The reference: full logits under the same autocast (a bfloat16 GEMM) and F.cross_entropy in float32, its
+    # gradients by autograd (whose GEMMs autocast also runs in bfloat16). Both round d loss/d logits to bfloat16
+    # once before each gradient GEMM, so they agree to a few bfloat16 roundoffs (2^-9) normwise.
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = torch.randn(50, 32, requires_grad=True)
+    targets = torch.randint(0, 50, (40,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_cross_entropy(hidden, weight, targets, 16)
+        expected = F.cross_entropy((hidden @ weight.T).float(), targets)
+    grads = torch.autograd.grad(got, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected, (hidden, weight))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)  # the same bfloat16 logits, reduced in float32
+    for g, e in zip(grads, expected_grads, strict=True):
+        assert g.dtype == torch.float32 and (g - e).norm() <= 2**-7 * e.norm()
+
+
+def test_the_default_chunk_is_256_tokens_on_a_cpu_and_larger_on_an_accelerator():
+    from tlm_model.loss import default_chunk_size
+
+    assert default_chunk_size("cpu", 50_257) == 256
+    assert default_chunk_size("cuda", 50_257) == 2048  # 2048 x 50,257 logits: 412 M bytes in float32
+    assert default_chunk_size("cuda", 10_000) == 8192
+    assert default_chunk_size("cuda", 256_000) == 1024

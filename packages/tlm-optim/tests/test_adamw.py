@@ -243,3 +243,28 @@ def test_first_step_moves_each_coordinate_by_lr_times_sign(lr, decay, beta1, bet
     AdamW([p], lr=lr, betas=(beta1, beta2), eps=1e-12, weight_decay=decay).step()
     expected = (theta - lr * grad / (grad.abs() + 1e-12 / math.sqrt(1 - beta2))) * (1 - lr * decay)
     torch.testing.assert_close(p.detach(), expected, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_found_inf_skips_the_update_on_the_device_and_zero_changes_nothing(path):
+    # found_inf=1: parameters and moments bit-for-bit as before (torch's fused kernel honours the flag itself; the
+    # other paths put the old values back); found_inf=0: the very update a step without the flag makes.
+    def build():
+        params = [p.clone().requires_grad_() for p in _initial()[0]]
+        for p, g in zip(params, _gradients()[0][0], strict=True):
+            p.grad = g.clone()
+        return params, AdamW([{"params": params, **GROUPS[1]}], **path)
+
+    params, opt = build()
+    opt.step()  # moments that are not zero, so that a skipped update is visible in them too
+    before = [
+        t.clone()
+        for t in (*params, *(s for p in params for s in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"])))
+    ]
+    opt.step(found_inf=torch.ones(()))
+    after = [*params, *(s for p in params for s in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    flagged, plain = build(), build()
+    flagged[1].step(found_inf=torch.zeros(()))
+    plain[1].step()
+    assert all(torch.equal(a, b) for a, b in zip(flagged[0], plain[0], strict=True))

@@ -173,6 +173,25 @@ def test_restore_state_puts_back_what_capture_state_took():
     assert _same_state(opt.state_dict(), other_opt.state_dict())  # torch's own view of the optimizer
 
 
+def test_restore_state_puts_back_the_global_rngs_so_the_next_draws_repeat():
+    import random
+
+    import numpy as np
+
+    model, opt = _trained()
+    state = capture_state(model, opt, step=3)
+
+    def draws():
+        return torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]  # noqa: NPY002
+
+    expected = draws()  # what follows the captured state
+    torch.manual_seed(123), np.random.seed(123), random.seed(123)  # noqa: NPY002 - elsewhere now
+    assert draws() != expected
+    other = _fresh()
+    restore_state(state, other, AdamW(other.parameters(), lr=1e-2))
+    assert draws() == expected
+
+
 def test_restore_state_refuses_an_optimizer_with_other_groups():
     model, opt = _trained()
     state = capture_state(model, opt, step=3)

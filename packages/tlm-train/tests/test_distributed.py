@@ -11,6 +11,7 @@ gradient sync or a wrong loss scale (all of which change weights by ~lr) cannot 
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+import tlm_train.distributed
 from tlm_model import ModelConfig, TransformerLM
 from tlm_train import DistInfo, LanguageModelLoss, RunDir, TrainConfig, init_distributed, train, wrap_model
 from tlm_train.checkpoint import read_model_state
@@ -202,3 +204,80 @@ def test_wrap_model_checks_its_mode() -> None:
         wrap_model(model, "ddp")
     wrapped = wrap_model(model, "none")
     assert isinstance(wrapped, LanguageModelLoss) and wrapped.model is model
+
+
+def test_compile_is_applied_to_each_block_in_place_before_wrapping(monkeypatch) -> None:
+    # torchtitan's order (checkpointing, compile, then fully_shard), in place: the state-dict keys stay.
+    order = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: order.append(("compile", self)))
+    monkeypatch.setattr(tlm_train.distributed, "LanguageModelLoss", lambda m, **k: order.append(("wrap", m)) or m)
+    model = TransformerLM(ModelConfig(48, 8, 16, 2, 2, 24), fused=False)
+    keys = list(model.state_dict())
+    wrap_model(model, "none", compile=True)
+    assert order == [("compile", model.layers[0]), ("compile", model.layers[1]), ("wrap", model)]
+    assert list(model.state_dict()) == keys
+
+
+MIXED_SCRIPT = """
+import json, sys, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from tlm_model import ModelConfig
+from tlm_optim import AdamW
+from tlm_train import TrainConfig, init_distributed, train, train_step, wrap_model
+from tlm_train.distributed import build_model
+
+class Collectives(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            dtypes = {str(t.dtype) for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            self.seen.setdefault(func.__name__.split(".")[0], set()).update(dtypes)
+        return func(*args, **(kwargs or {}))
+
+info = init_distributed("cpu")
+model = build_model(ModelConfig(48, 16, 32, 2, 2, 64), "cpu", seed=3)
+loss_module = wrap_model(model, "fsdp", param_dtype=torch.bfloat16)
+seen_dtypes = []
+model.layers[0].attn.register_forward_pre_hook(lambda m, a: seen_dtypes.append(str(next(m.parameters()).dtype)))
+optimizer = AdamW(model.parameters(), lr=1e-3)
+ids = torch.randint(0, 48, (2, 17), generator=torch.Generator().manual_seed(info.rank))
+with Collectives() as c:
+    stats = train_step(loss_module, optimizer, [(ids[:, :-1], ids[:, 1:])], autocast_dtype=torch.bfloat16)
+out = {"collectives": {k: sorted(v) for k, v in c.seen.items()}, "forward_params": seen_dtypes,
+       "params": sorted({str(p.dtype) for p in model.parameters()}),
+       "grads": sorted({str(p.grad.dtype) for p in model.parameters()}), "loss": float(stats.loss)}
+json.dump(out, open(sys.argv[1] + f".{info.rank}", "w"))
+# And the command's path: a whole run with --dtype bfloat16 --distributed fsdp.
+settings = json.loads(sys.argv[2])
+result = train(TrainConfig(**settings))
+assert result.step == settings["steps"]
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_bfloat16_gathers_in_bfloat16_and_reduces_in_float32(tokens: Path, tmp_path: Path) -> None:
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), seen in the collectives each rank ran:
+    # the parameters all-gathered (and the blocks run) in bfloat16, the gradients reduce-scattered in float32,
+    # and the sharded parameters, their gradients and so the optimizer all in float32. Then a whole 2-step run.
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_SCRIPT)
+    run = {**SETTINGS, "data": [str(tokens)], "out_dir": str(tmp_path / "run"), "steps": 2, "eval_interval": 2,
+           "checkpoint_interval": 2, "dtype": "bfloat16", "distributed": "fsdp"}  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*launcher, str(script), str(tmp_path / "out"), json.dumps(run)], env=_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"out.{rank}").read_text())
+        gathers = [name for name in got["collectives"] if "allgather" in name]
+        reduces = [name for name in got["collectives"] if "reduce_scatter" in name]
+        assert gathers and reduces, got["collectives"]
+        assert all(got["collectives"][name] == ["torch.bfloat16"] for name in gathers), got["collectives"]
+        assert all(got["collectives"][name] == ["torch.float32"] for name in reduces), got["collectives"]
+        assert got["forward_params"] == ["torch.bfloat16"]
+        assert got["params"] == got["grads"] == ["torch.float32"]
+        assert math.isfinite(got["loss"])
+    assert RunDir(tmp_path / "run").checkpoints().steps() == [2]

@@ -85,9 +85,12 @@ def test_the_plot_draws_each_logged_loss_against_its_step(tmp_path, monkeypatch)
     drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()}
     assert drawn == {
         "train": ([r["step"] for r in records], [r["train_loss"] for r in records]),
-        "validation": ([2, 4], [2.0, 1.5]),
+        "validation (each evaluation)": ([2, 4], [2.0, 1.5]),
     }
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation"]
+    # Each evaluation a marker and no line between two: a line would draw losses that no evaluation measured.
+    validation = ax.get_lines()[1]
+    assert (validation.get_marker(), validation.get_linestyle()) == ("o", "None")
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["train", "validation (each evaluation)"]
 
 
 def test_a_symlink_planted_at_the_log_mid_run_is_an_error_not_followed(tmp_path) -> None:
@@ -97,3 +100,43 @@ def test_a_symlink_planted_at_the_log_mid_run_is_an_error_not_followed(tmp_path)
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
         MetricsLog(tmp_path / "m.jsonl").append({"step": 1})
     assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tf32", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bfloat16", True, (989.4e12, "NVIDIA H100 SXM, bfloat16 dense peak")),
+        ("NVIDIA H100 PCIe", "bfloat16", True, (756e12, "NVIDIA H100 PCIe, bfloat16 dense peak")),
+        ("NVIDIA H200", "float32", True, (494.7e12, "NVIDIA H200 SXM, TF32 dense peak")),
+        ("NVIDIA H200", "float32", False, (66.9e12, "NVIDIA H200 SXM, float32 peak")),
+        ("NVIDIA A100-SXM4-80GB", "float16", True, (312e12, "NVIDIA A100, float16 dense peak")),
+        ("NVIDIA L4", "bfloat16", True, (121e12, "NVIDIA L4, bfloat16 dense peak")),
+        ("NVIDIA L40S", "bfloat16", True, (362.05e12, "NVIDIA L40S, bfloat16 dense peak")),
+        ("NVIDIA GeForce RTX 4090", "bfloat16", True, (165.2e12, "NVIDIA GeForce RTX 4090, bfloat16 dense peak")),
+        ("NVIDIA A10", "bfloat16", True, (125e12, "NVIDIA A10, bfloat16 dense peak")),
+        ("Some Future GPU", "bfloat16", True, None),
+        ("NVIDIA H100 80GB HBM3", "float64", True, None),
+    ],
+)
+def test_published_peaks_by_device_name(name, dtype, tf32, expected) -> None:
+    # The datasheets' dense (no 2:4 sparsity) figures; an H100 run in bfloat16 is measured against 989 TFLOP/s,
+    # not a float32 GEMM 15x slower.
+    from tlm_train.metrics import table_peak_flops
+
+    assert table_peak_flops(name, dtype, tf32=tf32) == expected
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_on_a_cpu_the_peak_is_a_gemm_measured_in_the_training_dtype(monkeypatch, dtype) -> None:
+    from tlm_train import metrics
+
+    calls = []
+
+    def mm(a, b):
+        calls.append((a.dtype, b.dtype))
+        return a
+
+    monkeypatch.setattr(metrics.torch, "mm", mm)
+    rate, source = metrics.peak_flops("cpu", dtype)
+    assert rate > 0 and calls == [(getattr(torch, dtype),) * 2] * 6
+    assert source == f"a 1024² {dtype} GEMM measured on this cpu at start-up"

@@ -34,6 +34,11 @@ def test_text_data_trains_a_tokenizer_and_writes_every_file(tmp_path, make_confi
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     fields = {"step", "tokens", "train_loss", "lr", "grad_norm", "tokens_per_s", "mfu"}
     assert all(fields <= set(r) for r in records[1:])
+    # MFU: the training FLOPs per second over --peak-flops (1e9 here), per logged step.
+    from tlm_train.metrics import training_flops_per_token
+
+    per_token = training_flops_per_token(saved.model_config(), 16)
+    assert all(r["mfu"] == pytest.approx(per_token * r["tokens_per_s"] / 1e9, rel=1e-12) for r in records[1:])
     assert [s for s, _ in result.val_losses] == [0, 2, 4]
     # An untrained model is close to uniform over the vocabulary.
     assert abs(result.val_losses[0][1] - math.log(300)) < 0.5
@@ -80,6 +85,57 @@ def test_nan_loss_names_a_checkpoint_whose_weights_gave_a_finite_loss(tmp_path, 
     model = load_model_file(manager.path(good))
     ids = torch.from_numpy(np.load(config.data[0])[:17].astype(np.int64))
     assert math.isfinite(float(model.loss(ids[None, :-1], ids[None, 1:])))
+
+
+def test_a_nan_mid_run_stops_at_the_next_logged_step_with_the_state_from_before_it(tmp_path, make_config, monkeypatch):
+    # The device path end to end: step 6's loss is NaN; steps 6 and 7 run on (no raise, no device read); step 8
+    # logs, reads the guard and stops with the diverged record naming step 6. The weights, the optimizer state
+    # and the schedule are then bit-for-bit those that the checkpoint of step 5 holds, and that checkpoint
+    # (the newest) still verifies.
+    import tlm_train.step as step_module
+    from tlm_train.checkpoint import capture_state
+    from tlm_train.distributed import init_distributed
+    from tlm_train.recipe import Recipe
+
+    original, calls = step_module.LanguageModelLoss.forward, []
+
+    def forward(self, inputs, targets):
+        loss = original(self, inputs, targets)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 6:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(step_module.LanguageModelLoss, "forward", forward)
+    config = make_config(steps=10, log_interval=4, eval_interval=10, checkpoint_interval=5, keep_checkpoints=1)
+    with Recipe(config, init_distributed("cpu")) as recipe:
+        with pytest.raises(NonFiniteLossError, match=r"^step 6: training loss is nan, gradient norm nan: stopped "):
+            recipe.run()
+        assert len(calls) == 8  # steps 7 and 8 ran before the flag was read
+        now = capture_state(recipe.model, recipe.optimizer, step=5, scheduler=recipe.scheduler)
+    manager = RunDir(tmp_path / "run").checkpoints()
+    assert manager.steps() == [5]
+    saved = manager.load(5).state  # digests verified on read
+    for part in ("model", "optimizer", "scheduler"):
+        assert _identical(now[part], saved[part]), part
+    record = _records(tmp_path / "run")[-1]
+    assert record["event"] == "diverged" and record["step"] == 6
+    # Step 6's loss came from step 5's weights, so no kept checkpoint is vouched for (keep_checkpoints=1).
+    assert record["message"] == (
+        "step 6: training loss is nan, gradient norm nan: stopped before the update; no "
+        "checkpoint holds weights that gave a finite loss"
+    )
+
+
+def _identical(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
 
 
 def test_non_finite_weights_are_never_saved(tmp_path, make_config, monkeypatch) -> None:

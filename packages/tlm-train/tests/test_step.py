@@ -1,6 +1,7 @@
 """One optimizer step against independent references: a hand-written torch loop (F.cross_entropy on full
 logits, torch's clip_grad_norm_ and AdamW); the non-finite stop; float16 loss scaling; parameter groups."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -8,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from tlm_model import ModelConfig, TransformerLM
-from tlm_optim import AdamW
-from tlm_train import LanguageModelLoss, NonFiniteLossError, parameter_groups, train_step
+from tlm_optim import AdamW, CosineSchedule
+from tlm_train import LanguageModelLoss, NonFiniteGuard, NonFiniteLossError, parameter_groups, train_step
 
 VOCAB, SEQ = 40, 12
 
@@ -160,11 +161,67 @@ def test_parameter_groups_exempt_norm_gains_from_weight_decay() -> None:
 
 @pytest.mark.parametrize("fused", [None, False])  # torch's fused AdamW kernel, and the foreach path
 def test_a_step_after_the_first_reads_nothing_back_to_the_host(fused, host_reads) -> None:
-    # On an accelerator a read (.item(), bool(t)) waits for the device; the step returns its stats as tensors and
-    # checks finiteness with a device-side assert. The first step builds the optimizer state, so it is not counted.
+    # On an accelerator a read (.item(), bool(t)) waits for the device; with a guard the step returns its stats as
+    # tensors and skips a non-finite update on the device. The first step builds the optimizer state, so it is not
+    # counted; a non-finite step reads nothing either.
     model = _model()
     optimizer, loss_module = AdamW(model.parameters(), lr=1e-3, fused=fused), LanguageModelLoss(model)
-    train_step(loss_module, optimizer, [_batch(2, 0)], max_grad_norm=1.0)
+    guard = NonFiniteGuard("cpu")
+    train_step(loss_module, optimizer, [_batch(2, 0)], max_grad_norm=1.0, guard=guard)
     with host_reads() as reads:
-        train_step(loss_module, optimizer, [_batch(2, 1), _batch(2, 2)], max_grad_norm=1.0)
+        train_step(loss_module, optimizer, [_batch(2, 1), _batch(2, 2)], max_grad_norm=1.0, guard=guard)
+        train_step(_Poisoned(model, {1}), optimizer, [_batch(2, 3)], max_grad_norm=1.0, guard=guard)
     assert reads == []
+    assert guard.first() == 3
+
+
+class _Poisoned(LanguageModelLoss):
+    """The loss times NaN on the chosen calls (counted from 1): a non-finite loss and NaN gradients."""
+
+    def __init__(self, model, calls):
+        super().__init__(model)
+        self.calls, self.count = calls, 0
+
+    def forward(self, inputs, targets):
+        self.count += 1
+        loss = super().forward(inputs, targets)
+        return loss * float("nan") if self.count in self.calls else loss
+
+
+def _assert_identical(got, want, where=""):
+    """Bit-exact equality of nested state dicts (tensors by torch.equal, NaN-free)."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            _assert_identical(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _assert_identical(a, b, f"{where}/{i}")
+    elif isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), where
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize("fused", [None, False])  # the fused kernel's found_inf, and the foreach path's restore
+def test_a_non_finite_step_is_skipped_on_the_device_and_stops_where_the_loop_reads(fused) -> None:
+    # The device path: steps 3 (NaN) and 4 run without raising; the guard, read afterwards, names step 3 and
+    # leaves the weights, the optimizer state (moments, counters, lr) and the schedule bit-for-bit as after step 2.
+    model = _model()
+    optimizer = AdamW(parameter_groups(model, 0.1), lr=1e-2, weight_decay=0.1, fused=fused)
+    scheduler = CosineSchedule(optimizer, 1e-2, 1e-3, warmup_iters=2, cosine_cycle_iters=10)
+    loss_module, guard = _Poisoned(model, {3}), NonFiniteGuard("cpu")
+    for step in (1, 2):
+        train_step(loss_module, optimizer, [_batch(2, step)], scheduler=scheduler, max_grad_norm=1.0, guard=guard)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(optimizer.state_dict())
+    schedule = copy.deepcopy(scheduler.state_dict())
+    for step in (3, 4):  # no raise at the step
+        train_step(loss_module, optimizer, [_batch(2, step)], scheduler=scheduler, max_grad_norm=1.0, guard=guard)
+    with pytest.raises(NonFiniteLossError, match=r"training loss is nan, gradient norm nan: stopped before the update"):
+        guard.check(optimizer, scheduler)
+    assert guard.first() == 3
+    _assert_identical(model.state_dict(), weights)
+    _assert_identical(optimizer.state_dict(), state)
+    _assert_identical(scheduler.state_dict(), schedule)

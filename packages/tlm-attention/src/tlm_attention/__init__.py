@@ -18,6 +18,9 @@ __all__ = [
     "__version__",
     "blockwise_attention",
     "causal_attention",
+    "document_ids",
+    "document_mask",
+    "document_positions",
     "head_layout",
     "register_attention_backend",
     "resolve_attention_backend",
@@ -29,6 +32,7 @@ _BACKENDS = ("ATTENTION_BACKENDS", "BACKENDS", "causal_attention", "register_att
 _HOMES = {
     **dict.fromkeys((*_BACKENDS, "resolve_attention_backend"), "tlm_attention.backends"),
     "blockwise_attention": "tlm_attention.blockwise",
+    **dict.fromkeys(("document_ids", "document_mask", "document_positions"), "tlm_attention.documents"),
     "head_layout": "tlm_attention.heads",
     "KVCache": "tlm_attention.kv_cache",
     "CausalMultiHeadSelfAttention": "tlm_attention.mha",
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
         resolve_attention_backend,
     )
     from tlm_attention.blockwise import blockwise_attention
+    from tlm_attention.documents import document_ids, document_mask, document_positions
     from tlm_attention.heads import head_layout
     from tlm_attention.kv_cache import KVCache
     from tlm_attention.mha import CausalMultiHeadSelfAttention

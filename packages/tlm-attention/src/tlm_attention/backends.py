@@ -61,9 +61,13 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = N
 def blockwise_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """Online softmax over key blocks in plain PyTorch: O(seq) memory, future blocks skipped.
 
-    With a ``mask`` (decoding rows of different lengths, a few queries each) the scores are small and
-    computed whole by :func:`scaled_dot_product_attention`."""
+    With a ``mask`` over as many queries as keys (a packed window's document mask) the mask replaces the
+    causal one block by block, so memory stays O(seq) but every key block is visited (nothing says the mask
+    is causal without reading it). With a mask over a few queries (decoding rows of different lengths) the
+    scores are small and computed whole by :func:`scaled_dot_product_attention`."""
     groups = _kv_groups(q, k, v)
+    if mask is not None and q.shape[-2] == k.shape[-2]:
+        return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=False, mask=mask)
     if mask is not None:
         return scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)
     return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)

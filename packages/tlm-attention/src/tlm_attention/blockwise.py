@@ -11,7 +11,7 @@ O(seq) as well.
 import math
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from tlm_core.checks import check_positive_int
@@ -25,18 +25,23 @@ def _key_limit(q_end: int, offset: int, num_keys: int, causal: bool) -> int:
     return min(num_keys, q_end + offset) if causal else num_keys
 
 
-def _block_scores(q: Tensor, k: Tensor, scale: float, q_start: int, k_start: int, offset: int, causal: bool) -> Tensor:
+def _block_scores(
+    q: Tensor, k: Tensor, scale: float, q_start: int, k_start: int, offset: int, causal: bool, mask: Tensor | None
+) -> Tensor:
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal and k_start + k.shape[-2] - 1 > q_start + offset:  # the block reaches past the diagonal
         rows = torch.arange(q_start, q_start + q.shape[-2], device=q.device).unsqueeze(-1) + offset
         cols = torch.arange(k_start, k_start + k.shape[-2], device=q.device)
         scores = scores.masked_fill(cols > rows, float("-inf"))
+    if mask is not None:  # the block's part of a boolean mask (True = may attend)
+        visible = mask[..., q_start : q_start + q.shape[-2], k_start : k_start + k.shape[-2]]
+        scores = scores.masked_fill(~visible, float("-inf"))
     return scores
 
 
 class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, block_size: int):  # type: ignore[no-untyped-def]
+    def forward(ctx, q, k, v, causal: bool, block_size: int, mask=None):  # type: ignore[no-untyped-def]
         scale = 1.0 / math.sqrt(q.shape[-1])
         num_q, num_k = q.shape[-2], k.shape[-2]
         offset = num_k - num_q  # bottom-right alignment: the last query sees every key
@@ -50,7 +55,7 @@ class _BlockwiseAttention(torch.autograd.Function):
             acc = torch.zeros(*q.shape[:-2], qe - qs, v.shape[-1], dtype=q.dtype, device=q.device)
             for ks in range(0, _key_limit(qe, offset, num_k, causal), block_size):
                 ke = min(ks + block_size, _key_limit(qe, offset, num_k, causal))
-                scores = _block_scores(q_blk, k[..., ks:ke, :], scale, qs, ks, offset, causal)
+                scores = _block_scores(q_blk, k[..., ks:ke, :], scale, qs, ks, offset, causal, mask)
                 new_max = torch.maximum(running_max, scores.amax(-1, keepdim=True))
                 # A row with nothing visible yet keeps max -inf; shift it by 0 so exp gives 0, not NaN.
                 safe_max = torch.where(torch.isneginf(new_max), 0.0, new_max)
@@ -64,13 +69,13 @@ class _BlockwiseAttention(torch.autograd.Function):
             out[..., qs:qe, :] = torch.where(seen, acc / torch.where(seen, normaliser, 1.0), 0.0)
             lse[..., qs:qe] = torch.where(seen, running_max + torch.log(normaliser), float("-inf")).squeeze(-1)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.block_size = causal, block_size
+        ctx.causal, ctx.block_size, ctx.mask = causal, block_size, mask
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
         q, k, v, out, lse = ctx.saved_tensors
-        causal, block_size = ctx.causal, ctx.block_size
+        causal, block_size, mask = ctx.causal, ctx.block_size, ctx.mask
         scale = 1.0 / math.sqrt(q.shape[-1])
         num_q, num_k = q.shape[-2], k.shape[-2]
         offset = num_k - num_q
@@ -85,12 +90,12 @@ class _BlockwiseAttention(torch.autograd.Function):
             for ks in range(0, _key_limit(qe, offset, num_k, causal), block_size):
                 ke = min(ks + block_size, _key_limit(qe, offset, num_k, causal))
                 k_blk, v_blk = k[..., ks:ke, :], v[..., ks:ke, :]
-                probs = torch.exp(_block_scores(q_blk, k_blk, scale, qs, ks, offset, causal) - lse_blk)
+                probs = torch.exp(_block_scores(q_blk, k_blk, scale, qs, ks, offset, causal, mask) - lse_blk)
                 grad_v[..., ks:ke, :] += torch.matmul(probs.transpose(-1, -2), do_blk)
                 grad_scores = probs * (torch.matmul(do_blk, v_blk.transpose(-1, -2)) - d_blk) * scale
                 grad_q[..., qs:qe, :] += torch.matmul(grad_scores, k_blk)
                 grad_k[..., ks:ke, :] += torch.matmul(grad_scores.transpose(-1, -2), q_blk)
-        return grad_q, grad_k, grad_v, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def blockwise_attention(
@@ -99,6 +104,8 @@ def blockwise_attention(
     V: Float[Tensor, "... keys d_v"],
     causal: bool = True,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    mask: Bool[Tensor, "... queries keys"] | None = None,
 ) -> Float[Tensor, "... queries d_v"]:
     """softmax(Q Kᵀ / sqrt(d_k)) V without materialising the queries × keys matrix.
 
@@ -106,6 +113,10 @@ def blockwise_attention(
     last query sees every key. That is ordinary causal attention when queries == keys, and the
     right mask for new tokens attending to a KV cache. Q, K and V must share their leading
     dimensions. Half-precision inputs are computed in float32 and returned in their dtype.
+
+    ``mask`` (boolean, True = may attend, broadcasting to (..., queries, keys)) further restricts each
+    query, block by block (a document mask, say): only the mask itself is whole, never the scores. A query
+    that sees no key gets zeros, as :func:`~tlm_attention.scaled_dot_product_attention` gives it.
     """
     for name, t in (("Q", Q), ("K", K), ("V", V)):
         check_float_tensor(name, t)
@@ -122,5 +133,7 @@ def blockwise_attention(
         raise ValueError(f"K and V must have the same number of keys, got K {tuple(K.shape)} and V {tuple(V.shape)}")
     check_positive_int("block_size", block_size)
     compute = torch.promote_types(Q.dtype, torch.float32)
-    out = _BlockwiseAttention.apply(Q.to(compute), K.to(compute), V.to(compute), bool(causal), block_size)
+    if mask is not None and (not isinstance(mask, Tensor) or mask.dtype != torch.bool):
+        raise TypeError(f"mask must be a boolean torch.Tensor or None, got {getattr(mask, 'dtype', type(mask))}")
+    out = _BlockwiseAttention.apply(Q.to(compute), K.to(compute), V.to(compute), bool(causal), block_size, mask)
     return out.to(Q.dtype)

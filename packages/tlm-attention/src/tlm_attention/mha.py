@@ -8,6 +8,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
+from tlm_attention.documents import document_mask
 from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import KVCache
 from tlm_linear import Linear, register_split_layout
@@ -102,8 +103,15 @@ class CausalMultiHeadSelfAttention(nn.Module):
         x: Float[Tensor, "... seq d_model"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         """Attend causally over ``x``; with ``kv_cache``, also over the tokens cached before it.
+
+        ``document_ids`` (one id per token, equal within a document: :func:`~tlm_attention.document_ids`)
+        restricts attention to each token's own document, for windows packed with several; give the
+        positions within each document as ``token_positions`` (:func:`~tlm_attention.document_positions`)
+        to restart RoPE with each. It is for training and scoring, not with a ``kv_cache``.
 
         With a cache and no ``token_positions`` the tokens continue every row at ``kv_cache.length``
         (the rows agree on their length). With a cache and ``token_positions`` (batch, seq), each token
@@ -114,6 +122,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
         """
         if token_positions is not None and self.rope is None and kv_cache is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
+        if document_ids is not None and kv_cache is not None:
+            raise ValueError("document_ids is for whole packed windows; it cannot be given with a kv_cache")
         start = 0 if kv_cache is None else kv_cache.length
 
         if self.fused:
@@ -138,6 +148,9 @@ class CausalMultiHeadSelfAttention(nn.Module):
             k, v = kv_cache.update(k, v, slots)
             visible = torch.arange(k.shape[-2], device=k.device) <= slots.unsqueeze(-1)
             out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
+        elif document_ids is not None:
+            # Causal within each document: every backend takes the mask in place of the causal one.
+            out = self._attention_fn(q, k, v, mask=document_mask(document_ids))
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)

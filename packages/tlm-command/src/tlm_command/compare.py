@@ -2,10 +2,11 @@
 
 Each run is read from what ``tlm train`` left in its folder: ``train.toml`` (the settings and the model)
 and ``metrics.jsonl`` (every record with its step and wall-clock seconds). The table gives per run the
-settings that differ between the runs, the final and best validation loss, the tokens trained on, the
-wall time and tokens per second, and whether it diverged (its loss stopped being finite); ``--out
-FILE.png`` draws validation loss against step and against wall-clock time, one curve per run, and the
-final loss against the one numeric setting that differs (a log axis, diverged runs marked).
+settings that differ between the runs, how it ended (done, diverged at step S, unstable, interrupted,
+failed), the final and best validation loss, the tokens trained on, the wall time and tokens per second;
+a second table gives per setting (runs alike but for the seed) the mean, sd and N of the final and best
+loss and the difference from the baseline with a 95% interval. ``--out FILE.png`` draws the loss by step
+and by wall-clock time and the final loss per setting (:mod:`tlm_command.results`).
 
     tlm compare runs/a runs/b --out compare.png
     tlm compare sweeps/lr --json
@@ -16,41 +17,18 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command
+from tlm_command.args import UserError, add_command, positive_float
 from tlm_command.manifest import MANIFEST, read_manifest
+from tlm_command.results import STATUSES, UNSTABLE_ABOVE, RunSummary
+
+__all__ = ["STATUSES", "UNSTABLE_ABOVE", "RunSummary", "collect", "full_markdown", "markdown", "plot", "report",
+           "status_text", "summarize"]  # fmt: skip
 
 #: Summary fields that measure the machine, not the run: a resumed run's differ from an uninterrupted one's.
 TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
-
-
-@dataclass
-class RunSummary:
-    """What one run reached; :meth:`to_dict` is its entry of ``summary.json``."""
-
-    name: str
-    path: str
-    settings: dict[str, Any]  # what sets this run apart (a sweep's overrides, or what differs between runs)
-    status: str  # done, diverged, stopped (interrupted or not yet at its last step), failed, pending
-    steps: int  # the last step trained
-    planned_steps: int
-    final_val_loss: float | None  # at the last step of a finished run; None for any other
-    best_val_loss: float | None
-    tokens: int
-    parameters: int
-    wall_time_s: float | None
-    tokens_per_s: float | None
-    diverged: bool
-    diverged_at: int | None = None
-    curve: list[tuple[int, float | None, float]] = field(default_factory=list, repr=False)  # (step, time_s, val)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.pop("curve")
-        return data
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -83,9 +61,12 @@ def _finite(value: Any) -> bool:
 
 
 def summarize(path: Path, *, name: str | None = None, settings: dict[str, Any] | None = None,
-              status: str | None = None) -> RunSummary:  # fmt: skip
-    """A run folder's :class:`RunSummary`. ``status`` (a sweep's record of how the run ended) wins over
-    what the folder says; without it, the run is done when its metrics reach its last step."""
+              status: str | None = None, message: str | None = None,
+              unstable_above: float = UNSTABLE_ABOVE) -> RunSummary:  # fmt: skip
+    """A run folder's :class:`RunSummary`. ``status`` (a sweep's record of how the run ended: ``diverged``
+    or ``failed``, with ``message``) wins over what the folder says; without it, the run is diverged when its
+    metrics record the divergence, finished when they reach its last step (``unstable`` when some evaluation
+    exceeded ``unstable_above`` × its first), else ``interrupted``."""
     from tlm_model.accounting import count_parameters
     from tlm_train import RunDir
 
@@ -98,12 +79,20 @@ def summarize(path: Path, *, name: str | None = None, settings: dict[str, Any] |
     steps = max((int(r["step"]) for r in trained), default=0)
     planned = config.total_steps()
     diverged = bool(diverged_events) or status == "diverged"
-    if status is None:
-        status = "diverged" if diverged else "done" if steps >= planned else "stopped"
+    unstable_at = _unstable_at(curve, unstable_above)
+    if status == "failed":
+        pass
+    elif diverged:
+        status = "diverged"
+    elif steps >= planned:
+        status = "done" if unstable_at is None else "unstable"
+    else:
+        status = "interrupted"
     times = [r["time_s"] for r in records if _finite(r.get("time_s"))]
     tokens = max((int(r["tokens"]) for r in records if _finite(r.get("tokens"))), default=0)
     wall = times[-1] if times else None
-    final = curve[-1][2] if status == "done" and curve and curve[-1][0] == steps else None
+    finished = status in ("done", "unstable")
+    final = curve[-1][2] if finished and curve and curve[-1][0] == steps else None
     return RunSummary(
         name=name or run.path.name,
         path=str(run.path),
@@ -119,8 +108,33 @@ def summarize(path: Path, *, name: str | None = None, settings: dict[str, Any] |
         tokens_per_s=tokens / wall if wall else None,
         diverged=diverged,
         diverged_at=int(diverged_events[-1]["step"]) if diverged_events else None,
+        seed=config.seed,
+        unstable_at=unstable_at,
+        message=message if status == "failed" else None,
         curve=curve,
     )
+
+
+def _unstable_at(curve: list[tuple[int, float | None, float]], above: float) -> int | None:
+    """The step of the first evaluation above ``above`` × the first one (the starting loss), else None."""
+    if not curve:
+        return None
+    limit = above * curve[0][2]
+    return next((step for step, _, value in curve[1:] if value > limit), None)
+
+
+def status_text(s: RunSummary) -> str:
+    """How a run ended, in words for a table: ``diverged at step 33``, ``unstable (step 40: 9.21, 1.5× its start)``."""
+    if s.status == "diverged":
+        return f"diverged at step {s.diverged_at}" if s.diverged_at is not None else "diverged"
+    if s.status == "unstable" and s.curve:
+        peak = next(v for step, _, v in s.curve if step == s.unstable_at)
+        return f"unstable (step {s.unstable_at}: {peak:.2f}, {peak / s.curve[0][2]:.2f}× its start {s.curve[0][2]:.2f})"
+    if s.status == "interrupted":
+        return f"interrupted at step {s.steps} (resumable; not a result)"
+    if s.status == "failed":
+        return f"failed: {s.message}" if s.message else "failed"
+    return s.status
 
 
 def _flat_settings(path: Path) -> dict[str, Any]:
@@ -141,17 +155,6 @@ def differing(paths: list[Path]) -> list[dict[str, Any]]:
     return [{k: f.get(k) for k in varied} for f in flats]
 
 
-def swept_key(summaries: list[RunSummary]) -> str | None:
-    """The one setting that differs between the runs and is a positive number in each, else None."""
-    keys = {k for s in summaries for k in s.settings}
-    numeric = [
-        k for k in sorted(keys)
-        if all(_finite(s.settings.get(k)) and not isinstance(s.settings.get(k), bool) and s.settings[k] > 0
-               for s in summaries)
-    ]  # fmt: skip
-    return numeric[0] if len(keys) == 1 and numeric else None
-
-
 def _fmt(value: Any, digits: int = 4) -> str:
     if value is None:
         return "–"
@@ -167,7 +170,7 @@ def markdown(summaries: list[RunSummary]) -> str:
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         settings = ", ".join(f"{k}={_setting(v)}" for k, v in s.settings.items()) or "–"
-        status = f"diverged at step {s.diverged_at}" if s.diverged and s.diverged_at is not None else s.status
+        status = status_text(s)
         cells = [s.name, settings, status, f"{s.steps}/{s.planned_steps}", f"{s.parameters:,}",
                  _fmt(s.final_val_loss), _fmt(s.best_val_loss), f"{s.tokens:,}", _fmt(s.wall_time_s, 1),
                  _fmt(s.tokens_per_s, 0)]  # fmt: skip
@@ -180,76 +183,21 @@ def _setting(value: Any) -> str:
 
 
 def plot(summaries: list[RunSummary], out: str | os.PathLike[str], *, title: str | None = None) -> Path:
-    """Validation loss against step and against wall-clock time (one curve per run), and the final loss
-    against the swept setting (log axis; diverged runs marked) or per run, in one PNG written whole."""
+    """The comparison's figure (:func:`tlm_command.results.figure`) in one PNG, written whole."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'tlm-command[plot]'") from None
+    import matplotlib.pyplot as plt
+
+    from tlm_command.results import figure
     from tlm_core.atomic import atomic_write
 
-    fig, (by_step, by_time, final) = plt.subplots(1, 3, figsize=(15, 4.2), layout="constrained")
-    for s in summaries:
-        if not s.curve:
-            continue
-        steps, times, losses = zip(*s.curve, strict=True)
-        (line,) = by_step.plot(steps, losses, "o-", markersize=3, label=s.name)
-        if all(t is not None for t in times):
-            by_time.plot(times, losses, "o-", markersize=3, color=line.get_color(), label=s.name)
-        if s.diverged:
-            by_step.plot(steps[-1], losses[-1], "x", color="red", markersize=9, markeredgewidth=2)
-    for ax, label in ((by_step, "step"), (by_time, "wall-clock time (s)")):
-        ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.grid(alpha=0.3)
-    by_step.legend(fontsize=7)
-    by_step.set_title("validation loss by step (× diverged)", fontsize=10)
-    by_time.set_title("validation loss by wall-clock time", fontsize=10)
-    _final_panel(final, summaries)
-    if title:
-        fig.suptitle(title)
+    fig = figure(summaries, title=title)
     out = Path(out)
     atomic_write(out, lambda file: fig.savefig(file, format="png", dpi=100))
     plt.close(fig)
     return out
-
-
-def _final_panel(ax: Any, summaries: list[RunSummary]) -> None:
-    key = swept_key(summaries)
-    finished = [s.final_val_loss for s in summaries if s.final_val_loss is not None]
-    top = max(finished, default=1.0)
-    marked = False
-    if key is not None:
-        done = sorted((s.settings[key], s.final_val_loss) for s in summaries if s.final_val_loss is not None)
-        if done:
-            ax.plot(*zip(*done, strict=True), "o-")
-        for s in summaries:
-            if s.diverged:
-                ax.plot(s.settings[key], top * 1.05, "x", color="red", markersize=10, markeredgewidth=2,
-                        label=None if marked else "diverged")  # fmt: skip
-                marked = True
-        ax.set_xscale("log")
-        ax.set_xlabel(key)
-    else:
-        names = [s.name for s in summaries]
-        ax.bar(names, [s.final_val_loss or 0.0 for s in summaries])
-        for i, s in enumerate(summaries):
-            if s.final_val_loss is None:
-                ax.plot(i, top * 1.05, "x", color="red", markersize=10, markeredgewidth=2,
-                        label=None if marked else "diverged or unfinished")  # fmt: skip
-                marked = True
-        if finished:
-            low = min(finished)
-            ax.set_ylim(low - 0.1 * (top - low) - 0.05, top * 1.1)
-        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    if marked:
-        ax.legend(fontsize=8)
-    ax.set_ylabel("final validation loss")
-    ax.set_title("final validation loss" + (f" by {key}" if key else " by run"), fontsize=10)
-    ax.grid(alpha=0.3)
 
 
 def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
@@ -259,6 +207,11 @@ def sweep_runs(folder: Path) -> list[tuple[str, Path, dict[str, Any], str]]:
         if (folder / run["name"]).is_symlink():
             raise UserError(f"{folder / run['name']} is a symbolic link: a sweep's runs are folders of their own")
     return [(r["name"], folder / r["name"], r["settings"], r["status"]) for r in manifest["runs"]]
+
+
+def _messages(folder: Path) -> dict[str, str]:
+    """Why each failed run of a sweep failed, as its manifest says."""
+    return {r["name"]: str(r["message"]) for r in read_manifest(folder)["runs"] if r.get("message")}
 
 
 def add_parser(commands: Any) -> None:
@@ -271,26 +224,37 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders, or sweep folders")
     parser.add_argument("--out", metavar="FILE.png", help="draw the comparison into this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
+    parser.add_argument(
+        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="SETTING",
+        help="the setting compared against (default: baseline, else the first)",
+    )
     parser.set_defaults(run=run)
 
 
-def collect(paths: list[str]) -> list[RunSummary]:
+def collect(paths: list[str], *, unstable_above: float = UNSTABLE_ABOVE) -> list[RunSummary]:
     """The summaries of the named runs and of every run of the named sweeps, in order."""
     summaries: list[RunSummary] = []
     plain: list[Path] = []
     for given in paths:
         path = Path(given)
         if (path / MANIFEST).is_file():
+            messages = _messages(path)
             for name, folder, settings, status in sweep_runs(path):
                 if (folder / "train.toml").is_file():
-                    summaries.append(summarize(folder, name=name, settings=settings, status=_status(status)))
+                    summaries.append(summarize(folder, name=name, settings=settings, status=_status(status),
+                                               message=messages.get(name), unstable_above=unstable_above))  # fmt: skip
         elif (path / "train.toml").is_file():
             plain.append(path)
         else:
             raise UserError(f"{given}: neither a run folder (train.toml) nor a sweep folder ({MANIFEST})")
     if plain:
         for path, settings in zip(plain, differing(plain) if len(plain) > 1 else [{}], strict=True):
-            summaries.append(summarize(path, settings=settings))
+            summaries.append(summarize(path, settings=settings, unstable_above=unstable_above))
     names = [s.name for s in summaries]
     for s in summaries:  # runs of different folders may share a name: name them by their path instead
         if names.count(s.name) > 1:
@@ -303,14 +267,50 @@ def _status(status: str) -> str | None:
     return status if status in ("diverged", "failed") else None
 
 
+def _baseline(groups: list[Any], baseline: str | None) -> str:
+    """The label of the baseline setting: ``baseline`` as given (``--baseline``, checked), else the setting
+    named ``baseline``, else the first."""
+    from tlm_command.results import baseline_index
+
+    labels = [g.label for g in groups]
+    if baseline is not None and baseline not in labels:
+        raise UserError(f"--baseline {baseline}: no such setting; the settings are {', '.join(labels)}")
+    return baseline if baseline is not None else labels[baseline_index(groups)] if groups else "baseline"
+
+
+def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE,
+           baseline: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The runs and each setting's statistics, as ``tlm compare --json`` prints them and ``summary.json`` holds."""
+    from tlm_command.results import group_runs, statistics
+
+    groups = group_runs(summaries)
+    label = _baseline(groups, baseline)
+    return {
+        "unstable_above": unstable_above,
+        "baseline": label if groups else None,
+        "runs": [s.to_dict() for s in summaries],
+        "settings": [st.to_dict() for st in statistics(groups, baseline=label)],
+    }
+
+
+def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None) -> str:
+    """The run table, then the table of each setting's statistics against the baseline."""
+    from tlm_command.results import group_runs, statistics, stats_markdown
+
+    groups = group_runs(summaries)
+    return markdown(summaries) + "\n" + stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))
+
+
 def run(args: argparse.Namespace) -> int:
-    summaries = collect(args.paths)
+    summaries = collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")
+    text = full_markdown(summaries, baseline=args.baseline)  # checks --baseline before anything is written
     if args.out is not None:
         plot(summaries, args.out)
     if args.json:
-        print(json.dumps([s.to_dict() for s in summaries], indent=2, allow_nan=False))
+        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline)
+        print(json.dumps(data, indent=2, allow_nan=False))
     else:
-        sys.stdout.write(markdown(summaries))
+        sys.stdout.write(text)
     return 0

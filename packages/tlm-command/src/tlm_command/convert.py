@@ -6,6 +6,10 @@
 ``pipeline("text-generation")`` read DIR as it is. ``--from-hf DIR --out OUT`` writes a tlm model
 folder (``OUT/model.safetensors``, and ``OUT/tokenizer/`` when tlm can reproduce the HF tokenizer)
 that every tlm command and ``tlm train --init-from`` read.
+
+A LoRA run (``tlm train --lora-rank``): ``--to-peft RUN --out DIR`` writes its adapters as a PEFT adapter
+(``adapter_config.json``, ``adapter_model.safetensors``) for the HF export of its base (``--to-hf BASE``), which
+``peft.PeftModel.from_pretrained`` loads; ``--to-hf RUN --merge`` writes the base with the adapters merged in.
 """
 
 import argparse
@@ -15,6 +19,7 @@ from typing import Any
 
 from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
+from tlm_tokenizer.chat import IM_END
 from tlm_tokenizer.hf_json import EOS_TOKEN
 
 
@@ -26,6 +31,15 @@ def add_parser(commands: Any) -> None:
     direction.add_argument("--from-hf", metavar="DIR", help="an HF Llama model folder")
     direction.add_argument(
         "--to-hf", metavar="PATH", help="a run folder, step folder or model file (the run's newest checkpoint)"
+    )
+    direction.add_argument("--to-peft", metavar="RUN", help="a LoRA run (or step folder of one): its adapters for peft")
+    parser.add_argument(
+        "--merge", action="store_true", help="with --to-hf of a LoRA run or PEFT adapter: merge the adapters in"
+    )
+    parser.add_argument(
+        "--base",
+        metavar="DIR",
+        help="with --to-peft: the base model the adapter names (base_model_name_or_path; default: the run's base)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced as a whole)")
     parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own)")
@@ -49,7 +63,9 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
         files.update(tokenizer.hf_files())
         if EOS_TOKEN in tokenizer.special_tokens:
             (eos,) = tokenizer.encode(EOS_TOKEN)
-            generation = hf_generation_config(eos, bos_token_id=eos, pad_token_id=eos)
+            # A chat model ends its turn with <|im_end|>: generation stops there too.
+            ends = [eos, *(tokenizer.encode(IM_END) if IM_END in tokenizer.special_tokens else [])]
+            generation = hf_generation_config(ends if len(ends) > 1 else eos, bos_token_id=eos, pad_token_id=eos)
     files["generation_config.json"] = (json.dumps({**generation, "do_sample": False}, indent=2) + "\n").encode()
     return files
 
@@ -60,8 +76,14 @@ def run(args: argparse.Namespace) -> int:
     from tlm_model.accounting import human
     from tlm_train import artifacts
 
+    if args.to_peft is not None:
+        return _to_peft(args)
+    if args.base is not None:
+        raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
     source = args.from_hf if args.from_hf is not None else args.to_hf
     check_output(args.out, source, args.tokenizer)
+    if args.merge and args.to_hf is None:
+        raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     if args.from_hf is not None:
         artifact = artifacts.resolve(args.from_hf)
@@ -80,9 +102,20 @@ def run(args: argparse.Namespace) -> int:
         artifact = artifacts.resolve(args.to_hf)
         if artifact.kind == "hf":
             raise UserError(f"--to-hf {args.to_hf} is already an HF folder; to read it into tlm: tlm convert --from-hf")
-        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        adapted = artifact.kind == "peft" or artifacts.lora_step(artifact) is not None
+        if adapted and not args.merge:
+            raise UserError(
+                f"--to-hf {args.to_hf} holds LoRA adapters: add --merge to write its base with them merged in, or "
+                "write the adapters themselves with --to-peft"
+            )
+        if args.merge and not adapted:
+            raise UserError(f"--merge: {args.to_hf} is a tlm {artifact.describe()} with no LoRA adapters to merge")
+        model, step = artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
-        save_hf(model, args.out, extra_files=hf_files(tokenizer))
+        from tlm_command.model_card import model_card
+
+        card = {"README.md": model_card(model, tokenizer, artifact, step)}
+        save_hf(model, args.out, extra_files={**hf_files(tokenizer), **card})
         source_kind, target = f"tlm {artifact.describe()}", "HF Llama folder"
     report = {
         "from": source,
@@ -98,4 +131,57 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{source_kind} {source} -> {target} {args.out}{with_tokenizer} ({human(report['parameters'])} parameters)"
         )
+    return 0
+
+
+def _to_peft(args: argparse.Namespace) -> int:
+    """The adapters of a LoRA run as a PEFT adapter folder for the HF export of its base."""
+    import os
+
+    import torch
+
+    from tlm_core.atomic import replace_dir
+    from tlm_lora import lora_state_dict
+    from tlm_model.interop import to_hf_lora_state_dict
+    from tlm_train import artifacts
+    from tlm_train.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapter_bytes, load_lora_step, peft_config
+
+    if args.merge or args.tokenizer is not None or args.dtype is not None:
+        raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
+    check_output(args.out, args.to_peft, args.base)
+    out_dir = Path(args.out)
+    if out_dir.is_dir() and (
+        other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))
+    ):
+        raise UserError(f"--out {args.out} holds other files ({', '.join(other[:3])}): choose an empty or new folder")
+    artifact = artifacts.resolve(args.to_peft)
+    found = artifacts.lora_step(artifact)
+    if found is None:
+        raise UserError(
+            f"--to-peft {args.to_peft} is a tlm {artifact.describe()} with no LoRA adapters (see --lora-rank)"
+        )
+    folder, state = found
+    model = load_lora_step(folder, state, dtype=torch.float32, merge=False)
+    adapters = to_hf_lora_state_dict(lora_state_dict(model), model.config)
+    base = os.path.abspath(args.base if args.base is not None else state["lora"]["base"]["path"])
+    config = (json.dumps(peft_config(state["lora"], base), indent=2) + "\n").encode()
+
+    def fill(out: Path) -> None:
+        (out / PEFT_CONFIG).write_bytes(config)
+        (out / PEFT_WEIGHTS).write_bytes(adapter_bytes(adapters))
+
+    replace_dir(out_dir, fill)
+    report = {
+        "from": args.to_peft,
+        "out": args.out,
+        "step": state["step"],
+        "base": base,
+        "parameters": sum(t.numel() for t in adapters.values()),
+        "lora": {k: v for k, v in state["lora"].items() if k != "base"},
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out} for the base {base} "
+              f"({report['parameters']:,} adapter parameters)")  # fmt: skip
     return 0

@@ -1,7 +1,10 @@
 """``tlm eval``: a checkpoint's loss, perplexity and bits per byte on held-out text or tokens.
 
-The file is cut into windows of the model's context (or ``--context-length``), each predicted from
-the tokens before it in its window; every token after a window's first is scored once. Bits per byte
+The file is cut into windows of the model's context (or ``--context-length``), each token predicted from
+the tokens before it in its window; every token after the file's first is scored once, the tail included.
+By default the windows do not overlap; ``--stride S`` slides them S tokens at a time, each scoring only the
+tokens the one before did not, so every token past the first window has at least context − S tokens of
+history (HF's sliding-window perplexity). Bits per byte
 divide the summed loss by the UTF-8 bytes the scored tokens stand for (special tokens count none), so
 they compare across tokenizers. Forward passes only: no gradient is ever computed.
 """
@@ -44,6 +47,13 @@ def add_parser(commands: Any) -> None:
         help="window length (default: the model's context length)",
     )
     parser.add_argument(
+        "--stride",
+        type=positive_int,
+        default=None,
+        metavar="S",
+        help="slide the windows S tokens at a time, each token scored once (default: the context: no overlap)",
+    )
+    parser.add_argument(
         "--max-tokens",
         type=positive_int,
         default=None,
@@ -84,13 +94,13 @@ def _token_bytes(tokenizer: Any, vocab: int) -> "torch.Tensor | None":
 
 
 def run(args: argparse.Namespace) -> int:
+    from tlm_core.atomic import check_input
     from tlm_core.progress import progress_bar
     from tlm_core.tensors import dtype_from_name
     from tlm_train import EvalBatches, evaluate
 
     device = parse_device(args.device)
-    if not Path(args.data).is_file():  # the cheap checks before the model loads
-        raise FileNotFoundError(f"--data {args.data}: no such file")
+    check_input(args.data, "--data")  # the cheap checks before the model loads: a regular file
     model, tokenizer, artifact = load_model(args, device)
     ids = _tokens(Path(args.data), tokenizer, args.token_dtype)
     if args.max_tokens is not None:
@@ -104,14 +114,17 @@ def run(args: argparse.Namespace) -> int:
     top = int(ids.max())
     if int(ids.min()) < 0 or top >= vocab:
         raise UserError(f"--data {args.data} holds token ids up to {top}, outside the model's vocabulary [0, {vocab})")
-    batches = EvalBatches(ids, args.batch_size, context, device)
+    if args.stride is not None and args.stride > context:
+        raise UserError(f"--stride {args.stride} exceeds the context length {context}; a token would go unscored")
+    batches = EvalBatches(ids, args.batch_size, context, device, stride=args.stride, score_once=True)
     # Autocast for reduced precision; float32/float64 weights were already converted by --dtype.
     autocast = dtype_from_name(args.dtype) if args.dtype in ("bfloat16", "float16") else None
     with progress_bar(False if args.quiet else None, total=len(batches), unit="batch", desc="evaluating") as bar:
         result = evaluate(
             model, _counted(batches, bar), autocast_dtype=autocast, token_bytes=_token_bytes(tokenizer, vocab)
         )
-    report = {"checkpoint": str(artifact.path), "data": args.data, "context_length": context, **result.to_dict()}
+    report = {"checkpoint": str(artifact.path), "data": args.data, "context_length": context,
+              "stride": args.stride or context, **result.to_dict()}  # fmt: skip
     if args.json:
         print(json.dumps(report))
         return 0

@@ -72,7 +72,7 @@ def _artifact(args: argparse.Namespace) -> int:
         steps = artifact.run.checkpoints().steps()
         described["run"] = str(artifact.run.path)
         described["steps"] = ", ".join(map(str, steps)) if not args.json else steps
-    if artifact.kind != "hf":
+    if artifact.kind not in ("hf", "peft"):
         described["step"] = artifacts.model_file(artifact)[1]
     described["tokenizer"] = str(artifact.tokenizer_path) if artifact.tokenizer_path is not None else None
     described.update(describe(artifacts.model_config(artifact)))

@@ -2,27 +2,39 @@
 for every active request (continuous batching).
 
 Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between
-steps while it has fewer than ``max_batch`` rows: each joins with its prompt run alone
-(:meth:`tlm_model.batching.DecodeBatch.add`), then every step feeds one token to every row in one
-forward. Each request samples from its own row with its own ``torch.Generator`` (seeded by its
-``seed``), so its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the
-same as ``tlm generate --temperature 0``. A request leaves the batch when it ends (its token budget,
-an end-of-text token, a stop text) or is cancelled (a client that went away), and its row is free
-for the next step. :meth:`Scheduler.close` stops taking requests and lets the ones in flight finish.
+steps while it has fewer than ``max_batch`` rows. A request that generates more than one token joins with
+its prompt run alone (:meth:`tlm_model.batching.DecodeBatch.add`), then every step feeds one token to every
+row in one forward. A request that only scores its prompt (``max_tokens`` 0 with ``echo``) or generates one
+token needs no cache: those that join together run as one padded prefill (:meth:`Scheduler._prefill_only`),
+and end there. Each row samples with its own parameters (:mod:`tlm_command.sampling`, one call for the batch)
+and its own ``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
+``temperature=0`` is greedy, the same as ``tlm generate --temperature 0``. Log-probabilities come from the
+forward that gave the token (:func:`tlm_command.sampling.token_logprobs`).
+
+A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
+(a client that went away), and its row is free for the next step. What one request raises (outside the
+model's forwards) ends that request alone with ``finish_reason`` "error"; only an exception from a forward
+of the model, which every row shares, ends every request and marks the scheduler failed (:attr:`error`):
+it then refuses new requests (:class:`Failed`). :meth:`Scheduler.close` stops taking requests and lets the
+ones in flight finish.
 """
 
 import codecs
 import collections
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from tlm_model import sample_next_token
+from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
+
+#: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
+PREFILL_TOKENS = 4096
 
 
 class QueueFull(Exception):
@@ -33,21 +45,58 @@ class Closed(Exception):
     """The scheduler is shutting down and takes no new requests."""
 
 
+class Failed(Exception):
+    """The model failed (the scheduler thread stopped): no request can be served."""
+
+
+@dataclass
+class Scored:
+    """One token with its log-probability (None: the first prompt token, which nothing predicts) and the top
+    alternatives as (id, log-probability), best first."""
+
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Piece:
+    """What the scheduler thread emits: text that can be sent now, the tokens it came from with their scores
+    (when the request asked for log-probabilities), the prompt's scores (``echo``: in the first piece only),
+    and on the last piece the finish reason ("stop", "length" or "error", with ``error`` saying what)."""
+
+    text: str
+    finish_reason: str | None = None
+    scored: list[Scored] = field(default_factory=list)
+    prompt_scored: list[Scored] | None = None
+    error: str | None = None
+
+
 @dataclass
 class Request:
-    """One completion: token ids in, text out through ``emit(text, finish_reason)`` (called from the scheduler
-    thread; ``finish_reason`` is None until the last call, then "stop" or "length")."""
+    """One completion: token ids in, :class:`Piece` s out through ``emit`` (called from the scheduler thread;
+    ``finish_reason`` is None until the last piece). Values are checked where the request arrives (the HTTP
+    boundary); ``temperature`` 0 is greedy; ``max_tokens`` 0 (only with ``echo``) scores the prompt alone."""
 
     prompt: list[int]
     max_tokens: int
-    emit: Callable[[str, str | None], None]
+    emit: Callable[[Piece], None]
     temperature: float = 1.0
     top_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    #: None: no log-probabilities; k: each token's and the top k (0 to 20).
+    logprobs: int | None = None
+    #: Score the prompt's tokens too (their log-probabilities come in the first piece).
+    echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     #: Set from any thread to let the request go at the next step (its client disconnected).
     cancelled: threading.Event = field(default_factory=threading.Event)
     completion_tokens: int = 0
+    #: time.perf_counter() of the first token (the access log's time to first token).
+    first_token_at: float | None = None
 
 
 class TextStream:
@@ -80,12 +129,24 @@ class TextStream:
         return text
 
 
-@dataclass
 class _Row:
-    request: Request
-    stream: TextStream
-    generator: torch.Generator | None
-    logits: torch.Tensor
+    """A request decoding in the batch: its text stream, generator and per-row tensors."""
+
+    def __init__(self, request: Request, tokenizer: Any, vocab: int, device: torch.device) -> None:
+        self.request = request
+        self.stream = TextStream(tokenizer, request.stop)
+        self.generator: torch.Generator | None = None
+        if request.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(request.seed if request.seed is not None else int(time.time_ns()) % 2**63)
+        self.bias: torch.Tensor | None = None
+        if request.logit_bias:
+            ids = torch.tensor(list(request.logit_bias), dtype=torch.long)
+            values = torch.tensor(list(request.logit_bias.values()), dtype=torch.float32)
+            self.bias = torch.zeros(vocab).index_put_((ids,), values).to(device)
+        self.penalized = bool(request.presence_penalty or request.frequency_penalty)
+        self.counts = torch.zeros(vocab, device=device) if self.penalized else None
+        self.logits: torch.Tensor | None = None
 
 
 class Scheduler:
@@ -103,10 +164,12 @@ class Scheduler:
     ) -> None:
         self.model, self.tokenizer, self.device = model, tokenizer, device
         self.max_batch, self.max_queue = max_batch, max_queue
+        self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
         self.batch = DecodeBatch(model, max_batch)
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
+        self._joining: list[Request] = []
         self._wake = threading.Condition()
         self._closing = False
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
@@ -118,18 +181,29 @@ class Scheduler:
     # ------------------------------------------------------------------ any thread
 
     def submit(self, request: Request) -> None:
-        """Queue ``request``; raises :class:`QueueFull` or :class:`Closed` instead of queueing without bound."""
+        """Queue ``request``; raises :class:`QueueFull`, :class:`Closed` or :class:`Failed` instead."""
+        self.submit_all([request])
+
+    def submit_all(self, requests: list[Request]) -> None:
+        """Queue every one of ``requests`` or none (the choices of one HTTP request)."""
         with self._wake:
+            if self.error is not None:
+                raise Failed(f"the model failed: {type(self.error).__name__}: {self.error}")
             if self._closing:
                 raise Closed("the server is shutting down")
-            if self._in_flight >= self.max_batch + self.max_queue:
+            if self._in_flight + len(requests) > self.max_batch + self.max_queue:
                 raise QueueFull(
-                    f"{self.max_batch} requests are decoding and {self.max_queue} waiting already (--max-batch, "
-                    "--max-queue)"
+                    f"{self.active} requests are decoding and {self.waiting} waiting already (--max-batch "
+                    f"{self.max_batch}, --max-queue {self.max_queue})"
                 )
-            self._in_flight += 1
-            self._waiting.append(request)
+            self._in_flight += len(requests)
+            self._waiting.extend(requests)
             self._wake.notify()
+
+    @property
+    def capacity(self) -> int:
+        """Requests in flight at most (rows and queue)."""
+        return self.max_batch + self.max_queue
 
     @property
     def active(self) -> int:
@@ -166,10 +240,20 @@ class Scheduler:
                 while self._next_step():
                     pass
         except BaseException as err:  # the model failed: every request in flight ends, and the server says so
-            self.error = err
-            for request in [*self._waiting, *(row.request for row in self._rows)]:
-                request.emit("", "error")
-            raise
+            with self._wake:
+                self.error = err
+                every = [*self._waiting, *self._joining, *(row.request for row in self._rows)]
+                ended = [request for request in every if not request.cancelled.is_set()]  # not answered yet
+                self._waiting.clear()
+            message = f"the model failed: {type(err).__name__}: {err}"
+            for request in ended:
+                _emit_quietly(request, Piece("", "error", error=message))
+            traceback.print_exception(err)
+
+    def _fail(self, request: Request, err: BaseException) -> None:
+        """``request`` alone ends with an error (what it raised); the scheduler goes on."""
+        request.cancelled.set()
+        _emit_quietly(request, Piece("", "error", error=f"the request failed: {type(err).__name__}: {err}"))
 
     def _next_step(self) -> bool:
         with self._wake:
@@ -180,40 +264,19 @@ class Scheduler:
             joining: list[Request] = []
             while self._waiting and len(self._rows) + len(joining) < self.max_batch:
                 joining.append(self._waiting.popleft())
+            self._joining = joining  # neither waiting nor in a row until they join: a model failure ends them too
+        short = [r for r in joining if r.max_tokens <= 1 and not r.cancelled.is_set()]
         for request in joining:
             if request.cancelled.is_set():
                 self._left(1)
-                continue
-            generator = None
-            if request.temperature > 0:
-                generator = torch.Generator(device=self.device)
-                generator.manual_seed(request.seed if request.seed is not None else int(time.time_ns()) % 2**63)
-            logits = self.batch.add(torch.tensor(request.prompt, device=self.device))
-            self._rows.append(_Row(request, TextStream(self.tokenizer, request.stop), generator, logits))
+            elif request.max_tokens > 1:
+                self._join(request)
+        if short:
+            self._prefill_only(short)
+        self._joining = []
         if not self._rows:
             return True
-        tokens = [
-            sample_next_token(row.logits, temperature=row.request.temperature, top_p=row.request.top_p,
-                              generator=row.generator)
-            for row in self._rows
-        ]  # fmt: skip
-        # The one read of the step back to the host: the text needs the ids.
-        for row, token_id in zip(self._rows, torch.stack(tokens).tolist(), strict=True):
-            request = row.request
-            request.completion_tokens += 1
-            if token_id in self.eos:
-                request.emit(row.stream.close(), "stop")
-                request.cancelled.set()
-                continue
-            text, stopped = row.stream.add(token_id)
-            if stopped:
-                request.emit(text, "stop")
-                request.cancelled.set()
-            elif request.completion_tokens >= request.max_tokens:
-                request.emit(text + row.stream.close(), "length")
-                request.cancelled.set()
-            elif text:
-                request.emit(text, None)
+        tokens = self._sample([row.logits for row in self._rows])
         # Ended and cancelled rows leave before the forward; the last row takes each one's place.
         for r in reversed(range(len(self._rows))):
             if self._rows[r].request.cancelled.is_set():
@@ -222,8 +285,170 @@ class Scheduler:
                 self._rows.pop(), tokens.pop()
                 self._left(1)
         if self._rows:
-            logits = self.batch.step(torch.stack(tokens))
+            logits = self.batch.step(torch.stack(tokens))  # a failure here is the model's: _loop ends it all
             for row, row_logits in zip(self._rows, logits.unbind(0), strict=True):
                 row.logits = row_logits
             self.steps += 1
         return True
+
+    def _join(self, request: Request) -> None:
+        """Prefill ``request`` alone into a new row (its prompt's scores first, with ``echo``)."""
+        try:
+            row = _Row(request, self.tokenizer, self.vocab, self.device)
+        except Exception as err:
+            self._fail(request, err)
+            self._left(1)
+            return
+        prompt = torch.tensor(request.prompt, device=self.device)
+        logits = self.batch.add(prompt, every_position=request.echo)  # the model's: a failure ends everything
+        if request.echo:
+            try:
+                scores = self._score(logits[:-1], prompt[1:], request.logprobs or 0)
+                first = Scored(request.prompt[0], None, [])
+                request.emit(Piece("", prompt_scored=[first, *scores]))
+            except Exception as err:
+                self._fail(request, err)  # its row leaves at this step, as a cancelled one does
+            logits = logits[-1]
+        row.logits = logits
+        self._rows.append(row)
+
+    def _prefill_only(self, requests: list[Request]) -> None:
+        """Requests that need no cache (score the prompt, at most one new token): right-padded prompts in as few
+        forwards as fit :data:`PREFILL_TOKENS`. A padded token comes after every real one, so no real token
+        sees it (the attention is causal)."""
+        requests = sorted(requests, key=lambda r: len(r.prompt))
+        start = 0
+        while start < len(requests):
+            end = start + 1
+            while end < len(requests) and (end + 1 - start) * len(requests[end].prompt) <= PREFILL_TOKENS:
+                end += 1
+            group, start = requests[start:end], end
+            width = len(group[-1].prompt)
+            padded = torch.zeros(len(group), width, dtype=torch.long)
+            for b, request in enumerate(group):
+                padded[b, : len(request.prompt)] = torch.tensor(request.prompt)
+            padded = padded.to(self.device)
+            logits = self.model(padded)  # the model's: a failure ends everything
+            lengths = torch.tensor([len(r.prompt) for r in group], device=self.device)
+            last = logits[torch.arange(len(group), device=self.device), lengths - 1]
+            rows: list[_Row | None] = []
+            for b, request in enumerate(group):
+                try:
+                    if request.echo:
+                        n = len(request.prompt)
+                        scores = self._score(logits[b, : n - 1], padded[b, 1:n], request.logprobs or 0)
+                        first = Scored(request.prompt[0], None, [])
+                        request.emit(Piece("", prompt_scored=[first, *scores]))
+                    row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
+                    if row is not None:
+                        row.logits = last[b]
+                    else:
+                        request.emit(Piece("", "length"))
+                        request.cancelled.set()
+                    rows.append(row)
+                except Exception as err:
+                    self._fail(request, err)
+                    rows.append(None)
+            generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
+            if generating:
+                saved, self._rows = self._rows, generating
+                try:
+                    self._sample([row.logits for row in generating])  # one token each: they all end here
+                finally:
+                    self._rows = saved
+            self._left(len(group))
+
+    def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
+        """``tokens`` scored under ``logits`` (one row each), read back to the host."""
+        picked, values, indices = token_logprobs(logits, tokens, top)
+        return [
+            Scored(token, logprob, list(zip(ids, lps, strict=True)))
+            for token, logprob, ids, lps in zip(
+                tokens.tolist(), picked.tolist(), indices.tolist(), values.tolist(), strict=True
+            )
+        ]
+
+    def _sample(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Sample every row of ``self._rows`` (whose next-token logits are ``logits``) in one call, then hand each
+        row its token; a row that raises ends alone (its request fails) and its token is 0 (it leaves)."""
+        rows = self._rows
+        stacked = torch.stack(logits)
+        try:
+            tokens = self._sample_batch(rows, stacked)
+        except Exception:  # some row's parameters break the batched call: sample row by row to find it
+            tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+            for r, row in enumerate(rows):
+                try:
+                    tokens[r] = self._sample_batch([row], stacked[r : r + 1])[0]
+                except Exception as err:
+                    self._fail(row.request, err)
+        want = max((row.request.logprobs for row in rows if row.request.logprobs is not None), default=None)
+        scores = None
+        if want is not None:
+            picked, values, indices = token_logprobs(stacked, tokens, want)
+            scores = (picked.tolist(), values.tolist(), indices.tolist())
+        # The one read of the step back to the host: the text needs the ids.
+        for r, (row, token_id) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            request = row.request
+            if request.cancelled.is_set():
+                continue
+            try:
+                if row.counts is not None:
+                    row.counts.index_add_(0, tokens[r : r + 1], torch.ones(1, device=self.device))
+                scored = []
+                if scores is not None and request.logprobs is not None:
+                    k = request.logprobs
+                    top = list(zip(scores[2][r][:k], scores[1][r][:k], strict=True))
+                    scored = [Scored(token_id, scores[0][r], top)]
+                self._took(row, token_id, scored)
+            except Exception as err:
+                self._fail(request, err)
+        return list(tokens.unbind(0))
+
+    def _sample_batch(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        requests = [row.request for row in rows]
+        device = self.device
+        penalized = any(row.penalized for row in rows)
+        biased = any(row.bias is not None for row in rows)
+        params = RowParams(
+            temperature=torch.tensor([max(r.temperature, 0.0) or 1.0 for r in requests], device=device),
+            top_p=torch.tensor([r.top_p if r.top_p is not None else 2.0 for r in requests], device=device),
+            presence=torch.tensor([r.presence_penalty for r in requests], device=device),
+            frequency=torch.tensor([r.frequency_penalty for r in requests], device=device),
+            bias=torch.stack([row.bias if row.bias is not None else self._zeros() for row in rows]) if biased else None,
+            counts=torch.stack([row.counts if row.counts is not None else self._zeros() for row in rows])
+            if penalized
+            else None,
+        )
+        any_top_p = any(row.generator is not None and row.request.top_p is not None for row in rows)
+        return sample_rows(logits, params, [row.generator for row in rows], any_top_p=any_top_p)
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(self.vocab, device=self.device)
+
+    def _took(self, row: _Row, token_id: int, scored: list[Scored]) -> None:
+        """``row`` took ``token_id``: emit its text, and end it at an end-of-text token, a stop text or its budget."""
+        request = row.request
+        request.completion_tokens += 1
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        if token_id in self.eos:
+            request.emit(Piece(row.stream.close(), "stop", scored))
+            request.cancelled.set()
+            return
+        text, stopped = row.stream.add(token_id)
+        if stopped:
+            request.emit(Piece(text, "stop", scored))
+            request.cancelled.set()
+        elif request.completion_tokens >= request.max_tokens:
+            request.emit(Piece(text + row.stream.close(), "length", scored))
+            request.cancelled.set()
+        elif text or scored:
+            request.emit(Piece(text, None, scored))
+
+
+def _emit_quietly(request: Request, piece: Piece) -> None:
+    try:
+        request.emit(piece)
+    except Exception:  # its listener is gone or broken: nothing more to tell it
+        pass

@@ -46,33 +46,61 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, metavar="S", help="on SIGTERM, seconds to finish requests"
     )
+    parser.add_argument(
+        "--max-body", type=positive_int, default=None, metavar="BYTES",
+        help="a request body's bytes at most; larger ones get 413 (default: 2 MiB)",
+    )  # fmt: skip
+    parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
     parser.set_defaults(run=run)
 
 
+#: The conversation a chat template is rendered on at start: one that any template takes.
+PROBE_CONVERSATION = [{"role": "user", "content": "Hello"}]
+
+
 def _chat_template(artifact: Any, tokenizer: Any) -> Any:
-    """The artifact's own chat template as ``messages -> text``, or None when it has none."""
+    """The artifact's own chat template as ``messages -> text``, or None when it has none. The template is
+    compiled and rendered on :data:`PROBE_CONVERSATION` here: one that fails is the checkpoint's error (one line,
+    exit 2), never a request's."""
     folder = artifact.tokenizer_path if artifact.tokenizer_path is not None else artifact.model_path
     folder = folder if folder.is_dir() else folder.parent
-    source = None
+    source, where = None, folder
     if (folder / "chat_template.jinja").is_file():
-        source = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        where = folder / "chat_template.jinja"
+        source = where.read_text(encoding="utf-8")
     elif (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        where = folder / "tokenizer_config.json"
+        config = json.loads(where.read_text(encoding="utf-8"))
         source = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
     if source is None:
         return None
     try:
+        import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise UserError(f"{folder} has a chat template, which needs jinja2: pip install 'tlm-command[serve]'") from None
+
+    def raise_exception(message: str) -> None:  # what HF templates call to refuse a conversation
+        raise jinja2.exceptions.TemplateError(message)
+
     # As transformers renders templates: sandboxed, whitespace kept as the template writes it.
-    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(source)
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment.globals["raise_exception"] = raise_exception
+    try:
+        template = environment.from_string(source)
+    except jinja2.TemplateError as err:
+        raise UserError(f"{where}: the chat template does not compile: {type(err).__name__}: {err}") from None
     specials = {"bos_token": "", "eos_token": "<|endoftext|>" if "<|endoftext|>" in tokenizer.special_tokens else ""}
 
     def render(messages: list[dict[str, str]]) -> str:
         return str(template.render(messages=messages, add_generation_prompt=True, **specials))
 
+    try:
+        render(PROBE_CONVERSATION)
+    except Exception as err:
+        raise UserError(f"{where}: the chat template fails on a one-message conversation: "
+                        f"{type(err).__name__}: {err}") from None  # fmt: skip
     return render
 
 
@@ -96,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
 
     from tlm_command.args import device as parse_device
     from tlm_command.loading import load_model
-    from tlm_command.openai_api import create_app
+    from tlm_command.openai_api import MAX_BODY, create_app
     from tlm_command.scheduler import Scheduler
+    from tlm_tokenizer.chat import IM_END
     from tlm_tokenizer.hf_json import EOS_TOKEN
 
     device = parse_device(args.device)
@@ -105,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
     chat_template = _chat_template(artifact, tokenizer)
-    stops = [EOS_TOKEN] if EOS_TOKEN in tokenizer.special_tokens else []
+    # <|im_end|>: the end of a chat model's turn (its ChatML template's marker, issue 32).
+    stops = [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
     eos_ids = [tokenizer.encode(s)[0] for s in stops]
     name = model_id(args.checkpoint, args.model_name)
     # Bound before the model thread starts, so a taken port is one line and no thread is left behind.
@@ -125,6 +155,9 @@ def run(args: argparse.Namespace) -> int:
         context_length=model.config.context_length,
         chat_template=chat_template,
         default_stops=stops,
+        vocab_size=model.config.vocab_size,
+        max_body=args.max_body or MAX_BODY,
+        access_log=not args.quiet,
     )
 
     class Server(uvicorn.Server):

@@ -6,7 +6,7 @@ baseline). Settings are TrainConfig fields (lr, batch_size, steps, ...) and Mode
 
     tlm sweep --out-dir sweeps/lr --grid lr=1e-4,3e-4,1e-3,3e-3 --set steps=200
     tlm sweep --out-dir sweeps/lr-bs --grid lr=1e-3,3e-3 --grid batch_size=8,32 --config base.toml
-    tlm sweep --out-dir sweeps/ablations --runs ablations.toml
+    tlm sweep --out-dir sweeps/ablations --runs ablations.toml --seeds 3
     tlm sweep --resume sweeps/lr
 
 A runs file holds an optional [base] table of shared settings and one [runs.NAME] table per run:
@@ -19,11 +19,16 @@ A runs file holds an optional [base] table of shared settings and one [runs.NAME
 
 Each run is an ordinary tlm train run folder, SWEEP/NAME/, that every command reads (tlm generate,
 eval, compare...). SWEEP/sweep.json, the manifest, is rewritten whole as each run starts and ends.
-A run whose loss stops being finite is recorded as diverged and the sweep goes on. --resume keeps the
+A run whose loss stops being finite is recorded as diverged and the sweep goes on. --seeds N runs every
+setting N times, with seeds SEED, SEED+1, ... (SEED the base's, 0 by default; or give seed in a grid),
+and the summary gives each setting's mean, standard deviation and N, and its difference from the
+baseline (the run or setting named baseline, else the first) with a 95% interval. --resume keeps the
 finished runs and continues the others, each from its newest checkpoint. --jobs N trains N runs at
 once, each in its own process with 1/N of the CPU threads (OMP_NUM_THREADS, else the CPUs this process
 may use); by default, on the CPU, one single-threaded run per thread. At the end: SWEEP/summary.json,
 summary.md and sweep.png (validation loss by step and by wall-clock time, final loss by the swept setting).
+How each run ended: done, diverged (at step S), unstable (finished, but an evaluation exceeded
+--unstable-above × its first: 1.5 by default), interrupted (resumable; not a result) or failed.
 """
 
 import argparse
@@ -44,10 +49,11 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_command.args import UserError, add_command, positive_int, say
+from tlm_command.args import UserError, add_command, positive_float, positive_int, say
+from tlm_command.compare import UNSTABLE_ABOVE
 from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
 
-#: How a run ended: these are kept by --resume; the others (pending, running, stopped, failed) run again.
+#: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
 #: The most runs a plan may hold unless --max-runs says otherwise: a grid's product grows fast.
 MAX_RUNS = 1000
@@ -68,6 +74,18 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--runs", metavar="FILE.toml", help="named runs: [base] and one [runs.NAME] table per run")
     parser.add_argument("--config", metavar="FILE.toml", help="base settings, as tlm train --config reads them")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
+    parser.add_argument(
+        "--seeds", type=positive_int, default=None, metavar="N", help="run every setting N times, seeds SEED..SEED+N-1"
+    )
+    parser.add_argument(
+        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+    )  # fmt: skip
+    parser.add_argument(
+        "--baseline",
+        metavar="SETTING",
+        help="the setting compared against (default: baseline, else the first)",
+    )
     parser.add_argument(
         "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
     )
@@ -219,6 +237,8 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
     base_dict = apply({k: v for k, v in base.to_dict().items() if k != "out_dir"}, flat_base)
+    if getattr(args, "seeds", None) is not None:
+        runs = with_seeds(runs, args.seeds, int(base_dict.get("seed", 0)))
     names = [name for name, _ in runs]
     for name in names:
         check_name(name, "run name")
@@ -231,6 +251,13 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
     return {"format": FORMAT, "base": base_dict, "runs": entries}
+
+
+def with_seeds(runs: list[tuple[str, dict[str, Any]]], n: int, first: int) -> list[tuple[str, dict[str, Any]]]:
+    """Each run ``n`` times, with seeds ``first`` .. ``first + n - 1`` (``NAME,seed=K``), the seed fastest."""
+    if any("seed" in settings for _, settings in runs):
+        raise UserError("--seeds N and seed in a grid or a run's settings: give the seeds one way")
+    return [(f"{name},seed={first + k}", {**settings, "seed": first + k}) for name, settings in runs for k in range(n)]
 
 
 def _setting_names(message: str) -> str:
@@ -334,7 +361,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:  # one run's failure is recorded; the sweep goes on
         first = str(err).splitlines()[0] if str(err) else ""
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
-    return {"status": "stopped" if result.interrupted else "done"}
+    return {"status": "interrupted" if result.interrupted else "done"}
 
 
 def resume_config(planned: Any) -> Any:
@@ -416,7 +443,7 @@ class Sweep:
                 self._started(entry)
                 outcome = train_run(self.job(entry))
                 self._ended(entry, outcome)
-                if outcome["status"] == "stopped":
+                if outcome["status"] == "interrupted":
                     return False
         finally:
             torch.set_num_threads(previous)
@@ -448,7 +475,7 @@ class Sweep:
                     break
                 try:
                     finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
-                except KeyboardInterrupt:  # each run checkpoints and returns "stopped"
+                except KeyboardInterrupt:  # each run checkpoints and returns "interrupted"
                     stopping = True
                     _forward_interrupt(pool)
                     continue
@@ -456,7 +483,7 @@ class Sweep:
                     entry = running.pop(future)
                     outcome = _outcome(future)
                     self._ended(entry, outcome)
-                    stopping = stopping or outcome["status"] == "stopped"
+                    stopping = stopping or outcome["status"] == "interrupted"
         return not stopping
 
 
@@ -479,31 +506,46 @@ def _outcome(future: Any) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------ the summary
 
 
-def summarize(folder: Path, manifest: dict[str, Any]) -> list[Any]:
-    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep)."""
+def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float = UNSTABLE_ABOVE) -> list[Any]:
+    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep); a run that
+    failed before its folder held anything is there too, with its message."""
+    from tlm_command.compare import RunSummary
     from tlm_command.compare import summarize as summarize_run
 
     summaries = []
     for entry in manifest["runs"]:
         path = folder / entry["name"]
         if path.is_symlink() or not (path / "train.toml").is_file():  # a link planted since the sweep began
+            if entry["status"] == "failed" and not path.is_symlink():
+                summaries.append(RunSummary(
+                    entry["name"], entry["name"], entry["settings"], "failed", 0, 0, None, None, 0, 0, None, None,
+                    False, seed=entry["settings"].get("seed"), message=entry.get("message"),
+                ))  # fmt: skip
             continue
         status = entry["status"] if entry["status"] in ("diverged", "failed") else None
-        summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status)
+        summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status,
+                                message=entry.get("message"), unstable_above=unstable_above)  # fmt: skip
         summary.path = entry["name"]
         summaries.append(summary)
     return summaries
 
 
-def write_summary(folder: Path, manifest: dict[str, Any], *, quiet: bool) -> list[Any]:
+def write_summary(
+    folder: Path,
+    manifest: dict[str, Any],
+    *,
+    quiet: bool,
+    unstable_above: float = UNSTABLE_ABOVE,
+    baseline: str | None = None,
+) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
-    from tlm_command.compare import markdown, plot
+    from tlm_command.compare import full_markdown, plot, report
     from tlm_core.atomic import atomic_write
 
-    summaries = summarize(folder, manifest)
-    data = {"format": FORMAT, "runs": [s.to_dict() for s in summaries]}
+    summaries = summarize(folder, manifest, unstable_above=unstable_above)
+    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline)}
     atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + markdown(summaries))
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries, baseline=baseline))
     if summaries:
         try:
             plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
@@ -515,8 +557,10 @@ def write_summary(folder: Path, manifest: dict[str, Any], *, quiet: bool) -> lis
 
 def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
-        if args.out_dir is not None or args.grid or args.runs or args.config or args.set:
-            raise UserError("--resume continues a sweep as planned; it takes only --jobs and --quiet")
+        if args.out_dir is not None or args.grid or args.runs or args.config or args.set or args.seeds:
+            raise UserError(
+                "--resume continues a sweep as planned; it takes only --jobs, --unstable-above, --baseline and --quiet"
+            )
         folder = Path(args.resume)
         manifest = read_manifest(folder)
         _check_resumable(folder, manifest)
@@ -535,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
         manifest["jobs"] = jobs
         _write_manifest(folder, manifest)
         completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
-        write_summary(folder, manifest, quiet=args.quiet)
+        write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above, baseline=args.baseline)
     if not completed:
         say(f"sweep stopped: continue it with tlm sweep --resume {folder}")
         return 130

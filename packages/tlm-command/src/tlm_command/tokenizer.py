@@ -60,11 +60,19 @@ def _add_run_flags(parser: Any, workers: int | None, workers_help: str) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def _check_input(path: str) -> None:
+    """``--input`` is an existing regular file: a folder, a device (``/dev/zero``) or a FIFO is refused."""
+    from tlm_core.atomic import check_input
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--input: expected a text file, got {path!r} (no such file)")
+    check_input(path, "--input")
+
+
 def _train(args: argparse.Namespace) -> int:
     from tlm_tokenizer import Tokenizer, train_bpe
 
-    if not os.path.isfile(args.input):
-        raise FileNotFoundError(f"--input: expected a text file, got {args.input!r} (no such file)")
+    _check_input(args.input)
     check_output(args.out, args.input)
     specials = args.special_token or []
     progress = False if args.quiet else None
@@ -78,8 +86,7 @@ def _train(args: argparse.Namespace) -> int:
 def _encode(args: argparse.Namespace) -> int:
     from tlm_tokenizer import Tokenizer, encode_file
 
-    if not os.path.isfile(args.input):
-        raise FileNotFoundError(f"--input: expected a text file, got {args.input!r} (no such file)")
+    _check_input(args.input)
     check_output(args.out, args.input, args.tokenizer)
     tokenizer = Tokenizer.load(args.tokenizer)
     count = encode_file(

@@ -1,15 +1,14 @@
 """``tlm train``: text to a tokenizer, a trained model and a sample, in one run folder.
 
-Every setting is a flag, read over ``--config FILE.toml``; the model starts from ``--preset`` and any
-of its fields can be set (``--num-kv-heads 2 --tie-word-embeddings``); ``--init-from X`` fine-tunes X
-(a run, a checkpoint or an HF Llama folder) instead. ``--resume RUN`` continues a run from its newest
-checkpoint that verifies (``--resume RUN/checkpoints/step_N``: from that step) with its saved settings,
-over which flags apply from the resumed step on (learning rate, schedule, steps, intervals...); a flag
-that would change the model, data, tokenizer or seed is refused before anything is written.
+Every setting is a flag, read over ``--config FILE.toml``; the model is ``--preset`` with any field a flag
+too (``--num-kv-heads 2``). ``--init-from X`` fine-tunes X (a run, checkpoint, HF Llama or PEFT adapter
+folder); ``--lora-rank R`` trains only LoRA adapters on its frozen weights. ``--resume RUN`` continues from the
+newest checkpoint that verifies (or ``RUN/checkpoints/step_N``): flags apply from there on, and one that would
+change the model, data, tokenizer or seed is refused. Scale-out is torchrun's, rank 0 writing the files:
+``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU).
 
-Scale-out is torchrun's (the same command on every rank; rank 0 writes the files):
-
-    torchrun --nproc-per-node 2 -m tlm train --distributed fsdp      # one machine, gloo on CPU
+Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed), 74 a
+logger failed (a full disk...; stopped, checkpointed when the disk took it; ``--logger-errors warn`` trains on).
 """
 
 import argparse
@@ -91,7 +90,9 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
         choices = field.metadata.get("choices")
-        metavar = None if choices else "FILE" if field.name == "data" else field.name.upper()
+        metavar = (
+            None if choices else field.metadata.get("metavar", "FILE" if field.name == "data" else field.name.upper())
+        )
         parser.add_argument(flag, type=kind, nargs="+" if is_list else None, metavar=metavar, choices=choices, **common)
 
 

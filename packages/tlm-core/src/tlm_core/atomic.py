@@ -27,9 +27,11 @@ from typing import BinaryIO
 __all__ = [
     "atomic_file",
     "atomic_write",
+    "check_input",
     "create_new",
     "fsync_dir",
     "is_current",
+    "open_input",
     "read_dir_files",
     "remove_leftovers",
     "replace_dir",
@@ -250,6 +252,50 @@ def is_current(fd: int, path: str | os.PathLike[str]) -> bool:
         return os.path.samestat(os.stat(path), os.fstat(fd))
     except FileNotFoundError:
         return False
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _kind(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def open_input(path: str | os.PathLike[str], what: str) -> BinaryIO:
+    """``path`` open for reading, refused unless it is a regular file: a folder, a device (``/dev/zero``), a
+    FIFO or a socket raises ``ValueError`` naming ``what`` (a flag such as ``--data``) and the path, and a
+    missing file ``FileNotFoundError``. The check is made on the open handle itself (``fstat``), and that
+    handle is what the caller reads, so a file swapped for a FIFO or device after the check is never read. The
+    open does not block on a FIFO (``O_NONBLOCK``, cleared again for the regular file)."""
+    nonblock = getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | nonblock | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {os.fspath(path)}: no such file") from None
+    except IsADirectoryError:  # pragma: no cover - platforms where opening a folder fails
+        raise ValueError(f"{what} {os.fspath(path)}: a folder, expected a file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{what} {os.fspath(path)}: {_kind(mode)}, expected a regular file")
+        if nonblock:
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_input(path: str | os.PathLike[str], what: str) -> None:
+    """Raise as :func:`open_input` would for ``path`` (missing, or not a regular file), without keeping it open:
+    the cheap check a command makes before it writes anything; the reader then opens with :func:`open_input`."""
+    open_input(path, what).close()
 
 
 def remove_leftovers(directory: str | os.PathLike[str], name: str | None = None) -> list[Path]:

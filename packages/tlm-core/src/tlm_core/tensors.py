@@ -35,8 +35,10 @@ def as_index_tensor(name: str, t: object, high: int, bound_name: str) -> Tensor:
     """``t`` as int64 indices, each in ``[0, high)``; any integer dtype is accepted, never read as a mask.
 
     int64 for every integer dtype: indexing reads uint8 as a mask, and min/max do not exist for the
-    unsigned types np.memmap of a token file gives. The range is checked here on CPU tensors; on an
-    accelerator, or inside ``torch.compile``, by a device-side assert, so no forward waits for the device.
+    unsigned types np.memmap of a token file gives. This is a boundary check (a prompt entering
+    ``generate``): the range is read back to the host, one read on an accelerator. Inside
+    ``torch.compile`` it is not checked at all (an out-of-range id is then the embedding's kernel's
+    error); never a device-side assert, which on CUDA would poison the context instead of raising.
     """
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -45,12 +47,11 @@ def as_index_tensor(name: str, t: object, high: int, bound_name: str) -> Tensor:
     ids = t if t.dtype == torch.int64 else t.long()
     if ids.numel() == 0 or ids.device.type == "meta":
         return ids
-    if torch.compiler.is_compiling() or ids.device.type != "cpu":
-        torch._assert_async(((ids >= 0) & (ids < high)).all(), f"{name} must lie in [0, {bound_name}={high})")
-    else:
-        low, top = int(ids.min()), int(ids.max())
-        if low < 0 or top >= high:
-            raise ValueError(f"{name} must lie in [0, {bound_name}={high}), got values in [{low}, {top}]")
+    if torch.compiler.is_compiling():
+        return ids
+    low, top = torch.stack(torch.aminmax(ids)).tolist()  # one read of both, at the boundary
+    if low < 0 or top >= high:
+        raise ValueError(f"{name} must lie in [0, {bound_name}={high}), got values in [{low}, {top}]")
     return ids
 
 

@@ -43,3 +43,17 @@ def register_split_layout(module: nn.Module, fused: str, parts: dict[str, int]) 
     """
     module.register_state_dict_post_hook(_Split(fused, parts))
     module.register_load_state_dict_pre_hook(_Join(fused, parts))
+    layouts = module.__dict__.setdefault(_LAYOUTS, {})
+    layouts[fused] = dict(parts)
+
+
+#: The instance attribute where :func:`register_split_layout` records each fused weight's parts.
+_LAYOUTS = "_tlm_split_layouts"
+
+
+def split_layout(module: nn.Module, fused: str) -> dict[str, int] | None:
+    """The parts ``register_split_layout(module, fused, parts)`` registered (name -> rows, in stacking
+    order), or None when ``module.<fused>`` is not a fused weight. Lets code that acts on the parts of a
+    fused projection (a LoRA adapter on q and v of a fused q/k/v) find them without unfusing anything."""
+    layout = module.__dict__.get(_LAYOUTS, {}).get(fused)
+    return None if layout is None else dict(layout)

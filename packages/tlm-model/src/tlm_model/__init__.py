@@ -22,6 +22,7 @@ _HOMES = {
     "unwrap": "tlm_model.inference",
     "chunked_cross_entropy": "tlm_model.loss",
     "cross_entropy": "tlm_model.cross_entropy",
+    "document_ids": "tlm_attention.documents",
     "from_hf": "tlm_model.interop",
     "save_hf": "tlm_model.interop",
     "generate": "tlm_model.generate",
@@ -42,6 +43,7 @@ __all__ = [
     "chunked_cross_entropy",
     "compile_for_inference",
     "cross_entropy",
+    "document_ids",
     "from_hf",
     "generate",
     "load_model_file",
@@ -52,6 +54,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from tlm_attention.documents import document_ids
     from tlm_model.batching import DecodeBatch
     from tlm_model.block import TransformerBlock
     from tlm_model.checkpoint import load_model_file, save_model_file

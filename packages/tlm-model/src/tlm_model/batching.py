@@ -48,8 +48,10 @@ class DecodeBatch:
         return self.caches[0].lengths
 
     @torch.no_grad()
-    def add(self, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"]:
-        """Run ``prompt_ids`` alone and append it as the last row; returns its next-token logits."""
+    def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
+        """Run ``prompt_ids`` alone and append it as the last row; returns its next-token logits, shape (vocab,),
+        or with ``every_position`` the logits after each prompt token, shape (prompt, vocab), from the same
+        forward (a server scoring the prompt: the last row is the next token's)."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
         if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not 0 < len(prompt_ids) <= self.capacity:
@@ -59,10 +61,10 @@ class DecodeBatch:
             )
         ids = as_index_tensor("prompt_ids", prompt_ids, self.model.config.vocab_size, "vocab_size")
         alone = self.model.new_kv_cache(1, capacity=len(ids))
-        logits = self.model(ids.unsqueeze(0), kv_cache=alone)[0, -1]
+        logits = self.model(ids.unsqueeze(0), kv_cache=alone)[0]
         for cache, source in zip(self.caches, alone, strict=True):
             cache.append_row(source)
-        return logits
+        return logits if every_position else logits[-1]
 
     @torch.no_grad()
     def step(self, tokens: Integer[Tensor, " batch"]) -> Float[Tensor, "batch vocab"]:

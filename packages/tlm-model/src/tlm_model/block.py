@@ -103,9 +103,11 @@ class TransformerBlock(nn.Module):
         x: Float[Tensor, "... seq d_model"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: KVCache | None = None,
+        *,
+        document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         if self.post_norm:
-            x = self.ln1(x + self.attn(x, token_positions, kv_cache))
+            x = self.ln1(x + self.attn(x, token_positions, kv_cache, document_ids=document_ids))
             return self.ln2(x + self.ffn(x))
-        x = x + self.attn(self.ln1(x), token_positions, kv_cache)
+        x = x + self.attn(self.ln1(x), token_positions, kv_cache, document_ids=document_ids)
         return x + self.ffn(self.ln2(x))

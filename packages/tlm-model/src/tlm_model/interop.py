@@ -78,6 +78,50 @@ def _convert(state_dict: dict[str, Tensor], config: ModelConfig, to_hf: bool) ->
     return out
 
 
+#: PEFT's prefix before an HF model's own parameter names (``PeftModel`` wraps a ``LoraModel`` wrapping the model).
+PEFT_PREFIX = "base_model.model."
+_LORA_KEY = re.compile(r"(.+)\.(lora_[AB])\.weight")
+
+
+def to_hf_lora_state_dict(adapters: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """LoRA adapters keyed as ``tlm_lora.lora_state_dict`` keys them (``layers.0.attn.q_proj.lora_A.weight``)
+    as a PEFT ``adapter_model.safetensors`` keys them for ``LlamaForCausalLM``
+    (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``). ``B``'s rows of q and k follow the
+    weights' row order (HF's rotate-half RoPE pairs); ``A`` reads the input and keeps its columns."""
+    check_llama_exportable(config)
+    names = dict(_pairs(config))
+    out = {}
+    for key, tensor in adapters.items():
+        match = _LORA_KEY.fullmatch(key)
+        weight = None if match is None else match.group(1) + ".weight"
+        if match is None or weight not in names:
+            raise ValueError(f"{key!r} is not the key of a LoRA adapter on a projection of this model")
+        hf = names[weight].removesuffix(".weight")
+        permute = match.group(2) == "lora_B" and weight.endswith(_ROTATED) and config.rope_layout == "interleaved"
+        out[f"{PEFT_PREFIX}{hf}.{match.group(2)}.weight"] = (
+            _permute_rows(tensor, config, to_rotate_half=True) if permute else tensor.contiguous()
+        )
+    return out
+
+
+def from_hf_lora_state_dict(adapters: Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """The inverse of :func:`to_hf_lora_state_dict`: a PEFT adapter of a ``LlamaForCausalLM`` in tlm's keys
+    and row order. A key on a module tlm does not have (a bias, an embedding adapter) is refused by name."""
+    ours = {hf: mine for mine, hf in _pairs(config)}
+    out = {}
+    for key, tensor in adapters.items():
+        match = _LORA_KEY.fullmatch(key.removeprefix(PEFT_PREFIX))
+        weight = None if match is None else ours.get(match.group(1) + ".weight")
+        if match is None or weight is None or not key.startswith(PEFT_PREFIX):
+            raise ValueError(
+                f"{key!r} is not a LoRA adapter tlm can load (only lora_A/lora_B on the Llama projections)"
+            )
+        permute = match.group(2) == "lora_B" and weight.endswith(_ROTATED) and config.rope_layout == "interleaved"
+        target = f"{weight.removesuffix('.weight')}.{match.group(2)}.weight"
+        out[target] = _permute_rows(tensor, config, to_rotate_half=False) if permute else tensor
+    return out
+
+
 #: The ModelConfig fields a Llama fixes, with the one value it can express and why.
 _LLAMA_ONLY = {
     "norm_placement": ("pre", "LlamaForCausalLM normalises each sublayer's input"),

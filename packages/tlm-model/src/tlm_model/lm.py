@@ -6,7 +6,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_attention import CausalMultiHeadSelfAttention, KVCache, resolve_attention_backend
+from tlm_attention import CausalMultiHeadSelfAttention, KVCache, document_positions, resolve_attention_backend
 from tlm_linear import Embedding, Linear
 from tlm_model.block import TransformerBlock, build_norm, build_rope
 from tlm_model.config import ModelConfig, check_config
@@ -170,8 +170,15 @@ class TransformerLM(nn.Module):
         in_indices: Integer[Tensor, "... seq"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
+        *,
+        document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
         """The final-normed activations that the LM head turns into logits.
+
+        ``document_ids`` (one per token, equal within a document: :func:`tlm_attention.document_ids` of the
+        tokens and the end-of-text id) masks attention to each token's own document and, unless
+        ``token_positions`` are given, restarts the positions at each document's first token: every
+        document of a packed window is computed as it would be alone. Not with ``kv_cache``.
 
         The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens with
         those cached, the caches from :meth:`new_kv_cache` and of one length per row, no explicit
@@ -179,6 +186,12 @@ class TransformerLM(nn.Module):
         (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state the shapes,
         and nothing here reads a value back to the host.
         """
+        if document_ids is not None:
+            if kv_cache is not None:
+                raise ValueError("document_ids is for whole packed windows; it cannot be given with kv_cache")
+            if token_positions is None and self.rope is not None:
+                token_positions = document_positions(document_ids)
+            return self._run_layers(in_indices, token_positions, None, document_ids)
         if kv_cache is not None and kv_cache[0].ragged:
             # Rows of different lengths: each continues from its own length (host-side ints, no sync).
             token_positions = kv_cache[0].positions(in_indices.shape[-1])
@@ -195,10 +208,19 @@ class TransformerLM(nn.Module):
                 cache.truncate(lengths)
             raise
 
-    def _run_layers(self, in_indices: Tensor, token_positions: Tensor | None, kv_cache: list[KVCache] | None) -> Tensor:
+    def _run_layers(
+        self,
+        in_indices: Tensor,
+        token_positions: Tensor | None,
+        kv_cache: list[KVCache] | None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         x = self.token_embeddings(in_indices)
         for i, layer in enumerate(self.layers):
-            x = layer(x, token_positions, None if kv_cache is None else kv_cache[i])
+            if document_ids is None:
+                x = layer(x, token_positions, None if kv_cache is None else kv_cache[i])
+            else:
+                x = layer(x, token_positions, document_ids=document_ids)
         return self.ln_final(x)
 
     def forward(
@@ -206,23 +228,34 @@ class TransformerLM(nn.Module):
         in_indices: Integer[Tensor, "... seq"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
         kv_cache: list[KVCache] | None = None,
+        *,
+        document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
         """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
         the cached sequence of each row, at positions that row's length onwards (rows of different
-        lengths: see :class:`~tlm_attention.KVCache`)."""
-        return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
+        lengths: see :class:`~tlm_attention.KVCache`). ``document_ids``: see :meth:`hidden_states`."""
+        if document_ids is None:
+            return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
+        return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache, document_ids=document_ids))
 
     def loss(
         self,
         in_indices: Integer[Tensor, "... seq"],
         targets: Integer[Tensor, "... seq"],
         *,
-        chunk_size: int = 256,
+        chunk_size: int | None = None,
+        document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, ""]:
         """Mean next-token cross-entropy, equal to ``F.cross_entropy(forward(ids), targets)``.
 
-        The LM head and the loss run ``chunk_size`` tokens at a time, so neither the full
-        (tokens × vocab) float32 logits nor their gradient is ever held in memory.
+        The LM head and the loss run ``chunk_size`` tokens at a time (None: 256 on a CPU, more on an
+        accelerator, :func:`~tlm_model.loss.default_chunk_size`), so neither the full (tokens × vocab)
+        float32 logits nor their gradient is ever held in memory.
+        ``document_ids``: each document of a packed window alone (see :meth:`hidden_states`).
         """
-        hidden = self.hidden_states(in_indices)
-        return chunked_cross_entropy(hidden.flatten(0, -2), self.lm_head.weight, targets.flatten(), chunk_size)
+        hidden = self.hidden_states(in_indices, document_ids=document_ids).flatten(0, -2)
+        # A head that is not a plain Linear (a LoRA-adapted one, tlm_lora.LoRALinear) hands over the operands
+        # whose product is its output, so the chunked loss still never builds the logits.
+        operands = getattr(self.lm_head, "loss_operands", None)
+        hidden, weight = operands(hidden) if operands is not None else (hidden, self.lm_head.weight)
+        return chunked_cross_entropy(hidden, weight, targets.flatten(), chunk_size)

@@ -85,8 +85,16 @@ class AdamW(torch.optim.Optimizer):
         _check_group(self.param_groups[-1])
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:
-        """One AdamW step for every parameter that has a gradient; returns ``closure()`` if given."""
+    def step(self, closure: Any = None, *, found_inf: Tensor | None = None) -> Any:
+        """One AdamW step for every parameter that has a gradient; returns ``closure()`` if given.
+
+        ``found_inf`` (a 0-d float tensor on the parameters' device, as torch's fused optimizers and
+        ``GradScaler`` take it): where it is non-zero the update is skipped on the device, parameters and
+        moments left bit-for-bit as they were, with no read back to the host. The step counters are
+        host integers and still advance; the caller that later reads the flag winds them back
+        (``tlm_train.NonFiniteGuard`` does). The fused kernel takes the flag itself; the other paths
+        compute the update and keep the old values where the flag is set.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -115,7 +123,13 @@ class AdamW(torch.optim.Optimizer):
                 for lst, t in zip(batch, tensors, strict=True):
                     lst.append(t)
             for (device, dtype, step), batch in batches.items():
-                _choose(group, device, dtype)(batch, step, group)
+                update = _choose(group, device, dtype)
+                if found_inf is None:
+                    update(batch, step, group)
+                elif update is _fused_update:
+                    _fused_update(batch, step, group, found_inf)
+                else:
+                    _skippable(update, batch, step, group, found_inf)
         return loss
 
 
@@ -183,7 +197,16 @@ def _single_tensor_update(batch: _Batch, step: int, group: dict[str, Any]) -> No
         p.addcdiv_(m, denom, value=step_size)
 
 
-def _fused_update(batch: _Batch, step: int, group: dict[str, Any]) -> None:
+def _skippable(update: Any, batch: _Batch, step: int, group: dict[str, Any], found_inf: Tensor) -> None:
+    # The unfused paths update in place; where found_inf is set, the values from before are put back.
+    kept = [t.clone() for t in (*batch.params, *batch.exp_avgs, *batch.exp_avg_sqs)]
+    update(batch, step, group)
+    skip = found_inf.to(torch.bool)
+    for t, old in zip((*batch.params, *batch.exp_avgs, *batch.exp_avg_sqs), kept, strict=True):
+        t.copy_(torch.where(skip, old, t))
+
+
+def _fused_update(batch: _Batch, step: int, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
     params, grads, exp_avgs, exp_avg_sqs = batch
     lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
     keep = 1.0 - lr * decay  # > 0, checked by _choose
@@ -202,4 +225,5 @@ def _fused_update(batch: _Batch, step: int, group: dict[str, Any]) -> None:
         eps=group["eps"] / (1.0 - beta2**step) ** 0.5,
         amsgrad=False,
         maximize=False,
+        found_inf=None if found_inf is None else found_inf.to(device=params[0].device, dtype=torch.float32),
     )

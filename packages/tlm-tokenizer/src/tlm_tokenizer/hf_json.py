@@ -87,13 +87,16 @@ def to_json(vocab: dict[int, bytes], merges: list[tuple[bytes, bytes]], special_
     return (json.dumps(document, ensure_ascii=False, indent=2) + "\n").encode("utf-8")
 
 
-def config_json(special_tokens: list[str]) -> bytes:
+def config_json(special_tokens: list[str], chat_template: str | None = None) -> bytes:
     """The bytes of a ``tokenizer_config.json`` with which ``AutoTokenizer`` loads ``tokenizer.json``
     unchanged: the generic fast class, no clean-up of spaces when decoding, ``<|endoftext|>`` as the
-    end-of-sequence token when the tokenizer has it."""
+    end-of-sequence token when the tokenizer has it, and the ``chat_template`` when there is one (what
+    transformers' ``apply_chat_template`` renders)."""
     config: dict[str, object] = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
     if EOS_TOKEN in special_tokens:
         config["eos_token"] = EOS_TOKEN
+    if chat_template is not None:
+        config["chat_template"] = chat_template
     return (json.dumps(config, indent=2) + "\n").encode("utf-8")
 
 

@@ -1,11 +1,14 @@
 """A byte-level BPE tokenizer that applies merges by rank exactly as GPT-2 (and tiktoken) do."""
 
+import json
 import operator
 import os
+import re
 from collections.abc import Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from itertools import chain
 from pathlib import Path
-from typing import Any, SupportsIndex, cast
+from typing import Any, Literal, SupportsIndex, cast
 
 from tlm_core.checks import short_repr
 from tlm_tokenizer import bpe, hf_json
@@ -24,6 +27,7 @@ _ID_LIMIT = 1 << 32  # ids are packed into 32 bits (bpe.pack) and written as uin
 CACHE_ENTRIES = 1 << 18
 # Longer pre-tokens are not cached: they rarely repeat, and 2**18 of them could hold gigabytes.
 CACHE_MAX_CHARS = 128
+_ALLOWED_SPECIAL = 'allowed_special must be "all", "none" or a set of special tokens'
 
 
 class Tokenizer:
@@ -35,6 +39,8 @@ class Tokenizer:
         merges: ``(left, right)`` byte pairs in priority order (rank = position), each pair once.
         special_tokens: strings that are never split; those missing from ``vocab`` get new ids.
             Overlapping ones match longest first.
+        chat_template: a Jinja chat template (as transformers' ``tokenizer_config.json`` holds one), saved
+            and loaded with the tokenizer; :class:`tlm_tokenizer.chat.ChatTemplate` renders and encodes it.
     """
 
     def __init__(
@@ -42,7 +48,12 @@ class Tokenizer:
         vocab: dict[int, bytes],
         merges: list[tuple[bytes, bytes]],
         special_tokens: list[str] | None = None,
+        *,
+        chat_template: str | None = None,
     ) -> None:
+        if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+            raise ValueError(f"chat_template must be a non-empty Jinja string or None, got {chat_template!r:.60}")
+        self.chat_template = chat_template
         self._vocab = _checked_vocab(vocab)
         self._ids = {token: index for index, token in self._vocab.items()}
         if len(self._ids) != len(self._vocab):
@@ -88,6 +99,7 @@ class Tokenizer:
                 self._ids[encoded] = index
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
         self._splitter = special_splitter(self.special_tokens)
+        self._splitters: dict[frozenset[str], re.Pattern[str] | None] = {}  # per allowed_special set
         self._longest_special = max(map(len, self.special_tokens), default=0)
         self._byte_ids = [self._ids[bytes([byte])] for byte in range(256)]
         self._cache: dict[str, tuple[int, ...]] = {}  # pre-token -> its ids
@@ -122,7 +134,13 @@ class Tokenizer:
         data = read_folder(folder).get(hf_json.TOKENIZER_JSON)
         if data is None:
             raise FileNotFoundError(f"directory must hold tokenizer.json, got {folder} without it")
-        return cls._from_hf_bytes(data, str(folder / hf_json.TOKENIZER_JSON))
+        tokenizer = cls._from_hf_bytes(data, str(folder / hf_json.TOKENIZER_JSON))
+        try:  # its chat template, when tokenizer_config.json has one
+            config = read_folder(folder, (hf_json.TOKENIZER_CONFIG_JSON,)).get(hf_json.TOKENIZER_CONFIG_JSON)
+        except FileNotFoundError:
+            config = None
+        tokenizer.chat_template = _chat_template(config, folder)
+        return tokenizer
 
     @classmethod
     def from_hf(cls, path: str | os.PathLike[str]) -> "Tokenizer":
@@ -140,7 +158,15 @@ class Tokenizer:
                 raise FileNotFoundError(f"path must be a tokenizer.json or a folder holding one, got {source.parent}")
         else:
             data = source.read_bytes()
-        return cls._from_hf_bytes(data, str(source))
+        tokenizer = cls._from_hf_bytes(data, str(source))
+        # Its chat template: transformers 5 writes chat_template.jinja, earlier ones tokenizer_config.json's field.
+        jinja = source.parent / "chat_template.jinja"
+        if jinja.is_file():
+            tokenizer.chat_template = jinja.read_text(encoding="utf-8") or None
+        elif (source.parent / hf_json.TOKENIZER_CONFIG_JSON).is_file():
+            config = (source.parent / hf_json.TOKENIZER_CONFIG_JSON).read_bytes()
+            tokenizer.chat_template = _chat_template(config, source.parent)
+        return tokenizer
 
     @classmethod
     def _from_hf_bytes(cls, data: bytes, where: str) -> "Tokenizer":
@@ -152,7 +178,7 @@ class Tokenizer:
         and ``tokenizer_config.json`` (so that ``transformers.AutoTokenizer`` loads it as it is)."""
         return {
             hf_json.TOKENIZER_JSON: hf_json.to_json(self._vocab, self._merges, self.special_tokens),
-            hf_json.TOKENIZER_CONFIG_JSON: hf_json.config_json(self.special_tokens),
+            hf_json.TOKENIZER_CONFIG_JSON: hf_json.config_json(self.special_tokens, self.chat_template),
         }
 
     # -- views ----------------------------------------------------------------------------------
@@ -216,19 +242,45 @@ class Tokenizer:
         lookup.update(new)
         return list(chain.from_iterable(map(lookup.__getitem__, pretokens)))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens are matched first and never split."""
+    def encode(self, text: str, allowed_special: Literal["all", "none"] | AbstractSet[str] = "all") -> list[int]:
+        """Token ids of ``text``; the special tokens that ``allowed_special`` allows are matched first and never
+        split, the others are encoded as the ordinary text they are.
+
+        ``allowed_special`` is tiktoken's control: ``"all"`` (the default: every special token), ``"none"`` (text
+        is only ever text: what a server does with what a user typed, so that no one can type a control token)
+        or a set of this tokenizer's special tokens. Unlike tiktoken, text that holds a special token not allowed
+        is never an error: it is encoded as text (tiktoken's ``disallowed_special=()``).
+        """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        if self._splitter is None:
+        splitter = self._splitter_for(allowed_special)
+        if splitter is None:
             return self._encode_ordinary(text)
         ids: list[int] = []
-        for position, part in enumerate(self._splitter.split(text)):
+        for position, part in enumerate(splitter.split(text)):
             if position % 2:
                 ids.append(self._special_ids[part])
             elif part:
                 ids += self._encode_ordinary(part)
         return ids
+
+    def _splitter_for(self, allowed_special: object) -> re.Pattern[str] | None:
+        if isinstance(allowed_special, str):
+            if allowed_special == "all":
+                return self._splitter
+            if allowed_special == "none":
+                return None
+            raise ValueError(f"{_ALLOWED_SPECIAL}, got {allowed_special!r}")
+        if not isinstance(allowed_special, AbstractSet):
+            raise TypeError(f"{_ALLOWED_SPECIAL}, got {type(allowed_special).__name__}")
+        allowed = frozenset(allowed_special)
+        if unknown := sorted(map(repr, allowed.difference(self._special_ids))):
+            raise ValueError(f"allowed_special holds tokens that are not special tokens here: {', '.join(unknown[:5])}")
+        if allowed == frozenset(self.special_tokens):
+            return self._splitter
+        if allowed not in self._splitters:
+            self._splitters[allowed] = special_splitter(allowed)
+        return self._splitters[allowed]
 
     def _stream_cut(self, buffer: str) -> int:
         """Largest p such that encode(buffer[:p]) + encode(rest) == encode(buffer + rest) for any rest."""
@@ -298,10 +350,17 @@ class Tokenizer:
         return "uint16" if self.vocab_size <= 1 << 16 else "uint32"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"vocab": self._vocab, "merges": self._merges, "special_tokens": self.special_tokens}
+        return {
+            "vocab": self._vocab,
+            "merges": self._merges,
+            "special_tokens": self.special_tokens,
+            "chat_template": self.chat_template,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["vocab"], state["merges"], state["special_tokens"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["vocab"], state["merges"], state["special_tokens"], chat_template=state.get("chat_template")
+        )
 
 
 def _checked_vocab(vocab: object) -> dict[int, bytes]:
@@ -344,6 +403,18 @@ def _checked_ids(ids: Iterable[SupportsIndex]) -> Iterable[int]:
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise TypeError(f"ids must be ints, got {type(value).__name__} {short_repr(value)} at position {position}")
     return list(map(operator.index, ids))
+
+
+def _chat_template(config: bytes | None, folder: Path) -> str | None:
+    """The ``chat_template`` string of a ``tokenizer_config.json`` (None without one)."""
+    if config is None:
+        return None
+    try:
+        document = json.loads(config)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{folder / hf_json.TOKENIZER_CONFIG_JSON}: not JSON ({err})") from None
+    template = document.get("chat_template") if isinstance(document, dict) else None
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def _built(

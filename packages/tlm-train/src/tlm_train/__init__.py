@@ -52,6 +52,7 @@ _HOMES = {
     "RunDir": "tlm_train.run_dir",
     "RunInUseError": "tlm_train.run_dir",
     "LanguageModelLoss": "tlm_train.step",
+    "NonFiniteGuard": "tlm_train.step",
     "NonFiniteLossError": "tlm_train.step",
     "StepStats": "tlm_train.step",
     "train_step": "tlm_train.step",
@@ -67,6 +68,7 @@ __all__ = [
     "EvalResult",
     "LanguageModelLoss",
     "MetricsLog",
+    "NonFiniteGuard",
     "NonFiniteLossError",
     "Recipe",
     "ResumeError",
@@ -126,7 +128,7 @@ if TYPE_CHECKING:
     from tlm_train.recipe import Recipe, ResumeError, RunResult, train
     from tlm_train.rng import rng_state, seed_everything, set_rng_state
     from tlm_train.run_dir import RunDir, RunInUseError
-    from tlm_train.step import LanguageModelLoss, NonFiniteLossError, StepStats, train_step
+    from tlm_train.step import LanguageModelLoss, NonFiniteGuard, NonFiniteLossError, StepStats, train_step
 
 
 lazy_exports(__name__, _HOMES)

@@ -10,6 +10,11 @@
 | a folder holding ``model.safetensors`` | that file | ``tokenizer/`` or ``tokenizer.json`` beside it |
 | a ``.safetensors`` file | the file | as for its folder |
 | an HF Llama folder (``config.json``) | ``tlm_model.from_hf`` | its ``tokenizer.json`` when tlm can read it |
+| a PEFT LoRA adapter folder | its base (any of the above) with the adapter merged | the base's |
+
+A LoRA run (``tlm train --lora-rank``), or a step folder of one, opens as its base with the adapters merged
+(:mod:`tlm_train.lora`); :func:`lora_step` tells one apart. A PEFT folder (``adapter_config.json``) names its
+base in ``base_model_name_or_path``, relative to the adapter folder when not absolute.
 """
 
 import os
@@ -22,10 +27,11 @@ import torch
 
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
-from tlm_train.checkpoint import STATE_NAME, CheckpointManager, load_step_model, read_step_config
+from tlm_train.checkpoint import STATE_NAME, CheckpointManager, load_step_model, load_train_state, read_step_config
+from tlm_train.lora import BaseModelError, is_peft_folder, load_peft, peft_base_path
 from tlm_train.run_dir import CHECKPOINT_DIR, TOKENIZER_DIR, RunDir
 
-KINDS = ("run", "step", "model", "hf")
+KINDS = ("run", "step", "model", "hf", "peft")
 HF_CONFIG = "config.json"
 HF_TOKENIZER = "tokenizer.json"
 
@@ -39,7 +45,10 @@ class Artifact:
     run: RunDir | None = None
 
     def describe(self) -> str:
-        return {"run": "run folder", "step": "step folder", "model": "model file", "hf": "HF Llama folder"}[self.kind]
+        return {
+            "run": "run folder", "step": "step folder", "model": "model file", "hf": "HF Llama folder",
+            "peft": "PEFT adapter folder",
+        }[self.kind]  # fmt: skip
 
 
 def resolve(path: str | os.PathLike[str]) -> Artifact:
@@ -55,6 +64,14 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
         path = path.parent
     if RunDir.is_run(path):
         return Artifact("run", path, path / CHECKPOINT_DIR, path / TOKENIZER_DIR, RunDir(path))
+    if is_peft_folder(path):  # before the HF check: PEFT may save a config.json beside the adapter
+        base_path = peft_base_path(path)
+        if is_peft_folder(base_path):
+            raise ValueError(
+                f"{path}: its base {base_path} is another PEFT adapter; tlm applies one adapter to a model"
+            )
+        base = resolve(base_path)
+        return Artifact("peft", path, path, base.tokenizer_path)
     if (path / HF_CONFIG).is_file() and not _tlm_legacy_config(path / HF_CONFIG):
         return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
     if (path / WEIGHTS_NAME).is_file() or (path / STATE_NAME).is_file():  # a sharded step has no model file
@@ -91,8 +108,8 @@ def _tokenizer_near(folder: Path) -> Path | None:
 def model_file(artifact: Artifact) -> tuple[Path, int | None]:
     """The model file to read and the step it is from (None outside a run): for a run, its newest
     complete step (:func:`load_model` falls back to older ones if that one does not verify)."""
-    if artifact.kind == "hf":
-        raise ValueError(f"{artifact.path} is an HF folder: it has no tlm model file (tlm convert --from-hf makes one)")
+    if artifact.kind in ("hf", "peft"):
+        raise ValueError(f"{artifact.path} is an {artifact.describe()}: it has no tlm model file")
     if artifact.kind != "run":
         return artifact.model_path, _step_of(artifact.model_path) if artifact.kind == "step" else None
     steps = CheckpointManager(artifact.model_path).steps()
@@ -117,8 +134,20 @@ def model_config(artifact: Artifact) -> ModelConfig:
             return config_from_hf(json.loads((artifact.path / HF_CONFIG).read_text(encoding="utf-8")))
         except json.JSONDecodeError as err:
             raise ValueError(f"{artifact.path / HF_CONFIG} is not valid JSON ({err})") from None
+    if artifact.kind == "peft":
+        return model_config(resolve(peft_base_path(artifact.path)))
     path, _ = model_file(artifact)
     return read_config(path) if artifact.kind == "model" else read_step_config(path)
+
+
+def lora_step(artifact: Artifact) -> tuple[Path, dict[str, Any]] | None:
+    """(step folder, its verified training state) when ``artifact`` is a LoRA run (its newest step) or a step
+    folder of one; None for any other artifact."""
+    if artifact.kind not in ("run", "step"):
+        return None
+    folder, _ = model_file(artifact)
+    state = load_train_state(folder / STATE_NAME)
+    return (folder, state) if state.get("lora") else None
 
 
 def load_model(
@@ -134,6 +163,8 @@ def load_model(
         from tlm_model import from_hf
 
         return from_hf(artifact.path, device=device, dtype=dtype, **options), None
+    if artifact.kind == "peft":
+        return load_peft(artifact.path, device=device, dtype=dtype, **options), None
     from tlm_model import load_model_file
 
     path, step = model_file(artifact)
@@ -145,6 +176,8 @@ def load_model(
     for step in reversed(manager.steps()):
         try:
             return load_step_model(manager.path(step), device=device, dtype=dtype, **options), step
+        except BaseModelError:  # a LoRA run whose base changed: every step shares it
+            raise
         except (ValueError, OSError) as err:  # damaged: say so and take the step before
             if on_damaged is not None:
                 on_damaged(step, err)

@@ -13,6 +13,7 @@ from jaxtyping import Int
 from torch import Tensor
 
 from tlm_core.checks import check_int
+from tlm_train.chat_data import split_targets
 
 TokenArray = np.ndarray | Tensor
 Batch = tuple[Int[Tensor, "batch seq"], Int[Tensor, "batch seq"]]
@@ -51,7 +52,18 @@ def windows(dataset: TokenArray, starts: Int[Tensor, " batch"], context_length: 
         rows = rows.pin_memory().to(device, non_blocking=True)
     else:
         rows = rows.to(device)
+    if _masks_targets(dataset):
+        # Chat data: a token stored as -1 - id is no target (tlm_train.chat_data), on the device, no host read.
+        inputs, targets = split_targets(rows)
+        return inputs.contiguous(), targets.contiguous()
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def _masks_targets(dataset: TokenArray) -> bool:
+    """Whether ``dataset`` may hold masked targets: a signed int32 array (what chat data is stored as)."""
+    if isinstance(dataset, np.ndarray):
+        return dataset.dtype == np.int32
+    return dataset.dtype == torch.int32
 
 
 def _check_sizes(batch_size: int, context_length: int) -> None:
@@ -86,7 +98,8 @@ class BatchSampler:
     ``state_dict()`` holds the generator's state (a uint8 tensor) and the count of batches drawn,
     so a checkpoint that stores it resumes the exact batch sequence. With ``world_size > 1`` every
     rank draws the same global batch of ``batch_size * world_size`` windows and keeps its own
-    disjoint slice (``rank`` of them), so ranks never need to communicate to agree.
+    disjoint slice (``rank`` of them), so ranks never need to communicate to agree. ``rows=True`` draws
+    whole rows of ``context_length + 1`` tokens (padded chat examples) instead of windows at any start.
     """
 
     def __init__(
@@ -99,6 +112,7 @@ class BatchSampler:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        rows: bool = False,
     ) -> None:
         _check_sizes(batch_size, context_length)
         check_int("seed", seed, low=0)
@@ -109,6 +123,7 @@ class BatchSampler:
         self._tokens = _check_tokens(dataset, context_length)
         self.dataset, self.batch_size, self.context_length, self.device = dataset, batch_size, context_length, device
         self.rank, self.world_size = rank, world_size
+        self.rows = bool(rows)
         self.generator = torch.Generator().manual_seed(seed)
         self.batches_drawn = 0
 
@@ -116,9 +131,12 @@ class BatchSampler:
         return self
 
     def __next__(self) -> Batch:
-        global_starts = torch.randint(
-            0, self._tokens - self.context_length, (self.batch_size * self.world_size,), generator=self.generator
-        )
+        draws = (self.batch_size * self.world_size,)
+        if self.rows:
+            row = self.context_length + 1
+            global_starts = torch.randint(0, self._tokens // row, draws, generator=self.generator) * row
+        else:
+            global_starts = torch.randint(0, self._tokens - self.context_length, draws, generator=self.generator)
         self.batches_drawn += 1
         mine = global_starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
         return windows(self.dataset, mine, self.context_length, self.device)
@@ -143,6 +161,11 @@ class EvalBatches:
 
     Iterating twice gives the same batches; ``len()`` is the number of batches (the last may be
     smaller). ``max_batches`` keeps only the first ones.
+
+    ``score_once=True`` is sliding-window scoring (``tlm eval --stride``): every token after the first is a
+    target exactly once, with as much history as its window gives (at least ``context_length - stride``
+    tokens once past the first window). A window's targets already scored by the one before are
+    ``IGNORE_INDEX``, and a last window ending at the array's end scores the tail that the others do not reach.
     """
 
     def __init__(
@@ -154,18 +177,44 @@ class EvalBatches:
         *,
         stride: int | None = None,
         max_batches: int | None = None,
+        score_once: bool = False,
     ) -> None:
         _check_sizes(batch_size, context_length)
         n = _check_tokens(dataset, context_length)
         stride = context_length if stride is None else check_int("stride", stride, low=1)
         self.starts = torch.arange(0, n - context_length, stride)
+        self.first_scored: Tensor | None = None
+        if score_once:
+            if stride > context_length:
+                raise ValueError(
+                    f"stride must be at most context_length={context_length} to score every token, got {stride}"
+                )
+            if int(self.starts[-1]) + context_length < n - 1:  # the tail the windows miss: one more, at the end
+                self.starts = torch.cat([self.starts, torch.tensor([n - 1 - context_length])])
+            # Window s has the targets at positions s+1 .. s+context; the ones up to the previous window's last
+            # (s_prev + context) are scored already.
+            previous_end = torch.cat([torch.zeros(1, dtype=torch.int64), self.starts[:-1] + context_length])
+            self.first_scored = (previous_end - self.starts).clamp_min(0)
         if max_batches is not None:
             self.starts = self.starts[: check_int("max_batches", max_batches, low=1) * batch_size]
+            if self.first_scored is not None:
+                self.first_scored = self.first_scored[: len(self.starts)]
         self.dataset, self.batch_size, self.context_length, self.device = dataset, batch_size, context_length, device
 
     def __len__(self) -> int:
         return -(-len(self.starts) // self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        for chunk in self.starts.split(self.batch_size):
-            yield windows(self.dataset, chunk, self.context_length, self.device)
+        if self.first_scored is None:
+            for chunk in self.starts.split(self.batch_size):
+                yield windows(self.dataset, chunk, self.context_length, self.device)
+            return
+        from tlm_model.loss import IGNORE_INDEX
+
+        positions = torch.arange(self.context_length)
+        for chunk, first in zip(
+            self.starts.split(self.batch_size), self.first_scored.split(self.batch_size), strict=True
+        ):
+            inputs, targets = windows(self.dataset, chunk, self.context_length, self.device)
+            seen = (positions < first.unsqueeze(1)).to(targets.device)
+            yield inputs, targets.masked_fill(seen, IGNORE_INDEX)

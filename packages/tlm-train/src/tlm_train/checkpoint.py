@@ -43,6 +43,7 @@ from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace
 from tlm_core.checks import check_int
 from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file, unwrap
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config, read_digest, read_model_file
+from tlm_train.lora import ADAPTER_NAME, adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
 from tlm_train.rng import rng_state, set_rng_state
 
 FORMAT = "tlm-train-state/1"
@@ -295,7 +296,7 @@ def restore_state(
     if "shards" in state:  # a sharded step folder: each rank reads its part, resharded to this run's ranks
         _load_shards(state, model, optimizer)
     elif _is_plain(model):
-        model.load_state_dict(state["model"])
+        _load_model_state(model, state)
         optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, state["optimizer"]))
     else:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict  # seconds to import
@@ -305,7 +306,7 @@ def restore_state(
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
-            options=StateDictOptions(full_state_dict=True),
+            options=StateDictOptions(full_state_dict=True, strict=not state.get("lora")),
         )
     for group, settings in zip(optimizer.param_groups, hyper, strict=True):
         group.update(settings)
@@ -320,6 +321,21 @@ def restore_state(
     if state.get("rng") is not None:
         set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """``model.load_state_dict(state["model"])``; a LoRA state holds the adapters only, and must fill exactly
+    the model's adapters (its base comes from the base model, loaded before)."""
+    if not state.get("lora"):
+        model.load_state_dict(state["model"])
+        return
+    own = {k for k in model.state_dict() if is_adapter_key(k)}
+    if own != set(state["model"]):
+        raise ValueError(
+            f"the checkpoint's adapters do not fit the model: missing {sorted(own - set(state['model']))[:4]}, "
+            f"unexpected {sorted(set(state['model']) - own)[:4]}"
+        )
+    model.load_state_dict(state["model"], strict=False)
 
 
 def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -489,7 +505,8 @@ def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
     folder, saved = state["shards"], state["optimizer"]
     sizes = _shard_sizes(folder)
     params = dict(model.named_parameters())
-    targets = {f"model.{name}": value for name, value in model.state_dict().items()}
+    lora = bool(state.get("lora"))  # a LoRA run's shards hold its adapters only
+    targets = {f"model.{k}": v for k, v in model.state_dict().items() if not lora or is_adapter_key(k)}
     if unknown := sorted(set(saved["tensors"]) - set(params)):
         raise ValueError(f"{folder} holds optimizer state for parameters the model lacks: {unknown[:5]}")
     wanted = [*targets, *(f"optimizer.{name}.{key}" for name, keys in saved["tensors"].items() for key in keys)]
@@ -505,7 +522,9 @@ def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
             )
     with _one_process_is_meant():
         dcp.load(targets, storage_reader=_reader(folder), no_dist=not _distributed())
-    model.load_state_dict({name[len("model.") :]: v for name, v in targets.items() if name.startswith("model.")})
+    model.load_state_dict(
+        {name[len("model.") :]: v for name, v in targets.items() if name.startswith("model.")}, strict=not lora
+    )
     named = {
         "state": {
             name: {**saved["state"].get(name, {}), **{k: targets[f"optimizer.{name}.{k}"] for k in keys}}
@@ -543,6 +562,20 @@ def read_model_state(folder: str | os.PathLike[str]) -> tuple[ModelConfig, dict[
     return config, {name: targets[f"model.{name}"] for name in expected}
 
 
+def read_sharded_tensors(folder: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Every model tensor a sharded step folder holds (a LoRA run's: its adapters), verified, on the CPU."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    state = load_train_state(folder / STATE_NAME)
+    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
+    sizes = _shard_sizes(folder / SHARDS_DIR)
+    targets = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in sizes.items() if key.startswith("model.")}
+    with _one_process_is_meant():
+        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
+    return {key[len("model.") :]: value for key, value in targets.items()}
+
+
 def _course_model(config: ModelConfig) -> nn.Module:
     return TransformerLM(config, device="meta", fused=False)
 
@@ -558,6 +591,11 @@ def load_step_model(
     ``options`` go to ``TransformerLM``."""
     if (Path(folder) / WEIGHTS_NAME).is_file():
         return load_model_file(folder, device=device, dtype=dtype, **options)
+    state = load_train_state(Path(folder) / STATE_NAME)
+    if state.get("lora"):  # the base the run adapted, the adapters merged in
+        from tlm_train.lora import load_lora_step
+
+        return load_lora_step(Path(folder), state, device=device, dtype=dtype, **options)
     config, weights = read_model_state(folder)
     saved = next(iter(weights.values())).dtype
     model = TransformerLM(config, device=device, dtype=dtype or saved, **options)
@@ -638,6 +676,7 @@ class CheckpointManager:
         # A one-process step has the model file; a sharded one has DCP's metadata (DCP writes it last).
         return os.path.isfile(os.path.join(folder, STATE_NAME)) and (
             os.path.isfile(os.path.join(folder, WEIGHTS_NAME))
+            or os.path.isfile(os.path.join(folder, ADAPTER_NAME))
             or os.path.isfile(os.path.join(folder, SHARDS_DIR, ".metadata"))
         )
 
@@ -684,6 +723,12 @@ class CheckpointManager:
         self.directory.mkdir(parents=True, exist_ok=True)
 
         def fill(folder: Path) -> None:
+            if state.get("lora"):  # the adapters only; train_state.pt names the base
+                data = adapter_bytes(weights)
+                with atomic_file(folder / ADAPTER_NAME) as handle:
+                    handle.write(data)
+                save_train_state(folder / STATE_NAME, {**rest, "adapter_sha256": file_sha256(data)})
+                return
             save_model_file(model, folder, state_dict=weights)
             save_train_state(folder / STATE_NAME, {**rest, "model_sha256": read_digest(folder)})
 
@@ -743,6 +788,11 @@ class CheckpointManager:
             if state.get("step") != step:
                 raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
             state["shards"] = str(folder / SHARDS_DIR)
+            return Checkpoint(step, folder, ModelConfig.from_dict(state["model_config"]), state)
+        if "adapter_sha256" in state:  # a LoRA run's step: adapters, with the base named in the state
+            state["model"] = read_adapter_file(folder / ADAPTER_NAME, state["adapter_sha256"])
+            if state.get("step") != step:
+                raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
             return Checkpoint(step, folder, ModelConfig.from_dict(state["model_config"]), state)
         config, weights = read_model_file(folder)  # verifies the model file's SHA-256
         if state.get("model_sha256") != read_digest(folder):

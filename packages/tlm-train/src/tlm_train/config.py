@@ -29,13 +29,16 @@ import tomli_w
 
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
 from tlm_ffn.options import default_d_ff
+from tlm_lora.roles import check_targets
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_tokenizer.chat import TRAIN_ON
 
 CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
+CHAT_LAYOUTS = ("packed", "padded")
 LOGGER_ERRORS = ("stop", "warn")
 
 
@@ -70,6 +73,14 @@ class TrainConfig:
     val_fraction: float = field(
         default=0.1, metadata={"help": "share of the tokens held out for validation (the end of the data)"}
     )
+    max_data_bytes: int | None = field(
+        default=None,
+        metadata={
+            "help": "refuse text --data that expands (decompressed, joined) past this many bytes, before the disk "
+            "fills",
+            "shown": "half the free space of the run folder's disk",
+        },
+    )
     tokenizer: str | None = field(
         default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
     )
@@ -80,6 +91,43 @@ class TrainConfig:
     special_tokens: list[str] = field(
         default_factory=lambda: ["<|endoftext|>"], metadata={"help": "special tokens of the tokenizer to train"}
     )
+    # Packed documents, chat data and validation data (issue 32).
+    document_mask: bool = field(
+        default=False,
+        metadata={
+            "help": "attention stops at <|endoftext|> inside a window and positions restart per document: each "
+            "packed document trains as if alone (needs a tokenizer with <|endoftext|>)"
+        },
+    )
+    train_on: str = field(
+        default="completion",
+        metadata={
+            "help": "chat data: the target tokens the loss counts: the assistant's (completion), the others "
+            "(prompt) or all",
+            "choices": TRAIN_ON,
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "chat data: a Jinja chat template file (as transformers reads one) instead of the default",
+            "shown": "ChatML, its markers added to the tokenizer as special tokens",
+        },
+    )
+    val_data: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "validation files of any --data kind, instead of holding out --val-fraction of --data",
+            "shown": "the last --val-fraction of --data",
+        },
+    )
+    chat_layout: str = field(
+        default="packed",
+        metadata={
+            "help": "chat data: examples packed into windows (joined by <|endoftext|>) or padded, one per window",
+            "choices": CHAT_LAYOUTS,
+        },
+    )
     # Model: start from `init_from`'s weights and shape, or from `preset` with `model` overriding fields.
     init_from: str | None = field(
         default=None,
@@ -88,6 +136,15 @@ class TrainConfig:
             "shown": "random weights",
         },
     )
+    lora_rank: int = field(
+        default=0,
+        metadata={"help": "train only LoRA adapters of this rank on the frozen --init-from (0: off)", "metavar": "R"},
+    )
+    lora_alpha: float | None = field(
+        default=None, metadata={"help": "LoRA updates are B·A·(alpha/rank)", "shown": "the rank", "metavar": "A"}
+    )
+    lora_targets: str = field(default="q,v", metadata={"help": "roles: q,k,v,o,w1,w2,w3,lm_head", "metavar": "ROLES"})
+    lora_dropout: float = field(default=0.0, metadata={"help": "dropout on the adapters' input", "metavar": "P"})
     preset: str = field(
         default="tiny",
         metadata={"help": "the model to start from; the model flags change its fields", "choices": tuple(PRESETS)},
@@ -150,7 +207,15 @@ class TrainConfig:
     )
     peak_flops: float | None = field(
         default=None,
-        metadata={"help": "the device's FLOP/s for MFU", "shown": "measured with a float32 GEMM at start-up"},
+        metadata={
+            "help": "the device's peak FLOP/s for MFU",
+            "shown": "the published dense peak for --dtype (H100/H200, A100, L4, ...), else a GEMM in --dtype measured "
+            "at start-up",
+        },
+    )
+    tf32: bool = field(
+        default=True,
+        metadata={"help": "on CUDA, float32 matmuls on TF32 tensor cores (--no-tf32: full float32 precision)"},
     )
     tensorboard: bool = field(
         default=False,
@@ -179,8 +244,9 @@ class TrainConfig:
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        if self.max_tokens is not None:
-            check_int("TrainConfig.max_tokens", self.max_tokens, low=1)
+        for name in ("max_tokens", "max_data_bytes"):
+            if getattr(self, name) is not None:
+                check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
         if self.min_lr is not None:
             check_number("TrainConfig.min_lr", self.min_lr, low=0.0, high=self.lr)
@@ -199,7 +265,9 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard"):
+        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard", "tf32"):
+            check_bool(f"TrainConfig.{name}", getattr(self, name))
+        for name in ("document_mask",):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in (
             "out_dir",
@@ -214,14 +282,28 @@ class TrainConfig:
         ):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a str, got {type(getattr(self, name)).__name__}")
-        for name in ("tokenizer", "init_from"):
+        for name in ("tokenizer", "init_from", "chat_template"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
+        check_int("TrainConfig.lora_rank", self.lora_rank, low=0)
+        if self.lora_alpha is not None:
+            check_number("TrainConfig.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
+        check_number("TrainConfig.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
+        if not isinstance(self.lora_targets, str):
+            raise TypeError(f"TrainConfig.lora_targets must be a str such as 'q,v', got {self.lora_targets!r}")
+        try:
+            check_targets(self.lora_targets)
+        except ValueError as err:
+            raise ValueError(f"TrainConfig.lora_targets: {err}") from None
+        if self.lora_rank and self.init_from is None:
+            raise ValueError("TrainConfig.lora_rank adapts a trained model: give it with TrainConfig.init_from")
         if not self.text_field:
             raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
             self.data = [self.data]
-        for name in ("data", "special_tokens"):
+        if isinstance(self.val_data, str):
+            self.val_data = [self.val_data]
+        for name in ("data", "special_tokens", "val_data"):
             value = getattr(self, name)
             if not isinstance(value, list) or not all(isinstance(p, str) and p for p in value):
                 raise TypeError(f"TrainConfig.{name} must be a list of non-empty strings, got {value!r}")

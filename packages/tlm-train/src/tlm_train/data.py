@@ -9,13 +9,14 @@ so a resumed run reads exactly the tokens the first one trained on.
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tlm_core.atomic import create_new, remove_leftovers, replace_dir, temp_path
+from tlm_core.atomic import check_input, create_new, remove_leftovers, replace_dir, temp_path
 from tlm_train.config import TrainConfig
 from tlm_train.run_dir import RunDir
 from tlm_train.sources import write_corpus
@@ -40,17 +41,29 @@ class Dataset:
     val: np.ndarray
     vocab_size: int  # ids lie in [0, vocab_size)
     tokenizer: Any = None  # a tlm_tokenizer.Tokenizer, or None for token ids without one
+    rows: bool = False  # padded chat examples: windows are whole rows of context_length + 1 tokens
 
 
 def is_token_file(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix in TOKEN_SUFFIXES
 
 
-def check_data_paths(data: list[str]) -> None:
-    """What ``--data`` may be, checked before anything is written: existing files, text or one token file."""
+def check_data_paths(data: list[str], val_data: list[str] | None = None) -> None:
+    """What ``--data`` may be, checked before anything is written: existing regular files (not a folder, device
+    or FIFO), text or one token file; and ``--val-data``: existing files of the same kind (one token file for
+    token data, text or chat otherwise)."""
+    for name in val_data or []:
+        check_input(name, "--val-data")
+    if val_data:
+        tokens = data and is_token_file(data[0])
+        if tokens and (len(val_data) > 1 or not is_token_file(val_data[0])):
+            raise ValueError(f"--val-data must be one token file like --data {data[0]}, got {val_data}")
+        if not tokens and any(is_token_file(name) for name in val_data):
+            raise ValueError(f"--val-data must be text or chat files like --data, got the token file in {val_data}")
+        if not data:
+            raise ValueError("--val-data needs --data: the built-in corpus has its own validation split")
     for name in data:
-        if not Path(name).is_file():
-            raise FileNotFoundError(f"--data {name}: no such file")
+        check_input(name, "--data")
     tokens = [name for name in data if is_token_file(name)]
     if tokens and len(data) > 1:
         raise ValueError(
@@ -60,14 +73,23 @@ def check_data_paths(data: list[str]) -> None:
 
 
 def prepare_data(
-    config: TrainConfig, run: RunDir, *, tokenizer: Any = None, is_main: bool = True, resume: bool = False
+    config: TrainConfig,
+    run: RunDir,
+    *,
+    tokenizer: Any = None,
+    is_main: bool = True,
+    resume: bool = False,
+    context_length: int | None = None,
 ) -> Dataset:
     """The run's tokens. ``tokenizer`` is the one the run must use (from ``--init-from`` or ``--tokenizer``),
     None to train one on text data. On the main rank this may train a tokenizer and encode text into the
     run folder; other ranks call it after a barrier and read what the main rank wrote.
 
     A token file is read in place, so its identity (size and SHA-256) is recorded in ``RUN/data/info.json``
-    at the start and checked on ``resume``: a file changed since is refused (ValueError)."""
+    at the start and checked on ``resume``: a file changed since is refused (ValueError).
+
+    Chat data (:mod:`tlm_train.chat_data`) is encoded with the run's chat template into signed arrays that
+    carry the target mask; padded examples take rows of ``context_length + 1`` tokens."""
     if config.data and is_token_file(config.data[0]):
         data = _token_file(config, tokenizer)
         if is_main:
@@ -75,20 +97,106 @@ def prepare_data(
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
         return data
+    chat = _chat_files(config)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
-        _encode_text(config, run, tokenizer)
+        if chat:
+            _encode_chat(config, run, tokenizer, context_length)
+        else:
+            _encode_text(config, run, tokenizer)
     tokenizer = run.tokenizer()
     train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
     val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
-    return Dataset(train, val, tokenizer.vocab_size, tokenizer)
+    return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
+
+
+def _chat_files(config: TrainConfig) -> bool:
+    """Whether ``--data`` is chat data; refuses a mix of chat and text files."""
+    from tlm_train.chat_data import is_chat_file
+
+    kinds = [is_chat_file(path, config.text_field) for path in config.data]
+    if any(kinds) and not all(kinds):
+        chat = [p for p, k in zip(config.data, kinds, strict=True) if k]
+        text = [p for p, k in zip(config.data, kinds, strict=True) if not k]
+        raise ValueError(f"--data mixes chat files ({chat[0]}) and text files ({text[0]}); give one kind")
+    return bool(kinds) and all(kinds)
+
+
+def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_length: int | None) -> None:
+    from tlm_tokenizer import Tokenizer, train_bpe
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template
+    from tlm_train.chat_data import conversations, encode_examples, lay_out
+
+    if config.chat_template is None:
+        source, markers = CHATML_TEMPLATE, list(CHAT_MARKERS)
+    else:
+        try:
+            source, markers = Path(config.chat_template).read_text(encoding="utf-8"), []
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--chat-template {config.chat_template}: cannot read it ({err})") from None
+        compile_template(source)  # a template that does not compile is refused before any work
+    run.path.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None and config.tokenizer is not None:
+        tokenizer = Tokenizer.load(config.tokenizer)
+    if tokenizer is None:
+        # A tokenizer trained on the conversations as the template renders them (its markers are special tokens).
+        specials = [*config.special_tokens, *(m for m in markers if m not in config.special_tokens)]
+        render = compile_template(source)
+        eos = SEPARATOR if SEPARATOR in specials else ""
+        remove_leftovers(run.path, CORPUS)
+        corpus = temp_path(run.path / CORPUS)
+        try:
+            with create_new(corpus) as sink:
+                for path in config.data:
+                    for _, messages in conversations(path):
+                        text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
+                        sink.write((text + SEPARATOR).encode("utf-8"))
+            vocab, merges = train_bpe(str(corpus), config.vocab_size, specials, progress=False)
+        finally:
+            corpus.unlink(missing_ok=True)
+        tokenizer = Tokenizer(vocab, merges, specials, chat_template=source)
+    else:
+        # A given tokenizer (--tokenizer, --init-from) gains the markers it lacks, as new ids after its own.
+        missing = [m for m in markers if m not in tokenizer.special_tokens]
+        specials = [*tokenizer.special_tokens, *missing]
+        tokenizer = Tokenizer(tokenizer.vocab, tokenizer.merges, specials, chat_template=source)
+    if SEPARATOR not in tokenizer.special_tokens:
+        raise ValueError(f"chat data needs {SEPARATOR} among the tokenizer's special tokens, to join the examples")
+    separator = tokenizer.encode(SEPARATOR)[0]
+    template = ChatTemplate(tokenizer, source)
+    examples = encode_examples(config.data, template, config.train_on)
+    if config.val_data:  # --val-data: conversations of their own
+        held_out = encode_examples(config.val_data, template, config.train_on)
+        if not examples or not held_out:
+            raise ValueError("--data and --val-data must each hold at least one conversation")
+    else:
+        if len(examples) < 2:
+            raise ValueError(
+                f"--data holds {len(examples)} conversation(s); a run needs a training and a validation one"
+            )
+        n_val = min(len(examples) - 1, max(1, round(len(examples) * config.val_fraction)))
+        examples, held_out = examples[:-n_val], examples[-n_val:]
+    row = (context_length or 0) + 1
+    train, cut_train = lay_out(examples, config.chat_layout, separator, row)
+    val, cut_val = lay_out(held_out, config.chat_layout, separator, row)
+    tokenizer.save(run.tokenizer_dir)
+
+    def fill(folder: Path) -> None:
+        np.save(folder / TRAIN_TOKENS, train)
+        np.save(folder / VAL_TOKENS, val)
+        chat = {"examples": len(examples) + len(held_out), "train_on": config.train_on, "layout": config.chat_layout,
+                "cut_to_context": cut_train + cut_val}  # fmt: skip
+        info = {"tokens": len(train) + len(val), "train": len(train), "val": len(val),
+                "sources": config.data, "val_sources": config.val_data, "chat": chat}  # fmt: skip
+        (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
+
+    replace_dir(run.data_dir, fill)
 
 
 def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -> np.ndarray:
     """The 1-D integer ids of a token file, memory-mapped: ``.npy`` (no pickles), or raw little-endian
     ``token_dtype`` (``.bin``, ``.u16``, ``.u32``, what ``tlm tokenizer encode`` writes)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such token file")
+    check_input(path, "--data")
     if path.suffix == ".npy":
         try:
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -145,6 +253,11 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     if low < 0 or top >= vocab:
         source = "the tokenizer's vocabulary" if tokenizer is not None else "--vocab-size"
         raise ValueError(f"--data {path} holds token ids in [{low}, {top}], outside [0, {vocab}) ({source})")
+    if config.val_data:  # --val-data: a token file of its own, held to the same vocabulary
+        val = read_token_file(config.val_data[0], config.token_dtype)
+        if len(val) and (int(val.min()) < 0 or int(val.max()) >= vocab):
+            raise ValueError(f"--val-data {config.val_data[0]} holds token ids outside [0, {vocab})")
+        return Dataset(tokens, val, vocab, tokenizer)
     split = len(tokens) - max(1, round(len(tokens) * config.val_fraction))
     return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
 
@@ -163,6 +276,9 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     # A fresh name created exclusively: a symlink planted in the run folder is never followed.
     remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
+    # The text is bounded before the disk fills: by --max-data-bytes, or else by half the free space (the tokens
+    # need room too: up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed).
+    limit = config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
     try:
         with create_new(corpus) as sink:
             write_corpus(
@@ -171,6 +287,7 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                 separator=separator,
                 text_field=config.text_field,
                 extra=() if config.data else (default_corpus(),),
+                max_bytes=limit,
             )
         if tokenizer is None:
             vocab, merges = train_bpe(str(corpus), config.vocab_size, list(config.special_tokens), progress=False)
@@ -185,12 +302,25 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                     f"--data holds {count} tokens; a run needs text enough for a training and a validation split"
                 )
             ids = np.memmap(raw, dtype=tokenizer.id_dtype, mode="r")
-            split = count - max(1, round(count * config.val_fraction))
+            split = count if config.val_data else count - max(1, round(count * config.val_fraction))
             np.save(folder / TRAIN_TOKENS, ids[:split])
-            np.save(folder / VAL_TOKENS, ids[split:])
+            if not config.val_data:
+                np.save(folder / VAL_TOKENS, ids[split:])
             del ids
             raw.unlink()
-            info = {"tokens": count, "train": int(split), "val": int(count - split), "sources": config.data}
+            val = count - split
+            if config.val_data:  # --val-data: its own documents, joined and encoded as the training ones
+                held_out = temp_path(run.path / CORPUS)
+                try:
+                    with create_new(held_out) as sink:
+                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field)
+                    val = encode_file(tokenizer, held_out, raw, progress=False)
+                finally:
+                    held_out.unlink(missing_ok=True)
+                np.save(folder / VAL_TOKENS, np.memmap(raw, dtype=tokenizer.id_dtype, mode="r"))
+                raw.unlink()
+            info = {"tokens": count + val if config.val_data else count, "train": int(split), "val": int(val),
+                    "sources": config.data, "val_sources": config.val_data}  # fmt: skip
             (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
         replace_dir(run.data_dir, fill)

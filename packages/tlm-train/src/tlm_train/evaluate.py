@@ -15,6 +15,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from tlm_model.loss import IGNORE_INDEX
 from tlm_train.step import autocast
 
 
@@ -66,19 +67,21 @@ def evaluate(
     model.eval()
     total: Tensor | None = None
     count: Tensor | None = None
-    tokens = 0
+    scored: Tensor | None = None
     try:
         for inputs, targets in batches:
+            kept = targets != IGNORE_INDEX  # targets the loss skips (a chat prompt's) count for nothing
+            n_kept = kept.sum()
             with autocast(inputs.device, autocast_dtype):
-                loss = loss_of(inputs, targets).double() * targets.numel()
+                loss = loss_of(inputs, targets).double() * n_kept
             total = loss if total is None else total + loss
-            tokens += targets.numel()
+            scored = n_kept if scored is None else scored + n_kept
             if token_bytes is not None:
-                n = token_bytes.to(targets.device)[targets].sum()
+                n = (token_bytes.to(targets.device)[torch.where(kept, targets, 0)] * kept).sum()
                 count = n if count is None else count + n
     finally:
         model.train(was_training)
-    if total is None:
+    if total is None or scored is None:
         raise ValueError("batches must hold at least one (inputs, targets) pair, got none")
-    nats = float(total)  # the one device round trip
-    return EvalResult(loss=nats / tokens, tokens=tokens, nats=nats, bytes=None if count is None else int(count))
+    nats, tokens = float(total), int(scored)  # the device round trips
+    return EvalResult(loss=nats / max(tokens, 1), tokens=tokens, nats=nats, bytes=None if count is None else int(count))

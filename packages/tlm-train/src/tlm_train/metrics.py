@@ -1,9 +1,12 @@
 """What a run records: ``metrics.jsonl`` (one JSON object per logged step), the loss-curve PNG,
-and the model-FLOP utilisation (MFU) against a GEMM rate measured on the same machine."""
+and the model-FLOP utilisation (MFU): the training FLOPs per second over the device's dense peak for the
+training dtype (:func:`peak_flops`: a table of published peaks for common accelerators, else a GEMM in
+that dtype measured on the same machine)."""
 
 import json
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -57,12 +60,66 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     return 3 * report.forward_flops_causal / report.tokens
 
 
-def measure_gemm_flops(device: torch.device | str = "cpu", size: int = 1024, repeats: int = 5) -> float:
-    """Float32 FLOP/s of a square matmul on ``device`` (best of ``repeats``): the denominator of MFU,
-    measured in the run itself because a CPU's reachable rate depends on the chip and the library."""
+#: Dense (no 2:4 sparsity) peak tensor FLOP/s from the vendors' datasheets, by the name
+#: ``torch.cuda.get_device_name`` gives (matched in order, first hit wins): (bfloat16/float16 with float32
+#: accumulation, TF32, plain float32). GeForce cards are given at their float32-accumulate rate, which is
+#: half their float16-accumulate one.
+PEAK_TABLE: tuple[tuple[str, str, tuple[float, float, float]], ...] = (
+    (r"H200 NVL", "NVIDIA H200 NVL", (835e12, 417.5e12, 60e12)),
+    (r"H200", "NVIDIA H200 SXM", (989.4e12, 494.7e12, 66.9e12)),
+    (r"H100 NVL", "NVIDIA H100 NVL", (835e12, 417.5e12, 60e12)),
+    (r"H100.*PCIe", "NVIDIA H100 PCIe", (756e12, 378e12, 51.2e12)),
+    (r"H100", "NVIDIA H100 SXM", (989.4e12, 494.7e12, 66.9e12)),
+    (r"GH200", "NVIDIA GH200", (989.4e12, 494.7e12, 66.9e12)),
+    (r"A100", "NVIDIA A100", (312e12, 156e12, 19.5e12)),
+    (r"L40S", "NVIDIA L40S", (362.05e12, 183.2e12, 91.6e12)),
+    (r"\bL4\b", "NVIDIA L4", (121e12, 60e12, 30.3e12)),
+    (r"\bA10\b", "NVIDIA A10", (125e12, 62.5e12, 31.2e12)),
+    (r"RTX A6000", "NVIDIA RTX A6000", (154.8e12, 77.4e12, 38.7e12)),
+    (r"RTX 4090", "NVIDIA GeForce RTX 4090", (165.2e12, 82.6e12, 82.6e12)),
+    (r"RTX 4080", "NVIDIA GeForce RTX 4080", (97.5e12, 48.7e12, 48.7e12)),
+    (r"RTX 3090", "NVIDIA GeForce RTX 3090", (71e12, 35.6e12, 35.6e12)),
+    (r"RTX 3080", "NVIDIA GeForce RTX 3080", (59.5e12, 29.8e12, 29.8e12)),
+)
+
+
+def table_peak_flops(device_name: str, dtype: str, *, tf32: bool = True) -> tuple[float, str] | None:
+    """The published dense peak of the accelerator ``device_name`` for training in ``dtype`` (float32 runs
+    at the TF32 rate when ``tf32``), and the table's name for it; None for a device not in :data:`PEAK_TABLE`."""
+    for pattern, name, (half, tf32_rate, fp32) in PEAK_TABLE:
+        if re.search(pattern, device_name):
+            if dtype in ("bfloat16", "float16"):
+                return half, f"{name}, {dtype} dense peak"
+            if dtype == "float32":
+                return (tf32_rate, f"{name}, TF32 dense peak") if tf32 else (fp32, f"{name}, float32 peak")
+            return None
+    return None
+
+
+def peak_flops(device: torch.device | str, dtype: str = "float32", *, tf32: bool = True) -> tuple[float, str]:
+    """MFU's denominator: the FLOP/s the device can reach in the training ``dtype``, and where it comes
+    from. A CUDA device in :data:`PEAK_TABLE` gets its published dense peak; any other device a square
+    GEMM in ``dtype`` measured now (on a CPU the reachable rate depends on the chip and the library)."""
     device = torch.device(device)
-    a = torch.randn(size, size, device=device)
-    b = torch.randn(size, size, device=device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        found = table_peak_flops(name, dtype, tf32=tf32)
+        if found is not None:
+            return found
+        measured = measure_gemm_flops(device, size=4096, dtype=getattr(torch, dtype))
+        return measured, f"{name} is not in tlm's table: a 4096² {dtype} GEMM measured at start-up"
+    measured = measure_gemm_flops(device, dtype=getattr(torch, dtype))
+    return measured, f"a 1024² {dtype} GEMM measured on this {device.type} at start-up"
+
+
+def measure_gemm_flops(
+    device: torch.device | str = "cpu", size: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
+    """FLOP/s of a square ``dtype`` matmul on ``device`` (best of ``repeats``): MFU's denominator where no
+    published peak applies, measured in the run itself."""
+    device = torch.device(device)
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
     best = math.inf
     for _ in range(repeats + 1):  # the first call warms up the library
         if device.type == "cuda":
@@ -76,7 +133,9 @@ def measure_gemm_flops(device: torch.device | str = "cpu", size: int = 1024, rep
 
 
 def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.PathLike[str]) -> Path | None:
-    """Draw train and validation loss against step; ``None`` (nothing written) without matplotlib."""
+    """Draw train and validation loss against step; ``None`` (nothing written) without matplotlib. Each
+    evaluation is a marker with no line between them: with evaluations far apart, a line would draw a
+    validation curve that no evaluation measured."""
     try:
         import matplotlib
 
@@ -91,7 +150,7 @@ def plot_loss_curve(metrics_path: str | os.PathLike[str], png_path: str | os.Pat
     if train:
         ax.plot(*zip(*train, strict=True), label="train", linewidth=1)
     if val:
-        ax.plot(*zip(*val, strict=True), "o-", label="validation")
+        ax.plot(*zip(*val, strict=True), "o", linestyle="none", label="validation (each evaluation)")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)

@@ -17,6 +17,7 @@ been read back whole.
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,15 +41,16 @@ from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, 
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
-from tlm_train.metrics import MetricsLog, measure_gemm_flops, plot_loss_curve, training_flops_per_token
+from tlm_train.metrics import MetricsLog, peak_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
-from tlm_train.step import NonFiniteLossError, StepStats, train_step
+from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_step
 
 #: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
 FIXED_ON_RESUME = (
     "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
-    "seed", "decay_norms",
+    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets",
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
 )  # fmt: skip
 
 
@@ -92,10 +94,12 @@ def train(
     every command reads, always stops it).
     """
     device_from_name(config.device, "--device")  # before a process group is joined on it
+    cuda_notes = _cuda_determinism_env(config)  # before this process's first cuBLAS call
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
     try:
         recipe = Recipe(config, info, resume=resume, resume_from=resume_from, log=log, progress=progress)
+        recipe.cuda_notes = cuda_notes
         with recipe:
             return recipe.run()
     finally:
@@ -128,6 +132,7 @@ class Recipe:
         self.loggers = Loggers()  # the chosen backends, opened once the run goes ahead (rank 0 only)
         self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
+        self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
 
     def __enter__(self) -> "Recipe":
         return self
@@ -149,14 +154,23 @@ class Recipe:
             self._check_fresh()
         if config.deterministic:
             torch.use_deterministic_algorithms(True, warn_only=info.device.type != "cpu")
+        if info.device.type == "cuda":
+            self._cuda_settings()
         seed_everything(config.seed)
 
         source, source_tokenizer = self._init_source()
+        if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
+            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
+        shape = source.config if source is not None else (saved or config).model_config()
+        context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume)
+            data = prepare_data(
+                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                context_length=context,
+            )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -167,14 +181,19 @@ class Recipe:
             )
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
-        if source is not None and not self.resume:
-            self.model.load_state_dict(source.state_dict())
+        if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
+            self.model.load_state_dict(_grown(source.state_dict(), self.model_config.vocab_size))
+        self.lora: dict[str, Any] | None = None
+        if config.lora_rank:
+            self.lora = self._adapt(cast(TransformerLM, source))
         self.loss_module = wrap_model(
-            self.model, config.distributed, activation_checkpointing=config.activation_checkpointing
+            self.model,
+            config.distributed,
+            activation_checkpointing=config.activation_checkpointing,
+            document_mask_id=self._document_mask_id(data),
+            compile=config.compile,  # before sharding, as torchtitan does
+            param_dtype=torch.bfloat16 if config.dtype == "bfloat16" else None,
         )
-        if config.compile:
-            for block in self.model.layers:
-                block.compile()
         self.optimizer = AdamW(
             parameter_groups(self.model, config.weight_decay, decay_norms=config.decay_norms),
             lr=config.lr,
@@ -204,15 +223,64 @@ class Recipe:
         context = self.model_config.context_length
         self.sampler = BatchSampler(
             data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
-            world_size=info.world_size,
+            world_size=info.world_size, rows=data.rows,
         )  # fmt: skip
         # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
-        self.val_batches = EvalBatches(data.val, micro, context, info.device, max_batches=config.eval_batches)
+        self.val_batches = EvalBatches(
+            data.val, micro, context, info.device, max_batches=config.eval_batches,
+            stride=context + 1 if data.rows else None,
+        )  # fmt: skip
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
             raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
         self._commit(saved)
+
+    def _document_mask_id(self, data: Dataset) -> int | None:
+        """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
+        if not self.config.document_mask:
+            return None
+        tokenizer = data.tokenizer
+        if tokenizer is None or SEPARATOR not in tokenizer.special_tokens:
+            raise ValueError(
+                f"{flag('document_mask')} splits windows at {SEPARATOR}, which "
+                + ("token-id data without --tokenizer does not name" if tokenizer is None else "the tokenizer lacks")
+            )
+        return int(tokenizer.encode(SEPARATOR)[0])
+
+    def _cuda_settings(self) -> None:
+        """TF32 for float32 matmuls (unless --no-tf32) and, for a deterministic run, what CUDA needs for it;
+        each said in one line at start, and restored when the run ends."""
+        config = self.config
+        precision = torch.get_float32_matmul_precision()
+        self._exit.callback(torch.set_float32_matmul_precision, precision)
+        torch.set_float32_matmul_precision("high" if config.tf32 else "highest")
+        if config.dtype == "float32":
+            self.say(
+                "float32 matmuls on TF32 tensor cores" if config.tf32 else "float32 matmuls in full float32 (--no-tf32)"
+            )
+        if not config.deterministic:
+            return
+        flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+                 torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
+
+        def restore() -> None:
+            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[0], flags[1]
+            torch.backends.cuda.enable_mem_efficient_sdp(flags[2])
+            torch.backends.cuda.enable_cudnn_sdp(flags[3])
+
+        self._exit.callback(restore)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+        # Flash attention's backward is deterministic under deterministic algorithms; the memory-efficient and
+        # cuDNN kernels' backward is not, so they are turned off (the math kernel remains the fallback).
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        self.say(
+            "deterministic on CUDA: CUBLAS_WORKSPACE_CONFIG="
+            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')}, deterministic algorithms (an op without a deterministic "
+            "kernel warns once), attention by the flash or math kernels"
+            + "".join(f"; {note}" for note in self.cuda_notes)
+        )
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
@@ -263,7 +331,7 @@ class Recipe:
         if config.init_from is None:
             return None, tokenizer
         artifact = artifacts.resolve(config.init_from)
-        if self.resume:  # the weights come from the run's own checkpoint; only the tokenizer is wanted here
+        if self.resume and not config.lora_rank:  # the weights come from the run's checkpoint; only the tokenizer
             model = None
         else:
             model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
@@ -280,6 +348,23 @@ class Recipe:
             self.say(f"--tokenizer {config.tokenizer} is used; the tokenizer of --init-from is not")
         return model, tokenizer if tokenizer is not None else own
 
+    def _adapt(self, base: TransformerLM) -> dict[str, Any]:
+        """Freeze the model and give it the adapters the config asks for; the record a checkpoint keeps of
+        them and of the base (the path ``init_from`` names and its weights' SHA-256)."""
+        from tlm_lora import weights_sha256
+        from tlm_train.lora import adapt, settings
+
+        config = self.config
+        if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
+            raise ValueError(
+                f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "
+                "would change the embedding too); leave lm_head out"
+            )
+        lora = settings(config)
+        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        adapt(self.model, lora, seed=config.seed)
+        return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
+
     def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
         config = self.config
         if config.init_from is None:
@@ -292,7 +377,11 @@ class Recipe:
                     f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
                     "fine-tune keeps the model's shape"
                 )
-        return dataclasses.replace(shape, rope_layout="interleaved")
+        # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
+        vocab = max(shape.vocab_size, data.vocab_size)
+        if vocab > shape.vocab_size:
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+        return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
@@ -313,6 +402,11 @@ class Recipe:
 
     def _load(self, checkpoint: Checkpoint) -> int:
         state = checkpoint.state
+        if self.lora is not None and state.get("lora", {}).get("base", {}).get("sha256") != self.lora["base"]["sha256"]:
+            raise ResumeError(
+                f"--resume {self.run_dir.path}: --init-from {self.config.init_from} is not the base model its "
+                f"adapters were trained on (the weights' SHA-256 differs from the one {checkpoint.path} records)"
+            )
         step = restore_state(state, self.model, self.optimizer, scheduler=self.scheduler, sampler=self.sampler)
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -364,7 +458,12 @@ class Recipe:
         config, info = self.config, self.info
         tokens_per_step = config.batch_size * self.model_config.context_length
         self.flops_per_token = training_flops_per_token(self.model_config, self.model_config.context_length)
-        self.peak = config.peak_flops or measure_gemm_flops(info.device)
+        if config.peak_flops is not None:
+            self.peak, source = config.peak_flops, "--peak-flops"
+        else:
+            tf32 = config.tf32 and info.device.type == "cuda"
+            self.peak, source = peak_flops(info.device, config.dtype, tf32=tf32)
+        self.say(f"MFU against {self.peak / 1e12:,.3g} TFLOP/s per device ({source})")
         self.tokens_per_step = tokens_per_step
         self._clock = (time.perf_counter(), self._clock[1])  # set-up (data, model, GEMM rate) is not training time
         if self.start == 0:
@@ -373,6 +472,8 @@ class Recipe:
         show = self.progress if info.is_main else False  # None: only on a terminal
         bar = progress_bar(show, total=self.steps, initial=self.start, unit="step")
         self._mark = (time.perf_counter(), self.start)
+        # The first non-finite step, remembered on the device; read where the loop syncs anyway.
+        self.guard = NonFiniteGuard(info.device, start_step=self.start)
         with _stop_requests() as requested:
             batches = self._draw()
             for step in range(self.start + 1, self.steps + 1):
@@ -381,8 +482,8 @@ class Recipe:
                 if step < self.steps:
                     batches = self._draw()  # drawn while the device still works on this step
                 logged = self.maybe_log(step, stats, bar)
-                if self._prune_pending and (logged or info.device.type == "cpu"):
-                    self._prune()  # the step after the save gave a finite loss: older checkpoints can go
+                if self._prune_pending and logged:
+                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at: compared where the step syncs anyway.
                 asked = requested() or self.logger_error is not None
@@ -418,19 +519,28 @@ class Recipe:
         return [next(self.sampler) for _ in range(self.config.grad_accum)]
 
     def train_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
-        config = self.config
+        # Never raises for a non-finite loss: the update is skipped on the device and the guard remembers
+        # the step; _halt_if_diverged reads it where the loop syncs anyway.
+        return train_step(
+            self.loss_module,
+            self.optimizer,
+            batches,
+            scheduler=self.scheduler,
+            max_grad_norm=self.config.grad_clip,
+            autocast_dtype=self.autocast,
+            scaler=self.scaler,
+            guard=self.guard,
+        )
+
+    def _halt_if_diverged(self) -> None:
+        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
+        optimizer state are then those from before that step. Reads the device: called only where the loop
+        syncs anyway (logging, evaluation, a checkpoint)."""
         try:
-            return train_step(
-                self.loss_module,
-                self.optimizer,
-                batches,
-                scheduler=self.scheduler,
-                max_grad_norm=config.grad_clip,
-                autocast_dtype=self.autocast,
-                scaler=self.scaler,
-            )
+            self.guard.check(self.optimizer, self.scheduler)
         except NonFiniteLossError as err:
-            raise self._diverged(f"step {step}: {err}; {self._good_checkpoint(step)}", step) from None
+            failed = cast(int, self.guard.first())
+            raise self._diverged(f"step {failed}: {err}; {self._good_checkpoint(failed)}", failed) from None
 
     def _diverged(self, message: str, step: int) -> NonFiniteLossError:
         """The error that stops a run whose loss or weights stopped being finite, recorded in the log first
@@ -466,6 +576,7 @@ class Recipe:
         if not (step % config.log_interval == 0 or step % config.eval_interval == 0 or step == self.steps):
             bar.update()
             return False
+        self._halt_if_diverged()
         loss, grad_norm = float(stats.loss), float(stats.grad_norm)  # the one host sync of a logged step
         began, since = self._mark
         seconds = max(time.perf_counter() - began, 1e-9)
@@ -489,6 +600,8 @@ class Recipe:
     def maybe_evaluate(self, step: int, *, force: bool = False) -> None:
         if not (force or step % self.config.eval_interval == 0 or step == self.steps):
             return
+        if step > 0:
+            self._halt_if_diverged()
         loss = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast).loss
         self.val_losses.append((step, loss))
         if step == 0:
@@ -502,8 +615,15 @@ class Recipe:
     def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
         if not (force or step % self.config.checkpoint_interval == 0 or step == self.steps):
             return
+        self._halt_if_diverged()  # never a checkpoint of skipped steps
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
+        if self.lora is not None:  # the adapters only: the frozen base is the --init-from model, named here
+            from tlm_train.lora import is_adapter_key
+
+            state["model"] = {k: v for k, v in state["model"].items() if is_adapter_key(k)}
+            state["lora"] = self.lora
+            state["model_config"] = self.model_config.to_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         if self._any_rank(not _finite(state["model"])):
@@ -568,12 +688,41 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
+def _grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
+    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
+    grown = dict(weights)
+    for name in ("token_embeddings.weight", "lm_head.weight"):
+        table = grown.get(name)
+        if table is not None and table.shape[0] < vocab_size:
+            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
+            grown[name] = torch.cat([table, extra])
+    return grown
+
+
 def _finite(weights: dict[str, torch.Tensor]) -> bool:
     """Whether this rank's part of the weights (its FSDP2 shards, or the whole model) is finite."""
     from torch.distributed.tensor import DTensor
 
     local = [t.to_local() if isinstance(t, DTensor) else t for t in weights.values()]
     return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
+
+
+def _cuda_determinism_env(config: TrainConfig) -> list[str]:
+    """For a deterministic run on CUDA, ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS reads it when this process makes
+    its first handle, so it is set before anything touches CUDA); what cannot be guaranteed, one note each."""
+    if not (config.deterministic and config.device.startswith("cuda")):
+        return []
+    have = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if have is None:
+        if torch.cuda.is_initialized():
+            return ["CUDA was already in use in this process, so cuBLAS may not be deterministic: set "
+                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"]  # fmt: skip
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        return []
+    if have not in (":4096:8", ":16:8"):
+        return [f"CUBLAS_WORKSPACE_CONFIG={have} is not :4096:8 or :16:8, so cuBLAS may not be deterministic"]
+    return []
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
@@ -588,8 +737,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
             f"--batch-size {config.batch_size} with --grad-accum {config.grad_accum} gives micro-batches of {micro}, "
             f"which do not divide among {info.world_size} ranks"
         )
-    if config.data and not resume:  # a resumed run reads the tokens it saved, not the text again
-        check_data_paths(config.data)
+    if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
+        check_data_paths(config.data, config.val_data)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -598,6 +747,7 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--init-from": [config.init_from],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
+        "--val-data": config.val_data,
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name

@@ -3,12 +3,20 @@
 Works unchanged on a plain module, under DDP and under FSDP2: the loss is the wrapped module's
 ``forward`` (the call DDP and FSDP hook), and the loss is averaged over the ranks with an all-reduce
 (no host synchronisation). The step returns its loss and gradient norm as tensors on the device, so a
-loop reads them (``.item()``, a device round trip) only when it logs. A non-finite loss or gradient
-norm stops the step before the update, through a device-side assert (``torch._assert_async``): the
-step never reads a value back to the host.
+loop reads them (``.item()``, a device round trip) only when it logs.
+
+A non-finite loss or gradient norm skips the update on the device (the optimizer's ``found_inf``, as
+torch's fused AdamW and ``GradScaler`` use it), with no read back to the host: a
+:class:`NonFiniteGuard` remembers the first such step on the device, keeps every later step's update
+skipped too, and is read where the loop synchronises anyway (logging, evaluation, a checkpoint). Its
+:meth:`~NonFiniteGuard.check` then winds the optimizer's step counters and the schedule back and raises
+:class:`NonFiniteLossError`: the weights and optimizer state are those from before that step. No
+device-side assert: on CUDA a failed ``torch._assert_async`` is no Python exception but a poisoned
+context, after which nothing (not even a last save) can run.
 """
 
 import contextlib
+import inspect
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -20,6 +28,7 @@ from jaxtyping import Int
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from tlm_model import document_ids
 from tlm_optim import clip_grad_norm_
 
 
@@ -30,14 +39,22 @@ class NonFiniteLossError(RuntimeError):
 class LanguageModelLoss(nn.Module):
     """``forward(inputs, targets)`` is ``model.loss(inputs, targets)``: the mean next-token
     cross-entropy without materialising the logits. DDP and FSDP2 act on a module's forward, so
-    wrap this module, not the model, and keep using ``model`` for state dicts and generation."""
+    wrap this module, not the model, and keep using ``model`` for state dicts and generation.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``document_mask_id`` (the end-of-text id) masks attention at the document boundaries inside each
+    window: the document ids come from the inputs on the device (``cumsum``), read by nothing on the host.
+    """
+
+    def __init__(self, model: nn.Module, *, document_mask_id: int | None = None) -> None:
         super().__init__()
         self.model = model
+        self.document_mask_id = document_mask_id
 
     def forward(self, inputs: Int[Tensor, "batch seq"], targets: Int[Tensor, "batch seq"]) -> Tensor:
-        return cast(Any, self.model).loss(inputs, targets)
+        if self.document_mask_id is None:
+            return cast(Any, self.model).loss(inputs, targets)
+        documents = document_ids(inputs, self.document_mask_id)
+        return cast(Any, self.model).loss(inputs, targets, document_ids=documents)
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,78 @@ class StepStats:
     loss: Tensor  # mean over the global batch (all ranks, all micro-batches)
     grad_norm: Tensor  # before clipping
     lr: float  # the learning rate this step used
+
+
+class NonFiniteGuard:
+    """The first step whose loss or gradient norm was not finite, remembered on the device.
+
+    :func:`train_step` records each step here and skips the update (on the device) from the first
+    non-finite step on. :meth:`check`, called where the loop reads the device anyway, raises
+    :class:`NonFiniteLossError` naming that step, after winding the optimizer's step counters and the
+    learning-rate schedule back over the skipped steps, so that the weights, the optimizer state and the
+    schedule are bit-for-bit those from before it. Every rank holds the same flag (the loss and the
+    gradient norm are global), so every rank stops at the same step.
+    """
+
+    def __init__(self, device: torch.device | str, start_step: int = 0) -> None:
+        self.step = start_step  # the last step recorded (host count; no device read)
+        self._first = torch.zeros((), dtype=torch.int64, device=device)  # 0: every step was finite
+        self._loss = torch.zeros((), dtype=torch.float32, device=device)
+        self._norm = torch.zeros((), dtype=torch.float32, device=device)
+
+    def record(self, finite: Tensor, loss: Tensor, norm: Tensor) -> Tensor:
+        """Note one step (``finite``: a 0-d bool tensor); the ``found_inf`` flag (0-d float32, 1.0: skip the
+        update) for this step: set from the first non-finite step on."""
+        self.step += 1
+        new = (self._first == 0) & ~finite
+        self._first.copy_(torch.where(new, self.step, self._first))
+        self._loss.copy_(torch.where(new, loss.detach().float(), self._loss))
+        self._norm.copy_(torch.where(new, norm.detach().float(), self._norm))
+        return (self._first != 0).float()
+
+    def first(self) -> int | None:
+        """The first non-finite step, or None (reads the device: call it where the loop syncs anyway)."""
+        return int(self._first) or None  # the one device read
+
+    def check(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+        """Raise :class:`NonFiniteLossError` if a step was not finite (:meth:`first` names it), with the
+        optimizer's step counters and ``scheduler`` wound back to the step before it (the weights and
+        moments were never updated)."""
+        first = self.first()
+        if first is None:
+            return
+        skipped = self.step - first + 1
+        rewind(optimizer, scheduler, skipped)
+        self.step = first - 1
+        raise NonFiniteLossError(
+            f"training loss is {float(self._loss)}, gradient norm {float(self._norm)}: stopped before the update"
+        )
+
+
+def rewind(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> None:
+    """Undo the host-side bookkeeping of ``steps`` optimizer steps whose update was skipped on the device:
+    the per-parameter step counters (a state whose counter returns to 0 is dropped, as before its first
+    step) and the scheduler's epoch and learning rates."""
+    if steps <= 0:
+        return
+    for param, state in list(optimizer.state.items()):
+        if "step" not in state:
+            continue
+        count = state["step"] - steps
+        if (count == 0).all() if isinstance(count, Tensor) else count == 0:
+            del optimizer.state[param]
+        else:
+            state["step"] = count
+    if scheduler is not None:
+        # Closed-form schedules only (tlm_optim.CosineSchedule's lr is a function of the epoch alone).
+        scheduler.last_epoch -= steps
+        if hasattr(scheduler, "_step_count"):
+            scheduler._step_count -= steps
+        with torch.optim.lr_scheduler._enable_get_lr_call(scheduler):
+            lrs = scheduler.get_lr()
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _global_mean(value: Tensor) -> Tensor:
@@ -106,14 +195,19 @@ def train_step(
     max_grad_norm: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     scaler: "torch.amp.GradScaler | None" = None,
+    guard: NonFiniteGuard | None = None,
 ) -> StepStats:
     """One optimizer step over ``micro_batches`` (gradient accumulation): forward, backward, the loss
     averaged over ranks, clipping, the optimizer and scheduler steps.
 
     ``scaler`` (a ``torch.amp.GradScaler``, for float16 autocast) scales the loss before backward and
-    unscales the gradients before clipping. Raises :class:`NonFiniteLossError` (on every rank alike)
-    before touching the weights when the loss or the gradient norm is NaN or infinite; on an
-    accelerator the check is a device-side assert, so the step never waits for the device.
+    unscales the gradients before clipping. A NaN or infinite loss or gradient norm skips the update on
+    the device. With ``guard`` the step never reads the device: the guard remembers the step and
+    skips every later update too, and its :meth:`~NonFiniteGuard.check` raises where the loop syncs.
+    Without one, the step checks at its end (one device read) and raises :class:`NonFiniteLossError`
+    (on every rank alike) with the weights and optimizer state untouched. The optimizer's ``step``
+    must take ``found_inf`` (``tlm_optim.AdamW`` does); another optimizer's update is skipped
+    through one device read.
     """
     if not micro_batches:
         raise ValueError("micro_batches must hold at least one (inputs, targets) pair, got none")
@@ -132,20 +226,35 @@ def train_step(
     norm = grad_norm_(loss_module.parameters(), max_grad_norm)
     # With a scaler, a non-finite gradient is the scaler's business (it skips the step and lowers the scale).
     finite = torch.isfinite(mean) if scaler is not None else torch.isfinite(mean) & torch.isfinite(norm)
-    try:
-        # A device-side assert, so the step never waits for the device: on the CPU it raises here,
-        # before the update; on an accelerator the device raises it, and the update does not run.
-        torch._assert_async(finite, "training loss or gradient norm is not finite: stopped before the update")
-    except RuntimeError:
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(
-            f"training loss is {float(mean)}, gradient norm {float(norm)}: stopped before the update"
-        ) from None
+    own = guard is None
+    if guard is None:
+        guard = NonFiniteGuard(mean.device)
+    found_inf = guard.record(finite, mean, norm)
+    if not _takes_found_inf(optimizer):
+        if bool(found_inf):  # pragma: no cover - an optimizer without found_inf: one device read
+            optimizer.zero_grad(set_to_none=True)
+            guard.check(optimizer, None)
+        found_inf_kw: dict[str, Tensor] = {}
+    else:
+        found_inf_kw = {"found_inf": found_inf}
     if scaler is not None:
-        scaler.step(optimizer)
+        scaler.step(optimizer, **found_inf_kw)
         scaler.update()
     else:
-        optimizer.step()
+        optimizer.step(**found_inf_kw)
     if scheduler is not None:
         scheduler.step()
+    if own:
+        try:
+            guard.check(optimizer, scheduler)
+        except NonFiniteLossError:
+            optimizer.zero_grad(set_to_none=True)
+            raise
     return StepStats(loss=mean, grad_norm=norm, lr=lr)
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    try:
+        return "found_inf" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # pragma: no cover - a step without a signature
+        return False

@@ -1,0 +1,553 @@
+"""The one prepared GPU check (issue 33): what a CUDA machine must show before tlm claims anything there.
+
+    python bench/gpu.py [--out DIR] [--skip tests,bench,...] [--dry-run]
+    nox -s gpu                       # the same, on the system python (venv_backend="none")
+    tools/gpu_check.sh               # the same, one shell command, no nox needed
+
+Parts, each timed and reported even when another fails (a part that cannot run says why):
+
+- ``tests``: the CUDA test leg: every test that takes the ``device`` fixture, run with TLM_TEST_DEVICE=cuda
+  (test modules that import a package this python lacks are reported as not collected, with the module).
+- ``census``: the dtype of every GEMM and attention call of a bf16 training step on CUDA (all bf16 expected).
+- ``chunk``: the chunked head + loss forward/backward at GPT-2-small's vocabulary for several chunk sizes
+  (what tlm_model.loss.default_chunk_size picks, checked).
+- ``bench``: a bf16 training step, tlm (``train_step``, blocks compiled, fused AdamW) against HF Llama
+  (``torch.compile``d, full logits + F.cross_entropy, torch's fused AdamW), same weights, same batches,
+  alternating rounds; tokens/s and MFU against the device's published dense bf16 peak.
+- ``resume``: ``tlm train`` on CUDA (bfloat16 and float32), stopped and resumed from a checkpoint: the
+  final weights and metrics bit-identical to the uninterrupted run (deterministic=True).
+- ``nan``: a NaN injected into the loss mid-run on CUDA: the run stops with the ``diverged`` record
+  naming that step, the process and its CUDA context still work, the weights and optimizer state equal
+  the newest checkpoint's.
+
+Results go to ``DIR/gpu.json`` and ``DIR/gpu.md`` (DIR: --out, else $OUT, else bench/out), and the GPU
+section of docs/benchmarks.md is rewritten. Runs from a checkout with ``packages/*/src`` on PYTHONPATH (no
+install needed; torch, transformers, pytest and numpy must be there). ``--dry-run`` runs every part on the
+CPU at toy sizes (to check this script itself on a machine without a GPU; writes nothing to docs/).
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+for src in sorted((ROOT / "packages").glob("*/src")):
+    if str(src) not in sys.path:
+        sys.path.insert(0, str(src))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+# The benchmark before the runs whose deterministic=True switches deterministic algorithms on for the process.
+PARTS = ["census", "chunk", "bench", "nan", "resume", "tests"]
+
+
+def _pythonpath() -> str:
+    paths = [str(p) for p in sorted((ROOT / "packages").glob("*/src"))] + [str(ROOT / "tools")]
+    return os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------- tests
+
+
+_PLUGIN = """
+def pytest_collection_modifyitems(config, items):
+    keep = [item for item in items if "device" in getattr(item, "fixturenames", ())]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+"""
+
+
+def part_tests(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    """Every test that takes the ``device`` fixture, on CUDA, 8 xdist workers when xdist is there."""
+    plugin_dir = pathlib.Path(tempfile.mkdtemp(prefix="tlm-gpu-plugin-"))
+    (plugin_dir / "tlm_device_only.py").write_text(_PLUGIN)
+    report = out / "gpu-tests.xml"
+    dirs = [str(p) for p in sorted((ROOT / "packages").glob("*/tests"))]
+    try:
+        import xdist  # noqa: F401
+
+        workers = ["-n", "4" if dry else "8"]
+    except ImportError:
+        workers = []
+    env = {**os.environ, "TLM_TEST_DEVICE": "cpu" if dry else "cuda", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(plugin_dir), _pythonpath()])}  # fmt: skip
+    cmd = [sys.executable, "-m", "pytest", *dirs, "-p", "tlm_device_only", "-p", "no:cacheprovider", "-q",
+           "--continue-on-collection-errors", f"--junitxml={report}", "-o", "addopts=--import-mode=importlib -ra",
+           *workers]  # fmt: skip
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - start
+    counts = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
+    failures, not_collected = [], []
+    if report.exists():
+        import xml.etree.ElementTree as ET
+
+        for case in ET.parse(report).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            name = f"{case.get('classname')}::{case.get('name')}"
+            if "failure" in kinds or "error" in kinds:
+                message = next(iter(c.get("message", "") for c in case if c.tag in ("failure", "error")), "")
+                if case.get("name", "").startswith("test_") or case.get("name") is None:
+                    counts["failed"] += 1
+                    failures.append(f"{name}: {message[:300]}")
+                else:  # a module that could not be collected
+                    counts["errors"] += 1
+                    not_collected.append(f"{case.get('classname')}: {message[:200]}")
+            elif "skipped" in kinds:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+    shutil.rmtree(plugin_dir, ignore_errors=True)
+    return {"ok": counts["failed"] == 0 and counts["passed"] > 0, "seconds": seconds, "returncode": done.returncode,
+            **counts, "failures": failures, "not_collected": not_collected,
+            "tail": done.stdout[-4000:] + done.stderr[-2000:]}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- census
+
+
+def part_census(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from tlm_model import ModelConfig, TransformerLM
+
+    gemms = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+
+    class Census(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: dict[str, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name in gemms or "scaled_dot_product" in name:
+                rank = 4 if "scaled_dot_product" in name else 2
+                leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim >= rank]
+                dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in leaves if t.is_floating_point()})
+                key = f"{name} {'/'.join(dtypes)}"
+                self.rows[key] = self.rows.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = ModelConfig(vocab_size=50_257, context_length=256, d_model=256, num_layers=2, num_heads=4, d_ff=704)
+    model = TransformerLM(cfg, fused=False).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.context_length + 1), device=device)
+    with Census() as census, torch.autocast(device.type, dtype=torch.bfloat16):
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+    stray = {k: v for k, v in census.rows.items() if not k.endswith(" bfloat16")}
+    return {"ok": not stray and loss.dtype == torch.float32, "calls": census.rows, "not_bf16": stray,
+            "loss_dtype": str(loss.dtype)}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- chunk size
+
+
+def part_chunk(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    from tlm_model.loss import chunked_cross_entropy, default_chunk_size
+
+    vocab, d_model, tokens = (50_257, 768, 8 * 1024) if not dry else (1000, 64, 512)
+    hidden = torch.randn(tokens, d_model, device=device, requires_grad=True)
+    weight = (torch.randn(vocab, d_model, device=device) * 0.02).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device)
+    rows = {}
+    sizes = [256, 1024, 2048, 4096, 8192] if not dry else [64, 256]
+    for size in sizes:
+
+        def run(size: int = size) -> None:
+            hidden.grad = weight.grad = None
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                chunked_cross_entropy(hidden, weight, targets, size).backward()
+
+        run()
+        _sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(5 if not dry else 2):
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+        rows[size] = {"ms": 1e3 * statistics.median(times), "peak_mib": peak}
+    best = min(rows, key=lambda s: rows[s]["ms"])
+    chosen = default_chunk_size(device, vocab)
+    return {"ok": True, "tokens": tokens, "vocab": vocab, "d_model": d_model, "rows": rows, "fastest": best,
+            "default": chosen}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- benchmark
+
+
+def part_bench(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    from tlm_model import ModelConfig
+    from tlm_train.metrics import peak_flops
+
+    shapes = [
+        ("GPT-2-small-like (124 M), 16 x 1024", ModelConfig(50_257, 1024, 768, 12, 12, 2048), 16),
+        ("course-tinystories (22.7 M), 64 x 256", ModelConfig.from_preset("course-tinystories"), 64),
+    ]
+    if dry:
+        shapes = [("toy", ModelConfig(512, 64, 64, 2, 4, 128), 4)]
+    peak, source = peak_flops(device, "bfloat16")
+    rows = []
+    for label, cfg, batch in shapes:
+        rows.append(_bench_shape(device, dry, label, cfg, batch, peak))
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"ok": True, "peak_flops": peak, "peak_source": source, "rows": rows}
+
+
+def _bench_shape(device: torch.device, dry: bool, label: str, cfg: Any, batch: int, peak: float) -> dict[str, Any]:
+    import transformers
+
+    from tlm_model import TransformerLM
+    from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
+    from tlm_optim import AdamW
+    from tlm_train import NonFiniteGuard, train_step, wrap_model
+    from tlm_train.metrics import training_flops_per_token
+
+    rounds, per_round = (7, 5) if not dry else (2, 1)
+    torch.manual_seed(0)
+    ours = TransformerLM(cfg, fused=False).to(device)
+    hf_error = None
+    try:
+        hf_config = transformers.LlamaConfig(**hf_llama_config_kwargs(cfg), attn_implementation="sdpa")
+        hf = transformers.LlamaForCausalLM(hf_config).to(device)
+        hf.load_state_dict(to_hf_llama_state_dict(ours.state_dict(), cfg))
+    except Exception as err:  # tlm's own figures still count
+        hf_error, hf = f"{type(err).__name__}: {err}", torch.nn.Linear(1, 1).to(device)
+    loss_module = wrap_model(ours, "none", compile=not dry)  # the recipe's --compile: each block, in place
+    hf_run = torch.compile(hf) if not dry else hf
+    optimizer = AdamW(ours.parameters(), lr=1e-4, weight_decay=0.1)
+    hf_optimizer = torch.optim.AdamW(hf.parameters(), lr=1e-4, weight_decay=0.1, fused=device.type == "cuda")
+    guard = NonFiniteGuard(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    data = [torch.randint(0, cfg.vocab_size, (batch, cfg.context_length + 1), generator=gen).to(device)
+            for _ in range(4)]  # fmt: skip
+    batches = [(d[:, :-1], d[:, 1:]) for d in data]
+
+    def tlm_step(i: int) -> torch.Tensor:
+        stats = train_step(loss_module, optimizer, [batches[i % 4]], max_grad_norm=1.0,
+                           autocast_dtype=torch.bfloat16, guard=guard)  # fmt: skip
+        return stats.loss
+
+    def hf_step(i: int) -> torch.Tensor:
+        inputs, targets = batches[i % 4]
+        hf_optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = hf_run(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0, foreach=True)
+        hf_optimizer.step()
+        return loss.detach()
+
+    sides = (("tlm", tlm_step), ("hf", hf_step)) if hf_error is None else (("tlm", tlm_step),)
+    compile_s = {}
+    for name, fn in sides:
+        start = time.perf_counter()
+        for i in range(3):
+            fn(i)
+        _sync(device)
+        compile_s[name] = time.perf_counter() - start
+    first = {name: float(fn(0)) for name, fn in sides}
+    times: dict[str, list[float]] = {name: [] for name, _ in sides}
+    memory = {}
+    for r in range(rounds):
+        for name, fn in sides:
+            if device.type == "cuda" and r == 0:
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            start = time.perf_counter()
+            for i in range(per_round):
+                fn(i)
+            float(fn(per_round))  # a logging step's read
+            _sync(device)
+            times[name].append((time.perf_counter() - start) / (per_round + 1))
+            if device.type == "cuda" and r == 0:
+                memory[name] = torch.cuda.max_memory_allocated(device) / 2**30
+    guard.check(optimizer)  # a NaN would have skipped tlm's updates: say so rather than time them
+    tokens = batch * cfg.context_length
+    flops = training_flops_per_token(cfg, cfg.context_length) * tokens
+    row: dict[str, Any] = {"label": label, "tokens_per_step": tokens, "compile_and_warmup_s": compile_s,
+                           "first_losses": first, "memory_gib": memory, "hf_error": hf_error}  # fmt: skip
+    for name, _ in sides:
+        med = statistics.median(times[name])
+        row[name] = {"step_ms": 1e3 * med, "step_ms_range": [1e3 * min(times[name]), 1e3 * max(times[name])],
+                     "tokens_per_s": tokens / med, "mfu": flops / med / peak}  # fmt: skip
+    if hf_error is None:
+        ratios = sorted(h / t for t, h in zip(times["tlm"], times["hf"], strict=True))
+        row["speedup_vs_hf"] = [statistics.median(ratios), ratios[0], ratios[-1]]
+    else:
+        row["speedup_vs_hf"] = None
+    return row
+
+
+# --------------------------------------------------------------------------------------- resume, nan
+
+
+def _tokens(folder: pathlib.Path, vocab: int) -> pathlib.Path:
+    path = folder / "tokens.npy"
+    rng = np.random.default_rng(0)
+    np.save(path, np.tile(rng.integers(0, vocab, 997), 60).astype(np.uint16))
+    return path
+
+
+def _settings(device: torch.device, tokens: pathlib.Path, out: pathlib.Path, **changes: Any) -> dict[str, Any]:
+    model = {"context_length": 128, "d_model": 256, "num_layers": 4, "num_heads": 8, "d_ff": 704}
+    return {"out_dir": str(out), "data": [str(tokens)], "vocab_size": 512, "batch_size": 16, "steps": 12,
+            "warmup_steps": 2, "eval_interval": 6, "eval_batches": 2, "log_interval": 3, "checkpoint_interval": 6,
+            "keep_checkpoints": 5, "sample_tokens": 0, "device": str(device), "model": model,
+            **changes}  # fmt: skip
+
+
+def part_resume(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    from tlm_train import RunDir, TrainConfig, train
+    from tlm_train.checkpoint import read_model_state
+    from tlm_train.metrics import TIMING_FIELDS
+
+    rows = {}
+    for dtype in ("bfloat16", "float32"):
+        with tempfile.TemporaryDirectory(prefix="tlm-gpu-resume-") as tmp:
+            folder = pathlib.Path(tmp)
+            tokens = _tokens(folder, 512)
+            whole, again = folder / "whole", folder / "again"
+            start = time.perf_counter()
+            train(TrainConfig(**_settings(device, tokens, whole, dtype=dtype)))
+            # The same run as if killed after its step-6 checkpoint, resumed from there to step 12.
+            shutil.copytree(whole, again)
+            train(TrainConfig(**_settings(device, tokens, again, dtype=dtype)), resume_from=6)
+            a = read_model_state(RunDir(whole).checkpoints().path(12))[1]
+            b = read_model_state(RunDir(again).checkpoints().path(12))[1]
+            differ = [k for k in a if not torch.equal(a[k], b[k])]
+
+            def metrics(run: pathlib.Path) -> list[dict]:
+                lines = (run / "metrics.jsonl").read_text().splitlines()
+                return [{k: v for k, v in json.loads(x).items() if k not in TIMING_FIELDS} for x in lines]
+
+            rows[dtype] = {"bit_identical_weights": not differ, "differing_tensors": differ[:5],
+                           "identical_metrics": metrics(whole) == metrics(again),
+                           "seconds": time.perf_counter() - start}  # fmt: skip
+    return {"ok": all(r["bit_identical_weights"] and r["identical_metrics"] for r in rows.values()), "rows": rows}
+
+
+def part_nan(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    import tlm_train.step as step_module
+    from tlm_train import NonFiniteLossError, RunDir, TrainConfig, init_distributed
+    from tlm_train.checkpoint import capture_state
+    from tlm_train.recipe import Recipe
+
+    original, calls = step_module.LanguageModelLoss.forward, []
+
+    def forward(self, inputs, targets):  # type: ignore[no-untyped-def]
+        loss = original(self, inputs, targets)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 8:
+                return loss * float("nan")
+        return loss
+
+    result: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="tlm-gpu-nan-") as tmp:
+        folder = pathlib.Path(tmp)
+        tokens = _tokens(folder, 512)
+        settings = _settings(device, tokens, folder / "run", dtype="bfloat16", log_interval=5, eval_interval=100,
+                             checkpoint_interval=7)  # fmt: skip
+        step_module.LanguageModelLoss.forward = forward  # type: ignore[method-assign]
+        try:
+            with Recipe(TrainConfig(**settings), init_distributed(str(device))) as recipe:
+                try:
+                    recipe.run()
+                    result["raised"] = None
+                except NonFiniteLossError as err:
+                    result["raised"] = str(err)
+                now = capture_state(recipe.model, recipe.optimizer, step=7, scheduler=recipe.scheduler)
+        finally:
+            step_module.LanguageModelLoss.forward = original  # type: ignore[method-assign]
+        manager = RunDir(folder / "run").checkpoints()
+        saved = manager.load(7).state
+
+        def same(x: Any, y: Any) -> bool:
+            if isinstance(x, dict):
+                return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+            if isinstance(x, (list, tuple)):
+                return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y, strict=True))
+            if isinstance(x, torch.Tensor):
+                return torch.equal(x.cpu(), y.cpu())
+            return x == y
+
+        records = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+        alive = float((torch.ones(4, device=device) * 2).sum())  # the CUDA context still works
+        result.update({
+            "steps_run": len(calls), "checkpoints": manager.steps(), "last_record": records[-1],
+            "state_equals_step_7_checkpoint": all(same(now[p], saved[p]) for p in ("model", "optimizer", "scheduler")),
+            "cuda_alive": alive == 8.0,
+        })  # fmt: skip
+    result["ok"] = bool(
+        result["raised"] and result["raised"].startswith("step 8: training loss is nan")
+        and result["steps_run"] == 10 and result["last_record"].get("event") == "diverged"
+        and result["state_equals_step_7_checkpoint"] and result["cuda_alive"]
+    )  # fmt: skip
+    return result
+
+
+# --------------------------------------------------------------------------------------- report
+
+
+def render(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = [
+        "## GPU check (`bench/gpu.py`, `nox -s gpu`)",
+        "",
+        f"Measured {meta['date']} on {meta['device']} ({meta['driver']}); torch {meta['torch']}, "
+        f"transformers {meta['transformers']}, python {meta['python']}. Total {meta['seconds']:.0f} s.",
+        "",
+    ]
+    parts = report["parts"]
+    lines += ["| part | result | seconds |", "| --- | --- | ---: |"]
+    for name in PARTS:
+        if name in parts:
+            p = parts[name]
+            verdict = "pass" if p.get("ok") else ("error: " + p["error"][:120] if "error" in p else "FAIL")
+            lines.append(f"| {name} | {verdict} | {p.get('part_seconds', 0):.0f} |")
+    bench = parts.get("bench", {})
+    if bench.get("rows"):
+        lines += [
+            "",
+            f"bf16 training step, both compiled, MFU against {bench['peak_flops'] / 1e12:,.1f} TFLOP/s "
+            f"({bench['peak_source']}). tlm: `train_step` (blocks compiled in place, chunked head, fused AdamW); "
+            "HF: `torch.compile(LlamaForCausalLM)`, full logits, torch fused AdamW. Each step ends as a logging "
+            "step does (a loss read every 6th step); rounds alternate.",
+            "",
+            "| shape | tlm ms/step | HF ms/step | tlm ÷ HF speed (median, range) | tlm tokens/s | tlm MFU | HF MFU |"
+            " tlm / HF peak GiB |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for row in bench["rows"]:
+            s = row["speedup_vs_hf"]
+            mem = row.get("memory_gib", {})
+            if s is None:
+                lines.append(
+                    f"| {row['label']} | {row['tlm']['step_ms']:.1f} | HF failed: {row['hf_error'][:80]} | "
+                    f"| {row['tlm']['tokens_per_s']:,.0f} | {100 * row['tlm']['mfu']:.1f}% | | |"
+                )
+                continue
+            lines.append(
+                f"| {row['label']} | {row['tlm']['step_ms']:.1f} | {row['hf']['step_ms']:.1f} | "
+                f"**{s[0]:.2f}×** ({s[1]:.2f}–{s[2]:.2f}) | {row['tlm']['tokens_per_s']:,.0f} | "
+                f"{100 * row['tlm']['mfu']:.1f}% | {100 * row['hf']['mfu']:.1f}% | "
+                f"{mem.get('tlm', float('nan')):.1f} / {mem.get('hf', float('nan')):.1f} |"
+            )
+    chunk = parts.get("chunk", {})
+    if chunk.get("rows"):
+        lines += ["", f"Chunked head + loss, forward and backward under bf16 autocast, {chunk['tokens']:,} tokens, "
+                  f"vocab {chunk['vocab']:,}, d_model {chunk['d_model']} (default chunk here: {chunk['default']}):", "",
+                  "| chunk | ms | peak MiB |", "| ---: | ---: | ---: |"]  # fmt: skip
+        for size, r in chunk["rows"].items():
+            lines.append(f"| {size} | {r['ms']:.2f} | {r['peak_mib']:,.0f} |")
+    resume = parts.get("resume", {})
+    if resume.get("rows"):
+        lines += [""] + [
+            f"- resume on CUDA, {dtype}: weights bit-identical {r['bit_identical_weights']}, metrics identical "
+            f"{r['identical_metrics']}" for dtype, r in resume["rows"].items()
+        ]  # fmt: skip
+    nan = parts.get("nan", {})
+    if "raised" in nan:
+        lines.append(
+            f"- NaN injected at step 8 on CUDA: stopped with `{(nan['raised'] or 'nothing')[:90]}...` after "
+            f"{nan['steps_run']} steps; state equals the step-7 checkpoint: {nan['state_equals_step_7_checkpoint']}; "
+            f"CUDA context alive: {nan['cuda_alive']}"
+        )
+    tests = parts.get("tests", {})
+    if "passed" in tests:
+        lines.append(
+            f"- CUDA test leg (tests taking the `device` fixture): {tests['passed']} passed, {tests['failed']} "
+            f"failed, {tests['skipped']} skipped; {len(tests['not_collected'])} modules not collected (a package "
+            "this python lacks)"
+        )
+    census = parts.get("census", {})
+    if "calls" in census:
+        lines.append(f"- dtype census of a bf16 step on CUDA: {census['calls']}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: " + ",".join(PARTS))
+    parser.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
+    parser.add_argument("--dry-run", action="store_true", help="every part on the CPU at toy sizes")
+    args = parser.parse_args()
+    out = args.out or pathlib.Path(os.environ.get("OUT") or ROOT / "bench" / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device (torch.cuda.is_available() is False); --dry-run checks the script")
+        return 2
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    chosen = [p for p in (args.only.split(",") if args.only else PARTS) if p and p not in args.skip.split(",")]
+    import transformers
+
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)",
+        "driver": f"CUDA {torch.version.cuda}" if device.type == "cuda" else "no CUDA",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+    }  # fmt: skip
+    report: dict[str, Any] = {"meta": meta, "parts": {}}
+    began = time.perf_counter()
+    functions: dict[str, Callable[..., dict[str, Any]]] = {
+        "tests": part_tests, "census": part_census, "chunk": part_chunk, "bench": part_bench,
+        "resume": part_resume, "nan": part_nan,
+    }  # fmt: skip
+    for name in chosen:
+        start = time.perf_counter()
+        print(f"== {name} ...", flush=True)
+        try:
+            result = functions[name](device, args.dry_run, out)
+        except Exception as err:
+            result = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
+        result["part_seconds"] = time.perf_counter() - start
+        report["parts"][name] = result
+        print(json.dumps({name: result}, default=str)[:3000], flush=True)
+        meta["seconds"] = time.perf_counter() - began
+        (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str))
+        (out / "gpu.md").write_text(render(report))
+    meta["seconds"] = time.perf_counter() - began
+    (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str))
+    text = render(report)
+    (out / "gpu.md").write_text(text)
+    if not args.dry_run:
+        from _common import write_section
+
+        write_section("gpu", text)
+    print(text)
+    return 0 if all(p.get("ok") for p in report["parts"].values()) else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

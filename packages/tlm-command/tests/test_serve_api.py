@@ -1,0 +1,408 @@
+"""``tlm serve``'s app in-process (uvicorn in a thread, a real scheduler thread, a small random model):
+scoring against a full recompute of the model, prompt lists and ``n``, penalties and ``logit_bias`` against a
+re-derived greedy loop, special tokens never typed in, and a request's failure kept to itself.
+
+References are independent of the server: the model's own forward over the whole sequence (no cache), with
+``torch.log_softmax`` and ``torch.topk``; OpenAI's definitions of the penalties, applied in a plain loop.
+test_serve.py runs the server as a process (the openai client, SIGTERM, 429).
+"""
+
+import http.client
+import json
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="tlm serve needs the serve extra (fastapi, uvicorn)")
+pytest.importorskip("uvicorn", reason="tlm serve needs the serve extra (fastapi, uvicorn)")
+
+CONTEXT = 64
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+#: A ChatML-like template whose markers are special tokens of the tokenizer.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def parts(corpus):
+    """(model, tokenizer): a random model over a tokenizer trained on the shared corpus, with chat markers."""
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    vocab, merges = train_bpe(corpus, 320, ["<|endoftext|>"], num_workers=1)
+    tokenizer = Tokenizer(vocab, merges, SPECIALS)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=324, context_length=CONTEXT, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+    return TransformerLM(config).eval(), tokenizer
+
+
+class Client:
+    """The app served by uvicorn on 127.0.0.1 in a thread of this process, with http.client requests."""
+
+    def __init__(self, app):
+        import socket
+
+        import uvicorn
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            self.thread.join(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def request(self, method, path, body=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        return conn, conn.getresponse()
+
+    def post(self, path, body):
+        conn, response = self.request("POST", path, json.dumps(body))
+        payload = json.loads(response.read())
+        conn.close()
+        return response.status, payload
+
+    def get(self, path):
+        conn, response = self.request("GET", path)
+        payload = json.loads(response.read())
+        conn.close()
+        return response.status, payload
+
+    def stream(self, path, body):
+        """(status, the non-empty lines of the response)."""
+        conn, response = self.request("POST", path, json.dumps(body))
+        lines = [line for line in response.read().decode().splitlines() if line]
+        conn.close()
+        return response.status, lines
+
+
+def make_app(model, tokenizer, **kwargs):
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+
+    scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=8, eos_ids=[tokenizer.encode("<|endoftext|>")[0]],
+                          device=torch.device("cpu"))  # fmt: skip
+    app = create_app(scheduler, tokenizer, model_name="tiny", context_length=CONTEXT, default_stops=["<|endoftext|>"],
+                     vocab_size=model.config.vocab_size, **kwargs)  # fmt: skip
+    return scheduler, app
+
+
+@pytest.fixture(scope="module")
+def served(parts):
+    scheduler, app = make_app(*parts)
+    with Client(app) as client:
+        yield client
+    scheduler.close(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def model(parts):
+    return parts[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(parts):
+    return parts[1]
+
+
+def post(client, path, body):
+    return client.post(path, body)
+
+
+def reference_logprobs(model, ids):
+    """log_softmax of the model's logits over the whole sequence ``ids`` (one forward, no cache), float32."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].float(), -1)
+
+
+def greedy_ids(model, prompt, count, *, frequency=0.0, presence=0.0, bias=None):
+    """Greedy continuation re-derived by full recomputes: OpenAI's penalties and bias on each step's logits."""
+    ids, counts = list(prompt), torch.zeros(model.config.vocab_size)
+    for _ in range(count):
+        with torch.no_grad():
+            x = model(torch.tensor([ids]))[0, -1].float()
+        x = x - counts * frequency - (counts > 0).float() * presence
+        for token, value in (bias or {}).items():
+            x[token] += value
+        token = int(x.argmax())
+        ids.append(token)
+        counts[token] += 1
+    return ids[len(prompt) :]
+
+
+def by_text(tokenizer, pairs):
+    """OpenAI's ``top_logprobs`` dict: each alternative's text -> log-probability, the best kept on a repeat."""
+    top = {}
+    for token, logprob in pairs:
+        top.setdefault(text_of(tokenizer, token), logprob)
+    return top
+
+
+def text_of(tokenizer, token):
+    """A token's text alone; ids past the tokenizer's vocabulary (the model's is padded) have none."""
+    return tokenizer.decode([token]) if token < tokenizer.vocab_size else ""
+
+
+def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, tokenizer):
+    prompt = "The quick brown fox jumps over"
+    status, body = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                    "logprobs": 5, "echo": True})  # fmt: skip
+    assert status == 200, body
+    prompt_ids = tokenizer.encode(prompt, allowed_special="none")
+    new = greedy_ids(model, prompt_ids, 10)
+    ids = prompt_ids + new
+    reference = reference_logprobs(model, ids)
+    choice = body["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [text_of(tokenizer, i) for i in ids]
+    assert choice["text"] == prompt + tokenizer.decode(new)
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    expected = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
+    errors = [abs(a - b) for a, b in zip(logprobs["token_logprobs"][1:], expected, strict=True)]
+    assert max(errors) < 1e-5, max(errors)
+    for i in range(1, len(ids)):
+        best = torch.topk(reference[i - 1], 5)
+        top = by_text(tokenizer, zip(best.indices.tolist(), best.values.tolist(), strict=True))
+        assert logprobs["top_logprobs"][i].keys() == top.keys()
+        assert all(abs(logprobs["top_logprobs"][i][k] - top[k]) < 1e-5 for k in top)
+    lengths = [len(t) for t in logprobs["tokens"]]
+    assert logprobs["text_offset"] == [sum(lengths[:i]) for i in range(len(ids))]
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 10, "total_tokens": len(ids)}
+
+
+def test_sampled_chat_logprobs_are_before_temperature(served, model, tokenizer):
+    from tlm_command.openai_api import chat_prompt_ids, plain_chat_prompt
+
+    messages = [{"role": "user", "content": "Tell me about Python"}]
+    textless = {str(i): -100 for i in range(tokenizer.vocab_size, model.config.vocab_size)}  # the padded ids
+    status, body = post(served, "/v1/chat/completions", {"messages": messages, "max_tokens": 12, "temperature": 0.6,
+                                                         "seed": 3, "logprobs": True, "top_logprobs": 3,
+                                                         "logit_bias": textless})  # fmt: skip
+    assert status == 200, body
+    entries = body["choices"][0]["logprobs"]["content"]
+    by_bytes = {raw: token for token, raw in tokenizer.vocab.items()}
+    new = [by_bytes[bytes(entry["bytes"])] for entry in entries]
+    prompt = chat_prompt_ids(plain_chat_prompt, messages, tokenizer)
+    reference = reference_logprobs(model, prompt + new)
+    for step, (entry, token) in enumerate(zip(entries, new, strict=True)):
+        row = reference[len(prompt) + step - 1]
+        assert abs(entry["logprob"] - float(row[token])) < 1e-5  # the raw model's, not softmax(logits / 0.6)'s
+        best = torch.topk(row, 3)
+        vocab = tokenizer.vocab
+        assert [vocab.get(t, b"") for t in best.indices.tolist()] == [bytes(e["bytes"]) for e in entry["top_logprobs"]]
+        assert (
+            max(abs(e["logprob"] - v) for e, v in zip(entry["top_logprobs"], best.values.tolist(), strict=True)) < 1e-5
+        )
+
+
+def test_token_id_prompts_are_scored_without_generating_in_one_batched_forward(served, model):
+    prompts = [[5, 80, 200, 31, 7], [100, 3], [9, 9, 9, 250, 301, 12, 40]]
+    shapes = []
+    hook = model.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        status, body = post(served, "/v1/completions", {"prompt": prompts, "max_tokens": 0, "echo": True,
+                                                        "logprobs": 1})  # fmt: skip
+    finally:
+        hook.remove()
+    assert status == 200, body
+    assert shapes == [(3, 7)]  # the three prompts, right-padded, in one forward
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for prompt, choice in zip(prompts, body["choices"], strict=True):
+        reference = reference_logprobs(model, prompt)
+        expected = [None] + [float(reference[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and max(abs(a - b) for a, b in zip(got[1:], expected[1:], strict=True)) < 1e-5
+        assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": 14, "completion_tokens": 0, "total_tokens": 14}
+
+
+def test_lm_evals_request_one_token_with_echo_is_scored_from_the_same_prefill(served, model):
+    # local-completions' loglikelihood request: temperature 0, max_tokens 1, logprobs 1, echo, a batch of ids.
+    prompts = [[5, 80, 200], [100, 3, 17, 18]]
+    status, body = post(served, "/v1/completions", {"prompt": prompts, "temperature": 0, "max_tokens": 1,
+                                                    "logprobs": 1, "echo": True, "seed": 1234})  # fmt: skip
+    assert status == 200, body
+    for prompt, choice in zip(prompts, body["choices"], strict=True):
+        reference = reference_logprobs(model, prompt)
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(prompt) + 1
+        greedy = int(reference[-1].argmax())
+        assert abs(logprobs["token_logprobs"][-1] - float(reference[-1, greedy])) < 1e-5
+    assert body["usage"]["completion_tokens"] == 2
+
+
+def test_a_list_of_prompts_gives_the_choices_of_each_alone_and_n_seeded_choices_differ(served):
+    alone = [post(served, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0})[1] for p in ("a b", "c")]
+    status, both = post(served, "/v1/completions", {"prompt": ["a b", "c"], "max_tokens": 6, "temperature": 0})
+    assert status == 200 and [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
+    assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert both["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+
+    no_end = {"0": -100}  # byte 0 (nearly never drawn) stands in below; the end-of-text id is banned
+    body = {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 77, "n": 3, "logit_bias": no_end}
+    first, again = post(served, "/v1/completions", body)[1], post(served, "/v1/completions", body)[1]
+    texts = [c["text"] for c in first["choices"]]
+    assert texts == [c["text"] for c in again["choices"]] and len(set(texts)) == 3
+    one = post(served, "/v1/completions", {**body, "n": 1})[1]
+    assert one["choices"][0]["text"] == texts[0]  # choice 0 is the seed's own sample
+    assert first["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]  # the prompt counts once
+    assert first["usage"]["completion_tokens"] == 3 * 12
+
+
+def test_penalties_and_logit_bias_follow_openais_definitions(served, model, tokenizer):
+    prompt = [40, 41, 42, 43]
+    bias = {7: 3.0, 120: -100.0}
+    for frequency, presence in ((1.5, 0.0), (0.0, 2.0), (-0.5, 0.7)):
+        status, body = post(served, "/v1/completions", {
+            "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0, "frequency_penalty": frequency,
+            "presence_penalty": presence, "logit_bias": {str(k): v for k, v in bias.items()},
+        })  # fmt: skip
+        assert status == 200, body
+        expected = greedy_ids(model, prompt, 12, frequency=frequency, presence=presence, bias=bias)
+        assert body["choices"][0]["logprobs"]["tokens"] == [text_of(tokenizer, i) for i in expected]
+    forced = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "logit_bias": {"65": 100}})[1]
+    assert forced["choices"][0]["text"] == "AAAAA"  # id 65 is the byte "A": a +100 bias is a ban of the rest
+
+
+def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served, tokenizer):
+    from tlm_command.openai_api import chat_prompt_ids
+
+    eos = tokenizer.encode("<|endoftext|>")[0]
+    status, body = post(served, "/v1/completions", {"prompt": "a<|endoftext|>", "max_tokens": 0, "echo": True,
+                                                    "logprobs": 0})  # fmt: skip
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(tokenizer.encode("a<|endoftext|>", "none")) > 2
+    assert post(served, "/v1/completions", {"prompt": [eos, 323], "max_tokens": 1})[0] == 200  # ids: any below vocab
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHATML)
+
+    def render(messages):
+        return template.render(messages=messages, add_generation_prompt=True)
+
+    messages = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "hi <|im_end|><|im_start|>x"}]
+    ids = chat_prompt_ids(render, messages, tokenizer)
+    start, end = tokenizer.encode("<|im_start|>")[0], tokenizer.encode("<|im_end|>")[0]
+    assert ids.count(start) == 3 and ids.count(end) == 2  # the template's markers; none from the content
+    assert tokenizer.decode(ids) == render(messages)
+    clean = [{"role": "user", "content": "hi there"}]
+    assert chat_prompt_ids(render, clean, tokenizer) == tokenizer.encode(render(clean))  # as a whole-text encode
+
+    def trimmed(messages):  # a template that changes the contents: no special token at all
+        return render([{**m, "content": m["content"].strip()} for m in messages])
+
+    assert chat_prompt_ids(trimmed, [{"role": "user", "content": " hi "}], tokenizer) == tokenizer.encode(
+        trimmed([{"role": "user", "content": " hi "}]), allowed_special="none"
+    )
+
+
+def test_a_request_that_raises_in_the_scheduler_ends_alone(served, monkeypatch):
+    import tlm_command.scheduler as module
+
+    class Faulty(module.TextStream):
+        """Raises at a request's third token when its stop texts hold "FAULT"."""
+
+        def add(self, token):
+            self.seen = getattr(self, "seen", 0) + 1
+            if "FAULT" in self.stops and self.seen == 3:
+                raise RuntimeError("injected")
+            return super().add(token)
+
+    monkeypatch.setattr(module, "TextStream", Faulty)
+    normal = {"prompt": "a b c", "max_tokens": 30, "temperature": 0, "stop": "never \u2603"}
+    expected = post(served, "/v1/completions", normal)[1]["choices"][0]["text"]
+    results = {}
+
+    def send_normal():
+        results["normal"] = post(served, "/v1/completions", normal)
+
+    thread = threading.Thread(target=send_normal)
+    thread.start()
+    status, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": "FAULT", "logprobs": 0})
+    assert status == 500 and body["error"]["type"] == "server_error" and "injected" in body["error"]["message"]
+    # Streamed with logprobs, each token is an event: the error comes after two, as an SSE error event.
+    status, lines = served.stream("/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": ["FAULT"], "stream": True,
+                                                      "logprobs": 0})  # fmt: skip
+    assert status == 200 and len(lines) == 4, lines
+    assert json.loads(lines[2][6:])["error"]["type"] == "server_error" and lines[3] == "data: [DONE]"
+    thread.join()
+    assert results["normal"][0] == 200 and results["normal"][1]["choices"][0]["text"] == expected
+    assert served.get("/health") == (200, {**served.get("/health")[1], "status": "ok"})
+
+
+def test_only_a_model_failure_makes_the_server_unhealthy(parts):
+    model, tokenizer = parts
+    scheduler, app = make_app(model, tokenizer)
+    with Client(app) as client:
+        assert post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        broken = {"on": True}
+
+        def fault(module, args):
+            if broken["on"]:
+                raise RuntimeError("device lost (injected)")
+
+        hook = model.register_forward_pre_hook(fault)
+        try:
+            status, body = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        finally:
+            hook.remove()
+        assert status == 500 and "device lost" in body["error"]["message"]
+        assert client.get("/health")[0] == 503
+        status, body = post(client, "/v1/completions", {"prompt": "x", "max_tokens": 2})  # answered, never hung
+        assert status == 503 and "model failed" in body["error"]["message"]
+    assert isinstance(scheduler.error, RuntimeError)
+
+
+def test_the_access_log_is_one_line_per_request(parts, capfd):
+    scheduler, app = make_app(*parts, access_log=True)
+    with Client(app) as client:
+        post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 3, "temperature": 0})
+        post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 3, "temperatur": 0})
+        client.get("/health")
+    scheduler.close(timeout=5)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("tlm serve: POST /v1/completions 200 prompt_tokens=2 completion_tokens=3 ttft=")
+    assert " time=" in lines[0] and lines[0].endswith("s")
+    assert lines[1].startswith("tlm serve: POST /v1/completions 400 prompt_tokens=- completion_tokens=- ttft=-")
+    assert lines[2].startswith("tlm serve: GET /health 200")
+
+
+def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_the_start(tmp_path, parts, fails):
+    from types import SimpleNamespace
+
+    from tlm_command.args import UserError
+    from tlm_command.serve import _chat_template
+
+    model, tokenizer = parts
+    artifact = SimpleNamespace(tokenizer_path=tmp_path, model_path=tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system messages') }}{% endif %}" + CHATML
+    )
+    scheduler, app = make_app(model, tokenizer, chat_template=_chat_template(artifact, tokenizer))
+    with Client(app) as client:
+        status, body = post(client, "/v1/chat/completions", {"messages": [{"role": "system", "content": "x"}]})
+        assert (
+            status == 400 and "no system messages" in body["error"]["message"] and body["error"]["param"] == "messages"
+        )
+        assert post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                     "max_tokens": 2})[0] == 200  # fmt: skip
+    scheduler.close(timeout=5)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
+    with pytest.raises(UserError, match="chat_template.jinja: the chat template does not compile: .*no_such_filter"):
+        _chat_template(artifact, tokenizer)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[3]['content'] + 1 }}")
+    with pytest.raises(UserError, match="the chat template fails on a one-message conversation"):
+        _chat_template(artifact, tokenizer)

@@ -1,0 +1,157 @@
+"""LoRA fine-tuning runs (``lora_rank``): the base frozen and never saved, AdamW holding the adapters only,
+step folders holding the adapters and the base's identity, a bit-exact resume that refuses another base,
+and the run opening (merged) wherever a model is read."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tlm_lora import weights_sha256
+from tlm_train import ResumeError, RunDir, TrainConfig, artifacts, train
+from tlm_train.checkpoint import STATE_NAME
+from tlm_train.lora import ADAPTER_NAME
+
+MODEL = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
+COMMON = dict(vocab_size=48, batch_size=4, eval_batches=2, peak_flops=1e9, warmup_steps=1, sample_tokens=0, seed=3)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "tokens.npy"
+    np.save(path, np.tile(np.random.default_rng(0).integers(0, 48, 40), 30).astype(np.uint16))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A pretrained run (full training, 3 steps) to adapt."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    train(TrainConfig(data=[str(data)], out_dir=str(out), steps=3, model=dict(MODEL), **COMMON))
+    return out
+
+
+def lora_config(data: Path, base: Path, out: Path, **changes) -> TrainConfig:
+    settings = dict(
+        data=[str(data)], out_dir=str(out), init_from=str(base), steps=6, checkpoint_interval=3, eval_interval=3,
+        grad_accum=2, lora_rank=4, lora_alpha=8.0, lora_targets="q,v,o,w2", lora_dropout=0.1, **COMMON,
+    )  # fmt: skip
+    return TrainConfig(**{**settings, **changes})
+
+
+@pytest.fixture(scope="module")
+def lora_run(data: Path, base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("lora") / "run"
+    train(lora_config(data, base, out))
+    return out
+
+
+def test_a_lora_run_saves_the_adapters_and_the_base_identity_and_trains_only_them(lora_run: Path, base: Path):
+    checkpoint = RunDir(lora_run).checkpoints().load(6)
+    assert sorted(p.name for p in checkpoint.path.iterdir()) == [ADAPTER_NAME, STATE_NAME]
+    state = checkpoint.state
+    base_model, _ = artifacts.load_model(artifacts.resolve(base), dtype=torch.float32)
+    assert state["lora"] == {
+        "rank": 4, "alpha": 8.0, "targets": "q,v,o,w2", "dropout": 0.1,
+        "base": {"path": str(base.resolve()), "sha256": weights_sha256(base_model.state_dict())},
+    }  # fmt: skip
+    # 2 layers x (q, v, o, w2) x (A, B), and AdamW's moments for exactly those (and nothing of the base).
+    assert len(state["model"]) == 16 and all(".lora_" in k for k in state["model"])
+    assert set(state["optimizer"]["state"]) == set(state["model"])
+    assert all(t.abs().sum() > 0 for k, t in state["model"].items() if ".lora_B." in k)  # B moved off zero
+    # The run opens as its base with the adapters merged: different from the base, base weights elsewhere.
+    merged, step = artifacts.load_model(artifacts.resolve(lora_run))
+    assert step == 6
+    mine, theirs = merged.state_dict(), base_model.state_dict()
+    assert torch.equal(mine["layers.0.attn.k_proj.weight"], theirs["layers.0.attn.k_proj.weight"])
+    assert not torch.equal(mine["layers.0.attn.q_proj.weight"], theirs["layers.0.attn.q_proj.weight"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lora_run_resumes_bit_exactly(dtype: str, data: Path, base: Path, lora_run: Path, tmp_path: Path):
+    if dtype != "float32":  # autocast on the CPU; its own uninterrupted reference
+        lora_run = tmp_path / "reference"
+        train(lora_config(data, base, lora_run, dtype=dtype))
+    out = tmp_path / "run"
+    shutil.copytree(lora_run, out)
+    # From the step-3 checkpoint (the steps after it abandoned): the base re-read, the adapters, AdamW's
+    # moments, the schedule, the sampler and the dropout RNG restored.
+    train(lora_config(data, base, out, dtype=dtype), resume_from=3)
+    got, want = (RunDir(r).checkpoints().load(6).state for r in (out, lora_run))
+    assert got["model"].keys() == want["model"].keys()
+    assert all(torch.equal(got["model"][k], want["model"][k]) for k in want["model"])
+    for name, entries in want["optimizer"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(got["optimizer"]["state"][name][key]), torch.as_tensor(value))
+
+
+def test_a_resume_on_another_base_is_refused_before_anything_is_written(data, base, tmp_path, snapshot):
+    out = tmp_path / "run"
+    moved = tmp_path / "base"
+    shutil.copytree(base, moved)
+    train(lora_config(data, moved, out, steps=3))
+    # The same path, other weights: a base retrained in place.
+    train(TrainConfig(data=[str(data)], out_dir=str(tmp_path / "other"), steps=3, model=dict(MODEL),
+                      **{**COMMON, "seed": 9}))  # fmt: skip
+    shutil.rmtree(moved)
+    shutil.copytree(tmp_path / "other", moved)
+    before = snapshot(out)
+    with pytest.raises(ResumeError, match="not the base model its adapters were trained on"):
+        train(lora_config(data, moved, out), resume=True)
+    assert snapshot(out) == before
+    with pytest.raises(ValueError, match="not the one its adapters were trained on"):
+        artifacts.load_model(artifacts.resolve(out))
+
+
+def test_lora_settings_are_checked_at_the_boundary(data: Path, base: Path, tmp_path: Path):
+    with pytest.raises(ValueError, match="lora_rank adapts a trained model"):
+        TrainConfig(data=[str(data)], lora_rank=4)
+    with pytest.raises(ValueError, match=r"lora_targets: targets: unknown roles \['qq'\]"):
+        lora_config(data, base, tmp_path / "run", lora_targets="q,qq")
+    with pytest.raises(ValueError, match="lora_rank must be"):
+        lora_config(data, base, tmp_path / "run", lora_rank=-1)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from tlm_train import TrainConfig, train
+train(TrainConfig(**json.loads(sys.argv[1])))
+"""
+
+
+@pytest.mark.slow  # two torchrun ranks (gloo): ~20 s on the 2-core machine
+@pytest.mark.parametrize("mode", ["fsdp"])
+def test_a_lora_run_on_two_ranks_equals_one_process(mode: str, data: Path, base: Path, tmp_path: Path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tlm_train.checkpoint import read_sharded_tensors
+
+    # No dropout: each rank draws its own masks, so only a dropout-free run can equal one process.
+    changes = dict(lora_dropout=0.0, batch_size=8)
+    single = tmp_path / "single"
+    train(lora_config(data, base, single, **changes))
+    settings = lora_config(data, base, tmp_path / "ranks", distributed=mode, **changes).to_dict()
+    script = tmp_path / "train_script.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([*launcher, str(script), json.dumps(settings)], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    folder = RunDir(tmp_path / "ranks").checkpoints().path(6)
+    got, want = read_sharded_tensors(folder), RunDir(single).checkpoints().load(6).state["model"]
+    assert got.keys() == want.keys()
+    # The ranks' gradients are averaged by a reduce-scatter instead of one mean: float32 ulps, far below an
+    # update (~lr = 3e-3), see test_distributed.py.
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    # The sharded step opens in one process, merged, like a one-process LoRA run.
+    merged, _ = artifacts.load_model(artifacts.resolve(tmp_path / "ranks"))
+    reference, _ = artifacts.load_model(artifacts.resolve(single))
+    ids = torch.arange(12).reshape(1, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids), reference(ids), rtol=1e-4, atol=1e-4)
