@@ -27,7 +27,6 @@ TITLES = {
     "optim": "the optimizer and batches: tlm-optim vs torch.optim (`bench/optim.py`)",
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
     "lora": "LoRA against full fine-tuning: trainable parameters, AdamW state, step time (`bench/lora.py`)",
-
     "document_mask": "document masking's cost in a training step, per attention backend (`bench/document_mask.py`)",
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",

@@ -69,7 +69,7 @@ def test_peft_loads_the_exported_adapter_with_tlms_logits(lora_run: Path, export
         assert rel_err(from_peft(IDS), theirs) < 1e-5
 
 
-def test_commands_take_a_lora_run_and_a_peft_folder(lora_run: Path, exported: dict[str, Path], corpus, capsys):
+def test_commands_take_a_lora_run_and_a_peft_folder(run, lora_run, exported, corpus, capsys):
     losses = []
     for checkpoint in (lora_run, exported["peft"], exported["merged"]):
         argv = ["eval", "--checkpoint", str(checkpoint), "--data", str(corpus), "--max-tokens", "400", "--json"]
@@ -78,6 +78,9 @@ def test_commands_take_a_lora_run_and_a_peft_folder(lora_run: Path, exported: di
     assert losses[0] == pytest.approx(losses[1], rel=1e-5) and losses[0] == pytest.approx(losses[2], rel=1e-5)
     assert main(["info", "--checkpoint", str(exported["peft"]), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kind"] == "PEFT adapter folder"
+    assert main(["info", "--checkpoint", str(lora_run), "--json"]) == 0
+    lora = json.loads(capsys.readouterr().out)["lora"]
+    assert lora == {"rank": 4, "alpha": 8.0, "targets": ALL, "dropout": 0.0, "base": str(run.resolve())}
     # Greedy continuations agree between the run and its PEFT export, both read merged.
     texts = []
     for checkpoint in (lora_run, exported["peft"]):
@@ -116,3 +119,93 @@ def test_lora_rank_is_a_sweepable_setting(run: Path, corpus: Path, tmp_path: Pat
         state = RunDir(tmp_path / "sweep" / f"lora_rank={rank}").checkpoints().load(2).state
         assert state["lora"]["rank"] == rank
         assert state["model"]["layers.0.attn.q_proj.lora_A.default"].shape == (rank, 32)
+
+
+def test_an_adapter_peft_itself_saved_opens_with_peft_logits(exported: dict[str, Path], tmp_path: Path, record_error):
+    base = transformers.AutoModelForCausalLM.from_pretrained(exported["hf"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.1)
+    wrapped = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    wrapped.save_pretrained(tmp_path / "adapter")  # names the base by the path it was loaded from
+    ours, _ = artifacts.load_model(artifacts.resolve(tmp_path / "adapter"))
+    with torch.no_grad():
+        theirs, mine = wrapped.eval()(input_ids=IDS).logits, ours(IDS)
+    record_error("a PEFT-saved adapter read by tlm vs peft, logits", mine, theirs)
+    assert rel_err(mine, theirs) < 1e-5
+    # What tlm cannot reproduce is refused by name rather than loaded wrong.
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**saved, "use_dora": True}))
+    with pytest.raises(ValueError, match=r"PEFT options tlm does not reproduce: \['use_dora'\]"):
+        artifacts.load_model(artifacts.resolve(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda c: "[1, 2]", "holds a JSON list, not an adapter config"),
+        (lambda c: "{not json", "is not readable JSON"),
+        (lambda c: json.dumps({**c, "r": 0}), "r must be a positive int"),
+        (lambda c: json.dumps({**c, "target_modules": ["embed_tokens"]}), "['embed_tokens'] are not Llama projections"),
+        (lambda c: json.dumps({**c, "base_model_name_or_path": "nowhere"}), "its base model nowhere is not there"),
+    ],
+)
+def test_a_damaged_peft_folder_is_one_line_naming_it(exported, tmp_path, fails, change, words):
+    import shutil
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(exported["peft"], folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(change(config))
+    fails(["generate", "--checkpoint", str(folder), "--prompt-ids", "1 2", "--max-new-tokens", "1"], words)
+
+
+@pytest.mark.slow  # a chat base, a LoRA run and its resume, three exports: ~8 s on the 2-core machine
+def test_a_lora_chat_fine_tune_resumes_exports_and_serves_with_its_template(tmp_path: Path):
+    import shutil
+
+    from tlm_command.serve import _chat_template
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer.chat import ChatTemplate
+    from tlm_train import RunDir
+
+    conversation = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": " four"}]
+    records = [{"prompt": f"question {i} about cats", "completion": f"answer {i}: dogs"} for i in range(30)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*records, *[{"messages": conversation}] * 4]))
+    small = ["--data", str(data), "--batch-size", "4", "--eval-batches", "1", "--peak-flops", "1e9",
+             "--warmup-steps", "1", "--sample-tokens", "0", "--quiet"]  # fmt: skip
+    shape = ["--vocab-size", "300", "--context-length", "32", "--d-model", "32", "--num-layers", "1",
+             "--num-heads", "2", "--d-ff", "64"]  # fmt: skip
+    base, lora, resumed = tmp_path / "base", tmp_path / "lora", tmp_path / "resumed"
+    assert main(["train", *small, *shape, "--steps", "2", "--out-dir", str(base)]) == 0  # a chat model, markers in
+    tune = ["--init-from", str(base), "--steps", "4", "--checkpoint-interval", "2", "--lora-rank", "4",
+            "--lora-targets", "q,k,v,o,w1,w2,w3", "--lora-dropout", "0.1"]  # fmt: skip
+    assert main(["train", *small, *tune, "--out-dir", str(lora)]) == 0
+    shutil.copytree(lora, resumed)
+    assert main(["train", "--resume", str(resumed / "checkpoints" / "step_00000002"), "--quiet"]) == 0
+    got, want = (RunDir(r).checkpoints().load(4).state["model"] for r in (resumed, lora))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)  # bit-exact
+    for argv in (["--to-hf", str(base), "--out", str(tmp_path / "hf")],
+                 ["--to-peft", str(lora), "--out", str(tmp_path / "peft"), "--base", str(tmp_path / "hf")],
+                 ["--to-hf", str(lora), "--merge", "--out", str(tmp_path / "merged")]):  # fmt: skip
+        assert main(["convert", *argv]) == 0
+    wrapped = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), tmp_path / "peft"
+    ).eval()
+    ours, _ = artifacts.load_model(artifacts.resolve(lora))
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(ours(ids), wrapped(input_ids=ids).logits) < 1e-5
+    # The merged export's tokenizer applies the run's template as tlm does; tlm serve renders it for the LoRA
+    # run and for the PEFT folder (whose tokenizer is its base's).
+    tokenizer = Tokenizer.load(lora / "tokenizer")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    expected = list(hf_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False))
+    assert ChatTemplate(tokenizer, tokenizer.chat_template).encode(conversation).ids == expected
+    for checkpoint in (lora, tmp_path / "peft"):
+        artifact = artifacts.resolve(checkpoint)
+        render = _chat_template(artifact, artifacts.load_tokenizer(artifact))
+        assert render(conversation[:1]) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"

@@ -155,3 +155,34 @@ def test_a_lora_run_on_two_ranks_equals_one_process(mode: str, data: Path, base:
     ids = torch.arange(12).reshape(1, 12)
     with torch.no_grad():
         torch.testing.assert_close(merged(ids), reference(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow  # a tokenizer and four short runs: ~6 s on the 2-core machine
+def test_a_lora_chat_fine_tune_of_a_run_without_the_markers_trains_resumes_and_opens(tmp_path: Path):
+    import json
+
+    words = "the cat sat on a mat and then ran far away from every dog it saw".split()
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words * 200), encoding="utf-8")
+    shape = {"context_length": 32, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
+    base = tmp_path / "base"
+    settings = {**COMMON, "vocab_size": 290, "batch_size": 4}
+    train(TrainConfig(data=[str(text)], out_dir=str(base), steps=1, model=shape, **settings))
+    rng = np.random.default_rng(0)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words, 3)), "completion": " ".join(
+        rng.choice(words, 4))}) + "\n" for _ in range(40)), encoding="utf-8")  # fmt: skip
+    lora = dict(data=[str(chat)], init_from=str(base), steps=4, checkpoint_interval=2, eval_interval=2,
+                lora_rank=2, lora_targets="q,v,lm_head", lora_dropout=0.1, **settings)  # fmt: skip
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(TrainConfig(out_dir=str(whole), **lora))
+    shutil.copytree(whole, resumed)
+    train(RunDir(resumed).read_config(out_dir=str(resumed)), resume_from=2)  # as tlm train --resume reads it
+    got, want = (RunDir(r).checkpoints().load(4).state["model"] for r in (resumed, whole))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    # The markers grew the vocabulary (mean rows, frozen); the run opens grown, the adapters merged.
+    model, _ = artifacts.load_model(artifacts.resolve(whole))
+    base_model, _ = artifacts.load_model(artifacts.resolve(base))
+    assert model.config.vocab_size == base_model.config.vocab_size + 2
+    old = base_model.token_embeddings.weight
+    torch.testing.assert_close(model.token_embeddings.weight[-2:], old.mean(0).expand(2, -1), rtol=0, atol=1e-6)

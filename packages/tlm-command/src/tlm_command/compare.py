@@ -226,7 +226,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     parser.add_argument(
         "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default {UNSTABLE_ABOVE})",
+        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
     )  # fmt: skip
     parser.add_argument(
         "--baseline",

@@ -161,6 +161,13 @@ def _to_peft(args: argparse.Namespace) -> int:
             f"--to-peft {args.to_peft} is a tlm {artifact.describe()} with no LoRA adapters (see --lora-rank)"
         )
     folder, state = found
+    base_vocab = artifacts.model_config(artifacts.resolve(state["lora"]["base"]["path"])).vocab_size
+    if state["model_config"]["vocab_size"] != base_vocab:
+        raise UserError(
+            f"--to-peft {args.to_peft}: its vocabulary grew from the base's {base_vocab} to "
+            f"{state['model_config']['vocab_size']} ids (a chat template's markers), which a PEFT adapter of the "
+            "base cannot carry; export the merged model with --to-hf --merge"
+        )
     model = load_lora_step(folder, state, dtype=torch.float32, merge=False)
     adapters = to_hf_lora_state_dict(lora_state_dict(model), model.config)
     base = os.path.abspath(args.base if args.base is not None else state["lora"]["base"]["path"])

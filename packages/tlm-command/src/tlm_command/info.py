@@ -74,6 +74,13 @@ def _artifact(args: argparse.Namespace) -> int:
         described["steps"] = ", ".join(map(str, steps)) if not args.json else steps
     if artifact.kind not in ("hf", "peft"):
         described["step"] = artifacts.model_file(artifact)[1]
+    if (found := artifacts.lora_step(artifact)) is not None:  # a LoRA run: adapters over a named base
+        lora = found[1]["lora"]
+        described["lora"] = (
+            {k: v for k, v in lora.items() if k != "base"} | {"base": lora["base"]["path"]}
+            if args.json
+            else f"rank {lora['rank']}, alpha {lora['alpha']:g} on {lora['targets']}, base {lora['base']['path']}"
+        )
     described["tokenizer"] = str(artifact.tokenizer_path) if artifact.tokenizer_path is not None else None
     described.update(describe(artifacts.model_config(artifact)))
     _print(described, args.json)

@@ -32,6 +32,8 @@ COMMON = ("out_dir", "data", "tokenizer", "vocab_size", "preset", "steps", "batc
 #: of that step when the disk took one (``--logger-errors warn``: it trains on without that logger instead). The
 #: others: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed).
 LOGGER_FAILED = 74
+#: The metavar of a number flag by its type (a field's ``metavar`` metadata wins).
+_METAVARS: dict[Any, str] = {int: "N", float: "X"}
 #: Model fields with no flag: the vocabulary is the tokenizer's.
 _NO_FLAG = ("vocab_size",)
 
@@ -90,9 +92,8 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
         choices = field.metadata.get("choices")
-        metavar = (
-            None if choices else field.metadata.get("metavar", "FILE" if field.name == "data" else field.name.upper())
-        )
+        # A number's metavar is its kind (N, X), so most flags fit their help on the same line; others name it.
+        metavar = None if choices else field.metadata.get("metavar", _METAVARS.get(kind, field.name.upper()))
         parser.add_argument(flag, type=kind, nargs="+" if is_list else None, metavar=metavar, choices=choices, **common)
 
 

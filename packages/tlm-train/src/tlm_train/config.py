@@ -53,19 +53,23 @@ class TrainConfig:
     # Output.
     out_dir: str = field(
         default="runs/default",
-        metadata={"help": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/"},
+        metadata={
+            "metavar": "DIR",
+            "help": "the run folder: train.toml, tokenizer/, data/, metrics.jsonl, loss.png, checkpoints/",
+        },
     )
     # Data.
     data: list[str] = field(
         default_factory=list,
         metadata={
+            "metavar": "FILE",
             "help": "text or JSON Lines files (.txt, .jsonl; either may end in .gz or .zst), encoded with the run's "
             "tokenizer, or one token-id file (.npy, or raw .bin/.u16/.u32 with token_dtype)",
             "shown": "Python's own pydoc topics, no download",
         },
     )
     text_field: str = field(
-        default="text", metadata={"help": "the field of each JSON Lines record that holds its text"}
+        default="text", metadata={"metavar": "NAME", "help": "the field of each JSON Lines record that holds its text"}
     )
     token_dtype: str = field(
         default="uint16", metadata={"help": "the id type of a raw token file", "choices": TOKEN_DTYPES}
@@ -82,14 +86,16 @@ class TrainConfig:
         },
     )
     tokenizer: str | None = field(
-        default=None, metadata={"help": "a tokenizer folder to use instead of training one", "shown": "train one"}
+        default=None,
+        metadata={"metavar": "DIR", "help": "a tokenizer folder to use instead of training one", "shown": "train one"},
     )
     vocab_size: int = field(
         default=1024,
         metadata={"help": "vocabulary of the tokenizer to train (or the id range of a token file)"},
     )
     special_tokens: list[str] = field(
-        default_factory=lambda: ["<|endoftext|>"], metadata={"help": "special tokens of the tokenizer to train"}
+        default_factory=lambda: ["<|endoftext|>"],
+        metadata={"metavar": "TOKEN", "help": "special tokens of the tokenizer to train"},
     )
     # Packed documents, chat data and validation data (issue 32).
     document_mask: bool = field(
@@ -110,6 +116,7 @@ class TrainConfig:
     chat_template: str | None = field(
         default=None,
         metadata={
+            "metavar": "FILE",
             "help": "chat data: a Jinja chat template file (as transformers reads one) instead of the default",
             "shown": "ChatML, its markers added to the tokenizer as special tokens",
         },
@@ -117,7 +124,8 @@ class TrainConfig:
     val_data: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "validation files of any --data kind, instead of holding out --val-fraction of --data",
+            "metavar": "FILE",
+            "help": "validation files of any --data kind",
             "shown": "the last --val-fraction of --data",
         },
     )
@@ -132,13 +140,14 @@ class TrainConfig:
     init_from: str | None = field(
         default=None,
         metadata={
+            "metavar": "PATH",
             "help": "fine-tune: start from this run, checkpoint or HF Llama folder (its weights, shape and tokenizer)",
             "shown": "random weights",
         },
     )
     lora_rank: int = field(
         default=0,
-        metadata={"help": "train only LoRA adapters of this rank on the frozen --init-from (0: off)", "metavar": "R"},
+        metadata={"help": "LoRA adapters' rank (0: full fine-tuning)", "metavar": "R"},
     )
     lora_alpha: float | None = field(
         default=None, metadata={"help": "LoRA updates are B·A·(alpha/rank)", "shown": "the rank", "metavar": "A"}
@@ -233,8 +242,10 @@ class TrainConfig:
         },
     )
     # The sample printed at the end.
-    sample_prompt: str = field(default="The ", metadata={"help": "the prompt of the sample printed at the end"})
-    sample_tokens: int = field(default=64, metadata={"help": "tokens of the sample printed at the end (0: none)"})
+    sample_prompt: str = field(
+        default="The ", metadata={"metavar": "TEXT", "help": "the prompt of the sample at the end"}
+    )
+    sample_tokens: int = field(default=64, metadata={"help": "tokens sampled at the end (0: none)"})
     sample_temperature: float = field(default=0.8, metadata={"help": "temperature of the sample printed at the end"})
 
     def __post_init__(self) -> None:

@@ -122,8 +122,11 @@ def load_lora_step(
         from tlm_train.checkpoint import read_sharded_tensors
 
         adapters = read_sharded_tensors(folder)
-    model = TransformerLM(ModelConfig.from_dict(state["model_config"]), fused=False, **options)
-    model.load_state_dict(base.state_dict())
+    from tlm_train.recipe import grown
+
+    config = ModelConfig.from_dict(state["model_config"])
+    model = TransformerLM(config, **{**options, "fused": False})  # unfused, as training built it
+    model.load_state_dict(grown(base.state_dict(), config.vocab_size))  # a chat run's markers, as in training
     adapt(model, lora)
     load_named_adapters(model, adapters, str(folder))
     if merge:
@@ -171,7 +174,9 @@ def _peft_config(folder: Path) -> dict[str, Any]:
         config = json.loads((folder / PEFT_CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise ValueError(f"{folder / PEFT_CONFIG} is not readable JSON ({err})") from None
-    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / PEFT_CONFIG} holds a JSON {type(config).__name__}, not an adapter config")
+    if config.get("peft_type") != "LORA":
         raise ValueError(f"{folder / PEFT_CONFIG}: not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     return config
 
@@ -188,6 +193,10 @@ def peft_settings(folder: Path) -> dict[str, Any]:
         "alpha_pattern": bool(config.get("alpha_pattern")),
         "modules_to_save": bool(config.get("modules_to_save")),
         "layers_to_transform": config.get("layers_to_transform") is not None,
+        "lora_bias": bool(config.get("lora_bias")),
+        "trainable_token_indices": bool(config.get("trainable_token_indices")),
+        "layer_replication": bool(config.get("layer_replication")),
+        "target_parameters": bool(config.get("target_parameters")),
     }
     if unsupported := [key for key, on in used.items() if on]:
         raise ValueError(f"{folder / PEFT_CONFIG}: PEFT options tlm does not reproduce: {unsupported}")
@@ -196,9 +205,13 @@ def peft_settings(folder: Path) -> dict[str, Any]:
     roles = {peft: role for role, peft in PEFT_MODULE_OF_ROLE.items()}
     if unknown := [n for n in names if n not in roles]:
         raise ValueError(f"{folder / PEFT_CONFIG}: target_modules {unknown} are not Llama projections tlm adapts")
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if type(rank) is not int or rank < 1 or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{folder / PEFT_CONFIG}: r must be a positive int and lora_alpha a number, got {rank!r}, "
+                         f"{alpha!r}")  # fmt: skip
     return {
-        "rank": int(config["r"]),
-        "alpha": float(config.get("lora_alpha", config["r"])),
+        "rank": rank,
+        "alpha": float(alpha),
         "targets": ",".join(roles[n] for n in names),
         "dropout": float(config.get("lora_dropout", 0.0)),
     }
@@ -219,7 +232,7 @@ def load_peft(
 
     lora = peft_settings(folder)
     base = load_base(str(peft_base_path(folder)), expect_sha256=None, what=str(folder))
-    model = TransformerLM(base.config, fused=False, **options)
+    model = TransformerLM(base.config, **{**options, "fused": False})
     model.load_state_dict(base.state_dict())
     adapt(model, lora)
     load_lora_state_dict(model, from_hf_lora_state_dict(load_file(folder / PEFT_WEIGHTS), base.config))

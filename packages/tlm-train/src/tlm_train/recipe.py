@@ -182,7 +182,7 @@ class Recipe:
 
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
-            self.model.load_state_dict(_grown(source.state_dict(), self.model_config.vocab_size))
+            self.model.load_state_dict(grown(source.state_dict(), self.model_config.vocab_size))
         self.lora: dict[str, Any] | None = None
         if config.lora_rank:
             self.lora = self._adapt(cast(TransformerLM, source))
@@ -361,7 +361,9 @@ class Recipe:
                 "would change the embedding too); leave lm_head out"
             )
         lora = settings(config)
-        sha256 = weights_sha256(self.model.state_dict())  # as loaded: float32, on this device
+        # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
+        # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
+        sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
@@ -688,7 +690,7 @@ class Recipe:
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
 
 
-def _grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+def grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
     """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
     old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
     grown = dict(weights)
