@@ -301,12 +301,14 @@ def test_the_event_folder_and_file_are_made_as_open_and_mkdir_make_them_and_a_fa
     pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
     from tlm_train import loggers
 
-    before = os.umask(0)
+    before, descriptors = os.umask(0), len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
     try:
         logger = loggers.TensorBoardLogger(tmp_path)
         logger.close()
     finally:
         os.umask(before)
+    if descriptors:  # the folder's descriptor is closed once the file is made, the file's at close()
+        assert len(os.listdir("/proc/self/fd")) == descriptors
     (event_file,) = (tmp_path / TENSORBOARD_DIR).iterdir()
     assert oct((tmp_path / TENSORBOARD_DIR).stat().st_mode & 0o7777) == oct(0o777)
     assert oct(event_file.stat().st_mode & 0o7777) == oct(0o666)
@@ -322,3 +324,36 @@ def test_the_event_folder_and_file_are_made_as_open_and_mkdir_make_them_and_a_fa
     with pytest.raises(OSError, match="No space left on device"):  # a disk full from the start: the run refuses
         loggers.TensorBoardLogger(tmp_path / "full")
     assert opened[0].file.closed
+
+
+def test_when_several_backends_fail_at_once_the_first_is_named_and_every_failed_one_leaves() -> None:
+    from tlm_train.loggers import LoggerError, Loggers
+
+    class Failing:
+        def __init__(self, error):
+            self.error, self.closed = error, False
+
+        def log(self, record):
+            raise self.error
+
+        def close(self):
+            self.closed = True
+            raise OSError("closing fails too")
+
+    class Kept:
+        def __init__(self):
+            self.records = []
+
+        def log(self, record):
+            self.records.append(record)
+
+        def close(self):
+            pass
+
+    first, second, kept = Failing(OSError(28, "No space left on device")), Failing(PermissionError("no")), Kept()
+    loggers = Loggers([first, kept, second], ["disk", "kept", "other"])
+    with pytest.raises(LoggerError, match=r"^the disk logger failed: OSError: \[Errno 28\] No space left on device$"):
+        loggers.log({"step": 1})
+    assert first.closed and second.closed and loggers.names == ["kept"] and loggers.backends == [kept]
+    loggers.log({"step": 2})
+    assert kept.records == [{"step": 1}, {"step": 2}]
