@@ -19,7 +19,20 @@ from collections.abc import Callable
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "benchmarks.md"
-ORDER = ["model", "gqa", "tokenizer", "optim", "train", "bf16", "lora", "document_mask", "checkpoint", "serve", "gpu"]
+ORDER = [
+    "model",
+    "gqa",
+    "tokenizer",
+    "optim",
+    "train",
+    "bf16",
+    "lora",
+    "document_mask",
+    "checkpoint",
+    "checkpoint_stall",
+    "serve",
+    "gpu",
+]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
     "gqa": "grouped-query decoding: tlm vs HF transformers at Llama-3.2-1B's attention shape (`bench/gqa.py`)",
@@ -31,6 +44,7 @@ TITLES = {
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
     "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",
+    "checkpoint_stall": "a checkpoint's stall and memory, inline vs background (`bench/checkpoint_stall.py`)",
     "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (

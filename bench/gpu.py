@@ -48,12 +48,16 @@ for src in sorted((ROOT / "packages").glob("*/src")):
         sys.path.insert(0, str(src))
 sys.path.insert(0, str(ROOT / "bench"))
 
+# What `tlm train` (deterministic=True, the default) sets before CUDA is touched; here before torch is imported,
+# so every part (the resume's bit-exactness above all) runs as a training run does.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 # The benchmark before the runs whose deterministic=True switches deterministic algorithms on for the process.
-PARTS = ["census", "chunk", "bench", "nan", "resume", "tests"]
+PARTS = ["census", "chunk", "bench", "nan", "resume", "tests", "stall"]
 
 
 def _pythonpath() -> str:
@@ -142,8 +146,14 @@ def part_census(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str,
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             name = func.overloadpacket.__name__
             if name in gemms or "scaled_dot_product" in name:
+                # Attention's operands are (batch, heads, seq, head_dim); its float32 softmax statistics (3-D, or
+                # cuDNN's (batch, heads, seq, 1)) are none.
                 rank = 4 if "scaled_dot_product" in name else 2
-                leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.ndim >= rank]
+                leaves = [
+                    t
+                    for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and t.ndim >= rank and (rank == 2 or t.shape[-1] > 1)
+                ]
                 dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in leaves if t.is_floating_point()})
                 key = f"{name} {'/'.join(dtypes)}"
                 self.rows[key] = self.rows.get(key, 0) + 1
@@ -414,6 +424,20 @@ def part_nan(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, An
     return result
 
 
+def part_stall(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    """bench/checkpoint_stall.py on this device: the step after a save, inline vs the background writer."""
+    target = out / "stall.json"
+    preset = "tiny" if dry else "gpt2-small"
+    cmd = [sys.executable, str(ROOT / "bench" / "checkpoint_stall.py"), "--device", str(device), "--preset", preset,
+           "--print-only", "--json", str(target)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400, check=False)
+    if done.returncode or not target.exists():
+        return {"ok": False, "error": done.stderr[-1500:]}
+    result = json.loads(target.read_text())
+    return {"ok": True, "preset": preset, **result}
+
+
 # --------------------------------------------------------------------------------------- report
 
 
@@ -432,6 +456,8 @@ def render(report: dict[str, Any]) -> str:
         if name in parts:
             p = parts[name]
             verdict = "pass" if p.get("ok") else ("error: " + p["error"][:120] if "error" in p else "FAIL")
+            if "skipped" in p:
+                verdict = "skipped: " + p["skipped"]
             lines.append(f"| {name} | {verdict} | {p.get('part_seconds', 0):.0f} |")
     bench = parts.get("bench", {})
     if bench.get("rows"):
@@ -481,6 +507,15 @@ def render(report: dict[str, Any]) -> str:
             f"{nan['steps_run']} steps; state equals the step-7 checkpoint: {nan['state_equals_step_7_checkpoint']}; "
             f"CUDA context alive: {nan['cuda_alive']}"
         )
+    stall = parts.get("stall", {})
+    if stall.get("rows"):
+        lines.append(
+            f"- checkpoint stall on this device ({stall['preset']} preset, batch 2): "
+            + "; ".join(
+                f"{mode}: step {r['step_s']:.3f} s, after a save {', '.join(f'{t:.3f}' for t in r['after_save_s'])} s"
+                for mode, r in stall["rows"].items()
+            )
+        )
     tests = parts.get("tests", {})
     if "passed" in tests:
         lines.append(
@@ -490,7 +525,7 @@ def render(report: dict[str, Any]) -> str:
         )
     census = parts.get("census", {})
     if "calls" in census:
-        lines.append(f"- dtype census of a bf16 step on CUDA: {census['calls']}")
+        lines.append(f"- dtype census of a bf16 step on this device: {census['calls']}")
     return "\n".join(lines) + "\n"
 
 
@@ -500,6 +535,12 @@ def main() -> int:
     parser.add_argument("--skip", default="", help="comma-separated parts to leave out: " + ",".join(PARTS))
     parser.add_argument("--only", default="", help="comma-separated parts to run (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="every part on the CPU at toy sizes")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=420.0,
+        help="seconds after which the parts not yet begun are skipped (default 420: within 8 min)",
+    )
     args = parser.parse_args()
     out = args.out or pathlib.Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     out.mkdir(parents=True, exist_ok=True)
@@ -521,10 +562,13 @@ def main() -> int:
     began = time.perf_counter()
     functions: dict[str, Callable[..., dict[str, Any]]] = {
         "tests": part_tests, "census": part_census, "chunk": part_chunk, "bench": part_bench,
-        "resume": part_resume, "nan": part_nan,
+        "resume": part_resume, "nan": part_nan, "stall": part_stall,
     }  # fmt: skip
     for name in chosen:
         start = time.perf_counter()
+        if start - began > args.budget:
+            report["parts"][name] = {"ok": True, "skipped": f"not begun: {start - began:.0f} s had passed (--budget)"}
+            continue
         print(f"== {name} ...", flush=True)
         try:
             result = functions[name](device, args.dry_run, out)

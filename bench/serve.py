@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from _common import cpu_description, load_average, write_section
@@ -69,6 +70,7 @@ class _Server:
         )  # fmt: skip
         line = self.process.stderr.readline()
         self.port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        threading.Thread(target=self.process.stderr.read, daemon=True).start()  # the access log: never a full pipe
         for _ in range(600):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).read()
@@ -121,6 +123,49 @@ def _clients(server: _Server, clients: int, requests: list[str], max_tokens: int
         thread.join()
     wall = time.perf_counter() - start
     return _summary(results, wall, f"{clients} client{'s' if clients > 1 else ''}")
+
+
+def _health_under_big_requests(server: _Server, context: int, longest_token: int) -> dict:
+    """The worst and median time /health takes while big requests are parsed, tokenized or refused, one kind at a
+    time: a text prompt of the most characters the context can hold (tokenized, then refused if too long), a body
+    of token ids just under --max-body (parsed, refused for the context), and a body over it (refused unread)."""
+    from tlm_command.openai_api import MAX_BODY
+
+    text = "word " * (context * longest_token // 5)
+    ids_under = json.dumps({"prompt": [7] * ((MAX_BODY - 100) // 3), "max_tokens": 1}).encode()
+    ids_over = json.dumps({"prompt": [7] * 2_500_000, "max_tokens": 1}).encode()
+    bodies = {"maximal text prompt": json.dumps({"prompt": text, "max_tokens": 1}).encode(),
+              "token ids under --max-body": ids_under, "token ids over --max-body": ids_over}  # fmt: skip
+    rows = {}
+    for label, body in bodies.items():
+        latencies: list[float] = []
+        done = threading.Event()
+
+        def poll(done: threading.Event = done, latencies: list[float] = latencies) -> None:
+            while not done.is_set():
+                start = time.perf_counter()
+                urllib.request.urlopen(f"http://127.0.0.1:{server.port}/health", timeout=60).read()
+                latencies.append(time.perf_counter() - start)
+                time.sleep(0.002)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        statuses = []
+        for _ in range(10):
+            request = urllib.request.Request(f"http://127.0.0.1:{server.port}/v1/completions", data=body,
+                                             headers={"Content-Type": "application/json"})  # fmt: skip
+            try:
+                with urllib.request.urlopen(request, timeout=600) as response:
+                    statuses.append(response.status)
+            except urllib.error.HTTPError as err:
+                statuses.append(err.code)
+            except OSError:
+                statuses.append(-1)  # the server answered 413 and closed before the body was all sent
+        done.set()
+        poller.join()
+        rows[label] = {"bytes": len(body), "statuses": sorted(set(statuses)), "health_max_ms": 1000 * max(latencies),
+                       "health_p50_ms": 1000 * _percentile(latencies, 0.5), "polls": len(latencies)}  # fmt: skip
+    return rows
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -205,6 +250,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2, help="requests each client sends")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, 16 tokens, no doc written")
+    parser.add_argument("--health", action="store_true", help="only /health's latency under big requests")
     args = parser.parse_args()
     import torch
 
@@ -215,6 +261,17 @@ def main() -> None:
         out = pathlib.Path(tmp)
         folder = _model_folder(out)
         server = _Server(folder, max_batch=max(counts))
+        if args.health:
+            from tlm_model import ModelConfig
+            from tlm_tokenizer import Tokenizer
+
+            longest = max(map(len, Tokenizer.load(folder / "tokenizer").vocab.values()))
+            try:
+                print(json.dumps(_health_under_big_requests(server, ModelConfig.from_preset("course-tinystories")
+                                                            .context_length, longest), indent=1))  # fmt: skip
+            finally:
+                server.stop()
+            return
         try:
             server.stream(PROMPTS[0], 4)  # warm-up
             per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]

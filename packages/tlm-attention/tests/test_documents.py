@@ -60,8 +60,9 @@ def test_document_ids_with_a_kv_cache_are_refused():
         attn(torch.randn(1, 3, 32), kv_cache=cache, document_ids=torch.zeros(1, 3, dtype=torch.long))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["every-block", "future-blocks-skipped"])
 @pytest.mark.parametrize("block_size", [2, 3, 16])
-def test_blockwise_applies_a_mask_block_by_block_equal_to_torch(block_size):
+def test_blockwise_applies_a_mask_block_by_block_equal_to_torch(block_size, causal):
     import torch.nn.functional as F
 
     from tlm_attention import blockwise_attention
@@ -69,7 +70,8 @@ def test_blockwise_applies_a_mask_block_by_block_equal_to_torch(block_size):
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 9, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     mask = document_mask(document_ids(TOKENS, EOT))
-    got = blockwise_attention(q, k, v, causal=False, block_size=block_size, mask=mask)
+    # A document mask lies within the causal one: skipping future blocks (causal=True) changes nothing.
+    got = blockwise_attention(q, k, v, causal=causal, block_size=block_size, mask=mask)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
     grads = torch.autograd.grad(got.square().sum(), (q, k, v))

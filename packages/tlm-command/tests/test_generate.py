@@ -181,3 +181,18 @@ def test_missing_damaged_and_foreign_checkpoints_are_one_line(tmp_path, fails):
     data[-1] ^= 0x10
     (tmp_path / "m" / "model.safetensors").write_bytes(bytes(data))
     fails(["generate", "--checkpoint", str(tmp_path / "m"), *argv], "model.safetensors is corrupt")
+
+
+def test_allowed_special_none_keeps_special_token_text_as_text(run, capsys):
+    from tlm_tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(run / "tokenizer")
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "a<|endoftext|>", "--max-new-tokens", "1", "--quiet",
+            "--json", "--temperature", "0"]  # fmt: skip
+    assert main(argv) == 0  # today's default: the text is the special token
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == tokenizer.encode(
+        "a<|endoftext|>", allowed_special="all"
+    )
+    assert main([*argv, "--allowed-special", "none"]) == 0
+    ids = json.loads(capsys.readouterr().out)["prompt_ids"]
+    assert ids == tokenizer.encode("a<|endoftext|>", allowed_special="none") and len(ids) > 2

@@ -243,14 +243,14 @@ def test_lm_evals_request_one_token_with_echo_is_scored_from_the_same_prefill(se
     assert body["usage"]["completion_tokens"] == 2
 
 
-def test_a_list_of_prompts_gives_the_choices_of_each_alone_and_n_seeded_choices_differ(served):
+def test_a_list_of_prompts_gives_the_choices_of_each_alone_and_n_seeded_choices_differ(served, tokenizer):
     alone = [post(served, "/v1/completions", {"prompt": p, "max_tokens": 6, "temperature": 0})[1] for p in ("a b", "c")]
     status, both = post(served, "/v1/completions", {"prompt": ["a b", "c"], "max_tokens": 6, "temperature": 0})
     assert status == 200 and [c["text"] for c in both["choices"]] == [a["choices"][0]["text"] for a in alone]
     assert both["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert both["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
 
-    no_end = {"0": -100}  # byte 0 (nearly never drawn) stands in below; the end-of-text id is banned
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}  # every choice runs to max_tokens
     body = {"prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 77, "n": 3, "logit_bias": no_end}
     first, again = post(served, "/v1/completions", body)[1], post(served, "/v1/completions", body)[1]
     texts = [c["text"] for c in first["choices"]]
@@ -274,6 +274,60 @@ def test_penalties_and_logit_bias_follow_openais_definitions(served, model, toke
         assert body["choices"][0]["logprobs"]["tokens"] == [text_of(tokenizer, i) for i in expected]
     forced = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "logit_bias": {"65": 100}})[1]
     assert forced["choices"][0]["text"] == "AAAAA"  # id 65 is the byte "A": a +100 bias is a ban of the rest
+
+
+def test_streamed_choices_carry_the_same_text_and_scores_as_the_whole_answer(served, tokenizer):
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    body = {"prompt": ["a b", "The"], "max_tokens": 7, "n": 2, "seed": 5, "echo": True, "logprobs": 2,
+            "logit_bias": no_end}  # fmt: skip
+    whole = post(served, "/v1/completions", body)[1]
+    status, lines = served.stream("/v1/completions", {**body, "stream": True})
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    for choice in whole["choices"]:
+        parts = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        assert "".join(p["text"] for p in parts) == choice["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert [x for p in parts if p["logprobs"] for x in p["logprobs"][key]] == choice["logprobs"][key], key
+        assert parts[-1]["finish_reason"] == choice["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == whole["usage"]  # the last choice's last chunk counts every choice
+
+    messages = [{"role": "user", "content": "hi"}]
+    chat = {"messages": messages, "max_tokens": 6, "seed": 2, "logprobs": True, "top_logprobs": 2, "logit_bias": no_end}
+    whole = post(served, "/v1/chat/completions", chat)[1]["choices"][0]
+    status, lines = served.stream("/v1/chat/completions", {**chat, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
+    assert "".join(d["delta"].get("content", "") for d in deltas) == whole["message"]["content"]
+    assert [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]] == whole["logprobs"]["content"]
+
+
+def test_per_row_temperature_and_top_p_draw_what_tlm_models_sampler_draws(served, model, tokenizer):
+    from tlm_model import sample_next_token
+
+    prompt = [40, 41, 42, 43]
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100.0}
+    bodies = [{"prompt": prompt, "max_tokens": 10, "temperature": t, "top_p": p, "seed": 11, "logprobs": 0,
+               "logit_bias": no_end} for t, p in ((0.8, 0.5), (1.3, 0.9), (0.5, 1.0))]  # fmt: skip
+    results = [None] * len(bodies)
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, post(served, "/v1/completions", bodies[i])))
+        for i in range(len(bodies))
+    ]  # fmt: skip  (together: one batch, each row its own parameters)
+    [thread.start() for thread in threads]
+    [thread.join() for thread in threads]
+    for body, (status, answer) in zip(bodies, results, strict=True):
+        assert status == 200, answer
+        generator = torch.Generator().manual_seed(11)
+        ids = list(prompt)
+        for _ in range(10):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids]))[0, -1].float()
+            logits[int(next(iter(no_end)))] -= 100.0
+            top_p = body["top_p"] if body["top_p"] < 1 else None
+            ids.append(
+                int(sample_next_token(logits, temperature=body["temperature"], top_p=top_p, generator=generator))
+            )
+        assert answer["choices"][0]["logprobs"]["tokens"] == [text_of(tokenizer, i) for i in ids[len(prompt) :]]
 
 
 def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served, tokenizer):
@@ -308,7 +362,7 @@ def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served,
     )
 
 
-def test_a_request_that_raises_in_the_scheduler_ends_alone(served, monkeypatch):
+def test_a_request_that_raises_in_the_scheduler_ends_alone(served, tokenizer, monkeypatch):
     import tlm_command.scheduler as module
 
     class Faulty(module.TextStream):
@@ -330,16 +384,19 @@ def test_a_request_that_raises_in_the_scheduler_ends_alone(served, monkeypatch):
 
     thread = threading.Thread(target=send_normal)
     thread.start()
-    status, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": "FAULT", "logprobs": 0})
+    # Greedy and never the end of text: it reaches its third token.
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    faulty = {"prompt": "x", "max_tokens": 5, "stop": ["FAULT"], "logprobs": 0, "temperature": 0, "logit_bias": no_end}
+    status, body = post(served, "/v1/completions", faulty)
     assert status == 500 and body["error"]["type"] == "server_error" and "injected" in body["error"]["message"]
     # Streamed with logprobs, each token is an event: the error comes after two, as an SSE error event.
-    status, lines = served.stream("/v1/completions", {"prompt": "x", "max_tokens": 5, "stop": ["FAULT"], "stream": True,
-                                                      "logprobs": 0})  # fmt: skip
+    status, lines = served.stream("/v1/completions", {**faulty, "stream": True})
     assert status == 200 and len(lines) == 4, lines
     assert json.loads(lines[2][6:])["error"]["type"] == "server_error" and lines[3] == "data: [DONE]"
     thread.join()
     assert results["normal"][0] == 200 and results["normal"][1]["choices"][0]["text"] == expected
-    assert served.get("/health") == (200, {**served.get("/health")[1], "status": "ok"})
+    status, health = served.get("/health")  # one reading: two could see a finishing request's row apart
+    assert status == 200 and health["status"] == "ok"
 
 
 def test_only_a_model_failure_makes_the_server_unhealthy(parts):
@@ -372,7 +429,7 @@ def test_the_access_log_is_one_line_per_request(parts, capfd):
         post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 3, "temperatur": 0})
         client.get("/health")
     scheduler.close(timeout=5)
-    lines = capfd.readouterr().err.splitlines()
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tlm serve: ")]
     assert len(lines) == 3, lines
     assert lines[0].startswith("tlm serve: POST /v1/completions 200 prompt_tokens=2 completion_tokens=3 ttft=")
     assert " time=" in lines[0] and lines[0].endswith("s")
@@ -380,7 +437,7 @@ def test_the_access_log_is_one_line_per_request(parts, capfd):
     assert lines[2].startswith("tlm serve: GET /health 200")
 
 
-def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_the_start(tmp_path, parts, fails):
+def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_the_start(tmp_path, parts):
     from types import SimpleNamespace
 
     from tlm_command.args import UserError
@@ -406,3 +463,40 @@ def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_t
     (tmp_path / "chat_template.jinja").write_text("{{ messages[3]['content'] + 1 }}")
     with pytest.raises(UserError, match="the chat template fails on a one-message conversation"):
         _chat_template(artifact, tokenizer)
+
+
+def test_a_chat_template_that_does_not_compile_stops_tlm_serve_in_one_line(tmp_path, parts, fails):
+    from tlm_model import save_model_file
+
+    model, tokenizer = parts
+    save_model_file(model, tmp_path / "model")
+    tokenizer.save(tmp_path / "model" / "tokenizer")
+    (tmp_path / "model" / "tokenizer" / "chat_template.jinja").write_text("{{ messages | no_such_filter }}")
+    fails(["serve", "--checkpoint", str(tmp_path / "model"), "--port", "0"], "chat_template.jinja: the chat template "
+          "does not compile", "no_such_filter")  # fmt: skip
+
+
+def test_a_chat_models_turn_ends_at_im_end(parts):
+    # tlm serve's stops for a tokenizer with the ChatML markers: a forced <|im_end|> ends the answer there.
+    from tlm_command.openai_api import create_app
+    from tlm_command.scheduler import Scheduler
+    from tlm_command.serve import stop_tokens
+
+    model, tokenizer = parts
+    stops = stop_tokens(tokenizer)
+    assert stops == ["<|endoftext|>", "<|im_end|>"]
+    end = tokenizer.encode("<|im_end|>")[0]
+    scheduler = Scheduler(model, tokenizer, max_batch=2, max_queue=2, eos_ids=[tokenizer.encode(s)[0] for s in stops],
+                          device=torch.device("cpu"))  # fmt: skip
+    app = create_app(scheduler, tokenizer, model_name="tiny", context_length=CONTEXT, default_stops=stops,
+                     vocab_size=model.config.vocab_size)  # fmt: skip
+    try:
+        with Client(app) as client:
+            status, body = client.post("/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "logit_bias": {str(end): 100},
+            })  # fmt: skip
+    finally:
+        scheduler.close(timeout=5)
+    assert status == 200, body
+    assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 1

@@ -415,3 +415,53 @@ def test_open_input_refuses_what_is_not_a_regular_file_without_blocking(tmp_path
     with open_input(regular, "--flag") as handle:
         os.replace(fifo, regular)  # what the name now says does not matter: the checked handle is read
         assert handle.read() == b"abc" and os.get_blocking(handle.fileno())
+
+
+def test_the_bytes_are_in_the_file_when_it_is_fsynced(tmp_path, monkeypatch):
+    # fsync makes durable what the kernel has: Python's buffer must be flushed into the file first.
+    sizes, real = [], os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            sizes.append(os.fstat(fd).st_size)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write(tmp_path / "t", b"x" * 100)  # far below the buffer's size: only a flush writes it
+    assert sizes == [100]
+
+
+def test_a_file_system_that_cannot_exchange_falls_back_to_two_renames(tmp_path, monkeypatch):
+    # renameat2 answering EINVAL (a file system without RENAME_EXCHANGE) must not be taken for a swap.
+    import ctypes
+    import errno
+
+    class Libc:
+        @staticmethod
+        def renameat2(*args):
+            return -1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: Libc())
+    monkeypatch.setattr(ctypes, "get_errno", lambda: errno.EINVAL)
+    target = tmp_path / "d"
+    replace_dir(target, _version(1))
+    replace_dir(target, _version(2))
+    assert read_dir_files(target, ["a", "b", "c"]) == {name: b"2\n" * 1000 for name in "abc"}
+    assert os.listdir(tmp_path) == ["d"]
+
+
+def test_a_rename_that_fails_for_another_reason_than_a_race_is_raised_at_once(tmp_path, monkeypatch):
+    import errno
+
+    target, real, calls = tmp_path / "d", os.rename, []
+
+    def rename(src, dst):
+        calls.append(dst)
+        if Path(dst) == target:
+            raise PermissionError(errno.EACCES, "Permission denied", str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        replace_dir(target, _version(1))
+    assert calls == [target] and os.listdir(tmp_path) == []  # one try, and the new folder is cleaned up

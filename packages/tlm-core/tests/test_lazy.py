@@ -16,13 +16,14 @@ def package(tmp_path, monkeypatch):
             """
             from tlm_core.lazy import lazy_exports
 
-            lazy_exports(__name__, {"run": "lazypkg.run", "Thing": "lazypkg.things"})
+            lazy_exports(__name__, {"run": "lazypkg.run", "Thing": "lazypkg.things", "gone": "lazypkg.gone"})
             """
         )
     )
     (root / "run.py").write_text("def run():\n    return 'ran'\n")
     (root / "things.py").write_text("import json\n\nclass Thing:\n    pass\n")
     (root / "helper.py").write_text("def helper():\n    return 'helped'\n")  # named like a function, not exported
+    (root / "gone.py").write_text("x = 1\n")  # named as the home of an export it does not define
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "lazypkg"
     for name in [m for m in sys.modules if m == "lazypkg" or m.startswith("lazypkg.")]:
@@ -67,3 +68,8 @@ def test_a_submodule_that_is_not_its_names_home_is_bound_as_the_module(package):
     assert lazypkg.Thing is lazypkg.things.Thing  # the export still loads from its home
     lazypkg.run = "set by hand"  # a plain assignment is kept as given
     assert lazypkg.run == "set by hand"
+
+
+def test_a_home_that_lacks_its_export_is_bound_as_the_module_and_the_import_succeeds(package):
+    importlib.import_module(f"{package}.gone")  # no error while the import system binds it
+    assert importlib.import_module(package).gone is sys.modules["lazypkg.gone"]

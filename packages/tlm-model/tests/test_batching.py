@@ -70,3 +70,16 @@ def test_a_full_batch_and_bad_prompts_are_refused():
     with pytest.raises(ValueError, match=r"row must be in \[0, 0\], got 1"):
         batch.remove(1)
     assert batch.remove(0) is None and len(batch) == 0
+
+
+def test_every_position_gives_the_prompts_logits_from_the_same_prefill():
+    torch.manual_seed(0)
+    model = TransformerLM(CFG).eval()
+    prompt = torch.randint(0, CFG.vocab_size, (9,), generator=torch.Generator().manual_seed(2))
+    scored, plain = DecodeBatch(model, 2), DecodeBatch(model, 2)
+    every = scored.add(prompt, every_position=True)
+    with torch.no_grad():
+        torch.testing.assert_close(every, model(prompt.unsqueeze(0))[0], rtol=0, atol=1e-5)  # cache-free reference
+    torch.testing.assert_close(every[-1], plain.add(prompt), rtol=0, atol=0)
+    token = torch.tensor([3])
+    torch.testing.assert_close(scored.step(token), plain.step(token), rtol=0, atol=0)  # the same row was cached

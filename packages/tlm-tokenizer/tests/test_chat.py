@@ -83,8 +83,11 @@ def test_the_template_round_trips_through_the_folder_and_pickle(gpt2_chat):
 @pytest.mark.parametrize(
     ("template", "message"),
     [
-        ("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", "changes the messages' contents"),
-        ("{% for m in messages %}{{ m['role'] }}{% endfor %}", "does not write message 0's content"),
+        (
+            "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
+            "not write the messages' contents as they are",
+        ),
+        ("{% for m in messages %}{{ m['role'] }}{% endfor %}", "not write the messages' contents as they are"),
         ("{% for m in messages %", "not valid Jinja"),
         ("{{ raise_exception('no system messages') }}", "refused the conversation: no system messages"),
     ],

@@ -145,3 +145,19 @@ def test_a_resumed_chat_run_is_bit_identical_and_keeps_its_chat_settings(tmp_pat
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="--train-on 'all' differs from the run's 'completion'"):
         train(config("resumed", 6, train_on="all"), resume=True)
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [(None, "no such file"), ("{% for m in messages %", "not valid Jinja")],
+    ids=["missing", "bad"],
+)
+def test_a_chat_template_that_cannot_be_used_is_refused_before_anything_is_written(
+    tmp_path, make_config, chat_file, template, message
+):
+    path = tmp_path / "t.jinja"
+    if template is not None:
+        path.write_text(template, encoding="utf-8")
+    with pytest.raises((FileNotFoundError, ValueError), match=f"--chat-template {path}: .*{message}"):
+        train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(path)))
+    assert not (tmp_path / "run").exists()

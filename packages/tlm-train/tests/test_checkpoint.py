@@ -9,8 +9,17 @@ import pytest
 import torch
 from torch import nn
 
+from tlm_model import ModelConfig, TransformerLM, load_model_file
 from tlm_optim import AdamW, CosineSchedule
-from tlm_train import capture_state, load_checkpoint, read_checkpoint, restore_state, rng_state, save_checkpoint
+from tlm_train import (
+    CheckpointManager,
+    capture_state,
+    load_checkpoint,
+    read_checkpoint,
+    restore_state,
+    rng_state,
+    save_checkpoint,
+)
 
 
 def _trained(seed=0):
@@ -569,6 +578,20 @@ if info.world_size > 1:
 opt = AdamW(model.parameters())
 manager = CheckpointManager(sys.argv[1], keep=2)
 step = int(sys.argv[2])
+if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's one-process saves: a writer thread
+    from tlm_train.checkpoint import BackgroundSaver
+    saver, first = BackgroundSaver(), step + 1
+    while True:
+        step += 1
+        with torch.no_grad():  # the next step's weights, written over the live tensors while step - 1 is saved
+            for p in model.parameters():
+                p.fill_(step)
+        saver.wait()
+        if step > first:
+            print(step - 1, flush=True)
+        manager.remove_leftovers()
+        manager.prune()
+        saver.submit(manager, model, capture_state(model, opt, step=step))
 while True:
     step += 1
     with torch.no_grad():
@@ -628,7 +651,10 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
 
 
 @pytest.mark.slow  # real processes killed mid-save
-def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, forked):
+@pytest.mark.parametrize("mode", ["inline", "background"])  # background: BackgroundSaver's writer thread
+def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_path, forked, mode):
+    # In the background mode the weights are overwritten with the next step's while a save is written, so a
+    # folder holding anything but its own step's values would also show a snapshot that was not one.
     import random
     import signal
     import time
@@ -637,7 +663,7 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
 
     rng, done = random.Random(7), 0
     for _ in range(4):
-        child = forked(SAVER, str(tmp_path), str(done), wait=False)
+        child = forked(SAVER, str(tmp_path), str(done), mode, wait=False)
         try:
             done = int(child.stdout.readline())
             time.sleep(rng.uniform(0.0, 0.5))
@@ -652,3 +678,40 @@ def test_sigkill_during_step_folder_saves_leaves_the_previous_complete_step(tmp_
     manager = CheckpointManager(tmp_path, keep=2)
     manager.remove_leftovers()
     assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))
+
+
+def test_a_staged_state_is_a_snapshot_that_keeps_tied_tensors_tied():
+    from tlm_train.checkpoint import stage_state
+
+    weight = torch.arange(6.0).reshape(2, 3)
+    state = {"model": {"a": weight, "tied": weight}, "optimizer": {"state": [{"exp_avg": torch.ones(2)}]}, "step": 3}
+    staged, event = stage_state(state)
+    weight.add_(100)  # training goes on after the snapshot
+    state["optimizer"]["state"][0]["exp_avg"].zero_()
+    assert event is None  # nothing to wait for on a CPU
+    assert torch.equal(staged["model"]["a"], torch.arange(6.0).reshape(2, 3))
+    assert staged["model"]["a"] is staged["model"]["tied"]
+    assert torch.equal(staged["optimizer"]["state"][0]["exp_avg"], torch.ones(2)) and staged["step"] == 3
+
+
+def test_a_background_save_writes_the_same_folder_and_raises_its_error_at_the_next_wait(tmp_path):
+    from tlm_train.checkpoint import BackgroundSaver
+
+    model = TransformerLM(ModelConfig(64, 8, 16, 1, 2, 32), fused=False)
+    opt = AdamW(model.parameters())
+    saver = BackgroundSaver()
+    folder = saver.submit(CheckpointManager(tmp_path / "a"), model, capture_state(model, opt, step=1))
+    CheckpointManager(tmp_path / "b").save(model, capture_state(model, opt, step=1))
+    saver.wait()
+    other = tmp_path / "b" / folder.name
+    # train_state.pt is byte-for-byte the same; model.safetensors's metadata order is the library's (it varies
+    # from save to save), so its tensors and config are compared.
+    assert (folder / "train_state.pt").read_bytes() == (other / "train_state.pt").read_bytes()
+    got, want = load_model_file(folder), load_model_file(other)
+    assert got.config == want.config
+    assert all(torch.equal(a, b) for a, b in zip(got.state_dict().values(), want.state_dict().values(), strict=True))
+    (tmp_path / "c").write_text("a file where the checkpoints folder should be")
+    saver.submit(CheckpointManager(tmp_path / "c"), model, capture_state(model, opt, step=2))
+    with pytest.raises(FileExistsError):
+        saver.wait()
+    saver.wait()  # the error was raised once

@@ -1,5 +1,7 @@
 """A run's data: the default corpus, text encoded once into RUN/data, token files checked."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -88,3 +90,107 @@ def test_only_the_main_rank_writes_the_given_tokenizer_into_the_run(tmp_path, to
     data = prepare_data(TrainConfig(data=[str(tokens)]), run, tokenizer=tokenizer, is_main=is_main)
     assert data.tokenizer is tokenizer and data.vocab_size == 256
     assert run.has_tokenizer() == is_main
+
+
+def test_without_max_data_bytes_the_corpus_may_take_half_the_free_disk(tmp_path, monkeypatch) -> None:
+    import shutil
+    from collections import namedtuple
+
+    text = tmp_path / "t.txt"
+    text.write_text("x" * 1000, encoding="utf-8")
+    usage = namedtuple("usage", "total used free")
+    seen = []
+
+    def disk_usage(path):
+        seen.append(str(path))
+        return usage(10**12, 0, 1999)  # 1,999 bytes free: half, rounded down, is 999 < 1,000
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"t\.txt: the corpus passed --max-data-bytes 999 "):
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+    assert seen == [str(run.path)]  # the run folder's disk, where the corpus is written
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 2000))
+    with pytest.raises(ValueError, match="--data holds 1 tokens"):  # 1,000 bytes fit; too few tokens is next
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path), vocab_size=300), run)
+
+
+def _chat_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    records = [{"prompt": f"question {i}", "completion": f"answer {i}"} for i in range(6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_an_unreadable_chat_template_is_one_error_naming_it(tmp_path) -> None:
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), chat_template=str(tmp_path / "no"))
+    with pytest.raises(ValueError, match=rf"^--chat-template {tmp_path / 'no'}: cannot read it \("):
+        prepare_data(config, run, context_length=32)
+
+
+def test_a_given_tokenizer_gains_the_chat_markers_and_keeps_the_template(tmp_path) -> None:
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE
+
+    given = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path))
+    prepare_data(config, run, tokenizer=given, context_length=32)
+    saved = run.tokenizer()
+    assert saved.chat_template == CHATML_TEMPLATE  # what generate and serve render chats with
+    assert saved.special_tokens == ["<|endoftext|>", *CHAT_MARKERS] and saved.vocab_size == 257 + len(CHAT_MARKERS)
+
+
+def test_a_tokenizer_trained_on_chat_data_has_the_chat_markers_as_special_tokens(tmp_path) -> None:
+    from tlm_tokenizer.chat import CHAT_MARKERS
+
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), vocab_size=300)
+    prepare_data(config, run, context_length=32)
+    assert run.tokenizer().special_tokens == ["<|endoftext|>", *CHAT_MARKERS]
+
+
+def test_a_full_disk_while_the_data_is_written_is_one_error_naming_the_run_folder(tmp_path, monkeypatch) -> None:
+    import errno
+
+    import tlm_train.data as data_module
+
+    real = data_module.create_new
+
+    class Full:
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data_module, "create_new", lambda path: Full(real(path)))
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 100, encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"^--out-dir {run.path}: the disk filled while the run's data was written "):
+        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+    assert [p.name for p in run.path.iterdir()] == []  # the partial corpus is removed
+
+
+def test_validation_text_and_chat_data_are_bounded_by_max_data_bytes_too(tmp_path) -> None:
+    text, held_out = tmp_path / "t.txt", tmp_path / "v.txt"
+    text.write_text(default_corpus()[:20_000], encoding="utf-8")
+    held_out.write_text("x" * 30_000, encoding="utf-8")
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(data=[str(text)], val_data=[str(held_out)], out_dir=str(run.path), vocab_size=300,
+                         max_data_bytes=25_000)  # fmt: skip
+    with pytest.raises(ValueError, match=rf"^--val-data {held_out}: the corpus passed --max-data-bytes 25,000 "):
+        prepare_data(config, run)
+    run = RunDir(tmp_path / "chat-run")
+    chat = _chat_file(tmp_path)
+    with pytest.raises(ValueError, match=rf"^--data {chat}: the corpus passed --max-data-bytes 100 "):
+        prepare_data(TrainConfig(data=[str(chat)], out_dir=str(run.path), max_data_bytes=100), run, context_length=32)
+    assert not (run.path / "data").exists() and not (run.path / "tokenizer").exists()

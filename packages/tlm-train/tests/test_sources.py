@@ -250,6 +250,7 @@ def test_a_record_that_decompresses_to_2_gb_is_refused_holding_no_more_than_the_
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    assert MAX_RECORD_BYTES == 64 * 2**20  # the limit the README documents
     assert str(info.value) == (
         f"--data {path} line 3: a record over {MAX_RECORD_BYTES:,} bytes, the most one JSON Lines record may hold "
         "(tlm_train.sources.MAX_RECORD_BYTES); split it into several records"
@@ -292,3 +293,76 @@ def test_a_run_refuses_data_past_max_data_bytes_before_writing_its_data(tmp_path
     with pytest.raises(ValueError, match=r"c\.jsonl: the corpus passed --max-data-bytes 10 "):
         prepare_data(config, run)
     assert [p.name for p in run.path.iterdir()] == []  # no data, no tokenizer, no temporary corpus
+
+
+def test_chat_data_is_read_through_the_same_checked_bounded_reader(tmp_path):
+    from tlm_train.chat_data import conversations, is_chat_file
+    from tlm_train.sources import MAX_RECORD_BYTES
+
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path = tmp_path / "chat.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\n" + json.dumps(chat).encode() + b"\n"))  # compressed, a blank line first
+    assert is_chat_file(path) and [n for n, _ in conversations(path)] == [2]
+
+    bomb = tmp_path / "bomb.jsonl.gz"
+    _gzip_bomb(bomb, 2 * MAX_RECORD_BYTES, prefix=json.dumps(chat).encode() + b'\n{"messages": "')
+    assert is_chat_file(bomb)  # the first record decides; the second is the bomb
+    with pytest.raises(ValueError, match=rf"^--data {bomb} line 2: a record over {MAX_RECORD_BYTES:,} bytes"):
+        list(conversations(bomb))
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(gzip.compress(json.dumps(chat).encode() * 50)[:-30])
+    with pytest.raises(ValueError, match=rf"^--data {cut}: truncated gzip data"):
+        list(conversations(cut))
+
+
+def test_json_lines_gives_each_line_without_its_newline_and_refuses_json_nested_too_deeply(tmp_path):
+    import io
+
+    from tlm_train.sources import json_lines
+
+    data = b'{"text": "a"}\n\n  \n{"text": "b"}\r\nlast'
+    assert list(json_lines("x", io.BytesIO(data))) == [(1, '{"text": "a"}'), (2, ""), (3, "  "), (4, '{"text": "b"}\r'),
+                                                       (5, "last")]  # fmt: skip
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "ok"}\n{"text": ' + "[" * 100_000 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"deep\.jsonl line 2: not JSON \(nested too deeply\)"):
+        list(documents(path))
+
+
+def test_a_decompressed_stream_read_whole_is_the_whole_data(files):
+    from tlm_train.sources import open_binary
+
+    for kind in ("jsonl.gz", "jsonl.zst"):
+        with open_binary(files[kind]) as stream:
+            assert stream.read() == _jsonl(DOCS)
+
+
+def _frame(descriptor: int, did: int, fcs: int, checksum: bool) -> bytes:
+    """A Zstandard frame made by hand (RFC 8878 3.1.1): the header fields the descriptor announces, then one
+    raw block holding b"hello" that is also the last, then the 4-byte checksum when announced."""
+    single = descriptor >> 5 & 1
+    header = bytes([descriptor]) + (b"" if single else b"\x00")  # window descriptor: a 1 KB window
+    header += did.to_bytes((0, 1, 2, 4)[descriptor & 3], "little")
+    size = (single, 2, 4, 8)[descriptor >> 6]
+    header += fcs.to_bytes(size, "little") if size else b""
+    block = (1 | 0 << 1 | 5 << 3).to_bytes(3, "little") + b"hello"  # last, raw, 5 bytes
+    return b"\x28\xb5\x2f\xfd" + header + block + (b"\0\0\0\0" if checksum else b"")
+
+
+@pytest.mark.parametrize("did_flag", [0, 1, 2, 3])
+@pytest.mark.parametrize("fcs_flag", [0, 1, 2, 3])
+@pytest.mark.parametrize("single", [0, 1])
+def test_every_zstandard_frame_header_layout_is_walked_and_each_truncation_found(tmp_path, did_flag, fcs_flag, single):
+    import io
+
+    from tlm_train.sources import _zstd_check
+
+    descriptor = fcs_flag << 6 | single << 5 | did_flag
+    fcs = 5 if fcs_flag != 1 else 0  # the 2-byte field holds the size less 256: 5 is not representable
+    frame = _frame(descriptor, did=7 if did_flag else 0, fcs=fcs, checksum=False)
+    _zstd_check(io.BytesIO(frame), "x")  # the whole frame: no complaint
+    if did_flag == 0 and fcs_flag != 1:  # what zstandard itself decodes (no dictionary, the true content size)
+        assert zstandard.ZstdDecompressor().stream_reader(io.BytesIO(frame)).read() == b"hello"
+    for end in range(4, len(frame)):  # past the magic: a shorter file is "not Zstandard data"
+        with pytest.raises(ValueError, match="truncated Zstandard data"):
+            _zstd_check(io.BytesIO(frame[:end]), "x")

@@ -225,3 +225,15 @@ def test_a_non_finite_step_is_skipped_on_the_device_and_stops_where_the_loop_rea
     _assert_identical(model.state_dict(), weights)
     _assert_identical(optimizer.state_dict(), state)
     _assert_identical(scheduler.state_dict(), schedule)
+
+
+def test_an_optimizer_without_found_inf_is_stopped_before_its_step() -> None:
+    # torch.optim.SGD cannot skip on the device: the step reads the flag and raises, weights and state untouched.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(LanguageModelLoss(model), optimizer, [_batch(2, 0)], guard=NonFiniteGuard("cpu"))
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(NonFiniteLossError, match="training loss is nan"):
+        train_step(_Poisoned(model, {1}), optimizer, [_batch(2, 1)], guard=NonFiniteGuard("cpu"))
+    _assert_identical(model.state_dict(), weights)
+    _assert_identical(optimizer.state_dict(), state)

@@ -62,3 +62,13 @@ def test_bad_validation_files_are_refused(tmp_path, make_config, val, message):
     (tmp_path / "held.txt").write_text("text", encoding="utf-8")
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         train(make_config(val_data=[str(tmp_path / val)]))
+
+
+def test_a_validation_token_file_changed_before_a_resume_is_refused(tmp_path, make_config):
+    held = tmp_path / "held.npy"
+    np.save(held, np.arange(200, dtype=np.uint16) % 32)
+    config = make_config(val_data=[str(held)], steps=1)
+    train(config)
+    np.save(held, np.arange(200, dtype=np.uint16) % 31)
+    with pytest.raises(ValueError, match=r"--val-data .*held.npy changed since the run started"):
+        train(config.replace(steps=2), resume=True)

@@ -22,6 +22,7 @@ __all__ = [
     "document_mask",
     "document_positions",
     "head_layout",
+    "masked_attention_backend",
     "register_attention_backend",
     "resolve_attention_backend",
     "scaled_dot_product_attention",
@@ -30,7 +31,7 @@ __all__ = [
 
 _BACKENDS = ("ATTENTION_BACKENDS", "BACKENDS", "causal_attention", "register_attention_backend")
 _HOMES = {
-    **dict.fromkeys((*_BACKENDS, "resolve_attention_backend"), "tlm_attention.backends"),
+    **dict.fromkeys((*_BACKENDS, "masked_attention_backend", "resolve_attention_backend"), "tlm_attention.backends"),
     "blockwise_attention": "tlm_attention.blockwise",
     **dict.fromkeys(("document_ids", "document_mask", "document_positions"), "tlm_attention.documents"),
     "head_layout": "tlm_attention.heads",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
         ATTENTION_BACKENDS,
         BACKENDS,
         causal_attention,
+        masked_attention_backend,
         register_attention_backend,
         resolve_attention_backend,
     )

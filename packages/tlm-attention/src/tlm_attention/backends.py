@@ -58,16 +58,19 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = N
     return rearrange(out, "... kv_heads group seq d -> ... (kv_heads group) seq d")
 
 
-def blockwise_causal_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+def blockwise_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, *, causal_mask: bool = False
+) -> Tensor:
     """Online softmax over key blocks in plain PyTorch: O(seq) memory, future blocks skipped.
 
     With a ``mask`` over as many queries as keys (a packed window's document mask) the mask replaces the
-    causal one block by block, so memory stays O(seq) but every key block is visited (nothing says the mask
-    is causal without reading it). With a mask over a few queries (decoding rows of different lengths) the
-    scores are small and computed whole by :func:`scaled_dot_product_attention`."""
+    causal one block by block, so memory stays O(seq); every key block is visited unless ``causal_mask``
+    says the mask is within the causal one (as a document mask is), when future blocks are skipped too.
+    With a mask over a few queries (decoding rows of different lengths) the scores are small and computed
+    whole by :func:`scaled_dot_product_attention`."""
     groups = _kv_groups(q, k, v)
     if mask is not None and q.shape[-2] == k.shape[-2]:
-        return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=False, mask=mask)
+        return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=causal_mask, mask=mask)
     if mask is not None:
         return scaled_dot_product_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), mask)
     return blockwise_attention(q, repeat_kv(k, groups), repeat_kv(v, groups), causal=True)
@@ -133,6 +136,16 @@ def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool =
     if name in _REGISTRY:
         raise ValueError(f"attention backend {name!r} is already registered")
     _REGISTRY[name] = fn if grouped_kv else _RepeatKV(fn)
+
+
+def _blockwise_within_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    return blockwise_causal_attention(q, k, v, mask, causal_mask=True)
+
+
+def masked_attention_backend(name: str) -> AttentionFn:
+    """The implementation of registered backend ``name`` for a ``mask`` known to lie within the causal one (a
+    document mask): the registered entry itself, except tlm's blockwise, which can then skip future blocks."""
+    return _blockwise_within_causal if name == "blockwise" else _REGISTRY[name]
 
 
 def resolve_attention_backend(name: object, device: torch.device | str | None = None) -> str:

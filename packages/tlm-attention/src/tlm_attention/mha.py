@@ -7,7 +7,7 @@ from einops import rearrange
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_attention.backends import ATTENTION_BACKENDS, resolve_attention_backend
+from tlm_attention.backends import ATTENTION_BACKENDS, masked_attention_backend, resolve_attention_backend
 from tlm_attention.documents import document_mask
 from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import KVCache
@@ -150,7 +150,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
         elif document_ids is not None:
             # Causal within each document: every backend takes the mask in place of the causal one.
-            out = self._attention_fn(q, k, v, mask=document_mask(document_ids))
+            out = masked_attention_backend(self._backend)(q, k, v, mask=document_mask(document_ids))
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)

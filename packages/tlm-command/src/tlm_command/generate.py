@@ -44,6 +44,11 @@ def add_parser(commands: Any) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", metavar="TEXT", help="the prompt as text (needs a tokenizer)")
     prompt.add_argument("--prompt-ids", metavar='"ID ID ..."', help="the prompt's token ids")
+    parser.add_argument(
+        "--allowed-special", choices=["all", "none"], default="all",
+        help="which special-token text in --prompt becomes special tokens (tiktoken's allowed_special; default "
+        "all; none: the text is text, as tlm serve encodes what clients send)",
+    )  # fmt: skip
     parser.add_argument("--max-new-tokens", type=positive_int, default=100, metavar="N", help="new tokens at most")
     parser.add_argument("--temperature", type=temperature, default=1.0, help="0 decodes greedily")
     parser.add_argument("--top-k", type=positive_int, default=None, metavar="K", help="sample from the K likeliest")
@@ -174,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 "--prompt needs a tokenizer: this checkpoint has none; give --tokenizer DIR or --prompt-ids"
             )
-        prompt = tokenizer.encode(args.prompt)
+        prompt = tokenizer.encode(args.prompt, allowed_special=args.allowed_special)
         if not prompt:
             raise UserError("--prompt is empty; give some text")
     else:

@@ -32,7 +32,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -47,8 +47,9 @@ from tlm_command.scheduler import Request as Job
 
 #: How long a client is told to wait before retrying a full or closing server (the Retry-After header).
 RETRY_AFTER_S = 1
-#: The request body's bytes at most (``tlm serve --max-body``): 2 MiB parse in tens of milliseconds.
-MAX_BODY = 2 << 20
+#: The request body's bytes at most (``tlm serve --max-body``). JSON parsing holds the GIL, so it bounds how long a
+#: request can keep /health waiting: 1 MiB of token ids (~400k) parses in about 40 ms; a 128k-token prompt fits.
+MAX_BODY = 1 << 20
 #: ``torch.Generator.manual_seed``'s range: a seed outside it is refused (400), never raised in the scheduler.
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -150,55 +151,28 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
                     tokenizer: Any) -> list[int]:  # fmt: skip
     """The ids of ``render(messages)`` in which only the template's own text may hold special tokens.
 
-    The template is rendered twice: with each message's content replaced by a random mark, which shows where the
-    template's own text lies, and with the contents. When the second is the first with the marks replaced by the
-    contents (the template puts contents in verbatim), special tokens are matched in the template's text only and
-    the rest is encoded as text, so the ids are ``tokenizer.encode(text)``'s except that no content becomes a
-    special token. A template that changes contents (trims them, say) gets its whole text encoded with no special
-    token at all.
+    Where the contents lie comes from a second render with a random mark for each
+    (:func:`tlm_tokenizer.chat.locate_contents`); special tokens are then matched in the template's text only and
+    the rest is encoded as text (:func:`tlm_tokenizer.chat.encode_pieces`, what training encodes with), so the ids
+    are ``tokenizer.encode(text)``'s except that no content becomes a special token. A template that changes
+    contents (trims them, say) gets its whole text encoded with no special token at all.
     """
+    from tlm_tokenizer.chat import encode_pieces, locate_contents
+
     try:
-        text = render(messages)
-        nonce = uuid.uuid4().hex
-        marks = [f"\x00{nonce}{i}\x00" for i in range(len(messages))]
-        marked = render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
+        text, contents = locate_contents(render, messages)
     except Exception as err:
         raise TemplateError(f"{type(err).__name__}: {err}") from err
-    spans: list[tuple[int, int]] = []  # the template's own text, as spans of `text`
-    rebuilt, position = [], 0
-    for mark, message in zip(marks, messages, strict=True):
-        at = marked.find(mark, position)
-        if at < 0:
-            return tokenizer.encode(text, allowed_special="none")
-        start = sum(map(len, rebuilt))
-        rebuilt.append(marked[position:at])
-        spans.append((start, start + at - position))
-        rebuilt.append(message["content"])
-        position = at + len(mark)
-    start = sum(map(len, rebuilt))
-    rebuilt.append(marked[position:])
-    spans.append((start, start + len(marked) - position))
-    if "".join(rebuilt) != text or any(mark in marked[position:] for mark in marks):
+    if contents is None:
         return tokenizer.encode(text, allowed_special="none")
-    specials = tokenizer.special_tokens
-    if not specials:
-        return tokenizer.encode(text, allowed_special="none")
-    pattern = re.compile("|".join(map(re.escape, sorted(specials, key=lambda s: (-len(s), s)))))
-    ids: list[int] = []
-    done = 0
-    for found in pattern.finditer(text):
-        if any(a <= found.start() and found.end() <= b for a, b in spans):
-            ids += tokenizer.encode(text[done : found.start()], allowed_special="none")
-            ids += tokenizer.encode(found.group(), allowed_special={found.group()})
-            done = found.end()
-    return ids + tokenizer.encode(text[done:], allowed_special="none")
+    return [token for _, ids in encode_pieces(tokenizer, text, contents) for token in ids]
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
 
 
 def _validation_error(err: ValidationError) -> APIError:
-    first = err.errors()[0] if err.errors() else {}
+    first: dict[str, Any] = dict(err.errors()[0]) if err.errors() else {}
     where = [str(part) for part in first.get("loc", ()) if not _TYPE_TAG.match(str(part))]
     message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
     if first.get("type") == "extra_forbidden":
@@ -231,7 +205,9 @@ def legacy_logprobs(tokenizer: Any, scored: list[Scored], offset: int) -> tuple[
     """OpenAI's completions ``logprobs`` object for ``scored`` whose text starts at ``offset``; and the offset after
     them. ``top_logprobs`` maps each alternative's text to its log-probability (the best kept where two tokens read
     the same); the first prompt token's is null."""
-    tokens, offsets, tops = [], [], []
+    tokens: list[str] = []
+    offsets: list[int] = []
+    tops: list[dict[str, float] | None] = []
     for item in scored:
         text = _token(tokenizer, item.token)
         tokens.append(text)
@@ -374,11 +350,13 @@ def create_app(
             )
             if chars > max_chars:
                 raise too_long("messages", f"{chars} characters, more than {context_length} tokens can hold")
-        _check_utf8(data, "")
         try:
+            _check_utf8(data, "")
             request = model.model_validate(data)
         except ValidationError as err:
             raise _validation_error(err) from None
+        except RecursionError:
+            raise APIError(400, "body: the JSON is nested too deeply") from None
         for name, why in UNSUPPORTED.items():
             if getattr(request, name) is not None:
                 raise APIError(400, f"{name}: {why} by this server", param=name)
@@ -443,15 +421,22 @@ def create_app(
                                 frequency_penalty=body.frequency_penalty, logit_bias=bias))  # fmt: skip
         return jobs
 
-    async def run(jobs: list[Job], raw: Request) -> AsyncIterator[tuple[int, Piece]]:
+    async def run(jobs: list[Job], raw: Request) -> AsyncGenerator[tuple[int, Piece], None]:
         """Submit ``jobs``; yield (job index, piece) as the scheduler thread emits them, until each has ended."""
         if app.state.draining:
             raise APIError(503, "the server is shutting down", kind="server_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
+
+        def emitter(index: int) -> Callable[[Piece], None]:
+            def emit(piece: Piece) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
+
+            return emit
+
         for index, job in enumerate(jobs):
-            job.emit = lambda piece, index=index: loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
+            job.emit = emitter(index)
         try:
             scheduler.submit_all(jobs)
         except QueueFull as err:
@@ -539,9 +524,9 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Any:
         body: CompletionRequest = await run_in_threadpool(parse, await read_body(raw), CompletionRequest)
-        raw_prompts = body.prompt
-        if isinstance(raw_prompts, str) or (raw_prompts and isinstance(raw_prompts[0], int)):
-            raw_prompts = [raw_prompts]  # type: ignore[list-item]
+        raw_prompts: list[Any] = list(body.prompt) if isinstance(body.prompt, list) else [body.prompt]
+        if raw_prompts and isinstance(raw_prompts[0], int):
+            raw_prompts = [raw_prompts]
         if not raw_prompts:
             raise APIError(400, "prompt: give a prompt (text or token ids), or a list of them", param="prompt")
 

@@ -39,6 +39,7 @@ class RowParams:
     frequency: Tensor  # (batch,) float32
     bias: Tensor | None = None  # (batch, vocab) float32
     counts: Tensor | None = None  # (batch, vocab) float32
+    sampled: Tensor | None = None  # (sampled rows,) long: the rows that draw (the others are greedy)
 
 
 def adjusted_logits(logits: Tensor, params: RowParams) -> Tensor:
@@ -67,7 +68,7 @@ def sample_rows(
     sampled = [r for r, generator in enumerate(generators) if generator is not None]
     if not sampled:
         return tokens
-    rows = torch.tensor(sampled, device=x.device)
+    rows = params.sampled if params.sampled is not None else torch.tensor(sampled, device=x.device)
     scaled = x[rows] / params.temperature[rows, None]
     if any_top_p:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)

@@ -21,12 +21,13 @@ ones in flight finish.
 
 import codecs
 import collections
+import dataclasses
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -170,6 +171,9 @@ class Scheduler:
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
+        self._params_rows: list[_Row] = []  # the rows _cached_params was built for
+        self._cached_params: RowParams | None = None
+        self._one = torch.ones(1, device=device)
         self._wake = threading.Condition()
         self._closing = False
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
@@ -276,7 +280,7 @@ class Scheduler:
         self._joining = []
         if not self._rows:
             return True
-        tokens = self._sample([row.logits for row in self._rows])
+        tokens = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
         # Ended and cancelled rows leave before the forward; the last row takes each one's place.
         for r in reversed(range(len(self._rows))):
             if self._rows[r].request.cancelled.is_set():
@@ -353,7 +357,9 @@ class Scheduler:
             if generating:
                 saved, self._rows = self._rows, generating
                 try:
-                    self._sample([row.logits for row in generating])  # one token each: they all end here
+                    self._sample(
+                        [cast(torch.Tensor, row.logits) for row in generating]
+                    )  # one token each: they all end here
                 finally:
                     self._rows = saved
             self._left(len(group))
@@ -394,7 +400,7 @@ class Scheduler:
                 continue
             try:
                 if row.counts is not None:
-                    row.counts.index_add_(0, tokens[r : r + 1], torch.ones(1, device=self.device))
+                    row.counts.index_add_(0, tokens[r : r + 1], self._one)
                 scored = []
                 if scores is not None and request.logprobs is not None:
                     k = request.logprobs
@@ -406,22 +412,37 @@ class Scheduler:
         return list(tokens.unbind(0))
 
     def _sample_batch(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
-        requests = [row.request for row in rows]
-        device = self.device
-        penalized = any(row.penalized for row in rows)
-        biased = any(row.bias is not None for row in rows)
-        params = RowParams(
-            temperature=torch.tensor([max(r.temperature, 0.0) or 1.0 for r in requests], device=device),
-            top_p=torch.tensor([r.top_p if r.top_p is not None else 2.0 for r in requests], device=device),
-            presence=torch.tensor([r.presence_penalty for r in requests], device=device),
-            frequency=torch.tensor([r.frequency_penalty for r in requests], device=device),
-            bias=torch.stack([row.bias if row.bias is not None else self._zeros() for row in rows]) if biased else None,
-            counts=torch.stack([row.counts if row.counts is not None else self._zeros() for row in rows])
-            if penalized
-            else None,
-        )
+        generators = [row.generator for row in rows]
         any_top_p = any(row.generator is not None and row.request.top_p is not None for row in rows)
-        return sample_rows(logits, params, [row.generator for row in rows], any_top_p=any_top_p)
+        return sample_rows(logits, self._params(rows), generators, any_top_p=any_top_p)
+
+    def _params(self, rows: list[_Row]) -> RowParams:
+        """The rows' sampling parameters as tensors: built (one copy to the device) when the rows change, reused
+        while they stay; only the generated-token counts (for penalties) are stacked every step."""
+        same = len(rows) == len(self._params_rows) and all(
+            a is b for a, b in zip(rows, self._params_rows, strict=False)
+        )
+        if not same or self._cached_params is None:
+            requests = [row.request for row in rows]
+            values = torch.tensor([
+                [r.temperature if r.temperature > 0 else 1.0 for r in requests],
+                [r.top_p if r.top_p is not None else 2.0 for r in requests],
+                [r.presence_penalty for r in requests],
+                [r.frequency_penalty for r in requests],
+            ], dtype=torch.float32).to(self.device)  # fmt: skip
+            sampled = [r for r, row in enumerate(rows) if row.generator is not None]
+            bias = None
+            if any(row.bias is not None for row in rows):
+                bias = torch.stack([row.bias if row.bias is not None else self._zeros() for row in rows])
+            self._cached_params = RowParams(
+                temperature=values[0], top_p=values[1], presence=values[2], frequency=values[3], bias=bias,
+                sampled=torch.tensor(sampled, dtype=torch.long).to(self.device) if sampled else None,
+            )  # fmt: skip
+            self._params_rows = list(rows)
+        if not any(row.penalized for row in rows):
+            return self._cached_params
+        counts = torch.stack([row.counts if row.counts is not None else self._zeros() for row in rows])
+        return dataclasses.replace(self._cached_params, counts=counts)
 
     def _zeros(self) -> torch.Tensor:
         return torch.zeros(self.vocab, device=self.device)

@@ -11,10 +11,16 @@ in flight, requests wait in a queue of ``--max-queue``; past that the answer is 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish for up to
 ``--drain-timeout`` seconds, and exits 0.
 
+Every value a request sends is checked when it arrives (a body over ``--max-body`` bytes is 413), so none can
+stop the server; what one request still raises while decoding ends that request alone, and only a failure of
+the model makes ``/health`` 503. Scoring is OpenAI's ``logprobs``/``echo`` (lm-evaluation-harness's
+``local-completions`` uses them). Each request is one line on stderr (``--quiet``: none).
+
 Chat prompts use the tokenizer's own chat template when the artifact has one (an HF folder's
 ``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template``, rendered with jinja2); otherwise
 the plain template for base models: one "Role: content" line per message, then "Assistant:", with
-"\\nUser:" as a stop text. Needs the ``serve`` extra: ``pip install 'tlm-command[serve]'``.
+"\\nUser:" as a stop text. A template is rendered on a probe conversation at start; one that fails stops
+the command with one line. Needs the ``serve`` extra: ``pip install 'tlm-command[serve]'``.
 """
 
 import argparse
@@ -48,7 +54,7 @@ def add_parser(commands: Any) -> None:
     )
     parser.add_argument(
         "--max-body", type=positive_int, default=None, metavar="BYTES",
-        help="a request body's bytes at most; larger ones get 413 (default: 2 MiB)",
+        help="a request body's bytes at most; larger ones get 413 (default: 1 MiB)",
     )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
@@ -104,6 +110,15 @@ def _chat_template(artifact: Any, tokenizer: Any) -> Any:
     return render
 
 
+def stop_tokens(tokenizer: Any) -> list[str]:
+    """The special tokens that end every answer: ``<|endoftext|>``, and ``<|im_end|>``, the end of a chat
+    model's turn (the ChatML template's marker), where the tokenizer has them."""
+    from tlm_tokenizer.chat import IM_END
+    from tlm_tokenizer.hf_json import EOS_TOKEN
+
+    return [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
+
+
 def model_id(checkpoint: str, model_name: str | None) -> str:
     """The model id clients name: ``--model-name``, else the checkpoint folder's own name (after links)."""
     return model_name or Path(checkpoint).resolve().name
@@ -126,16 +141,13 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
     from tlm_command.scheduler import Scheduler
-    from tlm_tokenizer.chat import IM_END
-    from tlm_tokenizer.hf_json import EOS_TOKEN
 
     device = parse_device(args.device)
     model, tokenizer, artifact = load_model(args, device)
     if tokenizer is None:
         raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
     chat_template = _chat_template(artifact, tokenizer)
-    # <|im_end|>: the end of a chat model's turn (its ChatML template's marker, issue 32).
-    stops = [s for s in (EOS_TOKEN, IM_END) if s in tokenizer.special_tokens]
+    stops = stop_tokens(tokenizer)
     eos_ids = [tokenizer.encode(s)[0] for s in stops]
     name = model_id(args.checkpoint, args.model_name)
     # Bound before the model thread starts, so a taken port is one line and no thread is left behind.

@@ -55,10 +55,12 @@ def _chunked_loss(
             grad_logits[torch.arange(t.shape[0], device=t.device), t] -= k.squeeze(1) / count
             if autocast:
                 # Out-of-place GEMMs, which autocast runs in its dtype; the head's gradient summed in float32.
+                # d loss/d logits is cast once for both (autocast would cast it for each, the same way).
+                low = grad_logits.to(torch.get_autocast_dtype(hidden.device.type))
                 if grad_hidden is not None:
-                    grad_hidden[start : start + chunk_size] = torch.mm(grad_logits, weight)
+                    grad_hidden[start : start + chunk_size] = torch.mm(low, weight)
                 if grad_weight is not None:
-                    grad_weight += torch.mm(grad_logits.t(), h)
+                    grad_weight += torch.mm(low.t(), h)
                 continue
             # Written by the GEMMs themselves (out=, and addmm_'s beta=1 accumulate): a temporary and an
             # extra pass over a vocab x d_model gradient per chunk cost 9% of this function at vocab 50k.

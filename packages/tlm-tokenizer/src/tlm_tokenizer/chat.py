@@ -17,6 +17,7 @@ Needs jinja2 (``pip install 'tlm-tokenizer[chat]'``), imported when a template i
 """
 
 import bisect
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,6 @@ CHATML_TEMPLATE = (
 )
 #: Which tokens a conversation trains on: the assistant's, everything else, or all.
 TRAIN_ON = ("completion", "prompt", "all")
-_SENTINEL = "\ue000{}\ue001"  # private-use characters: where message ``i``'s content sits in a render
 
 
 def compile_template(source: str) -> Callable[..., str]:
@@ -110,30 +110,17 @@ class ChatTemplate:
         self._render = compile_template(self.source)
         eos = "<|endoftext|>" if "<|endoftext|>" in tokenizer.special_tokens else ""
         self._specials = {"bos_token": "", "eos_token": eos}
-        self._splitter = _splitter(list(tokenizer.special_tokens))
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages``, as transformers renders it."""
         return self._render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self._specials)
 
     def encode(self, messages: object, where: str = "messages") -> ChatEncoding:
         """The ids of the whole conversation (``add_generation_prompt=False``) and its assistant mask."""
         messages = check_messages(messages, where)
-        text = self.render(messages)
-        # Where each content lies in the text: rendered with sentinels, then the contents put back.
-        marked = self.render([{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)])
-        contents: list[tuple[int, int]] = []
-        rebuilt, rest = [], marked
-        for i, message in enumerate(messages):
-            before, found, rest = rest.partition(_SENTINEL.format(i))
-            if not found:
-                raise ValueError(f"{where}: the chat template does not write message {i}'s content as it is")
-            rebuilt.append(before)
-            start = sum(map(len, rebuilt))
-            rebuilt.append(message["content"])
-            contents.append((start, start + len(message["content"])))
-        rebuilt.append(rest)
-        if "".join(rebuilt) != text:
-            raise ValueError(f"{where}: the chat template changes the messages' contents; tlm needs them as they are")
+        text, contents = locate_contents(self.render, messages)
+        if contents is None:
+            raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
         # The assistant's spans, from the renders of each prefix.
         spans = []
         for i, message in enumerate(messages):
@@ -143,48 +130,66 @@ class ChatTemplate:
             if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > contents[i][0]:
                 raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
             spans.append((len(prompt), len(turn)))
-        return self._encode_text(text, contents, spans)
-
-    def _encode_text(self, text: str, contents: list[tuple[int, int]], spans: list[tuple[int, int]]) -> ChatEncoding:
-        # Special tokens are matched in the template's text only; each run between two of them (template text
-        # and contents together, as transformers sees it) is encoded as ordinary text.
-        pieces: list[tuple[int, int, bool]] = []  # (start, end, is_special)
-        position = 0
-        if self._splitter is not None:
-            for match in self._splitter.finditer(text):
-                if any(a < match.end() and match.start() < b for a, b in contents):
-                    continue  # inside a message's content: text, not a control token
-                pieces.append((position, match.start(), False))
-                pieces.append((match.start(), match.end(), True))
-                position = match.end()
-        pieces.append((position, len(text), False))
         ids: list[int] = []
         starts: list[int] = []  # each id's first character
-        for start, end, special in pieces:
-            if special:
-                ids.append(self.tokenizer.encode(text[start:end])[0])
-                starts.append(start)
-            elif end > start:
-                piece = text[start:end]
-                new = encode_ordinary(self.tokenizer, piece)
-                # Each id's bytes, laid end to end, are the piece's UTF-8: its first character is found from them.
-                offsets = _char_offsets(piece)
-                at = 0
-                for token in new:
-                    starts.append(start + bisect.bisect_right(offsets, at) - 1)
-                    at += len(self.tokenizer.decode_bytes([token]))
-                ids += new
-        assistant = [any(a <= s < b for a, b in spans) for s in starts]
-        return ChatEncoding(ids, assistant)
+        offsets = _char_offsets(text)
+        for start, piece_ids in encode_pieces(self.tokenizer, text, contents):
+            # Each id's bytes, laid end to end, are the piece's UTF-8: its first character is found from them.
+            at = offsets[start]
+            for token in piece_ids:
+                starts.append(bisect.bisect_right(offsets, at) - 1)
+                at += len(self.tokenizer.decode_bytes([token]))
+            ids += piece_ids
+        return ChatEncoding(ids, [any(a <= s < b for a, b in spans) for s in starts])
 
 
-def encode_ordinary(tokenizer: Any, text: str) -> list[int]:
-    """``text``'s ids with no special token matched: what a user wrote stays text."""
-    try:
-        return list(tokenizer.encode(text, allowed_special="none"))
-    except TypeError:
-        # Until tlm-tokenizer's encode takes allowed_special (issue 31): the same ids, from the same method.
-        return list(tokenizer._encode_ordinary(text))
+def locate_contents(
+    render: Callable[[list[dict[str, str]]], str], messages: list[dict[str, str]]
+) -> tuple[str, list[tuple[int, int]] | None]:
+    """``render(messages)`` and where each message's content lies in it, or None when the template does not write
+    every content once, as it is (it trims them, say). Found by rendering again with a random mark for each content
+    and putting the contents back in place of the marks."""
+    text = render(messages)
+    nonce = uuid.uuid4().hex
+    marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
+    marked = render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
+    contents: list[tuple[int, int]] = []
+    rebuilt, rest = [], marked
+    for mark, message in zip(marks, messages, strict=True):
+        before, found, rest = rest.partition(mark)
+        if not found:
+            return text, None
+        rebuilt.append(before)
+        start = sum(map(len, rebuilt))
+        rebuilt.append(message["content"])
+        contents.append((start, start + len(message["content"])))
+    rebuilt.append(rest)
+    if "".join(rebuilt) != text or any(mark in rest for mark in marks):
+        return text, None
+    return text, contents
+
+
+def encode_pieces(tokenizer: Any, text: str, contents: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
+    """``text`` as (start, ids) pieces in which special tokens are matched only outside ``contents`` (character
+    spans of what users wrote): each special token one piece, each run between two of them (template text and
+    contents together, as transformers sees it) encoded as text. Their ids, joined, are ``tokenizer.encode(text)``
+    except that no content becomes a control token."""
+    pieces: list[tuple[int, list[int]]] = []
+    position = 0
+
+    def text_piece(end: int) -> None:
+        if end > position:
+            pieces.append((position, list(tokenizer.encode(text[position:end], allowed_special="none"))))
+
+    splitter = _splitter(list(tokenizer.special_tokens))
+    for match in splitter.finditer(text) if splitter is not None else ():
+        if any(a < match.end() and match.start() < b for a, b in contents):
+            continue  # inside a message's content: text, not a control token
+        text_piece(match.start())
+        pieces.append((match.start(), list(tokenizer.encode(match.group(), allowed_special={match.group()}))))
+        position = match.end()
+    text_piece(len(text))
+    return pieces
 
 
 def _char_offsets(text: str) -> list[int]:

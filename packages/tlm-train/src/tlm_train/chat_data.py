@@ -14,7 +14,6 @@ Examples are packed (joined by ``<|endoftext|>``, which is never a target, windo
 tokens, cut or filled with ``<|endoftext|>``, windows aligned to the rows).
 """
 
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,19 +22,16 @@ from typing import Any
 import numpy as np
 
 from tlm_tokenizer.chat import check_messages
-from tlm_train.sources import is_jsonl, open_binary
-
-
-def _lines(stream: Any) -> Any:
-    return io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
+from tlm_train.sources import is_jsonl, json_lines, open_binary
 
 
 def _first_record(path: str | Path) -> object:
+    """The first record of ``path``, or None when it is not one (the text reader then says why, naming the line)."""
     with open_binary(path) as stream:
         try:
-            line = next((line for line in _lines(stream) if line.strip()), "")
+            line = next((line for _, line in json_lines(path, stream) if line.strip()), "")
             return json.loads(line)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             return None
 
 
@@ -52,20 +48,18 @@ def is_chat_file(path: str | Path, text_field: str = "text") -> bool:
 
 def conversations(path: str | Path) -> Iterator[tuple[int, list[dict[str, str]]]]:
     """``(line number, messages)`` for each record of a chat file, in OpenAI's message format."""
-    number = 0
     with open_binary(path) as stream:
-        try:
-            for number, line in enumerate(_lines(stream), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise ValueError(f"--data {path} line {number}: not JSON ({err})") from None
-                where = f"--data {path} line {number}"
-                yield number, check_messages(_messages(record, where), where)
-        except UnicodeDecodeError as err:
-            raise ValueError(f"--data {path} after line {number}: not UTF-8 ({err.reason})") from None
+        for number, line in json_lines(path, stream):  # one record at most MAX_RECORD_BYTES, as for text data
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"--data {path} line {number}: not JSON ({err})") from None
+            except RecursionError:
+                raise ValueError(f"--data {path} line {number}: not JSON (nested too deeply)") from None
+            where = f"--data {path} line {number}"
+            yield number, check_messages(_messages(record, where), where)
 
 
 def _messages(record: object, where: str) -> Any:

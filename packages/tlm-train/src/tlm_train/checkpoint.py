@@ -30,6 +30,7 @@ import pathlib
 import pickle
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -74,7 +75,8 @@ def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
             raise ValueError(f"{where} is a tensor on the meta device (no data); materialise it before saving")
         data = value.detach().cpu().contiguous().reshape(-1)
         h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        h.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        if data.numel():  # the tensor's own bytes, not a copy (hashlib reads large buffers without the GIL)
+            h.update(cast(Any, data.view(torch.uint8).numpy()))
     elif isinstance(value, dict):
         h.update(f"D{len(value)}".encode())
         for key, item in value.items():
@@ -114,20 +116,23 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
         raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
     buffer = io.BytesIO()
     torch.save(payload, buffer)
-    data = buffer.getvalue()
-    data += _TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n"
-    if isinstance(out, (str, os.PathLike)):
-        path = Path(os.fspath(out))
-        if path.is_dir():
-            raise IsADirectoryError(f"out must be a file path, got the folder {path}")
-        if not path.parent.is_dir():
-            raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
-        with atomic_file(path) as handle:
-            handle.write(data)
-    else:
-        cast(IO[bytes], out).write(data)
-        if hasattr(out, "flush"):
-            out.flush()
+    # The serialised bytes are hashed and written where torch.save left them: no copy of the whole state.
+    with buffer.getbuffer() as data:
+        trailer = _TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n"
+        if isinstance(out, (str, os.PathLike)):
+            path = Path(os.fspath(out))
+            if path.is_dir():
+                raise IsADirectoryError(f"out must be a file path, got the folder {path}")
+            if not path.parent.is_dir():
+                raise FileNotFoundError(f"cannot save {path}: the folder {path.parent} does not exist")
+            with atomic_file(path) as handle:
+                handle.write(data)
+                handle.write(trailer)
+        else:
+            cast(IO[bytes], out).write(data)
+            cast(IO[bytes], out).write(trailer)
+            if hasattr(out, "flush"):
+                out.flush()
 
 
 def load_train_state(src: Source) -> dict[str, Any]:
@@ -624,6 +629,99 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     state: dict[str, Any]
+
+
+def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, Any]:
+    """A snapshot of ``state`` (nested dicts, lists and tensors) whose tensors live on the host, and an event
+    to wait on before reading it (None when nothing was copied from an accelerator).
+
+    CPU tensors are cloned; accelerator tensors copied without blocking into pinned host memory, so training
+    goes on while the copies run (the device's stream orders them before any later update). A tensor that
+    appears twice (a tied weight) stays one tensor. ``buffers``, a list kept between calls, is reused for the
+    pinned copies when the shapes agree (one snapshot in flight at a time)."""
+    seen: dict[int, Tensor] = {}
+    pinned = iter(list(buffers)) if buffers is not None else iter(())
+    fresh: list[Tensor] = []
+    accelerator = None
+
+    def copy(value: Any) -> Any:
+        nonlocal accelerator
+        if isinstance(value, Tensor):
+            if id(value) in seen:
+                return seen[id(value)]
+            source = value.detach()
+            if source.device.type == "cpu":
+                out = source.clone()
+            else:
+                accelerator = source.device
+                reuse = next(pinned, None)
+                if reuse is not None and reuse.shape == source.shape and reuse.dtype == source.dtype:
+                    out = reuse
+                else:
+                    out = torch.empty(source.shape, dtype=source.dtype, pin_memory=torch.cuda.is_available())
+                out.copy_(source, non_blocking=True)
+                fresh.append(out)
+            seen[id(value)] = out
+            return out
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(copy(v) for v in value)
+        return value
+
+    staged = copy(state)
+    if buffers is not None and fresh:
+        buffers[:] = fresh
+    event = None
+    if accelerator is not None and accelerator.type == "cuda":
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(accelerator))
+    return staged, event
+
+
+class BackgroundSaver:
+    """Writes one-process checkpoints on a writer thread, one at a time, from a host snapshot of the state
+    (:func:`stage_state`), so a save costs the training loop a copy instead of serialising and hashing
+    everything. The step folder still appears complete or not at all (:meth:`CheckpointManager.save` runs
+    unchanged in the thread); a writer's error is raised by the next :meth:`wait`."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._buffers: list[Tensor] = []
+
+    def submit(self, manager: "CheckpointManager", model: nn.Module, state: dict[str, Any]) -> Path:
+        """Stage ``state`` and start writing it; returns the step folder it will be (after waiting for the
+        previous save)."""
+        self.wait()
+        staged, event = stage_state(state, self._buffers)
+
+        def write() -> None:
+            try:
+                if event is not None:
+                    event.synchronize()
+                manager.save(model, staged)
+            except BaseException as err:  # raised in the training thread by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=write, name="tlm-checkpoint-writer", daemon=True)
+        self._thread.start()
+        return manager.path(state["step"])
+
+    def idle(self) -> bool:
+        """Whether no save is being written (a finished one's error is still raised by :meth:`wait`)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written; raise its error, if it had one."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 class CheckpointManager:

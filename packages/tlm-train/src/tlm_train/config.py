@@ -194,6 +194,7 @@ class TrainConfig:
     )
     checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept (the newest always)"})
+    async_checkpoint: bool = field(default=True, metadata={"help": "write checkpoints in the background"})
     # Execution.
     device: str = field(default="cpu", metadata={"help": "a torch device: cpu, cuda, cuda:1, mps, ..."})
     dtype: str = field(
@@ -218,14 +219,10 @@ class TrainConfig:
         default=None,
         metadata={
             "help": "the device's peak FLOP/s for MFU",
-            "shown": "the published dense peak for --dtype (H100/H200, A100, L4, ...), else a GEMM in --dtype measured "
-            "at start-up",
+            "shown": "the device's published peak for --dtype, else measured",
         },
     )
-    tf32: bool = field(
-        default=True,
-        metadata={"help": "on CUDA, float32 matmuls on TF32 tensor cores (--no-tf32: full float32 precision)"},
-    )
+    tf32: bool = field(default=True, metadata={"help": "float32 matmuls in TF32 on CUDA"})
     tensorboard: bool = field(
         default=False,
         metadata={
@@ -276,7 +273,15 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in ("decay_norms", "compile", "deterministic", "activation_checkpointing", "tensorboard", "tf32"):
+        for name in (
+            "decay_norms",
+            "compile",
+            "deterministic",
+            "activation_checkpointing",
+            "tensorboard",
+            "tf32",
+            "async_checkpoint",
+        ):
             check_bool(f"TrainConfig.{name}", getattr(self, name))
         for name in ("document_mask",):
             check_bool(f"TrainConfig.{name}", getattr(self, name))

@@ -6,6 +6,7 @@ What a run derives from text (``RUN/tokenizer/`` and ``RUN/data/``) is written o
 so a resumed run reads exactly the tokens the first one trained on.
 """
 
+import errno
 import hashlib
 import json
 import os
@@ -93,23 +94,32 @@ def prepare_data(
     if config.data and is_token_file(config.data[0]):
         data = _token_file(config, tokenizer)
         if is_main:
-            _check_token_file(Path(config.data[0]), run, resume=resume)
+            val = Path(config.val_data[0]) if config.val_data else None
+            _check_token_file(Path(config.data[0]), run, resume=resume, val_path=val)
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
         return data
-    chat = _chat_files(config)
+    chat = chat_files(config)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
-        if chat:
-            _encode_chat(config, run, tokenizer, context_length)
-        else:
-            _encode_text(config, run, tokenizer)
+        try:
+            if chat:
+                _encode_chat(config, run, tokenizer, context_length)
+            else:
+                _encode_text(config, run, tokenizer)
+        except OSError as err:
+            if err.errno not in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+                raise
+            raise ValueError(
+                f"--out-dir {run.path}: the disk filled while the run's data was written ({err.strerror}); free "
+                "space there, or bound the text with --max-data-bytes"
+            ) from None
     tokenizer = run.tokenizer()
     train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
     val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
 
 
-def _chat_files(config: TrainConfig) -> bool:
+def chat_files(config: TrainConfig) -> bool:
     """Whether ``--data`` is chat data; refuses a mix of chat and text files."""
     from tlm_train.chat_data import is_chat_file
 
@@ -144,12 +154,21 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
         eos = SEPARATOR if SEPARATOR in specials else ""
         remove_leftovers(run.path, CORPUS)
         corpus = temp_path(run.path / CORPUS)
+        limit, written = _text_limit(config, run), 0
         try:
             with create_new(corpus) as sink:
                 for path in config.data:
                     for _, messages in conversations(path):
                         text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
-                        sink.write((text + SEPARATOR).encode("utf-8"))
+                        data = (text + SEPARATOR).encode("utf-8")
+                        written += len(data)
+                        if written > limit:
+                            raise ValueError(
+                                f"--data {path}: the corpus passed --max-data-bytes {limit:,} (the conversations as "
+                                "the template renders them); raise --max-data-bytes if the disk has room, or give "
+                                "less data"
+                            )
+                        sink.write(data)
             vocab, merges = train_bpe(str(corpus), config.vocab_size, specials, progress=False)
         finally:
             corpus.unlink(missing_ok=True)
@@ -220,27 +239,35 @@ def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _check_token_file(path: Path, run: RunDir, *, resume: bool) -> None:
-    identity = {"path": str(path), **file_identity(path)}
+def _check_token_file(path: Path, run: RunDir, *, resume: bool, val_path: Path | None = None) -> None:
+    files = {"token_file": ("--data", path), **({"val_token_file": ("--val-data", val_path)} if val_path else {})}
+    identities = {key: {"path": str(p), **file_identity(p)} for key, (_, p) in files.items()}
     info = run.data_dir / INFO
     if resume and info.is_file():
         try:
-            recorded = json.loads(info.read_text(encoding="utf-8"))["token_file"]
-            have = (int(recorded["bytes"]), str(recorded["sha256"]))
+            document = json.loads(info.read_text(encoding="utf-8"))
+            recorded = {
+                key: (int(document[key]["bytes"]), str(document[key]["sha256"]))
+                for key in identities
+                if key == "token_file" or key in document  # a validation file is checked once it was recorded
+            }
         except (ValueError, KeyError, TypeError) as err:
             raise ValueError(
                 f"{info} is damaged ({type(err).__name__}: {err}); the run's data cannot be checked"
             ) from None
-        if have != (identity["bytes"], identity["sha256"]):
-            raise ValueError(
-                f"--data {path} changed since the run started ({identity['bytes']} bytes, SHA-256 "
-                f"{identity['sha256'][:16]}..., recorded {have[0]} bytes, {have[1][:16]}...); a resumed run trains "
-                "on the tokens it started with: restore the file, or start a new run"
-            )
+        for key, have in recorded.items():
+            identity = identities[key]
+            if have != (identity["bytes"], identity["sha256"]):
+                flag, changed = files[key]
+                raise ValueError(
+                    f"{flag} {changed} changed since the run started ({identity['bytes']} bytes, SHA-256 "
+                    f"{identity['sha256'][:16]}..., recorded {have[0]} bytes, {have[1][:16]}...); a resumed run "
+                    "trains on the tokens it started with: restore the file, or start a new run"
+                )
         return
 
     def fill(folder: Path) -> None:  # a fresh run, or one that tlm-train 0.2 started without a record
-        (folder / INFO).write_text(json.dumps({"token_file": identity}) + "\n", encoding="utf-8")
+        (folder / INFO).write_text(json.dumps(identities) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
 
@@ -262,6 +289,13 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
 
 
+def _text_limit(config: TrainConfig, run: RunDir) -> int:
+    """The most bytes of text a run writes for its tokenizer and encoder, each corpus file bounded before the disk
+    fills: ``--max-data-bytes``, or else half the free space of the run folder's disk (the tokens need room too:
+    up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed)."""
+    return config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
+
+
 def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 
@@ -276,9 +310,7 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     # A fresh name created exclusively: a symlink planted in the run folder is never followed.
     remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
-    # The text is bounded before the disk fills: by --max-data-bytes, or else by half the free space (the tokens
-    # need room too: up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed).
-    limit = config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
+    limit = _text_limit(config, run)
     try:
         with create_new(corpus) as sink:
             write_corpus(
@@ -313,7 +345,8 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
                 held_out = temp_path(run.path / CORPUS)
                 try:
                     with create_new(held_out) as sink:
-                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field)
+                        write_corpus(config.val_data, sink, separator=separator, text_field=config.text_field,
+                                     max_bytes=limit, flag="--val-data")  # fmt: skip
                     val = encode_file(tokenizer, held_out, raw, progress=False)
                 finally:
                     held_out.unlink(missing_ok=True)

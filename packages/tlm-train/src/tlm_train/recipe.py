@@ -35,7 +35,7 @@ from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
-from tlm_train.checkpoint import Checkpoint, capture_state, load_step_model, restore_state
+from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, load_step_model, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
@@ -133,6 +133,9 @@ class Recipe:
         self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
+        self.saver = BackgroundSaver()  # one-process checkpoints, written while training goes on
+        # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
+        self._exit.callback(self._settle_saves)
 
     def __enter__(self) -> "Recipe":
         return self
@@ -484,7 +487,7 @@ class Recipe:
                 if step < self.steps:
                     batches = self._draw()  # drawn while the device still works on this step
                 logged = self.maybe_log(step, stats, bar)
-                if self._prune_pending and logged:
+                if self._prune_pending and logged and self.saver.idle():
                     self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at: compared where the step syncs anyway.
@@ -564,6 +567,7 @@ class Recipe:
                     self.logger_error = err
 
     def _good_checkpoint(self, failed: int) -> str:
+        self._settle_saves()  # the save in flight may be the one to name
         # Step `failed` computed its loss on the weights of step failed - 1, so a checkpoint of that step holds
         # weights that give a non-finite loss; one of an earlier step was followed by a finite step.
         good = [s for s in self.run_dir.checkpoints().steps() if s <= failed - 2]
@@ -633,14 +637,25 @@ class Recipe:
                 f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}", step
             )
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
+        self.saver.wait()  # the previous save is written (and its leftovers are no longer ours to keep)
         if self.info.is_main:
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
         if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
-            self.last_checkpoint = manager.save(unwrap(self.model), state)
+            if self.config.async_checkpoint and not state["sharded"] and not force:
+                self.last_checkpoint = self.saver.submit(manager, unwrap(self.model), state)
+            else:  # a stop writes its checkpoint before saying where it is
+                self.last_checkpoint = manager.save(unwrap(self.model), state)
             self._prune_pending = True
         barrier()
 
+    def _settle_saves(self) -> None:
+        try:
+            self.saver.wait()
+        except Exception as err:  # the run is already ending with its own error; say this one too
+            self.say(f"the checkpoint being written when the run stopped failed: {err}")
+
     def _prune(self) -> None:
+        self.saver.wait()  # never prune past a folder still being written
         if self.info.is_main:
             self.run_dir.checkpoints(self.config.keep_checkpoints).prune()
         self._prune_pending = False
@@ -656,6 +671,7 @@ class Recipe:
 
     def finish(self, step: int, interrupted: bool) -> RunResult:
         sample = None
+        self.saver.wait()
         if self._prune_pending:
             self._prune()  # the run ended; its last checkpoint is the newest and stays
         if self.info.is_main:
@@ -741,6 +757,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         )
     if (config.data or config.val_data) and not resume:  # a resumed run reads the tokens it saved, not the text
         check_data_paths(config.data, config.val_data)
+    if config.chat_template is not None and not resume:
+        _check_chat_template(config.chat_template)
     if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
@@ -750,10 +768,23 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
         "--val-data": config.val_data,
+        "--chat-template": [config.chat_template],
     }
     check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
     if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
         raise ValueError(f"--token-dtype {config.token_dtype}")
+
+
+def _check_chat_template(path: str) -> None:
+    """A ``--chat-template`` file that exists, reads and compiles, before anything is written."""
+    from tlm_tokenizer.chat import compile_template
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--chat-template {path}: no such file")
+    try:
+        compile_template(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"--chat-template {path}: {err}") from None
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ of text written, before the disk fills.
 
 import codecs
 import gzip
+import io
 import json
 import zlib
 from collections.abc import Iterable, Iterator
@@ -56,20 +57,27 @@ def is_jsonl(path: str | Path) -> bool:
     return bool(suffixes) and suffixes[-1] in JSONL
 
 
-class _Checked:
+class _Checked(io.BufferedIOBase):
     """A decompressing stream whose failures (truncated, corrupt, not of its kind) are a ``ValueError``
-    naming the file."""
+    naming the file. A readable binary stream (``io.BufferedIOBase``), so ``io.TextIOWrapper`` takes it too."""
 
     def __init__(self, path: str | Path, kind: str, stream: Readable, errors: tuple[type[BaseException], ...]):
+        super().__init__()
         self.path, self.kind, self.stream, self.errors = path, kind, stream, errors
 
-    def read(self, size: int = -1, /) -> bytes:
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int | None = -1, /) -> bytes:
         try:
-            return self.stream.read(size)
+            return self.stream.read(-1 if size is None else size)
         except EOFError:
             raise ValueError(f"--data {self.path}: truncated {self.kind} data (it ends mid-stream)") from None
         except self.errors as err:
             raise ValueError(f"--data {self.path}: not readable as {self.kind} data ({err})") from None
+
+    def read1(self, size: int = -1, /) -> bytes:
+        return self.read(size)
 
 
 def _zstd_check(raw: BinaryIO, path: str | Path) -> None:
@@ -185,12 +193,19 @@ def _lines(path: str | Path, stream: Readable, limit: int) -> Iterator[tuple[int
         yield number, b"".join(pending)
 
 
-def _jsonl_texts(path: str | Path, stream: Readable, text_field: str, limit: int) -> Iterator[str]:
+def json_lines(path: str | Path, stream: Readable, limit: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of each line of the JSON Lines ``stream`` read from ``path``, blank ones included:
+    a line that is not UTF-8, or longer than ``limit`` bytes, raises ``ValueError`` naming the file and line,
+    the long one before more than ``limit`` bytes of it are held."""
     for number, raw in _lines(path, stream, limit):
         try:
-            line = raw.decode("utf-8")
+            yield number, raw.decode("utf-8")
         except UnicodeDecodeError as err:
             raise ValueError(f"--data {path} line {number}: not UTF-8 ({err.reason} at byte {err.start})") from None
+
+
+def _jsonl_texts(path: str | Path, stream: Readable, text_field: str, limit: int) -> Iterator[str]:
+    for number, line in json_lines(path, stream, limit):
         if not line.strip():
             continue
         try:
@@ -231,18 +246,18 @@ def write_corpus(
     text_field: str = "text",
     extra: Iterable[str] = (),
     max_bytes: int | None = None,
+    flag: str = "--data",
 ) -> int:
     """Write every document of ``sources`` (then the ``extra`` texts) to ``sink`` as UTF-8, ``separator`` between
     two documents; returns the number of documents. Writing more than ``max_bytes`` in all raises ``ValueError``
-    naming the file being read, before the piece that would pass the limit is written."""
+    naming the file being read (as ``flag FILE``), before the piece that would pass the limit is written."""
     count = written = 0
-    where = "--data"
 
     def write(data: bytes) -> None:
         nonlocal written
         if max_bytes is not None and written + len(data) > max_bytes:
             raise ValueError(
-                f"{where}: the corpus passed --max-data-bytes {max_bytes:,} (text from all --data files, "
+                f"{where}: the corpus passed --max-data-bytes {max_bytes:,} (text from all {flag} files, "
                 f"decompressed); raise --max-data-bytes if the disk has room, or give less data"
             )
         sink.write(data)
@@ -257,7 +272,7 @@ def write_corpus(
         count += 1
 
     for source in sources:
-        where = f"--data {source}"
+        where = f"{flag} {source}"
         for document in documents(source, text_field):
             put(document)
     where = "the default corpus"

@@ -107,7 +107,11 @@ class NonFiniteGuard:
         skipped = self.step - first + 1
         rewind(optimizer, scheduler, skipped)
         self.step = first - 1
-        raise NonFiniteLossError(
+        raise self.error()
+
+    def error(self) -> NonFiniteLossError:
+        """The error naming the first non-finite step's loss and gradient norm (reads the device)."""
+        return NonFiniteLossError(
             f"training loss is {float(self._loss)}, gradient norm {float(self._norm)}: stopped before the update"
         )
 
@@ -230,18 +234,18 @@ def train_step(
     if guard is None:
         guard = NonFiniteGuard(mean.device)
     found_inf = guard.record(finite, mean, norm)
+    found_inf_kw: dict[str, Tensor] = {"found_inf": found_inf}
     if not _takes_found_inf(optimizer):
-        if bool(found_inf):  # pragma: no cover - an optimizer without found_inf: one device read
+        # An optimizer that cannot skip on the device: one device read, and no update at all.
+        if bool(found_inf):
             optimizer.zero_grad(set_to_none=True)
-            guard.check(optimizer, None)
-        found_inf_kw: dict[str, Tensor] = {}
-    else:
-        found_inf_kw = {"found_inf": found_inf}
+            raise guard.error()
+        found_inf_kw = {}
     if scaler is not None:
         scaler.step(optimizer, **found_inf_kw)
         scaler.update()
     else:
-        optimizer.step(**found_inf_kw)
+        cast(Any, optimizer).step(**found_inf_kw)
     if scheduler is not None:
         scheduler.step()
     if own:
