@@ -130,6 +130,9 @@ def test_a_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_load
             return save(self, model, state)
 
         monkeypatch.setattr(CheckpointManager, "save", full)
+    from tlm_train.recipe import Recipe
+
+    monkeypatch.setattr(Recipe, "_sample", lambda self: pytest.fail("a run stopped by its logger samples nothing"))
     run = tmp_path / "run"
     with pytest.raises(LoggerError) as info:
         train(make_config(tensorboard=True, steps=8, checkpoint_interval=4, eval_interval=4, keep_checkpoints=3))
@@ -357,3 +360,15 @@ def test_when_several_backends_fail_at_once_the_first_is_named_and_every_failed_
     assert first.closed and second.closed and loggers.names == ["kept"] and loggers.backends == [kept]
     loggers.log({"step": 2})
     assert kept.records == [{"step": 1}, {"step": 2}]
+
+
+def test_a_loss_plot_the_disk_refuses_is_a_log_line_and_the_run_ends(make_config, monkeypatch) -> None:
+    from tlm_train import recipe
+
+    def full(metrics, png):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recipe, "plot_loss_curve", full)
+    lines = []
+    result = train(make_config(sample_tokens=0), log=lines.append)
+    assert result.step == 4 and not result.interrupted and "no loss.png: No space left on device" in lines
