@@ -141,7 +141,9 @@ def test_compare_drops_only_a_last_line_cut_short(tmp_path, capsys) -> None:
     assert (summary["steps"], summary["best_val_loss"], summary["status"]) == (0, 4.0, "interrupted")
 
 
-def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(tmp_path, fails, monkeypatch) -> None:
+def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(
+    tmp_path, fails, monkeypatch, capsys
+) -> None:
     import itertools
 
     def no_product(*args, **kwargs):
@@ -165,6 +167,12 @@ def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(t
     by_file = argparse.Namespace(grid=[], runs=str(runs), config=None, set=[], max_runs=4)
     assert [r["name"] for r in sweep.plan(by_file, out)["runs"]] == ["r0", "r1", "r2", "r3"]
     assert sweep.MAX_RUNS == 1000 and not out.exists()
+    from tlm_command.main import main
+
+    with pytest.raises(SystemExit):
+        main(["sweep", "--help"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "--max-runs MAX_RUNS refuse a plan of more runs than this (its size said) (default: 1000)" in said
 
 
 @pytest.mark.slow  # two short trainings (~4 s)
@@ -361,3 +369,55 @@ def test_the_manifest_checks_bound_jobs_and_shorten_what_they_quote() -> None:
     with pytest.raises(manifest_module.UserError) as info:
         check({**good, "runs": [_entry(settings=fits + "s")]}, "m")  # 61: cut to 57 and "..."
     assert str(info.value) == f'm: runs[0].settings must be a table of settings, got "{fits[:56]}...'
+
+
+def test_a_finished_runs_folder_that_is_a_link_is_refused_and_the_summary_reads_only_real_run_folders(
+    tmp_path, fails
+) -> None:
+    folder = tmp_path / "sweep"
+    path = _manifest(folder, [_entry("a", status="done"), _entry("b", status="done"), _entry("c")])
+    _run_folder(folder / "a", b'{"step": 0, "val_loss": 4.0}\n')
+    _run_folder(tmp_path / "elsewhere", b'{"step": 0, "val_loss": 3.0}\n')
+    (folder / "b").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    fails(["compare", str(folder)], f"tlm: error: {folder / 'b'} is a symbolic link: a sweep's runs are folders of")
+    fails(["sweep", "--resume", str(folder)], f"tlm: error: {folder / 'b'} is a symbolic link: tlm sweep never trains")
+    manifest = sweep.read_manifest(folder)
+    assert [(s.name, s.best_val_loss) for s in sweep.summarize(folder, manifest)] == [("a", 4.0)]  # b: a link, c: none
+    (folder / "b").unlink()
+    (folder / ".lock").symlink_to(path)
+    fails(["sweep", "--resume", str(folder)], f"{folder / '.lock'} is a symbolic link: tlm sweep never follows one")
+    (folder / ".lock").unlink()
+    for _ in range(2):  # the lock is given back when a sweep ends
+        with sweep._locked(folder):
+            pass
+
+
+def test_a_run_resumes_with_its_own_train_toml_in_its_current_folder_and_the_changeable_planned_settings(
+    tmp_path, monkeypatch
+) -> None:
+    import tlm_train
+    from tlm_train import RunDir, TrainConfig
+
+    folder = tmp_path / "sweep"
+    _manifest(folder, [_entry("a"), _entry("b")], base={**BASE, "data": ["corpus.txt"]})
+    # Run a's train.toml as the run wrote it before the sweep folder was moved here: its vocabulary the
+    # tokenizer's 261 tokens, its own seed and folder.
+    saved = TrainConfig(**{**BASE, "vocab_size": 261, "data": ["corpus.txt"], "out_dir": "/moved/sweep/a"})
+    (folder / "a").mkdir()
+    RunDir(folder / "a").write_config(saved)
+    calls = []
+    monkeypatch.setattr(tlm_train, "train", lambda config, resume, **kw: calls.append((config, resume)) or _Done())
+    planned = sweep.Sweep(folder, sweep.read_manifest(folder), jobs=1, quiet=True)
+    for name in ("a", "b"):
+        entry = _entry(name, settings={"steps": 5, "seed": 7, "lr": 1e-4, "model.d_model": 64})
+        assert sweep.train_run(planned.job(entry)) == {"status": "done"}
+    (resumed, resume), (fresh, new) = calls
+    assert resume and not new
+    assert resumed.out_dir == str(folder / "a") and fresh.out_dir == str(folder / "b")
+    assert (resumed.steps, resumed.lr) == (5, 1e-4)  # what a resume may change: the plan's
+    assert (resumed.vocab_size, resumed.seed, resumed.model) == (261, 0, saved.model)  # the rest: the run's own
+    assert (fresh.steps, fresh.seed, fresh.vocab_size, fresh.model["d_model"]) == (5, 7, 32, 64)
+
+
+class _Done:
+    interrupted = False

@@ -3,8 +3,10 @@ TensorBoard's own reader reads back what metrics.jsonl says, each step once afte
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -128,6 +130,9 @@ def test_a_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_load
             return save(self, model, state)
 
         monkeypatch.setattr(CheckpointManager, "save", full)
+    from tlm_train.recipe import Recipe
+
+    monkeypatch.setattr(Recipe, "_sample", lambda self: pytest.fail("a run stopped by its logger samples nothing"))
     run = tmp_path / "run"
     with pytest.raises(LoggerError) as info:
         train(make_config(tensorboard=True, steps=8, checkpoint_interval=4, eval_interval=4, keep_checkpoints=3))
@@ -202,28 +207,36 @@ def test_a_removed_event_file_is_a_logger_failure(tmp_path) -> None:
     assert [r["step"] for r in MetricsLog(tmp_path / "metrics.jsonl").read()] == [1, 2, 3]
 
 
+@pytest.mark.slow  # a new interpreter (torch's import) training until its disk fills
 def test_a_real_full_disk_under_tensorboard_stops_the_run_with_a_checkpoint_that_loads(make_config, tmp_path) -> None:
-    """The same on a real file system that fills: a 4 KiB tmpfs mounted at RUN/tensorboard (root on Linux only)."""
+    """The same on a real file system that fills: ``tlm train --tensorboard`` with a 4 KiB tmpfs mounted at
+    RUN/tensorboard, in a mount namespace of its own (gone with the process, however it ends; root on Linux)."""
     pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
-    from tlm_train.loggers import LoggerError
-
-    if not sys.platform.startswith("linux") or os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root on Linux; the injected ENOSPC tests above run everywhere")
-    mount = tmp_path / "run" / TENSORBOARD_DIR
-    mount.mkdir(parents=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(mount)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"this machine refuses a tmpfs mount: {mounted.stderr.decode().strip()}")
-    try:
-        with pytest.raises(LoggerError, match=r"^the tensorboard logger failed: OSError: \[Errno 28\] No space left"):
-            train(make_config(tensorboard=True, steps=200, checkpoint_interval=1000, eval_interval=1000))
-        steps = RunDir(tmp_path / "run").checkpoints().steps()
-        assert len(steps) == 1 and 1 <= steps[0] < 200  # the one checkpoint: the step the disk filled at
-        _loads(RunDir(tmp_path / "run").checkpoints().path(steps[0]), steps[0])
-        records = MetricsLog(tmp_path / "run" / "metrics.jsonl").read()
-        assert records[-1]["step"] == steps[0]
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
+    if not sys.platform.startswith("linux") or os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip(
+            "a tmpfs in a private mount namespace needs root and unshare (Linux); the injected ENOSPC tests run"
+        )
+    run = tmp_path / "run"
+    (run / TENSORBOARD_DIR).mkdir(parents=True)
+    config = tmp_path / "train.toml"
+    config.write_text(make_config(tensorboard=True, steps=200, checkpoint_interval=1000, eval_interval=1000).to_toml())
+    mount = f"mount -t tmpfs -o size=4k tmpfs {run / TENSORBOARD_DIR}"
+    if subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", mount], capture_output=True).returncode:
+        pytest.skip("this machine refuses a tmpfs mount in a new mount namespace")
+    train_command = f'exec "{sys.executable}" -m tlm train --config {config} --quiet'
+    ended = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", f"{mount} && {train_command}"],
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    steps = RunDir(run).checkpoints().steps()
+    assert len(steps) == 1 and 1 <= steps[0] < 200  # the one checkpoint: the step the disk filled at
+    path = RunDir(run).checkpoints().path(steps[0])
+    assert (ended.returncode, ended.stdout) == (74, "")
+    assert ended.stderr == (
+        "tlm: error: the tensorboard logger failed: OSError: [Errno 28] No space left on device; stopped at step "
+        f"{steps[0]}: checkpoint {path}; continue with --resume {run}\n"
+    )
+    _loads(path, steps[0])
+    assert MetricsLog(run / "metrics.jsonl").read()[-1]["step"] == steps[0]
+    assert list((run / TENSORBOARD_DIR).iterdir()) == []  # the tmpfs went with its namespace
 
 
 def test_event_files_are_never_written_through_a_symlink_at_run_tensorboard(make_config, tmp_path, snapshot) -> None:
@@ -246,3 +259,116 @@ def test_event_files_are_never_written_through_a_symlink_at_run_tensorboard(make
     with pytest.raises(ValueError, match=message):  # and the logger itself never follows one
         TensorBoardLogger(run)
     assert snapshot(victim) == before and RunDir(run).checkpoints().steps()[-1] == 4
+
+
+def _events(folder):
+    """Every event of the one event file in ``folder`` as TensorBoard's own loader reads it, wall time apart."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    (path,) = folder.iterdir()
+    events = []
+    for event in EventFileLoader(str(path)).Load():
+        assert 0 < time.time() - event.wall_time < 600  # stamped when written
+        event.ClearField("wall_time")
+        event.ClearField("source_metadata")  # the writer's name: tensorboard's own event_file_writer there
+        events.append(event)
+    return events
+
+
+@pytest.mark.parametrize("start_step", [0, 4])
+def test_event_files_hold_what_torchs_summary_writer_writes(tmp_path, start_step) -> None:
+    """The same events, in the same order, as ``torch.utils.tensorboard.SummaryWriter(purge_step=...)`` writes for
+    the same scalars (the file-version header, the purge marks of a resume, one scalar summary per number)."""
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from torch.utils.tensorboard import SummaryWriter
+
+    from tlm_train.loggers import TENSORBOARD_TAGS, TensorBoardLogger
+
+    records = [{"step": 5, "train_loss": 2.5, "lr": 1e-3, "event": "x"}, {"step": 6, "val_loss": 2.25, "tokens": 640}]
+    (tmp_path / "ours").mkdir()
+    ours = TensorBoardLogger(tmp_path / "ours", start_step=start_step)
+    reference = SummaryWriter(str(tmp_path / "torch"), purge_step=start_step + 1 if start_step else None)
+    for record in records:
+        ours.log(record)
+        for key, tag in TENSORBOARD_TAGS.items():
+            if key in record:
+                reference.add_scalar(tag, record[key], global_step=record["step"])
+    ours.close()
+    reference.close()
+    assert _events(tmp_path / "ours" / TENSORBOARD_DIR) == _events(tmp_path / "torch")
+
+
+def test_the_event_folder_and_file_are_made_as_open_and_mkdir_make_them_and_a_failed_start_closes_its_file(
+    tmp_path, monkeypatch
+) -> None:
+    pytest.importorskip("tensorboard", reason="TensorBoard logging needs the optional tensorboard package")
+    from tlm_train import loggers
+
+    before, descriptors = os.umask(0), len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    try:
+        logger = loggers.TensorBoardLogger(tmp_path)
+        logger.close()
+    finally:
+        os.umask(before)
+    if descriptors:  # the folder's descriptor is closed once the file is made, the file's at close()
+        assert len(os.listdir("/proc/self/fd")) == descriptors
+    (event_file,) = (tmp_path / TENSORBOARD_DIR).iterdir()
+    assert oct((tmp_path / TENSORBOARD_DIR).stat().st_mode & 0o7777) == oct(0o777)
+    assert oct(event_file.stat().st_mode & 0o7777) == oct(0o666)
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / TENSORBOARD_DIR).write_text("not a folder\n")
+    with pytest.raises(NotADirectoryError) as info:
+        loggers.TensorBoardLogger(tmp_path / "file")
+    assert info.value.errno == errno.ENOTDIR
+    opened = []
+    create = loggers._create_in
+    monkeypatch.setattr(loggers, "_create_in", lambda f, n: opened.append(_FullDisk(create(f, n), 0)) or opened[-1])
+    (tmp_path / "full").mkdir()
+    with pytest.raises(OSError, match="No space left on device"):  # a disk full from the start: the run refuses
+        loggers.TensorBoardLogger(tmp_path / "full")
+    assert opened[0].file.closed
+
+
+def test_when_several_backends_fail_at_once_the_first_is_named_and_every_failed_one_leaves() -> None:
+    from tlm_train.loggers import LoggerError, Loggers
+
+    class Failing:
+        def __init__(self, error):
+            self.error, self.closed = error, False
+
+        def log(self, record):
+            raise self.error
+
+        def close(self):
+            self.closed = True
+            raise OSError("closing fails too")
+
+    class Kept:
+        def __init__(self):
+            self.records = []
+
+        def log(self, record):
+            self.records.append(record)
+
+        def close(self):
+            pass
+
+    first, second, kept = Failing(OSError(28, "No space left on device")), Failing(PermissionError("no")), Kept()
+    loggers = Loggers([first, kept, second], ["disk", "kept", "other"])
+    with pytest.raises(LoggerError, match=r"^the disk logger failed: OSError: \[Errno 28\] No space left on device$"):
+        loggers.log({"step": 1})
+    assert first.closed and second.closed and loggers.names == ["kept"] and loggers.backends == [kept]
+    loggers.log({"step": 2})
+    assert kept.records == [{"step": 1}, {"step": 2}]
+
+
+def test_a_loss_plot_the_disk_refuses_is_a_log_line_and_the_run_ends(make_config, monkeypatch) -> None:
+    from tlm_train import recipe
+
+    def full(metrics, png):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recipe, "plot_loss_curve", full)
+    lines = []
+    result = train(make_config(sample_tokens=0), log=lines.append)
+    assert result.step == 4 and not result.interrupted and "no loss.png: No space left on device" in lines

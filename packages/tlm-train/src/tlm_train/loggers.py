@@ -16,7 +16,6 @@ import errno
 import itertools
 import os
 import socket
-import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -130,9 +129,7 @@ def _create_in(folder: Path, name: str) -> Any:
         if folder.is_symlink():
             raise ValueError(f"{folder} is a symbolic link: tlm train never writes through one; remove it") from None
         raise
-    try:
-        if not stat.S_ISDIR(os.fstat(dir_fd).st_mode):  # pragma: no cover - O_DIRECTORY refuses it first
-            raise NotADirectoryError(f"{folder} is not a folder")
+    try:  # O_DIRECTORY refused anything but a folder above
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | nofollow | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(name, flags, 0o666, dir_fd=dir_fd)
     finally:
