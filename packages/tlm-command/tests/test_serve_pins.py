@@ -190,7 +190,7 @@ def test_sigterm_puts_tlm_serve_s_app_in_the_draining_state(tmp_path, monkeypatc
     monkeypatch.setattr(uvicorn.Server, "run", run)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert main(["serve", "--checkpoint", str(folder), "--port", "0", "--device", "cpu"]) == 0
+        assert main(["serve", "--checkpoint", str(folder), "--port", "0", "--device", "cpu", "--no-compile"]) == 0
     finally:
         signal.signal(signal.SIGTERM, previous)  # tlm serve sets its own
     assert seen == {"before": False, "after": True}

@@ -37,6 +37,10 @@ UNSTABLE_ABOVE = 1.5
 STATUSES = ("done", "diverged", "unstable", "interrupted", "failed")
 
 
+#: A matplotlib colour: a name, or the RGB(A) tuple a colormap gives.
+Color = str | tuple[float, ...]
+
+
 @dataclass
 class RunSummary:
     """What one run reached; :meth:`to_dict` is its entry of ``summary.json``."""
@@ -283,7 +287,9 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
     return fig
 
 
-def _curves(ax: Any, group: Group, color: str, limits: tuple[float, float] | None, *, x: str) -> None:
+def _curves(
+    ax: Any, group: Group, color: str | tuple[float, ...], limits: tuple[float, float] | None, *, x: str
+) -> None:
     labelled = False
     for s in group.runs:
         if not s.curve:
@@ -315,7 +321,7 @@ def _time_at(s: RunSummary) -> float | None:
     return times[-1] if times else None
 
 
-def _band(ax: Any, group: Group, color: str) -> None:
+def _band(ax: Any, group: Group, color: Color) -> None:
     """The mean curve and its min–max band over the setting's finished runs, where they share their steps."""
     runs = [r for r in group.runs if r.finished and r.curve]
     if len(runs) < 2 or len({tuple(step for step, _, _ in r.curve) for r in runs}) != 1:

@@ -182,8 +182,8 @@ class DecodeBatch:
 
     @torch.no_grad()
     def add_many(
-        self, prompts: Sequence[Integer[Tensor, " prompt"]], *, every_position: bool = False
-    ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "prompt vocab"]]:
+        self, prompts: Sequence[Integer[Tensor, " _prompt"]], *, every_position: bool = False
+    ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "_prompt vocab"]]:
         """Prefill ``prompts`` together (chunks of ``prefill_chunk`` tokens) and append them as the last rows,
         in order; returns their next-token logits (with ``every_position``: a list of each prompt's logits after
         every token). Rows joined earlier and still prefilling are left as they are."""

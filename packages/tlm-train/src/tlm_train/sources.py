@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from tlm_core.atomic import open_input
 
@@ -57,6 +57,15 @@ def is_jsonl(path: str | Path) -> bool:
     return bool(suffixes) and suffixes[-1] in JSONL
 
 
+@runtime_checkable
+class _SeekableReader(Protocol):
+    """What :func:`_zstd_check` walks: a file opened for reading bytes, or an ``io.BytesIO``."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+    def seek(self, offset: int, whence: int = 0, /) -> int: ...
+
+
 class _Checked(io.BufferedIOBase):
     """A decompressing stream whose failures (truncated, corrupt, not of its kind) are a ``ValueError``
     naming the file. A readable binary stream (``io.BufferedIOBase``), so ``io.TextIOWrapper`` takes it too."""
@@ -80,7 +89,7 @@ class _Checked(io.BufferedIOBase):
         return self.read(size)
 
 
-def _zstd_check(raw: BinaryIO, path: str | Path) -> None:
+def _zstd_check(raw: _SeekableReader, path: str | Path) -> None:
     """Walk the Zstandard frames of ``raw`` (block headers only; the data is skipped, not decompressed) and
     refuse a file that is not Zstandard or ends inside a frame: the decompressor itself reports neither, it
     just stops. Leaves ``raw`` at its start."""
