@@ -155,7 +155,7 @@ def text_of(tokenizer, token):
     return tokenizer.decode([token]) if token < tokenizer.vocab_size else ""
 
 
-def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, tokenizer):
+def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, tokenizer, record_error):
     prompt = "The quick brown fox jumps over"
     status, body = post(served, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
                                                     "logprobs": 5, "echo": True})  # fmt: skip
@@ -171,6 +171,8 @@ def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, token
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
     expected = [float(reference[i - 1, ids[i]]) for i in range(1, len(ids))]
     errors = [abs(a - b) for a, b in zip(logprobs["token_logprobs"][1:], expected, strict=True)]
+    got = torch.tensor(logprobs["token_logprobs"][1:])
+    record_error("tlm serve echo + logprobs vs full-recompute log_softmax", got, torch.tensor(expected))
     assert max(errors) < 1e-5, max(errors)
     for i in range(1, len(ids)):
         best = torch.topk(reference[i - 1], 5)

@@ -711,8 +711,9 @@ def test_a_background_save_writes_the_same_folder_and_raises_its_error_at_the_ne
     model = TransformerLM(ModelConfig(64, 8, 16, 1, 2, 32), fused=False)
     opt = AdamW(model.parameters())
     saver = BackgroundSaver()
-    folder = saver.submit(CheckpointManager(tmp_path / "a"), model, capture_state(model, opt, step=1))
-    CheckpointManager(tmp_path / "b").save(model, capture_state(model, opt, step=1))
+    state = capture_state(model, opt, step=1)
+    folder = saver.submit(CheckpointManager(tmp_path / "a"), model, state)
+    CheckpointManager(tmp_path / "b").save(model, state)
     saver.wait()
     other = tmp_path / "b" / folder.name
     # train_state.pt holds the same state (its zip carries torch.save's random serialization id, so its bytes are
