@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command, positive_float
+from tlm_command.args import UserError, add_command
 from tlm_command.manifest import MANIFEST, read_manifest
-from tlm_command.results import STATUSES, UNSTABLE_ABOVE, RunSummary
+from tlm_command.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
 
 __all__ = ["STATUSES", "UNSTABLE_ABOVE", "RunSummary", "collect", "full_markdown", "markdown", "plot", "report",
            "status_text", "summarize"]  # fmt: skip
@@ -224,15 +224,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders, or sweep folders")
     parser.add_argument("--out", metavar="FILE.png", help="draw the comparison into this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
-    parser.add_argument(
-        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--baseline",
-        metavar="SETTING",
-        help="the setting compared against (default: baseline, else the first)",
-    )
+    add_result_arguments(parser)
     parser.set_defaults(run=run)
 
 

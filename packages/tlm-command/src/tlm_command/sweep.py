@@ -49,9 +49,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_command.args import UserError, add_command, positive_float, positive_int, say
+from tlm_command.args import UserError, add_command, positive_int, say
 from tlm_command.compare import UNSTABLE_ABOVE
 from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
+from tlm_command.results import add_result_arguments
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
@@ -77,15 +78,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--seeds", type=positive_int, default=None, metavar="N", help="run every setting N times, seeds SEED..SEED+N-1"
     )
-    parser.add_argument(
-        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--baseline",
-        metavar="SETTING",
-        help="the setting compared against (default: baseline, else the first)",
-    )
+    add_result_arguments(parser)
     parser.add_argument(
         "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
     )

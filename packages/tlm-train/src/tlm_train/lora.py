@@ -129,6 +129,12 @@ def load_lora_step(
     model.load_state_dict(grown(base.state_dict(), config.vocab_size))  # a chat run's markers, as in training
     adapt(model, lora)
     load_named_adapters(model, adapters, str(folder))
+    return _finished(model, merge, device, dtype, options)
+
+
+def _finished(model: TransformerLM, merge: bool, device: Any, dtype: Any, options: dict[str, Any]) -> TransformerLM:
+    """An adapted model for inference: with ``merge``, a plain ``TransformerLM`` (built with ``options``) holding
+    the merged weights; else the adapted model itself, on ``device`` in ``dtype``."""
     if merge:
         merge_lora(model)
         plain = TransformerLM(model.config, device=device, dtype=dtype, **options)
@@ -236,12 +242,7 @@ def load_peft(
     model.load_state_dict(base.state_dict())
     adapt(model, lora)
     load_lora_state_dict(model, from_hf_lora_state_dict(load_file(folder / PEFT_WEIGHTS), base.config))
-    if merge:
-        merge_lora(model)
-        plain = TransformerLM(model.config, device=device, dtype=dtype, **options)
-        plain.load_state_dict({k: v for k, v in model.state_dict().items() if not is_adapter_key(k)})
-        return plain.eval()
-    return model.to(device=device, dtype=dtype).eval()
+    return _finished(model, merge, device, dtype, options)
 
 
 def peft_config(lora: dict[str, Any], base: str) -> dict[str, Any]:
