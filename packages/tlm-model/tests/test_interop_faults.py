@@ -127,8 +127,10 @@ def test_a_reader_racing_an_exporter_always_loads_one_whole_export(tmp_path, zyg
     # (a fixed count of reads, not of exports: on a loaded machine 40 exports took as long as 5 loads).
     exporter = Saver(zygote, tmp_path / "log", tmp_path / "out", [NEW, OLD], saves=10**6)
     exporter.wait_for("ready")
-    seen = [identify(tmp_path / "out", models, racing=True) for _ in range(20)]
-    lines = exporter.kill()
+    try:
+        seen = [identify(tmp_path / "out", models, racing=True) for _ in range(20)]
+    finally:
+        lines = exporter.kill()  # also when a read fails: a non-stop exporter must not outlive the test
     assert not [line for line in lines if line.startswith("error")] and lines.count("saved") >= 2, lines[-3:]
     assert set(seen) <= {"old", "new", "busy"} and seen.count("busy") < len(seen), seen
     assert identify(tmp_path / "out", models) in ("old", "new")
