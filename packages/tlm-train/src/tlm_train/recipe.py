@@ -16,6 +16,7 @@ been read back whole.
 
 import contextlib
 import dataclasses
+import gc
 import math
 import os
 import signal
@@ -97,6 +98,7 @@ def train(
     cuda_notes = _cuda_determinism_env(config)  # before this process's first cuBLAS call
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
+    recipe: Recipe | None = None
     try:
         recipe = Recipe(config, info, resume=resume, resume_from=resume_from, log=log, progress=progress)
         recipe.cuda_notes = cuda_notes
@@ -104,6 +106,12 @@ def train(
             return recipe.run()
     finally:
         if owns_group and dist.is_initialized():
+            # The DDP/FSDP2 wrappers go first, while the group is still registered, so that the group is shut
+            # down by destroy_process_group and not by the last wrapper's destructor: that one runs holding the
+            # GIL and joins gloo's worker threads, which may need the GIL to free a finished work's tensors (a
+            # hang at exit seen once in 2-rank DDP runs).
+            recipe = None
+            gc.collect()
             dist.destroy_process_group()
 
 
