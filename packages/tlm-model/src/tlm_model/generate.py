@@ -155,9 +155,7 @@ def generate(
     for step in range(max_new_tokens):
         token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         if eos_tensor is not None:
-            token = torch.where(finished, eos_tensor[0], token)
-            finished |= torch.isin(token, eos_tensor)
-            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
+            token, all_done_at = _track_end(token, finished, eos_tensor, all_done_at, step)
         out.append(token.unsqueeze(1))
         stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
         ended = eos_tensor is not None and (step + 1) % check_every == 0 and bool(finished.all())
@@ -223,9 +221,7 @@ def _generate_static(
     for step in range(max_new_tokens):
         token = sample_next_token(logits, **sampling)
         if eos is not None:
-            token = torch.where(finished, eos[0], token)
-            finished |= torch.isin(token, eos)
-            all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
+            token, all_done_at = _track_end(token, finished, eos, all_done_at, step)
         out.append(token.unsqueeze(1))
         stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
         ended = eos is not None and (step + 1) % check_every == 0 and bool(finished.all())
@@ -349,3 +345,12 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int] 
     for i in ids:
         check_int("eos_token_id", i, low=0, high=vocab - 1)
     return list(ids)
+
+
+def _track_end(token: Tensor, finished: Tensor, eos: Tensor, all_done_at: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    """One decoding step's end-of-text bookkeeping, on the device: a finished row keeps emitting ``eos[0]``,
+    ``finished`` (updated in place) gains the rows that just ended, and ``all_done_at`` becomes ``step`` the
+    first time every row has ended. Returns the token and ``all_done_at``."""
+    token = torch.where(finished, eos[0], token)
+    finished |= torch.isin(token, eos)
+    return token, torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
