@@ -156,6 +156,7 @@ class _Row:
         self.penalized = bool(request.presence_penalty or request.frequency_penalty)
         self.counts = torch.zeros(vocab, device=device) if self.penalized else None
         self.logits: torch.Tensor | None = None
+        self.token: torch.Tensor | None = None  # the sampled token the next step feeds
 
 
 class Scheduler:
@@ -189,6 +190,7 @@ class Scheduler:
         self._params_rows: list[_Row] = []  # the rows _cached_params was built for
         self._cached_params: RowParams | None = None
         self._one = torch.ones(1, device=device)
+        self._zero = torch.zeros((), dtype=torch.long, device=device)
         self._wake = threading.Condition()
         self._closing = False
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
@@ -309,37 +311,53 @@ class Scheduler:
         self._joining = []
         if not self._rows:
             return True
-        # One chunk of the joined prompts (shortest first, at most the batch's prefill_chunk tokens), so a long
-        # prompt is run a chunk a step between the decoding rows' steps instead of stalling them.
-        if self.batch.prefilling:
-            for r, logits in self.batch.prefill().items():  # the model's: a failure ends everything
+        # Up to the batch's prefill_chunk prompt tokens this iteration, in as many forwards as DecodeBatch's
+        # width rule asks (shortest first: a burst of short prompts runs in one iteration, a long prompt a chunk
+        # an iteration between the decoding rows' steps). A row whose prompt completes takes its first token at
+        # once, before the rest of the budget runs.
+        self._sample_ready()  # rows that joined prefilled (echo)
+        budget = self.batch.prefill_chunk
+        while budget > 0 and self.batch.prefilling:
+            before = sum(self.batch.lengths)
+            for r, logits in self.batch.prefill(budget).items():  # the model's: a failure ends everything
                 self._rows[r].logits = logits
-        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
-        tokens = [torch.zeros((), dtype=torch.long, device=self.device)] * len(self._rows)
-        if ready:
-            saved, self._rows = self._rows, [self._rows[r] for r in ready]
-            try:
-                sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
-            finally:
-                self._rows = saved
-            for r, token in zip(ready, sampled, strict=True):
-                tokens[r] = token
-                self._rows[r].logits = None
-        # Ended and cancelled rows leave before the forward; the last row takes each one's place.
-        for r in reversed(range(len(self._rows))):
-            if self._rows[r].request.cancelled.is_set():
-                self.batch.remove(r)
-                self._rows[r], tokens[r] = self._rows[-1], tokens[-1]
-                self._rows.pop(), tokens.pop()
-                self._left(1)
-        self._send_last()
+            budget -= sum(self.batch.lengths) - before
+            self._sample_ready()
+        self._drop_ended()
         prefilling = set(self.batch.prefilling)
         if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
-            logits = self.batch.step(torch.stack(tokens))  # a failure here is the model's: _loop ends it all
+            tokens = torch.stack([self._zero if row.token is None else row.token for row in self._rows])
+            logits = self.batch.step(tokens)  # a failure here is the model's: _loop ends it all
             for r, row in enumerate(self._rows):
                 row.logits = None if r in prefilling else logits[r]
             self.steps += 1
+            # The step's tokens go out now, not after the next iteration's prefill.
+            self._sample_ready()
+            self._drop_ended()
         return True
+
+    def _sample_ready(self) -> None:
+        """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
+        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
+        if not ready:
+            return
+        saved, self._rows = self._rows, [self._rows[r] for r in ready]
+        try:
+            sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
+        finally:
+            self._rows = saved
+        for r, token in zip(ready, sampled, strict=True):
+            self._rows[r].token, self._rows[r].logits = token, None
+
+    def _drop_ended(self) -> None:
+        """Ended and cancelled rows leave (the last row takes each one's place); then their last pieces go out."""
+        for r in reversed(range(len(self._rows))):
+            if self._rows[r].request.cancelled.is_set():
+                self.batch.remove(r)
+                self._rows[r] = self._rows[-1]
+                self._rows.pop()
+                self._left(1)
+        self._send_last()
 
     def _join(self, request: Request) -> None:
         """Give ``request`` a new row whose prompt is prefilled a chunk a step with the others joining
