@@ -63,12 +63,14 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
 
 
 class _Server:
-    def __init__(self, folder: pathlib.Path, max_batch: int, *extra: str, threads: int | None = None) -> None:
+    def __init__(
+        self, folder: pathlib.Path, max_batch: int, *extra: str, threads: int | None = None, python: str | None = None
+    ) -> None:
         # The first stderr line comes once the server listens (after the compiled step's warm-up).
         start = time.perf_counter()
         env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
+            [python or sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
              str(max_batch), "--max-queue", "256", "--model-name", "course", *extra],
             stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
@@ -243,7 +245,8 @@ class _HF:
         stopped at an end-of-text token, which HF's ``min_new_tokens`` rules out)."""
         for prompt, (text, reason, tokens) in texts.items():
             ids = generated[prompt][: tokens - 1 if reason == "stop" else tokens]
-            if text != self.tokenizer.decode(ids):
+            # The model's vocabulary may be larger than the tokenizer's: the server sends no text for such an id.
+            if text != self.tokenizer.decode([i for i in ids if i < self.tokenizer.vocab_size]):
                 return False
         return True
 
@@ -292,26 +295,33 @@ def render(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _against_hf(server: _Server, hf: _HF, clients: int, requests: int, max_tokens: int, rounds: int) -> dict:
-    """Rounds of the ``clients``-client run alternating with HF's batched generate on the same requests: each
-    round's ratio of tokens/s (wall time) and of CPU time (the server process's against this process's while HF
-    runs: what the machine's other jobs take from either side counts in neither), and whether the texts agree."""
+def _against_hf(servers: dict[str, _Server], hf: _HF, clients: int, requests: int, max_tokens: int,
+                rounds: int) -> dict:  # fmt: skip
+    """Rounds of the ``clients``-client run on each server alternating with HF's batched generate on the same
+    requests: per server, each round's ratio of tokens/s (wall time) and of CPU time per token (the server
+    process's against this process's while HF runs: what the machine's other jobs take from either side counts
+    in neither), and whether its texts agree with HF's."""
     per_client = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
     everything = [PROMPTS[i % len(PROMPTS)] for i in range(requests * clients)]
-    walls, cpus, same = [], [], True
+    results = {name: {"clients": clients, "wall": [], "cpu": [], "same_texts": True} for name in servers}
     for _ in range(rounds):
-        server.texts.clear()
-        cpu = server.cpu_s()
-        ours = _clients(server, clients, per_client, max_tokens)
-        ours_cpu = server.cpu_s() - cpu
+        runs = {}
+        for name, server in servers.items():
+            server.texts.clear()
+            cpu = server.cpu_s()
+            runs[name] = _clients(server, clients, per_client, max_tokens), server.cpu_s() - cpu
         theirs, generated = hf.run(everything, max_tokens, batch=clients)
-        same = same and hf.same_texts(server.texts, generated)
-        walls.append(ours["tok_s"] / theirs["tok_s"])
-        cpus.append((theirs["cpu"] / theirs["tokens"]) / (ours_cpu / ours["tokens"]))
-        print(f"round: {ours['tok_s']:.0f} vs HF {theirs['tok_s']:.0f} tok/s ({walls[-1]:.2f}x wall, {cpus[-1]:.2f}x "
-              f"CPU time), load {load_average():.1f}", file=sys.stderr)  # fmt: skip
-    return {"clients": clients, "wall": _spread(walls), "cpu": _spread(cpus), "same_texts": same,
-            "ours": ours, "hf": theirs}  # fmt: skip
+        for name, (ours, ours_cpu) in runs.items():
+            result = results[name]
+            result["same_texts"] = result["same_texts"] and hf.same_texts(servers[name].texts, generated)
+            result["wall"].append(ours["tok_s"] / theirs["tok_s"])
+            result["cpu"].append((theirs["cpu"] / theirs["tokens"]) / (ours_cpu / ours["tokens"]))
+            result["ours"], result["hf"] = ours, theirs
+            print(f"round, {name}: {ours['tok_s']:.0f} vs HF {theirs['tok_s']:.0f} tok/s ({result['wall'][-1]:.2f}x "
+                  f"wall, {result['cpu'][-1]:.2f}x CPU time), load {load_average():.1f}", file=sys.stderr)  # fmt: skip
+    for result in results.values():
+        result["wall"], result["cpu"] = _spread(result["wall"]), _spread(result["cpu"])
+    return results
 
 
 def _spread(values: list[float]) -> tuple[float, float, float]:
@@ -328,6 +338,12 @@ def main() -> None:
     parser.add_argument("--health", action="store_true", help="only /health's latency under big requests")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the most clients against HF, alternating")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of HF's side")
+    parser.add_argument(
+        "--before",
+        metavar="PYTHON",
+        help="also a server run by this interpreter (another "
+        "checkout's environment), alternating in the rounds against HF (no doc written)",
+    )
     parser.add_argument("--against-hf-only", action="store_true", help="only the rounds against HF (no doc written)")
     args = parser.parse_args()
     import torch
@@ -339,8 +355,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
         folder = _model_folder(out)
-        server = _Server(folder, max(counts), *(["--no-compile"] if args.no_compile else []), threads=args.threads)
+        extra = ["--no-compile"] if args.no_compile else []
+        if args.before:  # both start (and compile) together
+            before = threading.Thread(target=lambda: servers.update(before=_Server(
+                folder, max(counts), *extra, threads=args.threads, python=args.before)))  # fmt: skip
+            servers: dict[str, _Server] = {}
+            before.start()
+        server = _Server(folder, max(counts), *extra, threads=args.threads)
         print(f"the server listened {server.startup_s:.0f} s after it started", file=sys.stderr)
+        if args.before:
+            before.join()
+            print(f"the server before listened {servers['before'].startup_s:.0f} s after it started", file=sys.stderr)
         if args.health:
             from tlm_model import ModelConfig
             from tlm_tokenizer import Tokenizer
@@ -356,7 +381,9 @@ def main() -> None:
         try:
             server.stream(PROMPTS[0], 4)  # warm-up
             hf = _HF(folder, out)
-            versus = _against_hf(server, hf, max(counts), args.requests, max_tokens, args.rounds)
+            everyone = ({"before": servers["before"]} if args.before else {}) | {"this": server}
+            compared = _against_hf(everyone, hf, max(counts), args.requests, max_tokens, args.rounds)
+            versus = compared["this"]
             if not args.against_hf_only:
                 per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
                 for clients in counts:
@@ -370,9 +397,13 @@ def main() -> None:
                 rows.append(versus["hf"])
         finally:
             server.stop()
-    print(json.dumps({"startup_s": server.startup_s} | {k: v for k, v in versus.items() if k not in ("ours", "hf")}),
-          file=sys.stderr)  # fmt: skip
-    if args.against_hf_only:
+            if args.before:
+                servers["before"].stop()
+    for name, result in compared.items():
+        startup = (servers["before"] if name == "before" else server).startup_s
+        print(name, json.dumps({"startup_s": startup} | {k: v for k, v in result.items() if k not in ("ours", "hf")}),
+              file=sys.stderr)  # fmt: skip
+    if args.against_hf_only or args.before:
         return
     meta = {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads,
             "load_before": load_before, "load_after": load_average(), "max_tokens": max_tokens,
