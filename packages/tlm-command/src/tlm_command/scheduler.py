@@ -40,10 +40,15 @@ from tlm_model.inference import unwrap
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
 
-#: Prompt tokens prefilled between two decoding steps at most (DecodeBatch's ``prefill_chunk``). On a 2-core CPU
-#: (course shape, eager, bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an
-#: idle server while a 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
-PREFILL_CHUNK = 64
+#: Prompt tokens in one prefill forward at most (DecodeBatch's ``prefill_chunk``): what a request that arrives
+#: while a long prompt is prefilled waits for before its own prompt runs. On a 2-core CPU (course shape, eager,
+#: bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an idle server while a
+#: 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
+PREFILL_CHUNK = 32
+
+#: Prompt tokens prefilled between two decoding steps at most (in forwards of PREFILL_CHUNK): how long the
+#: decoding rows wait for the prompts that join.
+PREFILL_BUDGET = 64
 
 
 class QueueFull(Exception):
@@ -183,6 +188,7 @@ class Scheduler:
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
         self.batch = DecodeBatch(model, max_batch, prefill_chunk=PREFILL_CHUNK)
+        self.prefill_budget = PREFILL_BUDGET
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
@@ -296,33 +302,25 @@ class Scheduler:
                 if self._closing:
                     return False
                 self._wake.wait()
-            joining: list[Request] = []
-            while self._waiting and len(self._rows) + len(joining) < self.max_batch:
-                joining.append(self._waiting.popleft())
-            self._joining = joining  # neither waiting nor in a row until they join: a model failure ends them too
-        short = [r for r in joining if r.max_tokens <= 1 and not r.cancelled.is_set()]
-        for request in joining:
-            if request.cancelled.is_set():
-                self._left(1)
-            elif request.max_tokens > 1:
-                self._join(request)
-        if short:
-            self._prefill_only(short)
-        self._joining = []
+        self._admit()
         if not self._rows:
             return True
-        # Up to the batch's prefill_chunk prompt tokens this iteration, in as many forwards as DecodeBatch's
-        # width rule asks (shortest first: a burst of short prompts runs in one iteration, a long prompt a chunk
-        # an iteration between the decoding rows' steps). A row whose prompt completes takes its first token at
-        # once, before the rest of the budget runs.
+        # Up to prefill_budget prompt tokens this iteration, in forwards of at most the batch's prefill_chunk
+        # (shortest first, as DecodeBatch's width rule groups them): a burst of short prompts runs in one
+        # iteration, a long prompt a chunk or two an iteration between the decoding rows' steps. A row whose
+        # prompt completes takes its first token at once, and a request that arrived during a forward joins
+        # before the next one, so a short prompt waits for one chunk of a long one, not for a whole iteration.
         self._sample_ready()  # rows that joined prefilled (echo)
-        budget = self.batch.prefill_chunk
+        budget = self.prefill_budget
         while budget > 0 and self.batch.prefilling:
             before = sum(self.batch.lengths)
-            for r, logits in self.batch.prefill(budget).items():  # the model's: a failure ends everything
+            done = self.batch.prefill(min(budget, self.batch.prefill_chunk))  # the model's: a failure ends all
+            for r, logits in done.items():
                 self._rows[r].logits = logits
             budget -= sum(self.batch.lengths) - before
             self._sample_ready()
+            if self._waiting and budget > 0:  # read without the lock: a hint, _admit takes it
+                self._admit()
         self._drop_ended()
         prefilling = set(self.batch.prefilling)
         if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
@@ -358,6 +356,23 @@ class Scheduler:
                 self._rows.pop()
                 self._left(1)
         self._send_last()
+
+    def _admit(self) -> None:
+        """Waiting requests take the free rows (a prompt to prefill each, or a prefill-only forward now)."""
+        with self._wake:
+            joining: list[Request] = []
+            while self._waiting and len(self._rows) + len(joining) < self.max_batch:
+                joining.append(self._waiting.popleft())
+            self._joining = joining  # neither waiting nor in a row until they join: a model failure ends them too
+        short = [r for r in joining if r.max_tokens <= 1 and not r.cancelled.is_set()]
+        for request in joining:
+            if request.cancelled.is_set():
+                self._left(1)
+            elif request.max_tokens > 1:
+                self._join(request)
+        if short:
+            self._prefill_only(short)
+        self._joining = []
 
     def _join(self, request: Request) -> None:
         """Give ``request`` a new row whose prompt is prefilled a chunk a step with the others joining
