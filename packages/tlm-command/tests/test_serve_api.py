@@ -552,3 +552,44 @@ def test_a_chat_models_turn_ends_at_im_end(parts):
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 1
+
+
+def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one_chunk_of_it(parts):
+    # Chunks of 8 tokens under a budget of 64 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
+    # request that arrives during the first of them joins before the second, which runs its prompt (shortest
+    # first), and its first token is out before the long prompt's third chunk. Each answer is the eager model's
+    # greedy generate alone.
+    from tlm_command.scheduler import Request, Scheduler
+    from tlm_model import generate
+
+    model, tokenizer = parts
+    scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
+    scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 64
+    generator = torch.Generator().manual_seed(7)
+    long, short = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (60, 3))
+    forwards, events, tokens, done = [], [], {}, threading.Event()
+    prefill = scheduler.batch.prefill
+
+    def send(name, prompt):
+        def emit(piece):
+            tokens.setdefault(name, []).extend(s.token for s in piece.scored)
+            events.append((name, len(forwards)))
+            if piece.finish_reason and name == "long":
+                done.set()
+
+        scheduler.submit(Request(prompt, 3, emit, temperature=0.0, logprobs=0))
+
+    def counted(budget=None):
+        forwards.append(budget)
+        if len(forwards) == 1:
+            send("short", short)  # arrives during the long prompt's first chunk
+        return prefill(budget)
+
+    scheduler.batch.prefill = counted
+    send("long", long)
+    assert done.wait(30)
+    scheduler.close(timeout=5)
+    assert events[0] == ("short", 2)  # after the long chunk in flight and its own forward
+    assert len(forwards) >= 8  # the long prompt's rest still to run then
+    for name, prompt in (("long", long), ("short", short)):
+        assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name
