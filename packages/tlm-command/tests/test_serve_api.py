@@ -556,9 +556,9 @@ def test_a_chat_models_turn_ends_at_im_end(parts):
 
 def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one_chunk_of_it(parts):
     # Chunks of 8 tokens under a budget of 64 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
-    # request that arrives during the first of them joins before the second, which runs its prompt (shortest
-    # first), and its first token is out before the long prompt's third chunk. Each answer is the eager model's
-    # greedy generate alone.
+    # request that arrives during the first of them joins before the second, which runs its prompt alone (no chunk
+    # of the long one beside it), and its first token is out before the long prompt's third chunk. Each answer is
+    # the eager model's greedy generate alone.
     from tlm_command.scheduler import Request, Scheduler
     from tlm_model import generate
 
@@ -583,13 +583,16 @@ def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one
         forwards.append(budget)
         if len(forwards) == 1:
             send("short", short)  # arrives during the long prompt's first chunk
-        return prefill(budget)
+        done = prefill(budget)
+        forwards[-1] = scheduler.batch.lengths  # each row's prompt tokens run after this forward
+        return done
 
     scheduler.batch.prefill = counted
     send("long", long)
     assert done.wait(30)
     scheduler.close(timeout=5)
     assert events[0] == ("short", 2)  # after the long chunk in flight and its own forward
+    assert forwards[:2] == [(8,), (8, 3)]
     assert len(forwards) >= 8  # the long prompt's rest still to run then
     for name, prompt in (("long", long), ("short", short)):
         assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name

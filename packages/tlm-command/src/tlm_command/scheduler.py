@@ -314,7 +314,7 @@ class Scheduler:
         budget = self.prefill_budget
         while budget > 0 and self.batch.prefilling:
             before = sum(self.batch.lengths)
-            done = self.batch.prefill(min(budget, self.batch.prefill_chunk))  # the model's: a failure ends all
+            done = self.batch.prefill(self._forward_size(budget))  # the model's: a failure ends everything
             for r, logits in done.items():
                 self._rows[r].logits = logits
             budget -= sum(self.batch.lengths) - before
@@ -333,6 +333,20 @@ class Scheduler:
             self._sample_ready()
             self._drop_ended()
         return True
+
+    def _forward_size(self, budget: int) -> int:
+        """Prompt tokens for the next prefill forward: at most the budget left and the batch's prefill_chunk, and
+        exactly the prompts it can finish when some can (the shortest first, as DecodeBatch takes them), so that a
+        short prompt runs alone rather than beside a chunk of a long one that would double its forward."""
+        size = min(budget, self.batch.prefill_chunk)
+        lengths = self.batch.lengths
+        left = sorted(len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling)
+        finishing = 0
+        for n in left:
+            if finishing + n > size:
+                break
+            finishing += n
+        return finishing or size
 
     def _sample_ready(self) -> None:
         """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
