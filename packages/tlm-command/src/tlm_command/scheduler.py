@@ -1,17 +1,18 @@
 """The scheduler behind ``tlm serve``: one thread owns the model and runs one batched decode step a time
 for every active request (continuous batching).
 
-Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between
-steps while it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a
-row whose prompt is prefilled with the other joining prompts, a chunk a step (at most the batch's
-``prefill_chunk`` tokens, shortest prompt first: :meth:`tlm_model.batching.DecodeBatch.prefill`) between the
-decoding rows' steps, so a long prompt does not stall them; then every step feeds one token to every
-decoding row in one forward. A request that only scores its prompt (``max_tokens`` 0 with ``echo``) or generates one
-token needs no cache: those that join together run as one padded prefill (:meth:`Scheduler._prefill_only`),
-and end there. Each row samples with its own parameters (:mod:`tlm_command.sampling`, one call for the batch)
-and its own ``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
-``temperature=0`` is greedy, the same as ``tlm generate --temperature 0``. Log-probabilities come from the
-forward that gave the token (:func:`tlm_command.sampling.token_logprobs`).
+Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between forwards while
+it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a row whose prompt is
+prefilled with the other joining prompts: up to :data:`PREFILL_BUDGET` tokens between two decoding steps, in
+forwards of at most the batch's ``prefill_chunk`` tokens (shortest prompt first:
+:meth:`tlm_model.batching.DecodeBatch.prefill`), so a long prompt does not stall the decoding rows and a short one
+waits for one chunk of it; then every step feeds one token to every decoding row in one forward. A request that only
+scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token needs no cache: those that join together
+run as one padded prefill (:meth:`Scheduler._prefill_only`), and end there. Each row samples with its own parameters
+(:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
+its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
+--temperature 0``. Log-probabilities come from the forward that gave the token
+(:func:`tlm_command.sampling.token_logprobs`).
 
 A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
 (a client that went away), and its row is free for the next step. What one request raises (outside the
