@@ -44,7 +44,9 @@ PROMPTS = [
 ]
 
 
-def _model_folder(out: pathlib.Path) -> pathlib.Path:
+def _model_folder(out: pathlib.Path, context: int | None = None) -> pathlib.Path:
+    import dataclasses
+
     import torch
 
     from tlm_model import ModelConfig, TransformerLM, save_model_file
@@ -52,6 +54,8 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
     from tlm_train import default_corpus
 
     cfg = ModelConfig.from_preset("course-tinystories")
+    if context is not None:  # the same weights (RoPE has none); only the server's KV caches are this long
+        cfg = dataclasses.replace(cfg, context_length=context)
     text = out / "corpus.txt"
     text.write_text(default_corpus(), encoding="utf-8")
     vocab, merges = train_bpe(text, cfg.vocab_size, ["<|endoftext|>"], num_workers=1)
@@ -344,6 +348,12 @@ def main() -> None:
         help="also a server run by this interpreter (another "
         "checkout's environment), alternating in the rounds against HF (no doc written)",
     )
+    parser.add_argument(
+        "--context",
+        type=int,
+        help="the model's context (default the preset's, 256): the server's "
+        "caches hold this many positions, and its compiled step attends over all of them",
+    )
     parser.add_argument("--against-hf-only", action="store_true", help="only the rounds against HF (no doc written)")
     args = parser.parse_args()
     import torch
@@ -354,7 +364,7 @@ def main() -> None:
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
-        folder = _model_folder(out)
+        folder = _model_folder(out, args.context)
         extra = ["--no-compile"] if args.no_compile else []
         if args.before:  # both start (and compile) together
             before = threading.Thread(target=lambda: servers.update(before=_Server(
