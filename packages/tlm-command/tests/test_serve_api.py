@@ -555,7 +555,7 @@ def test_a_chat_models_turn_ends_at_im_end(parts):
 
 
 def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one_chunk_of_it(parts):
-    # Chunks of 8 tokens under a budget of 64 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
+    # Chunks of 8 tokens under a budget of 32 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
     # request that arrives during the first of them joins before the second, which runs its prompt alone (no chunk
     # of the long one beside it), and its first token is out before the long prompt's third chunk. Each answer is
     # the eager model's greedy generate alone.
@@ -564,7 +564,7 @@ def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one
 
     model, tokenizer = parts
     scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
-    scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 64
+    scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 32
     generator = torch.Generator().manual_seed(7)
     long, short = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (60, 3))
     forwards, events, tokens, done = [], [], {}, threading.Event()

@@ -47,9 +47,10 @@ PREFILL_TOKENS = 4096
 #: 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
 PREFILL_CHUNK = 32
 
-#: Prompt tokens prefilled between two decoding steps at most (in forwards of PREFILL_CHUNK): how long the
-#: decoding rows wait for the prompts that join.
-PREFILL_BUDGET = 64
+#: Prompt tokens prefilled between two decoding steps at most: how long the decoding rows wait for the prompts
+#: that join. Short prompts (a PREFILL_CHUNK at most) that fit it run in one forward (a burst of 16 in one or two
+#: iterations, not one forward and one step each); longer ones a PREFILL_CHUNK a forward.
+PREFILL_BUDGET = 128
 
 
 class QueueFull(Exception):
@@ -336,18 +337,19 @@ class Scheduler:
         return True
 
     def _forward_size(self, budget: int) -> int:
-        """Prompt tokens for the next prefill forward: at most the budget left and the batch's prefill_chunk, and
-        exactly the prompts it can finish when some can (the shortest first, as DecodeBatch takes them), so that a
-        short prompt runs alone rather than beside a chunk of a long one that would double its forward."""
-        size = min(budget, self.batch.prefill_chunk)
-        lengths = self.batch.lengths
+        """Prompt tokens for the next prefill forward: exactly the short prompts (at most a prefill_chunk left)
+        that the budget left can finish, when there are some (the shortest first, as DecodeBatch takes them: a
+        burst of short prompts in one forward, and a short prompt never beside a chunk of a long one, which would
+        double its forward); else one chunk of a long prompt, at most prefill_chunk tokens (what a request
+        arriving meanwhile waits for)."""
+        chunk, lengths = self.batch.prefill_chunk, self.batch.lengths
         left = sorted(len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling)
         finishing = 0
         for n in left:
-            if finishing + n > size:
+            if n > chunk or finishing + n > budget:
                 break
             finishing += n
-        return finishing or size
+        return finishing or min(budget, chunk)
 
     def _sample_ready(self) -> None:
         """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
