@@ -21,8 +21,8 @@ round: the median and the range over the rounds are reported.
 - **ttft**: ``tlm serve``'s scheduler in this process (no HTTP, the eager model: ``--no-compile``; with
   ``--compiled-ttft`` the compiled one, warmed up first), the course shape with a 2560-token context: the time
   from submitting a 16-token greedy request to its first token, on an idle scheduler and while a 2000-token prompt
-  is being prefilled (submitted 50 ms before), at prefill forwards of 64, 32 and 16 tokens under a budget of 64 an
-  iteration (64/64 is the scheduler's policy before this round).
+  is being prefilled (submitted 50 ms before), at prefill forwards of 64 tokens, one an iteration (the
+  scheduler's policy before this round), of 32 (its default since) and of 16 under its budget an iteration.
 - **capacity**: one compiled step of a batch of 1 at cache capacities 128, 512 and 2048 (the course shape with a
   2048-token context): the step writes one token in place and attends over the whole buffer under a mask.
 """
@@ -184,7 +184,7 @@ def ttft(repeats: int, compiled: bool = False) -> dict:
     import dataclasses
     import threading
 
-    from tlm_command.scheduler import Request, Scheduler
+    from tlm_command.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, Request, Scheduler
 
     class Bytes:  # the scheduler's text stream needs bytes per id; any will do for timing
         vocab_size = COURSE.vocab_size
@@ -208,10 +208,10 @@ def ttft(repeats: int, compiled: bool = False) -> dict:
         return request, done
 
     rows = {}
-    # (tokens a prefill forward, tokens an iteration): 64/64 is the scheduler's policy before it split its budget
-    # into forwards (one chunk of 64 an iteration), 32/64 its default since.
+    # (tokens a prefill forward, tokens an iteration): 64/64 is one chunk of 64 an iteration, the scheduler's
+    # policy before this round; PREFILL_CHUNK/PREFILL_BUDGET its default since.
     served = compile_for_inference(model) if compiled else model
-    for chunk, budget in ((64, 64), (32, 64), (16, 64)):
+    for chunk, budget in ((64, 64), (PREFILL_CHUNK, PREFILL_BUDGET), (16, PREFILL_BUDGET)):
         start = time.perf_counter()
         scheduler = Scheduler(served, Bytes(), max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"),
                               warm_up=compiled)  # fmt: skip
