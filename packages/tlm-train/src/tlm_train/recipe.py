@@ -141,7 +141,7 @@ class Recipe:
         self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
-        self.saver = BackgroundSaver()  # one-process checkpoints, written while training goes on
+        self.saver = BackgroundSaver()  # checkpoints, written while training goes on
         # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
         self._exit.callback(self._settle_saves)
 
@@ -649,7 +649,7 @@ class Recipe:
         if self.info.is_main:
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
         if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
-            if self.config.async_checkpoint and not state["sharded"] and not force:
+            if self.config.async_checkpoint and not force:
                 self.last_checkpoint = self.saver.submit(manager, unwrap(self.model), state)
             else:  # a stop writes its checkpoint before saying where it is
                 self.last_checkpoint = manager.save(unwrap(self.model), state)
