@@ -766,6 +766,16 @@ class BackgroundSaver:
             error, self._error = self._error, None
             raise error
 
+    def close(self) -> None:
+        """:meth:`wait`, then release the staging buffers kept between saves (an accelerator's pinned ones)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._buffers = []
+
 
 class CheckpointManager:
     """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``, and ``latest``

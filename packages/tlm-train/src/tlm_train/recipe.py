@@ -662,7 +662,7 @@ class Recipe:
 
     def _settle_saves(self) -> None:
         try:
-            self.saver.wait()
+            self.saver.close()  # the run is ending: its staging buffers can go
         except Exception as err:  # the run is already ending with its own error; say this one too
             self.say(f"the checkpoint being written when the run stopped failed: {err}")
 
