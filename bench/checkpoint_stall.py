@@ -181,9 +181,9 @@ def main_sharded(args: argparse.Namespace) -> None:
         "the copy of each rank's part to host memory and DCP's start. The stall is the whole bill, the call "
         "included: here two ranks train on the machine's two cores, so the background writers take their CPU time "
         f"from the steps they overlap: async's total is {ratio:.2f}× inline's (medians). On a host with idle cores "
-        "(a GPU host) that CPU time is free and the call is the stall. An async save holds each rank's "
-        "snapshot (its part of the state) until it is written; the RSS peak shows less where the allocator reuses "
-        "memory the step had freed.",
+        "(a GPU host) that CPU time would be free and the call the stall (not measured here). An async save holds "
+        "each rank's snapshot (its part of the state) until it is written; the RSS peak shows less where the "
+        "allocator reuses memory the step had freed.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
