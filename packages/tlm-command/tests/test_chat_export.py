@@ -9,7 +9,7 @@ import pytest
 from tlm_command.main import main
 from tlm_tokenizer import Tokenizer
 from tlm_tokenizer.chat import CHATML_TEMPLATE, IM_END, ChatTemplate
-from tlm_train import artifacts
+import tlm_artifacts as artifacts
 
 transformers = pytest.importorskip("transformers")
 

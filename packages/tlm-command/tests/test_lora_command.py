@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tlm_command.main import main
-from tlm_train import artifacts
+import tlm_artifacts as artifacts
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
