@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tlm_command.main import main
 import tlm_artifacts as artifacts
+from tlm_command.main import main
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -71,10 +71,10 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import tlm_artifacts
     from tlm_core.tensors import dtype_from_name
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
-    import tlm_artifacts
 
     if args.to_peft is not None:
         return _to_peft(args)
@@ -140,12 +140,12 @@ def _to_peft(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tlm_core.atomic import replace_dir
-    from tlm_lora import lora_state_dict
-    from tlm_model.interop import to_hf_lora_state_dict
     import tlm_artifacts
     from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
     from tlm_artifacts.lora import adapter_bytes, load_lora_step, peft_config
+    from tlm_core.atomic import replace_dir
+    from tlm_lora import lora_state_dict
+    from tlm_model.interop import to_hf_lora_state_dict
 
     if args.merge or args.tokenizer is not None or args.dtype is not None:
         raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")

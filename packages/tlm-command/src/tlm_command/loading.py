@@ -23,8 +23,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = Tru
 
 def load_tokenizer(path: str | None, artifact: Any) -> Any:
     """``--tokenizer DIR`` when given, else the artifact's own tokenizer (or None when it has none)."""
-    from tlm_tokenizer import Tokenizer
     import tlm_artifacts
+    from tlm_tokenizer import Tokenizer
 
     if path is not None:
         return Tokenizer.load(path)
@@ -41,8 +41,8 @@ def load_model(
     args: argparse.Namespace, device: "torch.device", *, compile: bool = False
 ) -> "tuple[TransformerLM, Any, Any]":
     """(model in eval mode, tokenizer or None, the resolved artifact) for ``--checkpoint``."""
-    from tlm_core.tensors import dtype_from_name
     import tlm_artifacts
+    from tlm_core.tensors import dtype_from_name
 
     dtype = dtype_from_name(args.dtype, "--dtype") if getattr(args, "dtype", None) else None
     artifact = tlm_artifacts.resolve(args.checkpoint)
