@@ -307,11 +307,11 @@ class Scheduler:
         self._admit()
         if not self._rows:
             return True
-        # Up to prefill_budget prompt tokens this iteration, in forwards of at most the batch's prefill_chunk
-        # (shortest first, as DecodeBatch's width rule groups them): a burst of short prompts runs in one
-        # iteration, a long prompt a chunk or two an iteration between the decoding rows' steps. A row whose
-        # prompt completes takes its first token at once, and a request that arrived during a forward joins
-        # before the next one, so a short prompt waits for one chunk of a long one, not for a whole iteration.
+        # Up to prefill_budget prompt tokens this iteration (_forward_size: the short prompts that fit together,
+        # a long prompt a chunk a forward): a burst of short prompts runs in one iteration, a long prompt a few
+        # chunks an iteration between the decoding rows' steps. A row whose prompt completes takes its first
+        # token at once, and a request that arrived during a forward joins before the next one, so a short
+        # prompt waits for one chunk of a long one, not for a whole iteration.
         self._sample_ready()  # rows that joined prefilled (echo)
         budget = self.prefill_budget
         while budget > 0 and self.batch.prefilling:
@@ -323,6 +323,7 @@ class Scheduler:
             self._sample_ready()
             if self._waiting and budget > 0:  # read without the lock: a hint, _admit takes it
                 self._admit()
+                self._sample_ready()  # one that joined prefilled (echo) has its logits already
         self._drop_ended()
         prefilling = set(self.batch.prefilling)
         if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
