@@ -21,8 +21,9 @@ round: the median and the range over the rounds are reported.
 - **ttft**: ``tlm serve``'s scheduler in this process (no HTTP, the eager model: ``--no-compile``; with
   ``--compiled-ttft`` the compiled one, warmed up first), the course shape with a 2560-token context: the time
   from submitting a 16-token greedy request to its first token, on an idle scheduler and while a 2000-token prompt
-  is being prefilled (submitted 50 ms before), at prefill forwards of 64 tokens, one an iteration (the
-  scheduler's policy before this round), of 32 (its default since) and of 16 under its budget an iteration.
+  is being prefilled (submitted 30 to 90 ms before, seeded uniform: the short one lands anywhere in a chunk), at
+  prefill forwards of 64 tokens, one an iteration (the scheduler's policy before this round), of 32 (its default
+  since) and of 16 under its budget an iteration.
 - **capacity**: one compiled step of a batch of 1 at cache capacities 128, 512 and 2048 (the course shape with a
   2048-token context): the step writes one token in place and attends over the whole buffer under a mask.
 """
@@ -31,6 +32,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -220,13 +222,13 @@ def ttft(repeats: int, compiled: bool = False) -> dict:
         if compiled:  # the chunks' graph takes a prompt as long as the long one's rows once before the timing
             send(scheduler, long, 2)[1].wait()
 
-        idle, busy = [], []
+        idle, busy, arrival = [], [], random.Random(0)
         for _ in range(repeats):
             request, done = send(scheduler, short, 2)
             done.wait()
             idle.append(request.first_token_at - request.submitted)
             _, background_done = send(scheduler, long, 2)
-            time.sleep(0.05)  # its prefill under way
+            time.sleep(arrival.uniform(0.03, 0.09))  # its prefill under way
             request, done = send(scheduler, short, 2)
             done.wait()
             busy.append(request.first_token_at - request.submitted)
