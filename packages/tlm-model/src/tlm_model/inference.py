@@ -52,11 +52,13 @@ class InferenceModel(nn.Module):
 
         # Two functions (two code objects), so the fixed-shape decode graphs and the dynamic-shape prefill
         # graphs are cached apart.
-        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
-            return model.forward_static(tokens, positions, caches)
+        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None) -> Tensor:
+            return model.forward_static(tokens, positions, caches, slots=slots)
 
-        def prefill(tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor) -> Tensor:
-            return model.forward_static(tokens, positions, caches, rows, last)
+        def prefill(
+            tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor, slots: Tensor | None
+        ) -> Tensor:
+            return model.forward_static(tokens, positions, caches, rows, last, slots)
 
         self._decode = torch.compile(decode, **decode_kwargs)
         self._prefill = torch.compile(prefill, **PREFILL_COMPILE_KWARGS)
@@ -84,12 +86,20 @@ class InferenceModel(nn.Module):
         with _frozen():
             return self.compiled(in_indices, token_positions, kv_cache)
 
-    def decode_step(self, tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
+    def decode_step(
+        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None = None
+    ) -> Tensor:
         """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (one graph per batch size
-        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions."""
+        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions.
+
+        ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
+        so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
+        two, :func:`~tlm_model.batching.slot_bucket`)."""
+        if slots is not None:
+            torch._dynamo.mark_dynamic(slots, 0)
         with _frozen():
             if tokens.device.type != "cuda":
-                return self._decode(tokens, positions, caches)
+                return self._decode(tokens, positions, caches, slots)
             # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
             # each call is a new step, and the logits are copied out of the graph's memory, which the next
             # replay reuses.
@@ -97,14 +107,23 @@ class InferenceModel(nn.Module):
                 for buffer in (cache.key_buffer, cache.value_buffer):
                     torch._dynamo.mark_static_address(buffer)
             torch.compiler.cudagraph_mark_step_begin()
-            return self._decode(tokens, positions, caches).clone()
+            return self._decode(tokens, positions, caches, slots).clone()
 
     def prefill_step(
-        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        caches: list[KVCache],
+        rows: Tensor,
+        last: Tensor,
+        slots: Tensor | None = None,
     ) -> Tensor:
-        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes)."""
+        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes;
+        ``slots`` as in :meth:`decode_step`, its length dynamic from the first call)."""
+        if slots is not None:
+            torch._dynamo.mark_dynamic(slots, 0)
         with _frozen():
-            return self._prefill(tokens, positions, caches, rows, last)
+            return self._prefill(tokens, positions, caches, rows, last, slots)
 
 
 @contextlib.contextmanager
