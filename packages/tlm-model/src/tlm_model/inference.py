@@ -19,18 +19,35 @@ from tlm_model.lm import POSITIONS_WITH_CACHE, TransformerLM, check_token_ids
 #: where oneDNN's GEMM ran 2.8x MKL's, 3x (docs/benchmarks.md).
 COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
 
+#: inductor's options for "max-autotune-no-cudagraphs" (``torch.compile`` takes a mode or options, not both).
+_AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
+
+#: What the decode step and prompt chunks add to their options: no guards on the model's modules (the wrapper's
+#: weights are frozen constants of the graph already: a changed model needs a new ``compile_for_inference``),
+#: which leaves dynamo fewer checks to run before every step.
+_STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
-#: one graph per (batch bucket, capacity), never a dynamic size; CUDA graphs on CUDA ("reduce-overhead"),
-#: inductor's autotuned C++ GEMMs on CPU.
+#: one graph per (batch bucket, capacity), whose only dynamic size is the number of slots it reads; CUDA graphs
+#: on CUDA ("reduce-overhead"), inductor's autotuned C++ GEMMs on CPU with a C++ wrapper (the graph's kernels
+#: called from C++, not from a Python function: a batch-1 step's Python overhead was about a tenth of it).
 DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
-    "cuda": {"mode": "reduce-overhead", "dynamic": False, "fullgraph": True},
-    "cpu": {"mode": "max-autotune-no-cudagraphs", "dynamic": False, "fullgraph": True},
+    "cuda": {"dynamic": False, "fullgraph": True, "options": {"triton.cudagraphs": True, **_STEP_OPTIONS}},
+    "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, "cpp_wrapper": True, **_STEP_OPTIONS}},
 }
 
 #: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: dynamo's automatic dynamic
 #: shapes, so the sizes that change (rows, chunk width) become symbolic after the first recompile while the
 #: caches' buffers stay static.
-PREFILL_COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": None, "fullgraph": True}
+PREFILL_COMPILE_KWARGS: dict[str, Any] = {"dynamic": None, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}}
+
+
+def _compile(fn: Any, kwargs: dict[str, Any]) -> Any:
+    # torch.compile pops entries (guard_filter_fn) from the options it is given: each call gets its own copy.
+    kwargs = dict(kwargs)
+    if "options" in kwargs:
+        kwargs["options"] = dict(kwargs["options"])
+    return torch.compile(fn, **kwargs)
 
 
 class InferenceModel(nn.Module):
@@ -60,8 +77,8 @@ class InferenceModel(nn.Module):
         ) -> Tensor:
             return model.forward_static(tokens, positions, caches, rows, last, slots)
 
-        self._decode = torch.compile(decode, **decode_kwargs)
-        self._prefill = torch.compile(prefill, **PREFILL_COMPILE_KWARGS)
+        self._decode = _compile(decode, decode_kwargs)
+        self._prefill = _compile(prefill, PREFILL_COMPILE_KWARGS)
 
     @property
     def config(self):  # type: ignore[no-untyped-def]
@@ -130,10 +147,19 @@ class InferenceModel(nn.Module):
 def _frozen() -> Iterator[None]:
     import torch._inductor.config as inductor_config
 
-    # Freezing is read when inductor compiles, which may be any call (a new shape recompiles),
-    # so it is switched on around every call rather than once.
-    with torch.no_grad(), inductor_config.patch(freezing=True):
-        yield
+    # Freezing is read when dynamo traces and inductor compiles, which may be any call (a new shape
+    # recompiles), so it is switched on around every call rather than once: set and reset directly (a
+    # ``config.patch`` object cost a decode step tens of microseconds), and left alone when already on.
+    if inductor_config.freezing:
+        with torch.no_grad():
+            yield
+        return
+    inductor_config.freezing = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        inductor_config.freezing = False
 
 
 def compile_for_inference(model: TransformerLM) -> InferenceModel:
