@@ -15,6 +15,11 @@ instead holds ``shards/``, written by torch.distributed.checkpoint with each ran
 built under a temporary name and renamed into place: it appears complete or not at all.
 :class:`CheckpointManager` lists, loads, prunes and cleans step folders.
 
+The read side of these formats (the training state's digest and reader, listing step folders, a step
+folder's model in either layout, DCP's metadata read safely) is ``tlm_artifacts``'s, which inference
+opens models through without this package; this module imports it from there and adds the writing and
+the whole training state of a resume.
+
 **The course's** ``save_checkpoint(model, optimizer, iteration, out)`` / ``load_checkpoint(src, model,
 optimizer)`` write and read one training-state file that also holds the model's state dict (any
 ``nn.Module``), through the same serialiser.
@@ -22,85 +27,45 @@ optimizer)`` write and read one training-state file that also holds the model's 
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import io
 import os
-import pathlib
-import pickle
-import re
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tlm_artifacts.layout import ADAPTER_NAME, LATEST_NAME, SHARDS_DIR, STATE_NAME
+from tlm_artifacts.lora import adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
+from tlm_artifacts.steps import StepFolders, load_step_model, read_model_state, read_sharded_tensors, read_step_config
+from tlm_artifacts.steps import file_digests as _file_digests
+from tlm_artifacts.steps import one_process_is_meant as _one_process_is_meant
+from tlm_artifacts.steps import shard_reader as _reader
+from tlm_artifacts.steps import shard_sizes as _shard_sizes
+from tlm_artifacts.steps import verify_shards as _verify_shards
+from tlm_artifacts.train_state import FORMAT, Source, load_train_state
+from tlm_artifacts.train_state import TRAILER as _TRAILER
+from tlm_artifacts.train_state import digest as _digest
+from tlm_artifacts.train_state import source_name as _name
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
-from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file, unwrap
-from tlm_model.checkpoint import WEIGHTS_NAME, read_config, read_digest, read_model_file
-from tlm_train.lora import ADAPTER_NAME, adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
+from tlm_model import ModelConfig, save_model_file, unwrap
+from tlm_model.checkpoint import read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
-FORMAT = "tlm-train-state/1"
-_TRAILER = b"\n#tlm-train-state sha256 "
-_TRAILER_SIZE = len(_TRAILER) + 64 + 1
-STATE_NAME = "train_state.pt"
-#: In a checkpoints folder: the name of the newest saved step folder (see :meth:`CheckpointManager.steps`).
-LATEST_NAME = "latest"
-#: In a sharded step folder: torch.distributed.checkpoint's files (``.metadata``, one ``.distcp`` per rank).
-SHARDS_DIR = "shards"
-# io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
-Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
+__all__ = [  # the readers are tlm_artifacts's, named here too for the code that imported them from here
+    "FORMAT", "LATEST_NAME", "SHARDS_DIR", "STATE_NAME", "BackgroundSaver", "Checkpoint", "CheckpointManager",
+    "Source", "capture_state", "load_checkpoint", "load_step_model", "load_train_state", "read_checkpoint",
+    "read_model_state", "read_sharded_tensors", "read_step_config", "restore_state", "save_checkpoint",
+    "save_train_state", "stage_state",
+]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
 # The training-state format
-
-
-def _digest(value: Any) -> str:
-    h = hashlib.sha256()
-    _feed(h, value, "checkpoint")
-    return h.hexdigest()
-
-
-def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
-    """Hash ``value`` into ``h``; refuse anything that ``torch.load(weights_only=True)`` could not load."""
-    if isinstance(value, Tensor):
-        if value.is_meta:
-            raise ValueError(f"{where} is a tensor on the meta device (no data); materialise it before saving")
-        data = value.detach().cpu().contiguous().reshape(-1)
-        h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        if data.numel():  # the tensor's own bytes, not a copy (hashlib reads large buffers without the GIL)
-            h.update(cast(Any, data.view(torch.uint8).numpy()))
-    elif isinstance(value, dict):
-        h.update(f"D{len(value)}".encode())
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; checkpoint keys must be str or int")
-            h.update(repr(key).encode())
-            _feed(h, item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        h.update(f"{'L' if isinstance(value, list) else 'U'}{len(value)}".encode())
-        for i, item in enumerate(value):
-            _feed(h, item, f"{where}[{i}]")
-    elif value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        h.update(f"{type(value).__name__}:{value!r}".encode())
-    else:
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) cannot load; "
-            f"store tensors, numbers, strings, None and dicts/lists/tuples of them"
-        )
-
-
-def _name(src: Source) -> str:
-    if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)
-    return str(getattr(src, "name", f"<{type(src).__name__}>"))
 
 
 def save_train_state(out: Source, state: dict[str, Any]) -> None:
@@ -133,41 +98,6 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
             cast(IO[bytes], out).write(trailer)
             if hasattr(out, "flush"):
                 out.flush()
-
-
-def load_train_state(src: Source) -> dict[str, Any]:
-    """The checked contents of a training-state file (without ``format`` and ``digest``).
-
-    Loads on the CPU with ``weights_only=True``; a truncated, corrupted or foreign file raises
-    ``ValueError`` naming it."""
-    name = _name(src)
-    if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
-        raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
-    data = Path(os.fspath(src)).read_bytes() if isinstance(src, (str, os.PathLike)) else cast(IO[bytes], src).read()
-    body, trailer = data[:-_TRAILER_SIZE], data[-_TRAILER_SIZE:]
-    if not (trailer.startswith(_TRAILER) and trailer.endswith(b"\n")):
-        raise ValueError(f"{name} is not a {FORMAT} file (truncated, or written by something else: no SHA-256 trailer)")
-    if hashlib.sha256(body).hexdigest().encode() != trailer[len(_TRAILER) : -1]:
-        raise ValueError(f"{name} is corrupt: its bytes do not match the SHA-256 recorded at its end")
-    try:
-        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        raise
-    except Exception as error:  # torch raises several types for a bad file
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{name} is not a readable checkpoint (truncated or corrupt?): {first[:200]}") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "digest" not in payload:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{name} is not a {FORMAT} file (found format {found!r})")
-    stored = payload.pop("digest")
-    try:
-        digest = _digest(payload)
-    except (TypeError, ValueError):
-        digest = None
-    if digest != stored:
-        raise ValueError(f"{name} is corrupt: its contents do not match the SHA-256 digest stored with them")
-    payload.pop("format")
-    return payload
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,15 +320,8 @@ def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 # Only tensors go through DCP (``model.<name>``, ``optimizer.<name>.<key>``): everything else (optimizer
 # steps and groups, schedule, sampler, RNG) stays in train_state.pt, read with weights_only. DCP's own
 # ``.metadata`` is a pickle, so it is read only after its SHA-256 matched the one train_state.pt records,
-# and then by an unpickler that builds nothing but DCP's metadata classes.
-
-
-@contextlib.contextmanager
-def _one_process_is_meant() -> Iterator[None]:
-    # DCP warns on every call without a process group; reading a sharded step in one process is the intent.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# and then by an unpickler that builds nothing but DCP's metadata classes (``tlm_artifacts.steps``, the
+# reading half; the writing and the resume are here).
 
 
 def _tensor_items(state: dict[str, Any]) -> dict[str, Tensor]:
@@ -415,91 +338,6 @@ def _without_tensors(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     tensors = {name: sorted(k for k, v in entries.items() if isinstance(v, Tensor)) for name, entries in
                optimizer_state["state"].items()}  # fmt: skip
     return {"state": state, "tensors": tensors, "param_groups": optimizer_state["param_groups"]}
-
-
-def _file_digests(folder: Path) -> dict[str, str]:
-    digests = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = Path(root) / name
-            h = hashlib.sha256()
-            with open(path, "rb") as handle:
-                while chunk := handle.read(1 << 20):
-                    h.update(chunk)
-            digests[path.relative_to(folder).as_posix()] = h.hexdigest()
-    return digests
-
-
-def _verify_shards(folder: Path, recorded: dict[str, str]) -> None:
-    """Refuse a DCP folder whose files are not exactly the ones ``train_state.pt`` recorded, byte for byte."""
-    found = _file_digests(folder) if folder.is_dir() else {}
-    if missing := sorted(set(recorded) - set(found)):
-        raise ValueError(f"{folder} lacks the shard files {missing[:5]} that {STATE_NAME} records")
-    if extra := sorted(set(found) - set(recorded)):
-        raise ValueError(f"{folder} holds files {extra[:5]} that {STATE_NAME} does not record")
-    if changed := sorted(name for name in recorded if found[name] != recorded[name]):
-        raise ValueError(f"{folder}: the shard files {changed[:5]} do not match the SHA-256 recorded in {STATE_NAME}")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata and the torch values in it (sizes, dtypes, layouts), nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch.distributed.checkpoint.filesystem as dcp_fs
-        import torch.distributed.checkpoint.metadata as dcp_meta
-
-        allowed: Any = None
-        if module == dcp_meta.__name__ or (module == dcp_fs.__name__ and name == "_StorageInfo"):
-            allowed = getattr(sys.modules[module], name, None)
-            allowed = allowed if isinstance(allowed, type) else None
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            allowed = getattr(torch, name)
-        elif (module, name) == ("torch.serialization", "_get_layout"):
-            allowed = torch.serialization._get_layout
-        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-            allowed = getattr(pathlib, name)
-        if allowed is None:
-            raise pickle.UnpicklingError(f"DCP metadata may not build {module}.{name}")
-        return allowed
-
-
-def _reader(folder: str | os.PathLike[str]) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-
-            with open(Path(self.path) / ".metadata", "rb") as handle:
-                try:
-                    metadata = _MetadataUnpickler(handle).load()
-                except Exception as error:  # a foreign or damaged pickle: several types
-                    raise ValueError(f"{self.path}: not a readable DCP metadata file ({error})") from None
-            if not isinstance(metadata, Metadata):
-                raise ValueError(f"{self.path}: its .metadata holds a {type(metadata).__name__}, not DCP metadata")
-            # DCP loads a non-tensor item with torch.load(weights_only=False); tlm writes none, so none is read.
-            items = metadata.state_dict_metadata.items()
-            if other := sorted(key for key, item in items if not isinstance(item, TensorStorageMetadata)):
-                raise ValueError(
-                    f"{self.path}: its .metadata lists non-tensor items {other[:5]}; tlm writes tensors only"
-                )
-            storage = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
-            storage.load_id = self.load_id
-            metadata.storage_meta = storage
-            return metadata
-
-    return Reader(folder)
-
-
-def _shard_sizes(folder: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = _reader(folder).read_metadata()
-    return {
-        key: (tuple(item.size), item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-    }
 
 
 def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -538,81 +376,6 @@ def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
         "param_groups": saved["param_groups"],
     }
     optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, named))
-
-
-def read_model_state(folder: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """The config and the complete model weights of a step folder, verified, in this process on the CPU:
-    from its ``model.safetensors``, or gathered from a sharded folder's DCP files (what ``tlm generate``,
-    ``eval`` and ``convert`` read; only the model's tensors are read, never the optimizer's)."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = Path(folder)
-    if (folder / WEIGHTS_NAME).is_file():
-        return read_model_file(folder)
-    state = load_train_state(folder / STATE_NAME)
-    if "shard_files" not in state:
-        raise FileNotFoundError(errno.ENOENT, f"not a step folder: no {WEIGHTS_NAME} and no shards", str(folder))
-    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
-    config = ModelConfig.from_dict(state["model_config"])
-    expected = {name: tuple(t.shape) for name, t in _course_model(config).state_dict().items()}
-    sizes = _shard_sizes(folder / SHARDS_DIR)
-    got = {key[len("model.") :]: size for key, (size, _) in sizes.items() if key.startswith("model.")}
-    if got != expected:  # checked before anything is allocated
-        wrong = sorted(k for k in expected.keys() | got.keys() if got.get(k) != expected.get(k))
-        raise ValueError(f"{folder}: the shards do not fit its model config (tensors {wrong[:5]})")
-    targets = {f"model.{name}": torch.empty(sizes[f"model.{name}"][0], dtype=sizes[f"model.{name}"][1])
-               for name in expected}  # fmt: skip
-    with _one_process_is_meant():
-        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
-    return config, {name: targets[f"model.{name}"] for name in expected}
-
-
-def read_sharded_tensors(folder: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Every model tensor a sharded step folder holds (a LoRA run's: its adapters), verified, on the CPU."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = Path(folder)
-    state = load_train_state(folder / STATE_NAME)
-    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
-    sizes = _shard_sizes(folder / SHARDS_DIR)
-    targets = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in sizes.items() if key.startswith("model.")}
-    with _one_process_is_meant():
-        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
-    return {key[len("model.") :]: value for key, value in targets.items()}
-
-
-def _course_model(config: ModelConfig) -> nn.Module:
-    return TransformerLM(config, device="meta", fused=False)
-
-
-def load_step_model(
-    folder: str | os.PathLike[str],
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    **options: Any,
-) -> TransformerLM:
-    """The TransformerLM of a step folder (either layout), verified; ``dtype`` defaults to the saved one.
-    ``options`` go to ``TransformerLM``."""
-    if (Path(folder) / WEIGHTS_NAME).is_file():
-        return load_model_file(folder, device=device, dtype=dtype, **options)
-    state = load_train_state(Path(folder) / STATE_NAME)
-    if state.get("lora"):  # the base the run adapted, the adapters merged in
-        from tlm_train.lora import load_lora_step
-
-        return load_lora_step(Path(folder), state, device=device, dtype=dtype, **options)
-    config, weights = read_model_state(folder)
-    saved = next(iter(weights.values())).dtype
-    model = TransformerLM(config, device=device, dtype=dtype or saved, **options)
-    model.load_state_dict(weights)
-    return model
-
-
-def read_step_config(folder: str | os.PathLike[str]) -> ModelConfig:
-    """The ModelConfig of a step folder (either layout), without reading the weights."""
-    if (Path(folder) / WEIGHTS_NAME).is_file():
-        return read_config(folder)
-    return ModelConfig.from_dict(load_train_state(Path(folder) / STATE_NAME)["model_config"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -724,7 +487,7 @@ class BackgroundSaver:
             raise error
 
 
-class CheckpointManager:
+class CheckpointManager(StepFolders):
     """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``, and ``latest``
     naming the newest one saved.
 
@@ -734,80 +497,9 @@ class CheckpointManager:
     the newest one; :meth:`remove_leftovers` deletes what killed writers left behind.
     """
 
-    PATTERN = re.compile(r"step_(\d{8,})")
-
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
-        self.directory = Path(directory)
+        super().__init__(directory)
         self.keep = check_int("keep", keep, low=1)
-
-    def path(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}"
-
-    def steps(self) -> list[int]:
-        """Steps whose folder is complete (every file present), oldest first; never empty while a complete
-        step exists, even as another process saves and prunes. Verification is :meth:`load`'s.
-
-        A folder listing is no snapshot: an entry renamed in or out while it is read may be missed, so a
-        listing taken while a save puts step N+1 in place and a prune takes step N away can hold neither.
-        The ``latest`` file, replaced atomically after each save and naming a step that no prune removes,
-        fills that gap: it is read after the listing, and its step joins it."""
-        found = set(self._listed())
-        newest = self._pointed()
-        if newest is not None:
-            found.add(newest)
-        return sorted(found)
-
-    def _listed(self) -> list[int]:
-        try:
-            entries = list(os.scandir(self.directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = []
-        for entry in entries:
-            match = self.PATTERN.fullmatch(entry.name)
-            if match and entry.is_dir(follow_symlinks=False) and self._complete(entry.path):
-                found.append(int(match.group(1)))
-        return found
-
-    @staticmethod
-    def _complete(folder: str | os.PathLike[str]) -> bool:
-        # A one-process step has the model file; a sharded one has DCP's metadata (DCP writes it last).
-        return os.path.isfile(os.path.join(folder, STATE_NAME)) and (
-            os.path.isfile(os.path.join(folder, WEIGHTS_NAME))
-            or os.path.isfile(os.path.join(folder, ADAPTER_NAME))
-            or os.path.isfile(os.path.join(folder, SHARDS_DIR, ".metadata"))
-        )
-
-    def _pointer(self) -> int | None:
-        try:
-            match = self.PATTERN.fullmatch((self.directory / LATEST_NAME).read_text(encoding="utf-8").strip())
-        except (OSError, UnicodeDecodeError):
-            return None
-        return int(match.group(1)) if match else None
-
-    def _pointed(self) -> int | None:
-        """The step ``latest`` names while its folder is complete; None without one, or when its folder
-        was removed by other means than a save (a stale pointer: the listing alone then counts)."""
-        named = self._pointer()
-        for _ in range(1000):
-            if named is None:
-                return None
-            folder = self.path(named)
-            if not folder.is_symlink() and self._complete(folder):
-                return named
-            again = self._pointer()
-            if again == named:
-                return None  # unchanged, so no save moved it on: its folder was taken away by hand
-            named = again  # a save replaced it while we looked: look at the new one
-        raise OSError(errno.EBUSY, "the checkpoints kept changing while they were listed", str(self.directory))
-
-    def all_steps(self) -> list[int]:
-        """Every step folder, complete or not (a damaged copy, a folder missing a file)."""
-        try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(int(m.group(1)) for m in map(self.PATTERN.fullmatch, names) if m)
 
     def save(self, model: nn.Module, state: dict[str, Any], *, model_state: dict[str, Tensor] | None = None) -> Path:
         """Write ``state`` (from :func:`capture_state`: its ``model`` entry, or ``model_state``, is the

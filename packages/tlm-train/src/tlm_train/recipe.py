@@ -30,13 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import tlm_artifacts
+from tlm_artifacts.lora import grown
+from tlm_artifacts.steps import load_step_model
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
-from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
-from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, load_step_model, restore_state
+from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
@@ -341,14 +343,14 @@ class Recipe:
             tokenizer = Tokenizer.load(config.tokenizer)
         if config.init_from is None:
             return None, tokenizer
-        artifact = artifacts.resolve(config.init_from)
+        artifact = tlm_artifacts.resolve(config.init_from)
         if self.resume and not config.lora_rank:  # the weights come from the run's checkpoint; only the tokenizer
             model = None
         else:
-            model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
+            model, _ = tlm_artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
         try:
-            own = artifacts.load_tokenizer(artifact)
-        except artifacts.UnreadableTokenizer as err:
+            own = tlm_artifacts.load_tokenizer(artifact)
+        except tlm_artifacts.UnreadableTokenizer as err:
             own = None
             if tokenizer is None and not (config.data and is_token_file(config.data[0])):
                 raise ValueError(
@@ -712,18 +714,6 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
-
-
-def grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
-    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
-    grown = dict(weights)
-    for name in ("token_embeddings.weight", "lm_head.weight"):
-        table = grown.get(name)
-        if table is not None and table.shape[0] < vocab_size:
-            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
-            grown[name] = torch.cat([table, extra])
-    return grown
 
 
 def _finite(weights: dict[str, torch.Tensor]) -> bool:
