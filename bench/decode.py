@@ -2,7 +2,8 @@
 transformers' ``generate`` on the HF export of the same weights, and the step's time against the cache's capacity.
 
 Run through ``nox -s bench -- decode`` to write its section of docs/benchmarks.md; ``python bench/decode.py
---quick`` is a short run that prints the table (``--only batch|single|capacity`` runs one part).
+--quick`` is a short run that prints the table (``--only batch|single|capacity`` runs one part; ``--cpu-time``
+times by this process's CPU seconds instead of wall time, which a busy shared machine distorts far less).
 
 Method. The course model's shape (``course-tinystories``) with random weights; HF's ``LlamaForCausalLM`` holds
 the same weights (``tlm_model.interop``'s export). One thread on each side (``torch.set_num_threads(1)``, the
