@@ -124,7 +124,9 @@ class DecodeBatch:
     def warm_up(self) -> None:
         """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
         a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
-        on the first requests; the batch is left empty."""
+        on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
+        its graph, so one step per batch bucket covers every slot bucket: nothing recompiles later as rows grow
+        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation)."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)})

@@ -29,11 +29,12 @@ _STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on
 
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
 #: one graph per (batch bucket, capacity), whose only dynamic size is the number of slots it reads; CUDA graphs
-#: on CUDA ("reduce-overhead"), inductor's autotuned C++ GEMMs on CPU with a C++ wrapper (the graph's kernels
-#: called from C++, not from a Python function: a batch-1 step's Python overhead was about a tenth of it).
+#: on CUDA ("reduce-overhead"), inductor's autotuned C++ GEMMs on CPU. (Inductor's C++ wrapper, ``cpp_wrapper``,
+#: was tried for the CPU step: no difference in batch-1 CPU time per token could be measured, 2.82-2.93 ms with
+#: and without, and it nearly doubled ``tlm serve``'s warm-up, 292 s -> 530 s on a loaded 2-core machine.)
 DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
     "cuda": {"dynamic": False, "fullgraph": True, "options": {"triton.cudagraphs": True, **_STEP_OPTIONS}},
-    "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, "cpp_wrapper": True, **_STEP_OPTIONS}},
+    "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}},
 }
 
 #: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: dynamo's automatic dynamic
@@ -55,7 +56,9 @@ class InferenceModel(nn.Module):
     weight freezing on. ``config`` and ``new_kv_cache`` are the model's, so :func:`generate` takes it.
 
     Freezing treats the weights as constants of the compiled graph: changing them afterwards
-    (training, ``load_state_dict``) does not reach this wrapper; build a new one.
+    (training, ``load_state_dict``) does not reach this wrapper; build a new one. Nor does any other change
+    to the model's modules (a new attention backend, say): the decode and prompt-chunk graphs are not guarded
+    on them, which saves each step dynamo's checks of every module and parameter.
     """
 
     def __init__(self, model: TransformerLM) -> None:
@@ -112,8 +115,7 @@ class InferenceModel(nn.Module):
         ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
         so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
         two, :func:`~tlm_model.batching.slot_bucket`)."""
-        if slots is not None:
-            torch._dynamo.mark_dynamic(slots, 0)
+        _dynamic_slots(slots)
         with _frozen():
             if tokens.device.type != "cuda":
                 return self._decode(tokens, positions, caches, slots)
@@ -137,10 +139,15 @@ class InferenceModel(nn.Module):
     ) -> Tensor:
         """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes;
         ``slots`` as in :meth:`decode_step`, its length dynamic from the first call)."""
-        if slots is not None:
-            torch._dynamo.mark_dynamic(slots, 0)
+        _dynamic_slots(slots)
         with _frozen():
             return self._prefill(tokens, positions, caches, rows, last, slots)
+
+
+def _dynamic_slots(slots: Tensor | None) -> None:
+    # A size of 1 (a cache of capacity 1) would be specialised by dynamo whatever it is told: left static.
+    if slots is not None and slots.shape[0] > 1:
+        torch._dynamo.mark_dynamic(slots, 0)
 
 
 @contextlib.contextmanager
