@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+import tlm_artifacts as artifacts
 from tlm_command.main import main
 from tlm_tokenizer import Tokenizer
 from tlm_tokenizer.chat import CHATML_TEMPLATE, IM_END, ChatTemplate
-from tlm_train import artifacts
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import tlm_artifacts as artifacts
 from tlm_command.main import main
-from tlm_train import artifacts
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

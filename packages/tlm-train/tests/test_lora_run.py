@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+import tlm_artifacts as artifacts
 from tlm_lora import weights_sha256
-from tlm_train import ResumeError, RunDir, TrainConfig, artifacts, train
+from tlm_train import ResumeError, RunDir, TrainConfig, train
 from tlm_train.checkpoint import STATE_NAME
 from tlm_train.lora import ADAPTER_NAME
 

@@ -71,10 +71,10 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import tlm_artifacts
     from tlm_core.tensors import dtype_from_name
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
-    from tlm_train import artifacts
 
     if args.to_peft is not None:
         return _to_peft(args)
@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     if args.from_hf is not None:
-        artifact = artifacts.resolve(args.from_hf)
+        artifact = tlm_artifacts.resolve(args.from_hf)
         if artifact.kind != "hf":
             raise UserError(
                 f"--from-hf {args.from_hf} is a tlm {artifact.describe()}, not an HF folder (no config.json)"
             )
-        model, _ = artifacts.load_model(artifact, dtype=dtype)
+        model, _ = tlm_artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         out = Path(args.out)
         save_model_file(model, out)
@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> int:
             tokenizer.save(out / "tokenizer")
         source_kind, target = "HF Llama folder", "tlm model folder"
     else:
-        artifact = artifacts.resolve(args.to_hf)
+        artifact = tlm_artifacts.resolve(args.to_hf)
         if artifact.kind == "hf":
             raise UserError(f"--to-hf {args.to_hf} is already an HF folder; to read it into tlm: tlm convert --from-hf")
-        adapted = artifact.kind == "peft" or artifacts.lora_step(artifact) is not None
+        adapted = artifact.kind == "peft" or tlm_artifacts.lora_step(artifact) is not None
         if adapted and not args.merge:
             raise UserError(
                 f"--to-hf {args.to_hf} holds LoRA adapters: add --merge to write its base with them merged in, or "
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.merge and not adapted:
             raise UserError(f"--merge: {args.to_hf} is a tlm {artifact.describe()} with no LoRA adapters to merge")
-        model, step = artifacts.load_model(artifact, dtype=dtype)
+        model, step = tlm_artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         from tlm_command.model_card import model_card
 
@@ -140,11 +140,12 @@ def _to_peft(args: argparse.Namespace) -> int:
 
     import torch
 
+    import tlm_artifacts
+    from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
+    from tlm_artifacts.lora import adapter_bytes, load_lora_step, peft_config
     from tlm_core.atomic import replace_dir
     from tlm_lora import lora_state_dict
     from tlm_model.interop import to_hf_lora_state_dict
-    from tlm_train import artifacts
-    from tlm_train.lora import PEFT_CONFIG, PEFT_WEIGHTS, adapter_bytes, load_lora_step, peft_config
 
     if args.merge or args.tokenizer is not None or args.dtype is not None:
         raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
@@ -154,14 +155,14 @@ def _to_peft(args: argparse.Namespace) -> int:
         other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))
     ):
         raise UserError(f"--out {args.out} holds other files ({', '.join(other[:3])}): choose an empty or new folder")
-    artifact = artifacts.resolve(args.to_peft)
-    found = artifacts.lora_step(artifact)
+    artifact = tlm_artifacts.resolve(args.to_peft)
+    found = tlm_artifacts.lora_step(artifact)
     if found is None:
         raise UserError(
             f"--to-peft {args.to_peft} is a tlm {artifact.describe()} with no LoRA adapters (see --lora-rank)"
         )
     folder, state = found
-    base_vocab = artifacts.model_config(artifacts.resolve(state["lora"]["base"]["path"])).vocab_size
+    base_vocab = tlm_artifacts.model_config(tlm_artifacts.resolve(state["lora"]["base"]["path"])).vocab_size
     if state["model_config"]["vocab_size"] != base_vocab:
         raise UserError(
             f"--to-peft {args.to_peft}: its vocabulary grew from the base's {base_vocab} to "

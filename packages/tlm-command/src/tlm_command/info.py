@@ -64,17 +64,17 @@ def _print(described: dict[str, Any], as_json: bool) -> None:
 
 
 def _artifact(args: argparse.Namespace) -> int:
-    from tlm_train import artifacts
+    import tlm_artifacts
 
-    artifact = artifacts.resolve(args.checkpoint)
+    artifact = tlm_artifacts.resolve(args.checkpoint)
     described: dict[str, Any] = {"path": str(artifact.path), "kind": artifact.describe()}
     if artifact.run is not None:
         steps = artifact.run.checkpoints().steps()
         described["run"] = str(artifact.run.path)
         described["steps"] = ", ".join(map(str, steps)) if not args.json else steps
     if artifact.kind not in ("hf", "peft"):
-        described["step"] = artifacts.model_file(artifact)[1]
-    if (found := artifacts.lora_step(artifact)) is not None:  # a LoRA run: adapters over a named base
+        described["step"] = tlm_artifacts.model_file(artifact)[1]
+    if (found := tlm_artifacts.lora_step(artifact)) is not None:  # a LoRA run: adapters over a named base
         lora = found[1]["lora"]
         described["lora"] = (
             {k: v for k, v in lora.items() if k != "base"} | {"base": lora["base"]["path"]}
@@ -82,6 +82,6 @@ def _artifact(args: argparse.Namespace) -> int:
             else f"rank {lora['rank']}, alpha {lora['alpha']:g} on {lora['targets']}, base {lora['base']['path']}"
         )
     described["tokenizer"] = str(artifact.tokenizer_path) if artifact.tokenizer_path is not None else None
-    described.update(describe(artifacts.model_config(artifact)))
+    described.update(describe(tlm_artifacts.model_config(artifact)))
     _print(described, args.json)
     return 0

@@ -23,16 +23,16 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, required: bool = Tru
 
 def load_tokenizer(path: str | None, artifact: Any) -> Any:
     """``--tokenizer DIR`` when given, else the artifact's own tokenizer (or None when it has none)."""
+    import tlm_artifacts
     from tlm_tokenizer import Tokenizer
-    from tlm_train import artifacts
 
     if path is not None:
         return Tokenizer.load(path)
     if artifact is None:
         return None
     try:
-        return artifacts.load_tokenizer(artifact)
-    except artifacts.UnreadableTokenizer as err:
+        return tlm_artifacts.load_tokenizer(artifact)
+    except tlm_artifacts.UnreadableTokenizer as err:
         say(f"the tokenizer of {artifact.path} is not one tlm can reproduce ({err}); working with token ids")
         return None
 
@@ -41,12 +41,12 @@ def load_model(
     args: argparse.Namespace, device: "torch.device", *, compile: bool = False
 ) -> "tuple[TransformerLM, Any, Any]":
     """(model in eval mode, tokenizer or None, the resolved artifact) for ``--checkpoint``."""
+    import tlm_artifacts
     from tlm_core.tensors import dtype_from_name
-    from tlm_train import artifacts
 
     dtype = dtype_from_name(args.dtype, "--dtype") if getattr(args, "dtype", None) else None
-    artifact = artifacts.resolve(args.checkpoint)
-    model, _ = artifacts.load_model(artifact, device=device, dtype=dtype, on_damaged=damaged)
+    artifact = tlm_artifacts.resolve(args.checkpoint)
+    model, _ = tlm_artifacts.load_model(artifact, device=device, dtype=dtype, on_damaged=damaged)
     tokenizer = load_tokenizer(args.tokenizer, artifact)
     if tokenizer is not None and tokenizer.vocab_size > model.config.vocab_size:
         raise UserError(

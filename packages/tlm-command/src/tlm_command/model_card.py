@@ -24,8 +24,10 @@ def _training(artifact: Any, step: int | None) -> list[str]:
     if run is None:
         return ["Not known: this export was not made from a tlm run folder."]
     lines = []
+    from tlm_train.run_dir import RunDir  # train.toml's meaning (planned steps, data) is the training package's
+
     try:
-        config = run.read_config()
+        config = RunDir(run.path).read_config()
     except (OSError, ValueError):
         config = None
     info: dict[str, Any] = {}

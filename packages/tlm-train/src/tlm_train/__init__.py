@@ -13,10 +13,10 @@ from tlm_core.lazy import lazy_exports
 __version__ = "0.3.0"
 
 _HOMES = {
-    "Artifact": "tlm_train.artifacts",
-    "load_model": "tlm_train.artifacts",
-    "load_tokenizer": "tlm_train.artifacts",
-    "resolve": "tlm_train.artifacts",
+    "Artifact": "tlm_artifacts.artifact",
+    "load_model": "tlm_artifacts.artifact",
+    "load_tokenizer": "tlm_artifacts.artifact",
+    "resolve": "tlm_artifacts.artifact",
     "BatchSampler": "tlm_train.batch",
     "EvalBatches": "tlm_train.batch",
     "get_batch": "tlm_train.batch",
@@ -106,7 +106,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tlm_train.artifacts import Artifact, load_model, load_tokenizer, resolve
+    from tlm_artifacts.artifact import Artifact, load_model, load_tokenizer, resolve
     from tlm_train.batch import BatchSampler, EvalBatches, get_batch
     from tlm_train.checkpoint import (
         Checkpoint,

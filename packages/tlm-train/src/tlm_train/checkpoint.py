@@ -15,6 +15,11 @@ instead holds ``shards/``, written by torch.distributed.checkpoint with each ran
 built under a temporary name and renamed into place: it appears complete or not at all.
 :class:`CheckpointManager` lists, loads, prunes and cleans step folders.
 
+The read side of these formats (the training state's digest and reader, listing step folders, a step
+folder's model in either layout, DCP's metadata read safely) is ``tlm_artifacts``'s, which inference
+opens models through without this package; this module imports it from there and adds the writing and
+the whole training state of a resume.
+
 **The course's** ``save_checkpoint(model, optimizer, iteration, out)`` / ``load_checkpoint(src, model,
 optimizer)`` write and read one training-state file that also holds the model's state dict (any
 ``nn.Module``), through the same serialiser.
@@ -22,85 +27,45 @@ optimizer)`` write and read one training-state file that also holds the model's 
 
 import contextlib
 import dataclasses
-import errno
 import hashlib
 import io
 import os
-import pathlib
-import pickle
-import re
-import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, BinaryIO, cast
+from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tlm_artifacts.layout import ADAPTER_NAME, LATEST_NAME, SHARDS_DIR, STATE_NAME
+from tlm_artifacts.lora import adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
+from tlm_artifacts.steps import StepFolders, load_step_model, read_model_state, read_sharded_tensors, read_step_config
+from tlm_artifacts.steps import file_digests as _file_digests
+from tlm_artifacts.steps import one_process_is_meant as _one_process_is_meant
+from tlm_artifacts.steps import shard_reader as _reader
+from tlm_artifacts.steps import shard_sizes as _shard_sizes
+from tlm_artifacts.steps import verify_shards as _verify_shards
+from tlm_artifacts.train_state import FORMAT, Source, load_train_state
+from tlm_artifacts.train_state import TRAILER as _TRAILER
+from tlm_artifacts.train_state import digest as _digest
+from tlm_artifacts.train_state import source_name as _name
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
-from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file, unwrap
-from tlm_model.checkpoint import WEIGHTS_NAME, read_config, read_digest, read_model_file
-from tlm_train.lora import ADAPTER_NAME, adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
+from tlm_model import ModelConfig, save_model_file, unwrap
+from tlm_model.checkpoint import read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
-FORMAT = "tlm-train-state/1"
-_TRAILER = b"\n#tlm-train-state sha256 "
-_TRAILER_SIZE = len(_TRAILER) + 64 + 1
-STATE_NAME = "train_state.pt"
-#: In a checkpoints folder: the name of the newest saved step folder (see :meth:`CheckpointManager.steps`).
-LATEST_NAME = "latest"
-#: In a sharded step folder: torch.distributed.checkpoint's files (``.metadata``, one ``.distcp`` per rank).
-SHARDS_DIR = "shards"
-# io.IOBase too: beartype reads BinaryIO/IO[bytes] as protocols that want .name and .mode, which io.BytesIO lacks.
-Source = str | os.PathLike[str] | BinaryIO | IO[bytes] | io.IOBase
+__all__ = [  # the readers are tlm_artifacts's, named here too for the code that imported them from here
+    "FORMAT", "LATEST_NAME", "SHARDS_DIR", "STATE_NAME", "BackgroundSaver", "Checkpoint", "CheckpointManager",
+    "Source", "capture_state", "load_checkpoint", "load_step_model", "load_train_state", "read_checkpoint",
+    "read_model_state", "read_sharded_tensors", "read_step_config", "restore_state", "save_checkpoint",
+    "save_train_state", "stage_state",
+]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
 # The training-state format
-
-
-def _digest(value: Any) -> str:
-    h = hashlib.sha256()
-    _feed(h, value, "checkpoint")
-    return h.hexdigest()
-
-
-def _feed(h: "hashlib._Hash", value: Any, where: str) -> None:
-    """Hash ``value`` into ``h``; refuse anything that ``torch.load(weights_only=True)`` could not load."""
-    if isinstance(value, Tensor):
-        if value.is_meta:
-            raise ValueError(f"{where} is a tensor on the meta device (no data); materialise it before saving")
-        data = value.detach().cpu().contiguous().reshape(-1)
-        h.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        if data.numel():  # the tensor's own bytes, not a copy (hashlib reads large buffers without the GIL)
-            h.update(cast(Any, data.view(torch.uint8).numpy()))
-    elif isinstance(value, dict):
-        h.update(f"D{len(value)}".encode())
-        for key, item in value.items():
-            if not isinstance(key, (str, int)):
-                raise TypeError(f"{where} has a key of type {type(key).__name__}; checkpoint keys must be str or int")
-            h.update(repr(key).encode())
-            _feed(h, item, f"{where}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        h.update(f"{'L' if isinstance(value, list) else 'U'}{len(value)}".encode())
-        for i, item in enumerate(value):
-            _feed(h, item, f"{where}[{i}]")
-    elif value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
-        h.update(f"{type(value).__name__}:{value!r}".encode())
-    else:
-        raise TypeError(
-            f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) cannot load; "
-            f"store tensors, numbers, strings, None and dicts/lists/tuples of them"
-        )
-
-
-def _name(src: Source) -> str:
-    if isinstance(src, (str, os.PathLike)):
-        return os.fspath(src)
-    return str(getattr(src, "name", f"<{type(src).__name__}>"))
 
 
 def save_train_state(out: Source, state: dict[str, Any]) -> None:
@@ -133,41 +98,6 @@ def save_train_state(out: Source, state: dict[str, Any]) -> None:
             cast(IO[bytes], out).write(trailer)
             if hasattr(out, "flush"):
                 out.flush()
-
-
-def load_train_state(src: Source) -> dict[str, Any]:
-    """The checked contents of a training-state file (without ``format`` and ``digest``).
-
-    Loads on the CPU with ``weights_only=True``; a truncated, corrupted or foreign file raises
-    ``ValueError`` naming it."""
-    name = _name(src)
-    if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
-        raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
-    data = Path(os.fspath(src)).read_bytes() if isinstance(src, (str, os.PathLike)) else cast(IO[bytes], src).read()
-    body, trailer = data[:-_TRAILER_SIZE], data[-_TRAILER_SIZE:]
-    if not (trailer.startswith(_TRAILER) and trailer.endswith(b"\n")):
-        raise ValueError(f"{name} is not a {FORMAT} file (truncated, or written by something else: no SHA-256 trailer)")
-    if hashlib.sha256(body).hexdigest().encode() != trailer[len(_TRAILER) : -1]:
-        raise ValueError(f"{name} is corrupt: its bytes do not match the SHA-256 recorded at its end")
-    try:
-        payload = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except (FileNotFoundError, IsADirectoryError, PermissionError):
-        raise
-    except Exception as error:  # torch raises several types for a bad file
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"{name} is not a readable checkpoint (truncated or corrupt?): {first[:200]}") from None
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT or "digest" not in payload:
-        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
-        raise ValueError(f"{name} is not a {FORMAT} file (found format {found!r})")
-    stored = payload.pop("digest")
-    try:
-        digest = _digest(payload)
-    except (TypeError, ValueError):
-        digest = None
-    if digest != stored:
-        raise ValueError(f"{name} is corrupt: its contents do not match the SHA-256 digest stored with them")
-    payload.pop("format")
-    return payload
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,15 +320,8 @@ def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[lis
 # Only tensors go through DCP (``model.<name>``, ``optimizer.<name>.<key>``): everything else (optimizer
 # steps and groups, schedule, sampler, RNG) stays in train_state.pt, read with weights_only. DCP's own
 # ``.metadata`` is a pickle, so it is read only after its SHA-256 matched the one train_state.pt records,
-# and then by an unpickler that builds nothing but DCP's metadata classes.
-
-
-@contextlib.contextmanager
-def _one_process_is_meant() -> Iterator[None]:
-    # DCP warns on every call without a process group; reading a sharded step in one process is the intent.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
+# and then by an unpickler that builds nothing but DCP's metadata classes (``tlm_artifacts.steps``, the
+# reading half; the writing and the resume are here).
 
 
 def _tensor_items(state: dict[str, Any]) -> dict[str, Tensor]:
@@ -415,91 +338,6 @@ def _without_tensors(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     tensors = {name: sorted(k for k, v in entries.items() if isinstance(v, Tensor)) for name, entries in
                optimizer_state["state"].items()}  # fmt: skip
     return {"state": state, "tensors": tensors, "param_groups": optimizer_state["param_groups"]}
-
-
-def _file_digests(folder: Path) -> dict[str, str]:
-    digests = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = Path(root) / name
-            h = hashlib.sha256()
-            with open(path, "rb") as handle:
-                while chunk := handle.read(1 << 20):
-                    h.update(chunk)
-            digests[path.relative_to(folder).as_posix()] = h.hexdigest()
-    return digests
-
-
-def _verify_shards(folder: Path, recorded: dict[str, str]) -> None:
-    """Refuse a DCP folder whose files are not exactly the ones ``train_state.pt`` recorded, byte for byte."""
-    found = _file_digests(folder) if folder.is_dir() else {}
-    if missing := sorted(set(recorded) - set(found)):
-        raise ValueError(f"{folder} lacks the shard files {missing[:5]} that {STATE_NAME} records")
-    if extra := sorted(set(found) - set(recorded)):
-        raise ValueError(f"{folder} holds files {extra[:5]} that {STATE_NAME} does not record")
-    if changed := sorted(name for name in recorded if found[name] != recorded[name]):
-        raise ValueError(f"{folder}: the shard files {changed[:5]} do not match the SHA-256 recorded in {STATE_NAME}")
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata and the torch values in it (sizes, dtypes, layouts), nothing else."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch.distributed.checkpoint.filesystem as dcp_fs
-        import torch.distributed.checkpoint.metadata as dcp_meta
-
-        allowed: Any = None
-        if module == dcp_meta.__name__ or (module == dcp_fs.__name__ and name == "_StorageInfo"):
-            allowed = getattr(sys.modules[module], name, None)
-            allowed = allowed if isinstance(allowed, type) else None
-        elif module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            allowed = getattr(torch, name)
-        elif (module, name) == ("torch.serialization", "_get_layout"):
-            allowed = torch.serialization._get_layout
-        elif module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-            allowed = getattr(pathlib, name)
-        if allowed is None:
-            raise pickle.UnpicklingError(f"DCP metadata may not build {module}.{name}")
-        return allowed
-
-
-def _reader(folder: str | os.PathLike[str]) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    class Reader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-
-            with open(Path(self.path) / ".metadata", "rb") as handle:
-                try:
-                    metadata = _MetadataUnpickler(handle).load()
-                except Exception as error:  # a foreign or damaged pickle: several types
-                    raise ValueError(f"{self.path}: not a readable DCP metadata file ({error})") from None
-            if not isinstance(metadata, Metadata):
-                raise ValueError(f"{self.path}: its .metadata holds a {type(metadata).__name__}, not DCP metadata")
-            # DCP loads a non-tensor item with torch.load(weights_only=False); tlm writes none, so none is read.
-            items = metadata.state_dict_metadata.items()
-            if other := sorted(key for key, item in items if not isinstance(item, TensorStorageMetadata)):
-                raise ValueError(
-                    f"{self.path}: its .metadata lists non-tensor items {other[:5]}; tlm writes tensors only"
-                )
-            storage = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
-            storage.load_id = self.load_id
-            metadata.storage_meta = storage
-            return metadata
-
-    return Reader(folder)
-
-
-def _shard_sizes(folder: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    metadata = _reader(folder).read_metadata()
-    return {
-        key: (tuple(item.size), item.properties.dtype)
-        for key, item in metadata.state_dict_metadata.items()
-        if isinstance(item, TensorStorageMetadata)
-    }
 
 
 def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -538,81 +376,6 @@ def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
         "param_groups": saved["param_groups"],
     }
     optimizer.load_state_dict(_indexed_optimizer_state(model, optimizer, named))
-
-
-def read_model_state(folder: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """The config and the complete model weights of a step folder, verified, in this process on the CPU:
-    from its ``model.safetensors``, or gathered from a sharded folder's DCP files (what ``tlm generate``,
-    ``eval`` and ``convert`` read; only the model's tensors are read, never the optimizer's)."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = Path(folder)
-    if (folder / WEIGHTS_NAME).is_file():
-        return read_model_file(folder)
-    state = load_train_state(folder / STATE_NAME)
-    if "shard_files" not in state:
-        raise FileNotFoundError(errno.ENOENT, f"not a step folder: no {WEIGHTS_NAME} and no shards", str(folder))
-    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
-    config = ModelConfig.from_dict(state["model_config"])
-    expected = {name: tuple(t.shape) for name, t in _course_model(config).state_dict().items()}
-    sizes = _shard_sizes(folder / SHARDS_DIR)
-    got = {key[len("model.") :]: size for key, (size, _) in sizes.items() if key.startswith("model.")}
-    if got != expected:  # checked before anything is allocated
-        wrong = sorted(k for k in expected.keys() | got.keys() if got.get(k) != expected.get(k))
-        raise ValueError(f"{folder}: the shards do not fit its model config (tensors {wrong[:5]})")
-    targets = {f"model.{name}": torch.empty(sizes[f"model.{name}"][0], dtype=sizes[f"model.{name}"][1])
-               for name in expected}  # fmt: skip
-    with _one_process_is_meant():
-        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
-    return config, {name: targets[f"model.{name}"] for name in expected}
-
-
-def read_sharded_tensors(folder: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Every model tensor a sharded step folder holds (a LoRA run's: its adapters), verified, on the CPU."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = Path(folder)
-    state = load_train_state(folder / STATE_NAME)
-    _verify_shards(folder / SHARDS_DIR, state["shard_files"])
-    sizes = _shard_sizes(folder / SHARDS_DIR)
-    targets = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in sizes.items() if key.startswith("model.")}
-    with _one_process_is_meant():
-        dcp.load(targets, storage_reader=_reader(folder / SHARDS_DIR), no_dist=True)
-    return {key[len("model.") :]: value for key, value in targets.items()}
-
-
-def _course_model(config: ModelConfig) -> nn.Module:
-    return TransformerLM(config, device="meta", fused=False)
-
-
-def load_step_model(
-    folder: str | os.PathLike[str],
-    *,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
-    **options: Any,
-) -> TransformerLM:
-    """The TransformerLM of a step folder (either layout), verified; ``dtype`` defaults to the saved one.
-    ``options`` go to ``TransformerLM``."""
-    if (Path(folder) / WEIGHTS_NAME).is_file():
-        return load_model_file(folder, device=device, dtype=dtype, **options)
-    state = load_train_state(Path(folder) / STATE_NAME)
-    if state.get("lora"):  # the base the run adapted, the adapters merged in
-        from tlm_train.lora import load_lora_step
-
-        return load_lora_step(Path(folder), state, device=device, dtype=dtype, **options)
-    config, weights = read_model_state(folder)
-    saved = next(iter(weights.values())).dtype
-    model = TransformerLM(config, device=device, dtype=dtype or saved, **options)
-    model.load_state_dict(weights)
-    return model
-
-
-def read_step_config(folder: str | os.PathLike[str]) -> ModelConfig:
-    """The ModelConfig of a step folder (either layout), without reading the weights."""
-    if (Path(folder) / WEIGHTS_NAME).is_file():
-        return read_config(folder)
-    return ModelConfig.from_dict(load_train_state(Path(folder) / STATE_NAME)["model_config"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -682,33 +445,76 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
 
 
 class BackgroundSaver:
-    """Writes one-process checkpoints on a writer thread, one at a time, from a host snapshot of the state
-    (:func:`stage_state`), so a save costs the training loop a copy instead of serialising and hashing
-    everything. The step folder still appears complete or not at all (:meth:`CheckpointManager.save` runs
-    unchanged in the thread); a writer's error is raised by the next :meth:`wait`."""
+    """Writes checkpoints in the background, one at a time, so a save costs the training loop a copy of the
+    state to host memory instead of serialising and hashing everything. A one-process state is staged here
+    (:func:`stage_state`) and :meth:`CheckpointManager.save` runs unchanged on a writer thread. A sharded one
+    (every rank calls :meth:`submit`) goes through ``dcp.async_save`` (:meth:`CheckpointManager.start_shards`),
+    over a gloo group made for checkpoints on the first such save, and the writer thread finishes it. Either
+    way the step folder appears complete or not at all; a writer's error is raised by the next :meth:`wait`."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list[Tensor] = []
+        self._group: Any = None  # the sharded saves' own process group
+        self._stager: Any = None  # DCP's stager, kept for an accelerator's pinned buffers
 
     def submit(self, manager: "CheckpointManager", model: nn.Module, state: dict[str, Any]) -> Path:
         """Stage ``state`` and start writing it; returns the step folder it will be (after waiting for the
         previous save)."""
         self.wait()
-        staged, event = stage_state(state, self._buffers)
+        if state.get("sharded"):
+            stager, own = self._shard_stager(state)
+            folder, finish = manager.start_shards(model, state, process_group=self._shard_group(), stager=stager)
 
-        def write() -> None:
-            try:
+            def work() -> None:
+                try:
+                    finish()
+                finally:
+                    if own:
+                        stager.close()
+
+        else:
+            staged, event = stage_state(state, self._buffers)
+            folder = manager.path(state["step"])
+
+            def work() -> None:
                 if event is not None:
                     event.synchronize()
                 manager.save(model, staged)
+
+        def write() -> None:
+            try:
+                work()
             except BaseException as err:  # raised in the training thread by wait()
                 self._error = err
 
         self._thread = threading.Thread(target=write, name="tlm-checkpoint-writer", daemon=True)
         self._thread.start()
-        return manager.path(state["step"])
+        return folder
+
+    def _shard_group(self) -> Any:
+        # DCP's collectives run on its writer thread: on the training's group they could interleave with the
+        # training's own collectives in a different order on each rank. gloo: async_save needs a CPU group.
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _shard_stager(self, state: dict[str, Any]) -> tuple[Any, bool]:
+        """DCP's stager for this save, and whether it is this save's own (closed once written). On an
+        accelerator one stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh
+        and the copy is freed once written."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
+        # Staged here, on the training's stream (an accelerator's copy waited for: a save step syncs anyway).
+        options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=accelerator)  # fmt: skip
+        if not accelerator:
+            return DefaultStager(options), True
+        if self._stager is None:
+            self._stager = DefaultStager(options)
+        return self._stager, False
 
     def idle(self) -> bool:
         """Whether no save is being written (a finished one's error is still raised by :meth:`wait`)."""
@@ -723,8 +529,18 @@ class BackgroundSaver:
             error, self._error = self._error, None
             raise error
 
+    def close(self) -> None:
+        """:meth:`wait`, then release the staging buffers kept between saves (an accelerator's pinned ones)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._buffers = []
 
-class CheckpointManager:
+
+class CheckpointManager(StepFolders):
     """Step folders in ``directory``: ``step_00000100/{model.safetensors, train_state.pt}``, and ``latest``
     naming the newest one saved.
 
@@ -734,80 +550,9 @@ class CheckpointManager:
     the newest one; :meth:`remove_leftovers` deletes what killed writers left behind.
     """
 
-    PATTERN = re.compile(r"step_(\d{8,})")
-
     def __init__(self, directory: str | os.PathLike[str], keep: int = 2) -> None:
-        self.directory = Path(directory)
+        super().__init__(directory)
         self.keep = check_int("keep", keep, low=1)
-
-    def path(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}"
-
-    def steps(self) -> list[int]:
-        """Steps whose folder is complete (every file present), oldest first; never empty while a complete
-        step exists, even as another process saves and prunes. Verification is :meth:`load`'s.
-
-        A folder listing is no snapshot: an entry renamed in or out while it is read may be missed, so a
-        listing taken while a save puts step N+1 in place and a prune takes step N away can hold neither.
-        The ``latest`` file, replaced atomically after each save and naming a step that no prune removes,
-        fills that gap: it is read after the listing, and its step joins it."""
-        found = set(self._listed())
-        newest = self._pointed()
-        if newest is not None:
-            found.add(newest)
-        return sorted(found)
-
-    def _listed(self) -> list[int]:
-        try:
-            entries = list(os.scandir(self.directory))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = []
-        for entry in entries:
-            match = self.PATTERN.fullmatch(entry.name)
-            if match and entry.is_dir(follow_symlinks=False) and self._complete(entry.path):
-                found.append(int(match.group(1)))
-        return found
-
-    @staticmethod
-    def _complete(folder: str | os.PathLike[str]) -> bool:
-        # A one-process step has the model file; a sharded one has DCP's metadata (DCP writes it last).
-        return os.path.isfile(os.path.join(folder, STATE_NAME)) and (
-            os.path.isfile(os.path.join(folder, WEIGHTS_NAME))
-            or os.path.isfile(os.path.join(folder, ADAPTER_NAME))
-            or os.path.isfile(os.path.join(folder, SHARDS_DIR, ".metadata"))
-        )
-
-    def _pointer(self) -> int | None:
-        try:
-            match = self.PATTERN.fullmatch((self.directory / LATEST_NAME).read_text(encoding="utf-8").strip())
-        except (OSError, UnicodeDecodeError):
-            return None
-        return int(match.group(1)) if match else None
-
-    def _pointed(self) -> int | None:
-        """The step ``latest`` names while its folder is complete; None without one, or when its folder
-        was removed by other means than a save (a stale pointer: the listing alone then counts)."""
-        named = self._pointer()
-        for _ in range(1000):
-            if named is None:
-                return None
-            folder = self.path(named)
-            if not folder.is_symlink() and self._complete(folder):
-                return named
-            again = self._pointer()
-            if again == named:
-                return None  # unchanged, so no save moved it on: its folder was taken away by hand
-            named = again  # a save replaced it while we looked: look at the new one
-        raise OSError(errno.EBUSY, "the checkpoints kept changing while they were listed", str(self.directory))
-
-    def all_steps(self) -> list[int]:
-        """Every step folder, complete or not (a damaged copy, a folder missing a file)."""
-        try:
-            names = os.listdir(self.directory)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        return sorted(int(m.group(1)) for m in map(self.PATTERN.fullmatch, names) if m)
 
     def save(self, model: nn.Module, state: dict[str, Any], *, model_state: dict[str, Tensor] | None = None) -> Path:
         """Write ``state`` (from :func:`capture_state`: its ``model`` entry, or ``model_state``, is the
@@ -838,7 +583,23 @@ class CheckpointManager:
     def _save_shards(self, model: nn.Module, state: dict[str, Any]) -> Path:
         """Each rank writes its own part of the model and optimizer into one temporary folder (DCP: no
         rank gathers either); then rank 0 records every file's SHA-256 in ``train_state.pt``, written
-        last, and renames the folder into place, and every rank waits for that."""
+        last, and puts the folder in place, and every rank waits for that."""
+        folder, finish = self.start_shards(model, state)
+        finish()
+        if _distributed():
+            dist.barrier()
+        return folder
+
+    def start_shards(
+        self, model: nn.Module, state: dict[str, Any], *, process_group: Any = None, stager: Any = None
+    ) -> tuple[Path, Callable[[], None]]:
+        """Begin a sharded save on every rank; returns the step folder it will be and ``finish``, which
+        completes it (on rank 0: the shard files' SHA-256s, ``train_state.pt`` and the rename into place).
+
+        Without ``stager`` the shards are written here (``dcp.save``). With one (a DCP ``AsyncStager``), each
+        rank's part is staged to host memory here and written by ``dcp.async_save`` on DCP's thread over
+        ``process_group`` (a CPU group of the checkpoint's own); ``finish`` then waits for it, and raises its
+        error. On rank 0, DCP's future is done only once every rank's files and the metadata are written."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -848,27 +609,49 @@ class CheckpointManager:
         rest["optimizer"] = _without_tensors(state["optimizer"])
         rest["model_config"] = cast(Any, unwrap(model)).config.to_dict()
         rank = dist.get_rank() if _distributed() else 0
-
-        def write(folder: Path) -> None:
-            with _one_process_is_meant():
-                dcp.save(tensors, storage_writer=FileSystemWriter(folder / SHARDS_DIR), no_dist=not _distributed())
-
+        staging: Path | None = None
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            staging = temp_path(self.path(step))  # a kill's leftover: remove_leftovers takes it
+            os.mkdir(staging, 0o777)
+        shards = Path(_share([None if staging is None else str(staging)])[0]) / SHARDS_DIR
+        writer = FileSystemWriter(shards)
+        future: Any = None
+        try:
+            with _one_process_is_meant(), _dcp_errors(step):
+                if stager is None:
+                    dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+                else:
+                    rest = stage_state(rest)[0]  # what DCP does not stage: training goes on and changes it
+                    future = dcp.async_save(
+                        tensors, storage_writer=writer, no_dist=not _distributed(), process_group=process_group,
+                        async_stager=stager,
+                    )  # fmt: skip
+        except BaseException:
+            if staging is not None:
+                _remove_tree(staging)
+            raise
 
-            def fill(folder: Path) -> None:
-                _share([str(folder)])
-                write(folder)  # returns once every rank's files and the metadata are written
-                save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
+        def finish() -> None:
+            try:
+                if future is not None:
+                    with _dcp_errors(step):
+                        future.result()
+                if staging is None:
+                    return
 
-            folder = replace_dir(self.path(step), fill)
-            atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
-        else:
-            write(Path(_share([None])[0]))
-            folder = self.path(step)
-        if _distributed():
-            dist.barrier()
-        return folder
+                def fill(folder: Path) -> None:
+                    os.rename(shards, folder / SHARDS_DIR)
+                    save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
+
+                folder = replace_dir(self.path(step), fill)
+                # After the folder is in place, before any prune: a listing that races both still finds a step.
+                atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+            finally:
+                if staging is not None:
+                    _remove_tree(staging)
+
+        return self.path(step), finish
 
     def load(self, step: int) -> Checkpoint:
         """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong. A sharded
@@ -938,6 +721,31 @@ class CheckpointManager:
     def remove_leftovers(self) -> list[Path]:
         """Delete the temporary folders of saves that were killed (never a live writer's)."""
         return remove_leftovers(self.directory)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _dcp_errors(step: int) -> Iterator[None]:
+    """DCP's failure of a save (a ``CheckpointException``, a BaseException holding every failed rank's error)
+    as one clear error: an OSError when the first rank's cause was one (a full disk), else a RuntimeError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        failures = sorted(err.failures.items())
+        first = failures[0][1]
+        cause = first[0] if isinstance(first, tuple) else first
+        ranks = ", ".join(str(rank) for rank, _ in failures)
+        message = f"the checkpoint of step {step} was not written: rank {ranks} failed: {type(cause).__name__}: {cause}"
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, message) from err
+        raise RuntimeError(message) from err
 
 
 def _share(values: list[Any]) -> list[Any]:

@@ -27,6 +27,7 @@ else:  # pragma: no cover - Python 3.10
 
 import tomli_w
 
+from tlm_artifacts.layout import CONFIG_NAME as CONFIG_NAME  # a run's settings file (the layout's name)
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
 from tlm_ffn.options import default_d_ff
 from tlm_lora.roles import check_targets
@@ -34,7 +35,6 @@ from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_tokenizer.chat import TRAIN_ON
 
-CONFIG_NAME = "train.toml"
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")

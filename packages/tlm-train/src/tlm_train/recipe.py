@@ -30,13 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import tlm_artifacts
+from tlm_artifacts.lora import grown
+from tlm_artifacts.steps import load_step_model
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
-from tlm_train import artifacts
 from tlm_train.batch import BatchSampler, EvalBatches
-from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, load_step_model, restore_state
+from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
@@ -141,7 +143,7 @@ class Recipe:
         self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
-        self.saver = BackgroundSaver()  # one-process checkpoints, written while training goes on
+        self.saver = BackgroundSaver()  # checkpoints, written while training goes on
         # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
         self._exit.callback(self._settle_saves)
 
@@ -341,14 +343,14 @@ class Recipe:
             tokenizer = Tokenizer.load(config.tokenizer)
         if config.init_from is None:
             return None, tokenizer
-        artifact = artifacts.resolve(config.init_from)
+        artifact = tlm_artifacts.resolve(config.init_from)
         if self.resume and not config.lora_rank:  # the weights come from the run's checkpoint; only the tokenizer
             model = None
         else:
-            model, _ = artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
+            model, _ = tlm_artifacts.load_model(artifact, dtype=torch.float32, on_damaged=self._damaged)
         try:
-            own = artifacts.load_tokenizer(artifact)
-        except artifacts.UnreadableTokenizer as err:
+            own = tlm_artifacts.load_tokenizer(artifact)
+        except tlm_artifacts.UnreadableTokenizer as err:
             own = None
             if tokenizer is None and not (config.data and is_token_file(config.data[0])):
                 raise ValueError(
@@ -495,12 +497,16 @@ class Recipe:
                 if step < self.steps:
                     batches = self._draw()  # drawn while the device still works on this step
                 logged = self.maybe_log(step, stats, bar)
-                if self._prune_pending and logged and self.saver.idle():
-                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
-                # Ranks must agree on the step they stop at: compared where the step syncs anyway.
+                # Ranks must agree on the step they stop at, and on the step that finishes the save in flight
+                # (its error raised on every rank there): compared where the step syncs anyway.
                 asked = requested() or self.logger_error is not None
-                stop = asked if info.world_size == 1 else (logged and self._any_rank(asked))
+                if info.world_size == 1:
+                    stop, writing = asked, not self.saver.idle()
+                else:
+                    stop, writing = self._any_rank(asked, not self.saver.idle()) if logged else (False, True)
+                if self._prune_pending and logged and not writing:
+                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 if stop and self.logger_error is not None:
                     self._stop_for_logger(step, sampler_state)
                     break
@@ -640,7 +646,7 @@ class Recipe:
             state["model_config"] = self.model_config.to_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        if self._any_rank(not _finite(state["model"])):
+        if self._any_rank(not _finite(state["model"]))[0]:
             raise self._diverged(
                 f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}", step
             )
@@ -649,7 +655,7 @@ class Recipe:
         if self.info.is_main:
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
         if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
-            if self.config.async_checkpoint and not state["sharded"] and not force:
+            if self.config.async_checkpoint and not force:
                 self.last_checkpoint = self.saver.submit(manager, unwrap(self.model), state)
             else:  # a stop writes its checkpoint before saying where it is
                 self.last_checkpoint = manager.save(unwrap(self.model), state)
@@ -658,7 +664,7 @@ class Recipe:
 
     def _settle_saves(self) -> None:
         try:
-            self.saver.wait()
+            self.saver.close()  # the run is ending: its staging buffers can go
         except Exception as err:  # the run is already ending with its own error; say this one too
             self.say(f"the checkpoint being written when the run stopped failed: {err}")
 
@@ -668,12 +674,14 @@ class Recipe:
             self.run_dir.checkpoints(self.config.keep_checkpoints).prune()
         self._prune_pending = False
 
-    def _any_rank(self, flag_: bool) -> bool:
+    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true when it is true on any rank (one all-reduce for all of them)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return flag_
-        value = torch.tensor([int(flag_)], device=self.info.device if self.info.device.type == "cuda" else "cpu")
+            return flags
+        device = self.info.device if self.info.device.type == "cuda" else "cpu"
+        value = torch.tensor([int(f) for f in flags], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return tuple(bool(v) for v in value.tolist())
 
     # ---------------------------------------------------------------------------------- the end
 
@@ -712,18 +720,6 @@ class Recipe:
             generator=torch.Generator().manual_seed(config.seed),
         ).tolist()
         return tokenizer.decode(out) if tokenizer is not None else " ".join(map(str, out))
-
-
-def grown(weights: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
-    """``weights`` with the embedding and LM head grown to ``vocab_size`` rows, each new row the mean of the
-    old ones (transformers' ``resize_token_embeddings(mean_resizing=True)``): new tokens start as an average."""
-    grown = dict(weights)
-    for name in ("token_embeddings.weight", "lm_head.weight"):
-        table = grown.get(name)
-        if table is not None and table.shape[0] < vocab_size:
-            extra = table.mean(dim=0, keepdim=True).expand(vocab_size - table.shape[0], -1)
-            grown[name] = torch.cat([table, extra])
-    return grown
 
 
 def _finite(weights: dict[str, torch.Tensor]) -> bool:

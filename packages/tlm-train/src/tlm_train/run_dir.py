@@ -1,4 +1,6 @@
-"""The run folder: one place that every command reads and ``tlm train`` writes (ARCHITECTURE.md).
+"""The run folder: one place that every command reads and ``tlm train`` writes (ARCHITECTURE.md). Its names
+and what inference reads of it are ``tlm_artifacts.layout``'s (:class:`~tlm_artifacts.layout.RunFolder`);
+:class:`RunDir` adds what training needs: the lock, ``train.toml`` as a ``TrainConfig``, the checks.
 
 ```
 RUN/train.toml  tokenizer/  data/{train.npy,val.npy,info.json}  metrics.jsonl  loss.png
@@ -21,14 +23,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tlm_artifacts.layout import CHECKPOINT_DIR, DATA_DIR, METRICS_NAME, TOKENIZER_DIR, RunFolder
 from tlm_core.atomic import atomic_write
 from tlm_train.checkpoint import CheckpointManager
 from tlm_train.config import CONFIG_NAME, TrainConfig
 
-TOKENIZER_DIR = "tokenizer"
-DATA_DIR = "data"
-CHECKPOINT_DIR = "checkpoints"
-METRICS_NAME = "metrics.jsonl"
+__all__ = [
+    "CHECKPOINT_DIR", "DATA_DIR", "LOCK_NAME", "METRICS_NAME", "PLOT_NAME", "TENSORBOARD_DIR", "TOKENIZER_DIR",
+    "RunDir", "RunInUseError", "RunLock", "check_apart",
+]  # fmt: skip
+
 PLOT_NAME = "loss.png"
 LOCK_NAME = ".lock"
 #: The folder of TensorBoard's event files inside a run folder (``tensorboard --logdir RUN``).
@@ -62,28 +66,11 @@ def check_apart(out_dir: str | os.PathLike[str], inputs: dict[str, list[str]]) -
             )
 
 
-class RunDir:
-    """The paths of a run folder and the readers of what is in it."""
+class RunDir(RunFolder):
+    """The paths of a run folder and the readers of what is in it, with what training writes and checks."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-
-    def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
-
-    config_path = property(lambda self: self.path / CONFIG_NAME)
-    tokenizer_dir = property(lambda self: self.path / TOKENIZER_DIR)
-    data_dir = property(lambda self: self.path / DATA_DIR)
-    checkpoints_dir = property(lambda self: self.path / CHECKPOINT_DIR)
-    metrics_path = property(lambda self: self.path / METRICS_NAME)
     plot_path = property(lambda self: self.path / PLOT_NAME)
     lock_path = property(lambda self: self.path / LOCK_NAME)
-
-    @staticmethod
-    def is_run(path: str | os.PathLike[str]) -> bool:
-        """Whether ``path`` is a folder that ``tlm train`` wrote (its ``train.toml`` or ``checkpoints/``)."""
-        path = Path(path)
-        return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / CHECKPOINT_DIR).is_dir())
 
     def check_layout(self) -> None:
         """Refuse a run folder of tlm-train 0.1's layout (``checkpoints/step_N.pt`` files, no step folders):
@@ -123,17 +110,6 @@ class RunDir:
 
     def write_config(self, config: TrainConfig) -> None:
         atomic_write(self.config_path, config.to_toml())
-
-    def has_tokenizer(self) -> bool:
-        return self.tokenizer_dir.is_dir()
-
-    def tokenizer(self) -> Any:
-        """The run's ``tlm_tokenizer.Tokenizer``, or None when it trained on token ids without one."""
-        if not self.has_tokenizer():
-            return None
-        from tlm_tokenizer import Tokenizer
-
-        return Tokenizer.load(self.tokenizer_dir)
 
     @contextlib.contextmanager
     def lock(self) -> Iterator["RunLock"]:

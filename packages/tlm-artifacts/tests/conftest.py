@@ -1,0 +1,80 @@
+"""Fixtures for tlm-artifacts' tests: step and run folders written here from the formats' descriptions (not by
+tlm-train, which this package must not need), so the readers are checked against a writer of their own."""
+
+import hashlib
+import io
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tlm_artifacts.train_state import FORMAT, TRAILER, digest
+from tlm_model import ModelConfig, TransformerLM, save_model_file
+
+CONFIG = ModelConfig(48, 8, 16, 1, 2, 24)
+
+
+def write_state(path: Path, state: dict) -> None:
+    """A ``train_state.pt`` as the format says: torch.save of the payload with its digest, then the trailer."""
+    payload = {"format": FORMAT, **state}
+    payload["digest"] = digest(payload)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    path.write_bytes(data + TRAILER + hashlib.sha256(data).hexdigest().encode() + b"\n")
+
+
+def write_step(folder: Path, model: TransformerLM, step: int, *, sharded: bool = False) -> Path:
+    """A step folder of ``model`` at ``step``: its model file and train state, or DCP shards of its weights."""
+    folder.mkdir(parents=True)
+    if not sharded:
+        save_model_file(model, folder)
+        from tlm_model.checkpoint import read_digest
+
+        write_state(folder / "train_state.pt", {"step": step, "model_sha256": read_digest(folder)})
+        return folder
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's warning that no process group is set up: one process is meant
+        tensors = {f"model.{k}": v for k, v in model.state_dict().items()}
+        dcp.save(tensors, storage_writer=FileSystemWriter(folder / "shards"), no_dist=True)
+    files = {}
+    for root, _, names in os.walk(folder / "shards"):
+        for name in names:
+            path = Path(root) / name
+            files[path.relative_to(folder / "shards").as_posix()] = hashlib.sha256(path.read_bytes()).hexdigest()
+    write_state(folder / "train_state.pt",
+                {"step": step, "shard_files": files, "model_config": model.config.to_dict()})  # fmt: skip
+    return folder
+
+
+def model(seed: int) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(CONFIG, fused=False)
+
+
+@pytest.fixture
+def writers():
+    """The writers above, for the tests (``import`` of a test folder's module does not work in importlib mode)."""
+    return SimpleNamespace(CONFIG=CONFIG, model=model, write_state=write_state, write_step=write_step)
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """``make_run(steps=(1, 2))``: a run folder (``train.toml``, ``checkpoints/step_N``), step N seeded N."""
+
+    def make(steps=(1, 2), *, sharded=False):
+        run = tmp_path / "run"
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "train.toml").write_text("")
+        for step in steps:
+            write_step(run / "checkpoints" / f"step_{step:08d}", model(step), step, sharded=sharded)
+        return run
+
+    return make
