@@ -31,6 +31,7 @@ ORDER = [
     "document_mask",
     "checkpoint",
     "checkpoint_stall",
+    "checkpoint_stall_sharded",
     "serve",
     "gpu",
 ]
@@ -47,6 +48,8 @@ TITLES = {
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
     "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",
     "checkpoint_stall": "a checkpoint's stall and memory, inline vs background (`bench/checkpoint_stall.py`)",
+    "checkpoint_stall_sharded": "a sharded checkpoint's stall and memory, DCP inline vs async "
+    "(`bench/checkpoint_stall.py --sharded`)",
     "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (

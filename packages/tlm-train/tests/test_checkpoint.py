@@ -578,7 +578,14 @@ if info.world_size > 1:
 opt = AdamW(model.parameters())
 manager = CheckpointManager(sys.argv[1], keep=2)
 step = int(sys.argv[2])
-if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's one-process saves: a writer thread
+if len(sys.argv) > 3 and sys.argv[3] == "stalled":  # rank 0's writer stops after DCP wrote every file, before
+    import threading, tlm_train.checkpoint  # hashing and renaming them into place: a save surely in flight
+    def stalled(folder):
+        print("in flight", flush=True)
+        threading.Event().wait()
+    tlm_train.checkpoint._file_digests = stalled
+    sys.argv[3] = "background"
+if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's saves: a writer thread (sharded: DCP's too)
     from tlm_train.checkpoint import BackgroundSaver
     saver, first = BackgroundSaver(), step + 1
     while True:
@@ -587,10 +594,11 @@ if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's one-proces
             for p in model.parameters():
                 p.fill_(step)
         saver.wait()
-        if step > first:
+        if step > first and info.is_main:
             print(step - 1, flush=True)
-        manager.remove_leftovers()
-        manager.prune()
+        if info.is_main:
+            manager.remove_leftovers()
+            manager.prune()
         saver.submit(manager, model, capture_state(model, opt, step=step))
 while True:
     step += 1
@@ -608,10 +616,13 @@ while True:
 
 
 @pytest.mark.slow  # two ranks killed mid-save, twice
-def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete_step(tmp_path, forked):
+@pytest.mark.parametrize("mode", ["inline", "background"])  # background: dcp.async_save, nearly always in flight
+def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete_step(tmp_path, forked, mode):
     """FSDP2 on two gloo ranks saves DCP step folders in a loop; both ranks die by SIGKILL at a random
     moment (after the first save, so often inside one). What is left is the newest complete step or the one
-    before it, verified as it is read, and the leftovers of the interrupted save are cleaned away."""
+    before it, verified as it is read, and the leftovers of the interrupted save are cleaned away. In the
+    background mode the weights are overwritten with the next step's while DCP writes a step, so a folder
+    holding anything but its own step's values would show a snapshot that was not one."""
     import random
     import signal
     import socket
@@ -627,7 +638,7 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
             port = str(s.getsockname()[1])
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         ranks = [
-            forked(SAVER, str(tmp_path), str(done), wait=False, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            forked(SAVER, str(tmp_path), str(done), mode, wait=False, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in (0, 1)
         ]
         try:
@@ -646,6 +657,19 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
         weights = read_model_state(latest.path)[1]
         assert all(bool((t == latest.step).all()) for t in weights.values())
         done = latest.step
+    if mode == "background":  # and once surely mid-save: every shard written, the folder not yet in place
+        env["MASTER_PORT"] = str(int(port) + 1) if int(port) < 65535 else str(int(port) - 1)
+        ranks = [forked(SAVER, str(tmp_path), str(done), "stalled", wait=False,
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]  # fmt: skip
+        try:
+            assert ranks[0].stdout.readline() == "in flight\n", ranks[0].communicate()[1][-3000:]
+        finally:
+            for rank in ranks:
+                rank.send_signal(signal.SIGKILL)
+                rank.communicate()
+        left = [p for p in tmp_path.iterdir() if p.name.startswith(f".step_{done + 1:08d}.")]  # temporary folders
+        assert any((p / "shards" / ".metadata").is_file() for p in left)
+        assert CheckpointManager(tmp_path).load_latest().step == done
     CheckpointManager(tmp_path, keep=2).remove_leftovers()
     assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))
 
@@ -728,3 +752,81 @@ def test_a_background_save_writes_the_same_folder_and_raises_its_error_at_the_ne
     with pytest.raises(FileExistsError):
         saver.wait()
     saver.wait()  # the error was raised once
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's thread, in one process on purpose
+def test_a_background_sharded_save_equals_the_inline_one_and_a_failed_one_leaves_nothing(tmp_path, monkeypatch):
+    """dcp.async_save in one process (the sharded layout without a group): the same tensors and training
+    state as an inline sharded save; a write that fails (a full disk) is raised by the next wait() as one
+    OSError naming the step, and leaves no step folder and no temporary folder behind."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from tlm_train.checkpoint import BackgroundSaver, read_sharded_tensors
+
+    model = TransformerLM(ModelConfig(64, 8, 16, 1, 2, 32), fused=False)
+    opt = AdamW(model.parameters())
+    model(torch.randint(0, 64, (2, 8))).square().mean().backward()
+    opt.step()
+    state = {**capture_state(model, opt, step=1), "sharded": True}
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    CheckpointManager(tmp_path / "b").save(model, state)
+    saver = BackgroundSaver()
+    folder = saver.submit(CheckpointManager(tmp_path / "a"), model, state)
+    with torch.no_grad():  # training goes on: the save holds the snapshot
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.wait()
+    a, b = (CheckpointManager(tmp_path / x).load(1) for x in "ab")  # every shard file's SHA-256 verified
+    assert a.path == folder and _same_state(read_sharded_tensors(folder), want)
+    drop = ("shard_files", "shards", "model_config")
+    assert _same_state({k: v for k, v in a.state.items() if k not in drop},
+                       {k: v for k, v in b.state.items() if k not in drop})  # fmt: skip
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    saver.submit(CheckpointManager(tmp_path / "a"), model, {**capture_state(model, opt, step=2), "sharded": True})
+    with pytest.raises(OSError, match="checkpoint of step 2 was not written: rank 0 failed: .*No space") as caught:
+        saver.wait()
+    assert caught.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path / "a")) == ["latest", "step_00000001"]
+    saver.wait()  # the error was raised once
+
+
+def test_a_step_that_was_never_saved_is_reported_as_missing_by_its_step(tmp_path):
+    # Not as a folder removed while it was read (the message for a prune that races a reader).
+    manager = CheckpointManager(tmp_path, keep=5)
+    _save(manager, 1)
+    manager.path(2).write_text("a file where step 2's folder would be")
+    for step in (2, 3):
+        with pytest.raises(FileNotFoundError, match=rf"^no checkpoint folder for step {step}: .*step_0000000{step}$"):
+            manager.load(step)
+    assert manager.load(1).step == 1
+
+
+class _OnAnAccelerator(torch.Tensor):
+    """A CPU tensor that says it is on another device: what stage_state copies into (pinned) host buffers."""
+
+    device = property(lambda self: torch.device("xpu", 0))  # not "cuda": no CUDA event is recorded for it
+
+
+def test_staged_accelerator_tensors_reuse_the_buffers_whose_shape_and_dtype_agree():
+    from tlm_train.checkpoint import stage_state
+
+    def state(w, b):
+        return {"w": w.as_subclass(_OnAnAccelerator), "b": b.as_subclass(_OnAnAccelerator)}
+
+    buffers: list[torch.Tensor] = []
+    staged, event = stage_state(state(torch.arange(6.0).reshape(2, 3), torch.ones(3)), buffers)
+    assert event is None and [id(t) for t in buffers] == [id(staged["w"]), id(staged["b"])]
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in buffers)
+    kept = list(buffers)
+    staged, _ = stage_state(state(torch.full((2, 3), 7.0), torch.ones(3, dtype=torch.float64)), buffers)
+    assert staged["w"] is kept[0] and torch.equal(staged["w"], torch.full((2, 3), 7.0))  # the same shape and dtype
+    assert staged["b"] is not kept[1] and torch.equal(staged["b"], torch.ones(3, dtype=torch.float64))  # a dtype
+    assert [id(t) for t in buffers] == [id(staged["w"]), id(staged["b"])]
+    staged, _ = stage_state(state(torch.zeros(3, 2), torch.ones(3, dtype=torch.float64)), buffers)
+    assert staged["w"] is not kept[0] and staged["w"].shape == (3, 2) and staged["b"] is buffers[1]  # a shape

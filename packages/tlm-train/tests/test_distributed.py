@@ -10,6 +10,7 @@ ATOL = 1e-5 is far below one optimizer update (~lr = 3e-3), so a wrong batch spl
 gradient sync or a wrong loss scale (all of which change weights by ~lr) cannot pass.
 """
 
+import errno
 import json
 import math
 import os
@@ -281,3 +282,44 @@ def test_fsdp2_bfloat16_gathers_in_bfloat16_and_reduces_in_float32(tokens: Path,
         assert got["params"] == got["grads"] == ["torch.float32"]
         assert math.isfinite(got["loss"])
     assert RunDir(tmp_path / "run").checkpoints().steps() == [2]
+
+
+FULL_DISK_SCRIPT = """
+import errno, json, os, sys
+from torch.distributed.checkpoint import FileSystemWriter
+from tlm_train import TrainConfig, train
+write = FileSystemWriter.write_data
+
+def full(self, *args, **kwargs):  # the disk is full for step 4's shards, on every rank
+    if "step_00000004" in str(self.path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return write(self, *args, **kwargs)
+
+FileSystemWriter.write_data = full
+try:
+    train(TrainConfig(**json.loads(sys.argv[2])))
+except OSError as err:
+    with open(f"{sys.argv[1]}.{os.environ['RANK']}", "w") as out:
+        json.dump({"errno": err.errno, "message": str(err)}, out)
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_background_sharded_save_stops_every_rank_with_one_clear_error(tokens: Path, tmp_path: Path) -> None:
+    # dcp.async_save of step 4 fails (a full disk) on both ranks while training goes on: every rank raises the
+    # same OSError at the same point (a logged step whose all-reduce says the writers are idle, or the next save),
+    # nothing hangs, and the run folder keeps step 2 with no step 4 and no temporary folder.
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DISK_SCRIPT)
+    run = {**SETTINGS, "data": [str(tokens)], "out_dir": str(tmp_path / "run"), "distributed": "fsdp"}
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*launcher, str(script), str(tmp_path / "error"), json.dumps(run)], env=_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"error.{rank}").read_text())
+        assert got["errno"] == errno.ENOSPC
+        assert "the checkpoint of step 4 was not written: rank 0, 1 failed: OSError" in got["message"], got
+    folder = RunDir(tmp_path / "run").checkpoints().directory
+    assert sorted(os.listdir(folder)) == ["latest", "step_00000002"]

@@ -445,33 +445,76 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
 
 
 class BackgroundSaver:
-    """Writes one-process checkpoints on a writer thread, one at a time, from a host snapshot of the state
-    (:func:`stage_state`), so a save costs the training loop a copy instead of serialising and hashing
-    everything. The step folder still appears complete or not at all (:meth:`CheckpointManager.save` runs
-    unchanged in the thread); a writer's error is raised by the next :meth:`wait`."""
+    """Writes checkpoints in the background, one at a time, so a save costs the training loop a copy of the
+    state to host memory instead of serialising and hashing everything. A one-process state is staged here
+    (:func:`stage_state`) and :meth:`CheckpointManager.save` runs unchanged on a writer thread. A sharded one
+    (every rank calls :meth:`submit`) goes through ``dcp.async_save`` (:meth:`CheckpointManager.start_shards`),
+    over a gloo group made for checkpoints on the first such save, and the writer thread finishes it. Either
+    way the step folder appears complete or not at all; a writer's error is raised by the next :meth:`wait`."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list[Tensor] = []
+        self._group: Any = None  # the sharded saves' own process group
+        self._stager: Any = None  # DCP's stager, kept for an accelerator's pinned buffers
 
     def submit(self, manager: "CheckpointManager", model: nn.Module, state: dict[str, Any]) -> Path:
         """Stage ``state`` and start writing it; returns the step folder it will be (after waiting for the
         previous save)."""
         self.wait()
-        staged, event = stage_state(state, self._buffers)
+        if state.get("sharded"):
+            stager, own = self._shard_stager(state)
+            folder, finish = manager.start_shards(model, state, process_group=self._shard_group(), stager=stager)
 
-        def write() -> None:
-            try:
+            def work() -> None:
+                try:
+                    finish()
+                finally:
+                    if own:
+                        stager.close()
+
+        else:
+            staged, event = stage_state(state, self._buffers)
+            folder = manager.path(state["step"])
+
+            def work() -> None:
                 if event is not None:
                     event.synchronize()
                 manager.save(model, staged)
+
+        def write() -> None:
+            try:
+                work()
             except BaseException as err:  # raised in the training thread by wait()
                 self._error = err
 
         self._thread = threading.Thread(target=write, name="tlm-checkpoint-writer", daemon=True)
         self._thread.start()
-        return manager.path(state["step"])
+        return folder
+
+    def _shard_group(self) -> Any:
+        # DCP's collectives run on its writer thread: on the training's group they could interleave with the
+        # training's own collectives in a different order on each rank. gloo: async_save needs a CPU group.
+        if self._group is None and _distributed():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _shard_stager(self, state: dict[str, Any]) -> tuple[Any, bool]:
+        """DCP's stager for this save, and whether it is this save's own (closed once written). On an
+        accelerator one stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh
+        and the copy is freed once written."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
+        # Staged here, on the training's stream (an accelerator's copy waited for: a save step syncs anyway).
+        options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=accelerator)  # fmt: skip
+        if not accelerator:
+            return DefaultStager(options), True
+        if self._stager is None:
+            self._stager = DefaultStager(options)
+        return self._stager, False
 
     def idle(self) -> bool:
         """Whether no save is being written (a finished one's error is still raised by :meth:`wait`)."""
@@ -485,6 +528,16 @@ class BackgroundSaver:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def close(self) -> None:
+        """:meth:`wait`, then release the staging buffers kept between saves (an accelerator's pinned ones)."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._buffers = []
 
 
 class CheckpointManager(StepFolders):
@@ -530,7 +583,23 @@ class CheckpointManager(StepFolders):
     def _save_shards(self, model: nn.Module, state: dict[str, Any]) -> Path:
         """Each rank writes its own part of the model and optimizer into one temporary folder (DCP: no
         rank gathers either); then rank 0 records every file's SHA-256 in ``train_state.pt``, written
-        last, and renames the folder into place, and every rank waits for that."""
+        last, and puts the folder in place, and every rank waits for that."""
+        folder, finish = self.start_shards(model, state)
+        finish()
+        if _distributed():
+            dist.barrier()
+        return folder
+
+    def start_shards(
+        self, model: nn.Module, state: dict[str, Any], *, process_group: Any = None, stager: Any = None
+    ) -> tuple[Path, Callable[[], None]]:
+        """Begin a sharded save on every rank; returns the step folder it will be and ``finish``, which
+        completes it (on rank 0: the shard files' SHA-256s, ``train_state.pt`` and the rename into place).
+
+        Without ``stager`` the shards are written here (``dcp.save``). With one (a DCP ``AsyncStager``), each
+        rank's part is staged to host memory here and written by ``dcp.async_save`` on DCP's thread over
+        ``process_group`` (a CPU group of the checkpoint's own); ``finish`` then waits for it, and raises its
+        error. On rank 0, DCP's future is done only once every rank's files and the metadata are written."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -540,27 +609,49 @@ class CheckpointManager(StepFolders):
         rest["optimizer"] = _without_tensors(state["optimizer"])
         rest["model_config"] = cast(Any, unwrap(model)).config.to_dict()
         rank = dist.get_rank() if _distributed() else 0
-
-        def write(folder: Path) -> None:
-            with _one_process_is_meant():
-                dcp.save(tensors, storage_writer=FileSystemWriter(folder / SHARDS_DIR), no_dist=not _distributed())
-
+        staging: Path | None = None
         if rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
+            staging = temp_path(self.path(step))  # a kill's leftover: remove_leftovers takes it
+            os.mkdir(staging, 0o777)
+        shards = Path(_share([None if staging is None else str(staging)])[0]) / SHARDS_DIR
+        writer = FileSystemWriter(shards)
+        future: Any = None
+        try:
+            with _one_process_is_meant(), _dcp_errors(step):
+                if stager is None:
+                    dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+                else:
+                    rest = stage_state(rest)[0]  # what DCP does not stage: training goes on and changes it
+                    future = dcp.async_save(
+                        tensors, storage_writer=writer, no_dist=not _distributed(), process_group=process_group,
+                        async_stager=stager,
+                    )  # fmt: skip
+        except BaseException:
+            if staging is not None:
+                _remove_tree(staging)
+            raise
 
-            def fill(folder: Path) -> None:
-                _share([str(folder)])
-                write(folder)  # returns once every rank's files and the metadata are written
-                save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
+        def finish() -> None:
+            try:
+                if future is not None:
+                    with _dcp_errors(step):
+                        future.result()
+                if staging is None:
+                    return
 
-            folder = replace_dir(self.path(step), fill)
-            atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
-        else:
-            write(Path(_share([None])[0]))
-            folder = self.path(step)
-        if _distributed():
-            dist.barrier()
-        return folder
+                def fill(folder: Path) -> None:
+                    os.rename(shards, folder / SHARDS_DIR)
+                    save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
+
+                folder = replace_dir(self.path(step), fill)
+                # After the folder is in place, before any prune: a listing that races both still finds a step.
+                atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+            finally:
+                if staging is not None:
+                    _remove_tree(staging)
+
+        return self.path(step), finish
 
     def load(self, step: int) -> Checkpoint:
         """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong. A sharded
@@ -630,6 +721,31 @@ class CheckpointManager(StepFolders):
     def remove_leftovers(self) -> list[Path]:
         """Delete the temporary folders of saves that were killed (never a live writer's)."""
         return remove_leftovers(self.directory)
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _dcp_errors(step: int) -> Iterator[None]:
+    """DCP's failure of a save (a ``CheckpointException``, a BaseException holding every failed rank's error)
+    as one clear error: an OSError when the first rank's cause was one (a full disk), else a RuntimeError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as err:
+        failures = sorted(err.failures.items())
+        first = failures[0][1]
+        cause = first[0] if isinstance(first, tuple) else first
+        ranks = ", ".join(str(rank) for rank, _ in failures)
+        message = f"the checkpoint of step {step} was not written: rank {ranks} failed: {type(cause).__name__}: {cause}"
+        if isinstance(cause, OSError):
+            raise OSError(cause.errno, message) from err
+        raise RuntimeError(message) from err
 
 
 def _share(values: list[Any]) -> list[Any]:

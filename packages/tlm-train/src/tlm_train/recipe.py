@@ -143,7 +143,7 @@ class Recipe:
         self.logger_error: LoggerError | None = None  # a backend's failure that stops the run
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
-        self.saver = BackgroundSaver()  # one-process checkpoints, written while training goes on
+        self.saver = BackgroundSaver()  # checkpoints, written while training goes on
         # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
         self._exit.callback(self._settle_saves)
 
@@ -497,12 +497,16 @@ class Recipe:
                 if step < self.steps:
                     batches = self._draw()  # drawn while the device still works on this step
                 logged = self.maybe_log(step, stats, bar)
-                if self._prune_pending and logged and self.saver.idle():
-                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 self.maybe_evaluate(step)
-                # Ranks must agree on the step they stop at: compared where the step syncs anyway.
+                # Ranks must agree on the step they stop at, and on the step that finishes the save in flight
+                # (its error raised on every rank there): compared where the step syncs anyway.
                 asked = requested() or self.logger_error is not None
-                stop = asked if info.world_size == 1 else (logged and self._any_rank(asked))
+                if info.world_size == 1:
+                    stop, writing = asked, not self.saver.idle()
+                else:
+                    stop, writing = self._any_rank(asked, not self.saver.idle()) if logged else (False, True)
+                if self._prune_pending and logged and not writing:
+                    self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 if stop and self.logger_error is not None:
                     self._stop_for_logger(step, sampler_state)
                     break
@@ -642,7 +646,7 @@ class Recipe:
             state["model_config"] = self.model_config.to_dict()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
-        if self._any_rank(not _finite(state["model"])):
+        if self._any_rank(not _finite(state["model"]))[0]:
             raise self._diverged(
                 f"step {step}: the weights hold NaN or infinite values; {self._good_checkpoint(step + 1)}", step
             )
@@ -651,7 +655,7 @@ class Recipe:
         if self.info.is_main:
             manager.remove_leftovers()  # of a save that a kill interrupted (this process holds the run's lock)
         if self.info.is_main or state["sharded"]:  # sharded: every rank writes its part
-            if self.config.async_checkpoint and not state["sharded"] and not force:
+            if self.config.async_checkpoint and not force:
                 self.last_checkpoint = self.saver.submit(manager, unwrap(self.model), state)
             else:  # a stop writes its checkpoint before saying where it is
                 self.last_checkpoint = manager.save(unwrap(self.model), state)
@@ -660,7 +664,7 @@ class Recipe:
 
     def _settle_saves(self) -> None:
         try:
-            self.saver.wait()
+            self.saver.close()  # the run is ending: its staging buffers can go
         except Exception as err:  # the run is already ending with its own error; say this one too
             self.say(f"the checkpoint being written when the run stopped failed: {err}")
 
@@ -670,12 +674,14 @@ class Recipe:
             self.run_dir.checkpoints(self.config.keep_checkpoints).prune()
         self._prune_pending = False
 
-    def _any_rank(self, flag_: bool) -> bool:
+    def _any_rank(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag, true when it is true on any rank (one all-reduce for all of them)."""
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return flag_
-        value = torch.tensor([int(flag_)], device=self.info.device if self.info.device.type == "cuda" else "cpu")
+            return flags
+        device = self.info.device if self.info.device.type == "cuda" else "cpu"
+        value = torch.tensor([int(f) for f in flags], device=device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
+        return tuple(bool(v) for v in value.tolist())
 
     # ---------------------------------------------------------------------------------- the end
 
