@@ -72,6 +72,8 @@ def test_a_full_batch_and_bad_prompts_are_refused():
     with pytest.raises(ValueError, match=r"row must be in \[0, 0\], got 1"):
         batch.remove(1)
     assert batch.remove(0) is None and len(batch) == 0
+    with pytest.raises(ValueError, match="min_slots must be >= 2, got 1"):  # a dynamic size of 1 is specialised
+        DecodeBatch(model, 1, min_slots=1)
 
 
 def _prompts(lengths, seed=3):
