@@ -213,6 +213,9 @@ def test_cache_mask_reads_the_slots_up_to_each_position_and_the_scratch_slot_onl
     assert mask.shape == (2, 1, 2, 5)
     expected = torch.tensor([[[1, 0, 0, 0, 0], [1, 1, 1, 0, 0]], [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]], dtype=torch.bool)
     assert torch.equal(mask[:, 0], expected)
+    # Over the first 3 slots only (a step that reads the occupied prefix): the same entries, cut there.
+    assert torch.equal(cache_mask(torch.tensor([[0, 2], [3, 4]]), capacity=4, slots=torch.arange(3))[:, 0],
+                       expected[..., :3])  # fmt: skip
 
 
 @pytest.mark.slow

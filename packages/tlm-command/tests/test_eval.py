@@ -95,6 +95,11 @@ def test_the_plain_report_is_one_line(run, held_out, capsys):
         (["--data", "{binary}"], "is not UTF-8 text"),
         (["--data", "{text}", "--batch-size", "0"], "--batch-size: must be a positive integer, got 0"),
         (["--data", "{text}", "--stride", "40"], "--stride 40 exceeds the context length 32"),
+        ([], "the following arguments are required: --data"),
+        (
+            ["--data", "{text}", "--token-dtype", "int8"],
+            "--token-dtype: invalid choice: 'int8' (choose from 'uint16', 'uint32')",
+        ),
     ],
 )
 def test_errors_are_one_line(run, held_out, tmp_path, fails, extra, fragment):

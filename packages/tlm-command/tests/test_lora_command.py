@@ -209,3 +209,20 @@ def test_a_lora_chat_fine_tune_resumes_exports_and_serves_with_its_template(tmp_
         artifact = artifacts.resolve(checkpoint)
         render = _chat_template(artifact, artifacts.load_tokenizer(artifact))
         assert render(conversation[:1]) == "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_to_peft_reports_as_json_or_in_one_line(lora_run: Path, exported: dict[str, Path], tmp_path: Path, capsys):
+    from safetensors.torch import load_file
+
+    argv = ["convert", "--to-peft", str(lora_run), "--base", str(exported["hf"])]
+    capsys.readouterr()
+    assert main([*argv, "--out", str(tmp_path / "a"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    adapters = load_file(tmp_path / "a" / "adapter_model.safetensors")  # what peft reads
+    assert report["parameters"] == sum(t.numel() for t in adapters.values()) > 0
+    assert (report["out"], report["step"], report["lora"]["rank"], report["lora"]["alpha"]) == (
+        str(tmp_path / "a"), 3, 4, 8.0)  # fmt: skip
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (f"LoRA run {lora_run} (step 3) -> PEFT adapter {tmp_path / 'b'} for the base {exported['hf']} "
+                    f"({report['parameters']:,} adapter parameters)")  # fmt: skip

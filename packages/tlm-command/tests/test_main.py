@@ -21,6 +21,23 @@ def test_version_names_the_installed_distributions(capsys):
         assert f"{dist} {importlib.metadata.version(dist)}" in out
 
 
+def test_version_says_which_distribution_is_not_installed(capsys, monkeypatch):
+    # A source checkout without one distribution's metadata: importlib.metadata raises PackageNotFoundError.
+    real = importlib.metadata.version
+
+    def version(dist):
+        if dist == "tlm-train":
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert f"tlm-model {real('tlm-model')}, tlm-train (not installed), tlm-tokenizer {real('tlm-tokenizer')}" in out
+
+
 @pytest.mark.slow  # new interpreters, each importing torch
 def test_python_dash_m_tlm_runs_the_command_and_its_errors_have_no_traceback(tmp_path, tlm):
     ok = tlm("info", "--preset", "tiny", "--json")

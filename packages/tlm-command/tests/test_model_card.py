@@ -22,6 +22,18 @@ def test_a_run_export_has_a_card_with_the_runs_facts(run, tmp_path):
     assert "| d_model | 32 |" in text and "special tokens: `<|endoftext|>`" in text and "tlm-model " in text
 
 
+def test_a_chat_runs_card_gives_its_conversations_and_the_tokens_its_loss_counted(run, tmp_path):
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    info = json.loads((run / "data" / "info.json").read_text())
+    chat = {"examples": 40, "train_on": "completion", "layout": "packed", "cut_to_context": 0}  # as a chat run's
+    (tmp_path / "run" / "data" / "info.json").write_text(json.dumps({**info, "chat": chat}) + "\n")
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    text = (tmp_path / "hf" / "README.md").read_text(encoding="utf-8")
+    assert "- Chat fine-tuning: 40 conversations, loss on `completion` tokens" in text
+
+
 def test_a_model_file_export_says_what_it_does_not_know(small_checkpoint, tmp_path):
     _, folder = small_checkpoint
     assert main(["convert", "--to-hf", str(folder), "--out", str(tmp_path / "hf")]) == 0

@@ -184,6 +184,23 @@ def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, token
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 10, "total_tokens": len(ids)}
 
 
+def test_ids_past_the_tokenizers_vocabulary_have_no_text_in_either_logprobs_form(model, tokenizer):
+    # The model's vocabulary is padded past the tokenizer's: its first padded id, a known one, the next padded one.
+    from tlm_command.openai_api import chat_logprobs, legacy_logprobs
+    from tlm_command.scheduler import Scored
+
+    padded, known = tokenizer.vocab_size, tokenizer.encode("the")[0]
+    assert padded + 1 < model.config.vocab_size
+    scored = [Scored(padded, -0.5, [(padded, -0.5), (known, -1.0), (padded + 1, -2.0)])]
+    body, offset = legacy_logprobs(tokenizer, scored, 7)
+    assert (body["tokens"], body["text_offset"], offset) == ([""], [7], 7)
+    assert body["top_logprobs"] == [{"": -0.5, tokenizer.decode([known]): -1.0}]  # the best kept on a repeat
+    (entry,) = chat_logprobs(tokenizer, scored)
+    assert (entry["token"], entry["bytes"]) == ("", [])
+    assert [(e["token"], e["bytes"]) for e in entry["top_logprobs"]] == [
+        ("", []), (tokenizer.decode([known]), list(tokenizer.decode_bytes([known]))), ("", [])]  # fmt: skip
+
+
 def test_sampled_chat_logprobs_are_before_temperature(served, model, tokenizer):
     from tlm_command.openai_api import chat_prompt_ids, plain_chat_prompt
 

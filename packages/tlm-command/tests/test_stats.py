@@ -91,3 +91,6 @@ def test_bad_arguments_are_named():
         t_cdf(1.0, 0)
     with pytest.raises(ValueError, match="both sides need a value"):
         difference({}, {0: 1.0})
+    for confidence in (0.0, 1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=rf"^difference: confidence must be in \(0, 1\), got {confidence}$"):
+            difference({0: 1.0, 1: 2.0}, {0: 1.5, 1: 2.5}, confidence=confidence)

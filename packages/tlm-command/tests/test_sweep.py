@@ -178,6 +178,8 @@ def test_a_failed_run_is_in_the_summary_with_its_message(tmp_path, capsys) -> No
     assert main(["sweep", "--out-dir", str(out), "--grid", "lr=1e-3", *sets, "--jobs", "1", "--quiet"]) == 1
     (run,) = json.loads((out / "summary.json").read_text())["runs"]
     assert run["status"] == "failed" and "missing.npy" in run["message"]
+    # It trained nothing; no count in a summary is ever below zero.
+    assert run["steps"] == run["tokens"] == 0 and min(run["planned_steps"], run["parameters"]) >= 0
     assert f"| failed: {run['message']} |" in (out / "summary.md").read_text()
 
 

@@ -140,11 +140,14 @@ def test_resume_with_a_changed_shape_is_refused_in_one_line_and_the_run_is_untou
     assert TrainConfig.from_toml(moved / "train.toml").out_dir == str(moved)
 
 
-def test_resume_from_a_step_folder(tmp_path, tokens):
+def test_resume_from_a_step_folder(tmp_path, tokens, capsys):
     out = tmp_path / "run"
     argv = ["train", "--data", str(tokens), "--vocab-size", "32", "--out-dir", str(out), "--quiet", *SMALL]
     assert main([*argv, "--checkpoint-interval", "1", "--keep-checkpoints", "5"]) == 0
-    assert main(["train", "--resume", str(RunDir(out).checkpoints().path(1)), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", str(RunDir(out).checkpoints().path(1))]) == 0
+    # From step 1, not from the newest step (2), which it trains again.
+    assert "tlm: removed the checkpoints after step 1 (steps [2]): this run replaces them" in capsys.readouterr().err
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "train_loss" in line] == [1, 2]
 

@@ -370,6 +370,19 @@ def test_replace_dir_swaps_a_relative_path_in_one_step(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["d"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux's")
+def test_a_failed_swap_is_raised_with_the_errno_that_renameat2_set(tmp_path):
+    # renameat2(2): RENAME_EXCHANGE needs both paths to exist, else ENOENT. The errno is read through ctypes,
+    # which only keeps it for a library loaded with use_errno=True (else get_errno() answers its own 0).
+    import errno
+
+    (tmp_path / "a").mkdir()
+    with pytest.raises(FileNotFoundError) as raised:
+        atomic._exchange(tmp_path / "a", tmp_path / "absent")
+    assert raised.value.errno == errno.ENOENT and raised.value.filename == str(tmp_path / "absent")
+    assert os.listdir(tmp_path) == ["a"]
+
+
 def test_replace_dir_creates_the_missing_parent_folders(tmp_path):
     target = tmp_path / "runs" / "2026" / "d"
     assert replace_dir(target, _version(1)) == target

@@ -72,6 +72,8 @@ def test_a_full_batch_and_bad_prompts_are_refused():
     with pytest.raises(ValueError, match=r"row must be in \[0, 0\], got 1"):
         batch.remove(1)
     assert batch.remove(0) is None and len(batch) == 0
+    with pytest.raises(ValueError, match="min_slots must be >= 2, got 1"):  # a dynamic size of 1 is specialised
+        DecodeBatch(model, 1, min_slots=1)
 
 
 def _prompts(lengths, seed=3):
@@ -163,8 +165,10 @@ def test_a_full_row_is_refused_before_the_step_and_changes_nothing():
 @pytest.mark.slow
 def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypatch):
     # Issue 34: one graph per (batch bucket, capacity), none across steps, rows joining and leaving, prompt
-    # lengths. A counting backend (dynamo's graphs, no C++ build) and dynamo's own counters say how many.
-    # ~15 s: dynamo traces the model once per bucket and twice for prompt chunks.
+    # lengths, and rows growing across slot buckets (min_slots=8: the steps read 8, 16, 32 and all 48 slots;
+    # the slot count is a dynamic size, so warm-up at 8 slots serves them all). A counting backend (dynamo's
+    # graphs, no C++ build) and dynamo's own counters say how many; the slot counts the steps and prompt
+    # chunks passed are recorded too. ~15 s: dynamo traces the model once per bucket and twice for prompt chunks.
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -187,13 +191,21 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     torch.manual_seed(0)
     model = TransformerLM(dataclasses.replace(CFG, num_layers=1)).eval()
     fast = compile_for_inference(model)
-    batch_kwargs = {"max_batch_size": 2, "chunk": 8}
-    DecodeBatch(fast, 2, prefill_chunk=8).warm_up()  # buckets 1 and 2 (and prompt chunks of 1 and 2 tokens)
-    assert len(graphs["decode"]) == 2
+    read = {"decode": set(), "prefill": set()}
+    for kind in read:  # the slot counts each compiled call is given (its length is the graph's dynamic size)
+        step = getattr(fast, f"{kind}_step")
+        monkeypatch.setattr(
+            fast, f"{kind}_step", lambda *a, step=step, kind=kind: read[kind].add(len(a[-1])) or step(*a)
+        )
+    batch_kwargs = {"max_batch_size": 2, "chunk": 8, "min_slots": 8}
+    DecodeBatch(fast, 2, prefill_chunk=8, min_slots=8).warm_up()  # buckets 1 and 2, prompt chunks of 1 and 2
+    assert len(graphs["decode"]) == 2 and read["decode"] == {8}
     warm_frames, warm_prefill = counters["frames"]["total"], len(graphs["prefill"])
     requests = [(arrival, prompt, new) for (arrival, new), prompt in zip(
-        [(0, 7), (0, 3), (1, 9), (2, 4), (5, 6)], _prompts([3, 20, 7, 13, 29]), strict=True)]  # fmt: skip
+        [(0, 7), (0, 3), (1, 9), (2, 4), (5, 6), (6, 18)], _prompts([3, 20, 7, 13, 29, 28]), strict=True)]  # fmt: skip
     outputs = _drive_chunked(fast, requests, **batch_kwargs)
+    assert read["decode"] == {8, 16, 32, CFG.context_length}  # every slot bucket, the whole capacity last
+    assert read["prefill"] >= {8, 16, 32}
     assert len(graphs["decode"]) == 2  # no recompile of the step
     assert len(graphs["prefill"]) == warm_prefill  # prompt chunks: their sizes became dynamic in the warm-up
     assert counters["frames"]["total"] == warm_frames

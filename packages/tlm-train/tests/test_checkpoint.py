@@ -794,3 +794,39 @@ def test_a_background_sharded_save_equals_the_inline_one_and_a_failed_one_leaves
     assert caught.value.errno == errno.ENOSPC
     assert sorted(os.listdir(tmp_path / "a")) == ["latest", "step_00000001"]
     saver.wait()  # the error was raised once
+
+
+def test_a_step_that_was_never_saved_is_reported_as_missing_by_its_step(tmp_path):
+    # Not as a folder removed while it was read (the message for a prune that races a reader).
+    manager = CheckpointManager(tmp_path, keep=5)
+    _save(manager, 1)
+    manager.path(2).write_text("a file where step 2's folder would be")
+    for step in (2, 3):
+        with pytest.raises(FileNotFoundError, match=rf"^no checkpoint folder for step {step}: .*step_0000000{step}$"):
+            manager.load(step)
+    assert manager.load(1).step == 1
+
+
+class _OnAnAccelerator(torch.Tensor):
+    """A CPU tensor that says it is on another device: what stage_state copies into (pinned) host buffers."""
+
+    device = property(lambda self: torch.device("xpu", 0))  # not "cuda": no CUDA event is recorded for it
+
+
+def test_staged_accelerator_tensors_reuse_the_buffers_whose_shape_and_dtype_agree():
+    from tlm_train.checkpoint import stage_state
+
+    def state(w, b):
+        return {"w": w.as_subclass(_OnAnAccelerator), "b": b.as_subclass(_OnAnAccelerator)}
+
+    buffers: list[torch.Tensor] = []
+    staged, event = stage_state(state(torch.arange(6.0).reshape(2, 3), torch.ones(3)), buffers)
+    assert event is None and [id(t) for t in buffers] == [id(staged["w"]), id(staged["b"])]
+    assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in buffers)
+    kept = list(buffers)
+    staged, _ = stage_state(state(torch.full((2, 3), 7.0), torch.ones(3, dtype=torch.float64)), buffers)
+    assert staged["w"] is kept[0] and torch.equal(staged["w"], torch.full((2, 3), 7.0))  # the same shape and dtype
+    assert staged["b"] is not kept[1] and torch.equal(staged["b"], torch.ones(3, dtype=torch.float64))  # a dtype
+    assert [id(t) for t in buffers] == [id(staged["w"]), id(staged["b"])]
+    staged, _ = stage_state(state(torch.zeros(3, 2), torch.ones(3, dtype=torch.float64)), buffers)
+    assert staged["w"] is not kept[0] and staged["w"].shape == (3, 2) and staged["b"] is buffers[1]  # a shape

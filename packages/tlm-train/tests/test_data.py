@@ -194,3 +194,25 @@ def test_validation_text_and_chat_data_are_bounded_by_max_data_bytes_too(tmp_pat
     with pytest.raises(ValueError, match=rf"^--data {chat}: the corpus passed --max-data-bytes 100 "):
         prepare_data(TrainConfig(data=[str(chat)], out_dir=str(run.path), max_data_bytes=100), run, context_length=32)
     assert not (run.path / "data").exists() and not (run.path / "tokenizer").exists()
+
+
+def test_chat_data_holds_out_its_last_conversations_and_trains_on_every_other_one(tmp_path) -> None:
+    from tlm_tokenizer import Tokenizer
+    from tlm_tokenizer.chat import CHAT_MARKERS, ChatTemplate
+
+    given = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>", *CHAT_MARKERS])
+    run = RunDir(tmp_path / "run")
+    config = TrainConfig(
+        data=[str(_chat_file(tmp_path))], out_dir=str(run.path), val_fraction=0.34, chat_layout="padded"
+    )
+    prepare_data(config, run, tokenizer=given, context_length=63)
+    template = ChatTemplate(run.tokenizer())
+    # round(6 x 0.34) = 2 held out, the last two; one conversation per 64-token row, in the file's order.
+    rows = [np.load(run.data_dir / name).reshape(-1, 64) for name in ("train.npy", "val.npy")]
+    assert [len(r) for r in rows] == [4, 2]
+    for i, row in enumerate(np.concatenate(rows)):
+        ids = template.encode(
+            [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]
+        ).ids
+        assert np.where(row < 0, -1 - row, row)[: len(ids)].tolist() == ids
+    assert json.loads((run.data_dir / "info.json").read_text())["chat"]["examples"] == 6

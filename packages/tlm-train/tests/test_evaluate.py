@@ -78,6 +78,25 @@ def test_bits_per_byte_divide_the_nats_by_the_bytes_the_targets_stand_for():
     assert set(result.to_dict()) == {"tokens", "loss", "perplexity", "bits_per_byte", "bytes"}
 
 
+def test_targets_the_loss_skips_count_for_no_tokens_nats_or_bytes():
+    # A chat prompt's targets are -100, which F.cross_entropy skips by default: they stand for no bytes either.
+    model = _model()
+    generator = torch.Generator().manual_seed(3)
+    inputs, targets = (
+        torch.randint(0, 50, (2, 16), generator=generator),
+        torch.randint(0, 50, (2, 16), generator=generator),
+    )
+    targets[0, :5], targets[1, 10:] = -100, -100
+    token_bytes = torch.arange(50) % 4 + 1
+    result = evaluate(model, [(inputs, targets)], token_bytes=token_bytes)
+    kept = targets != -100
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs).flatten(0, 1).double(), targets.flatten(), reduction="sum")
+    assert result.tokens == int(kept.sum()) == 21
+    assert result.nats == pytest.approx(expected.item(), rel=1e-6)
+    assert result.bytes == int(token_bytes[targets[kept]].sum())
+
+
 def test_refuses_empty_and_non_module():
     with pytest.raises(ValueError, match="at least one"):
         evaluate(_model(), [])

@@ -126,6 +126,17 @@ def test_published_peaks_by_device_name(name, dtype, tf32, expected) -> None:
     assert table_peak_flops(name, dtype, tf32=tf32) == expected
 
 
+def test_every_row_of_the_peak_table_is_positive_and_ordered_as_tensor_cores_run() -> None:
+    # On NVIDIA's tensor cores since Ampere, TF32 runs at half the bfloat16/float16 rate; plain float32 (CUDA
+    # cores) is never faster than TF32 (equal on the GeForce cards, whose float16 is the float32-accumulate rate).
+    # Every row is held to this, the rows the test above does not name too (a zero breaks it).
+    from tlm_train.metrics import PEAK_TABLE
+
+    assert len({name for _, name, _ in PEAK_TABLE}) == len(PEAK_TABLE)
+    for _, name, (half, tf32, fp32) in PEAK_TABLE:
+        assert 0 < fp32 <= tf32 and half == pytest.approx(2 * tf32, rel=0.03), name
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_on_a_cpu_the_peak_is_a_gemm_measured_in_the_training_dtype(monkeypatch, dtype) -> None:
     from tlm_train import metrics

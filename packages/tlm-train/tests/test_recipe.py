@@ -128,6 +128,28 @@ def test_a_nan_mid_run_stops_at_the_next_logged_step_with_the_state_from_before_
     )
 
 
+def test_a_resumed_run_that_diverges_names_the_step_counted_from_the_runs_start(tmp_path, make_config, monkeypatch):
+    # Resumed at step 4, the second step it trains is step 6: that is the step the stop and its record name.
+    import tlm_train.step as step_module
+
+    train(make_config(steps=4, checkpoint_interval=4))
+    original, calls = step_module.LanguageModelLoss.forward, []
+
+    def forward(self, inputs, targets):
+        loss = original(self, inputs, targets)
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == 2:
+                return loss * float("nan")
+        return loss
+
+    monkeypatch.setattr(step_module.LanguageModelLoss, "forward", forward)
+    with pytest.raises(NonFiniteLossError, match=r"^step 6: training loss is nan, gradient norm nan: stopped "):
+        train(make_config(steps=8, checkpoint_interval=4, log_interval=1), resume=True)
+    record = _records(tmp_path / "run")[-1]
+    assert record["event"] == "diverged" and record["step"] == 6
+
+
 def _identical(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_identical(a[k], b[k]) for k in a)

@@ -59,3 +59,15 @@ def test_the_cuda_states_are_every_cuda_devices_and_only_where_cuda_is():
     assert ("cuda" in state) == torch.cuda.is_available()
     if torch.cuda.is_available():
         assert all(map(torch.equal, state["cuda"], torch.cuda.get_rng_state_all()))
+
+
+def test_where_cuda_is_its_states_are_captured_and_restored(monkeypatch):
+    # torch.cuda's calls stood in for, so that a machine without CUDA reaches the branch too.
+    states, restored = [torch.zeros(16, dtype=torch.uint8)], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.append)
+    state = rng_state()
+    assert state["cuda"] is states
+    set_rng_state(state)
+    assert restored == [states]

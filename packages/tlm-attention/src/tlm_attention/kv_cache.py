@@ -264,14 +264,19 @@ class CacheStep(NamedTuple):
     positions: Tensor
     rows: Tensor | None
     mask: Tensor
-    #: Read only the first ``limit`` slots (an eager step, whose shapes may vary: no slot past the longest
-    #: row); None reads every slot (a compiled step of one shape). ``mask`` has as many slots.
-    limit: int | None = None
+    #: Read only the first ``limit`` slots (no real token of the step sits past them: the occupied prefix,
+    #: rounded up to a bucket); None reads every slot. ``mask`` has as many slots. A compiled step passes a
+    #: symbolic size here (the length of a ``slots`` tensor marked dynamic), so one graph serves every limit.
+    limit: "int | torch.SymInt | None" = None
 
 
-def cache_mask(positions: Tensor, capacity: int) -> Tensor:
+def cache_mask(positions: Tensor, capacity: int, slots: Tensor | None = None) -> Tensor:
     """(batch, 1, new, capacity + 1) boolean: the token at ``positions[b, t]`` may read slots ``0 ..
     positions[b, t]`` (causal, and blind to the slots past its row's length and to the scratch slot unless
-    it is a padding token at ``capacity`` itself). Built once per step, on the device."""
-    slots = torch.arange(capacity + 1, device=positions.device)
+    it is a padding token at ``capacity`` itself). Built once per step, on the device.
+
+    ``slots`` (``arange(n)`` on the positions' device): the mask covers only the first ``n`` slots, shape
+    (batch, 1, new, n), for a step that reads only those (:attr:`CacheStep.limit`)."""
+    if slots is None:
+        slots = torch.arange(capacity + 1, device=positions.device)
     return (slots <= positions.unsqueeze(-1)).unsqueeze(1)

@@ -18,6 +18,18 @@ def batch_bucket(rows: int, max_batch_size: int) -> int:
     return min(max_batch_size, 1 << max(0, rows - 1).bit_length())
 
 
+#: The fewest cache slots a compiled step reads (:func:`slot_bucket`).
+MIN_SLOTS = 64
+
+
+def slot_bucket(length: int, capacity: int, least: int = MIN_SLOTS) -> int:
+    """How many cache slots a compiled step reads when no real token of it sits at or past slot ``length``
+    (``length <= capacity``): the next power of two, at least ``least``, at most ``capacity`` (never the scratch
+    slot, which only padding reads). The step's cost then follows what is stored, not the capacity; powers of
+    two keep CUDA graphs (one per distinct length) few."""
+    return min(capacity, max(least, 1 << max(0, length - 1).bit_length()))
+
+
 class DecodeBatch:
     """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
 
@@ -46,6 +58,11 @@ class DecodeBatch:
     Rows are numbered ``0 .. len(batch) - 1`` and stay compact: removing row ``r`` moves the last row into
     its place (``remove`` says which row moved). A sequence longer than ``capacity`` (default: the model's
     context) does not fit: ``step`` refuses to feed a full row (host-side lengths, no device read).
+
+    **The occupied prefix only.** A step reads the first :func:`slot_bucket` slots of each cache (the longest
+    row's length after the step, rounded up to a power of two of at least ``min_slots``; an eager model: that
+    length exactly), so its time follows the rows' lengths, not ``capacity``. The compiled step takes that
+    length as a dynamic size: still one graph per batch bucket.
     """
 
     def __init__(
@@ -55,11 +72,15 @@ class DecodeBatch:
         capacity: int | None = None,
         *,
         prefill_chunk: int = 512,
+        min_slots: int = MIN_SLOTS,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
         check_positive_int("max_batch_size", max_batch_size)
         check_positive_int("prefill_chunk", prefill_chunk)
+        # A dynamic size of 0 or 1 would be specialised by dynamo: a compiled step always reads 2 slots or more.
+        check_int("min_slots", min_slots, low=2)
+        self.min_slots = min_slots
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._lm = model.model if isinstance(model, InferenceModel) else model
@@ -68,6 +89,8 @@ class DecodeBatch:
         for cache in self.caches:
             cache.select_rows([])
         self._device = self.caches[0].device_lengths.device
+        self._slot_ids = torch.arange(self.capacity + 1, device=self._device)
+        self._slot_buckets: dict[int, Tensor] = {}  # bucket -> arange(bucket), one tensor each, made once
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
         self._skipped: list[int] = []  # per row: prefill calls in a row that passed it over
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
@@ -101,7 +124,9 @@ class DecodeBatch:
     def warm_up(self) -> None:
         """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
         a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
-        on the first requests; the batch is left empty."""
+        on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
+        its graph, so one step per batch bucket covers every slot bucket: nothing recompiles later as rows grow
+        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation)."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)})
@@ -229,14 +254,25 @@ class DecodeBatch:
         # Rows past the batch (and prefilling rows) write at their own length, a slot that holds nothing
         # that counts, or the scratch slot; their lengths do not move.
         positions = self.caches[0].device_lengths[:bucket].unsqueeze(1)
+        slots = self._slots(max(lengths) + 1)
         if self._eager:
-            limit = max(lengths) + 1
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, limit)
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, slots)
         else:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches)
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, slots)
         for cache in self.caches:
             cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
+
+    def _slots(self, length: int) -> Tensor:
+        """``arange(n)``: the slots a forward reads when no real token sits at or past slot ``length`` (eager:
+        ``n = length``; compiled: its :func:`slot_bucket`, one tensor per bucket, kept)."""
+        if self._eager:
+            return self._slot_ids[:length]
+        n = slot_bucket(length, self.capacity, self.min_slots)
+        slots = self._slot_buckets.get(n)
+        if slots is None:
+            slots = self._slot_buckets[n] = self._slot_ids[:n].clone()
+        return slots
 
     def remove(self, row: int) -> int | None:
         """Drop row ``row``; the last row moves into its place. Returns the index the moved row had, or None."""
@@ -289,11 +325,8 @@ class DecodeBatch:
             last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
         else:
             last = torch.arange(width, device=self._device).expand(len(chunks), width)
-        if self._eager:
-            limit = max(lengths[row] + len(ids) for row, ids in chunks)
-            logits = self._prefill_fn(tokens, positions, self.caches, index, last, limit)
-        else:
-            logits = self._prefill_fn(tokens, positions, self.caches, index, last)
+        slots = self._slots(max(lengths[row] + len(ids) for row, ids in chunks))
+        logits = self._prefill_fn(tokens, positions, self.caches, index, last, slots)
         if scores is not None:
             for i, (row, ids) in enumerate(chunks):
                 scores[row].append(logits[i, : len(ids)])

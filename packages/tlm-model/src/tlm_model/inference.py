@@ -19,18 +19,36 @@ from tlm_model.lm import POSITIONS_WITH_CACHE, TransformerLM, check_token_ids
 #: where oneDNN's GEMM ran 2.8x MKL's, 3x (docs/benchmarks.md).
 COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
 
+#: inductor's options for "max-autotune-no-cudagraphs" (``torch.compile`` takes a mode or options, not both).
+_AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
+
+#: What the decode step and prompt chunks add to their options: no guards on the model's modules (the wrapper's
+#: weights are frozen constants of the graph already: a changed model needs a new ``compile_for_inference``),
+#: which leaves dynamo fewer checks to run before every step.
+_STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
-#: one graph per (batch bucket, capacity), never a dynamic size; CUDA graphs on CUDA ("reduce-overhead"),
-#: inductor's autotuned C++ GEMMs on CPU.
+#: one graph per (batch bucket, capacity), whose only dynamic size is the number of slots it reads; CUDA graphs
+#: on CUDA ("reduce-overhead"), inductor's autotuned C++ GEMMs on CPU. (Inductor's C++ wrapper, ``cpp_wrapper``,
+#: was tried for the CPU step: no difference in batch-1 CPU time per token could be measured, 2.82-2.93 ms with
+#: and without, and it nearly doubled ``tlm serve``'s warm-up, 292 s -> 530 s on a loaded 2-core machine.)
 DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
-    "cuda": {"mode": "reduce-overhead", "dynamic": False, "fullgraph": True},
-    "cpu": {"mode": "max-autotune-no-cudagraphs", "dynamic": False, "fullgraph": True},
+    "cuda": {"dynamic": False, "fullgraph": True, "options": {"triton.cudagraphs": True, **_STEP_OPTIONS}},
+    "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}},
 }
 
 #: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: dynamo's automatic dynamic
 #: shapes, so the sizes that change (rows, chunk width) become symbolic after the first recompile while the
 #: caches' buffers stay static.
-PREFILL_COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": None, "fullgraph": True}
+PREFILL_COMPILE_KWARGS: dict[str, Any] = {"dynamic": None, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}}
+
+
+def _compile(fn: Any, kwargs: dict[str, Any]) -> Any:
+    # torch.compile pops entries (guard_filter_fn) from the options it is given: each call gets its own copy.
+    kwargs = dict(kwargs)
+    if "options" in kwargs:
+        kwargs["options"] = dict(kwargs["options"])
+    return torch.compile(fn, **kwargs)
 
 
 class InferenceModel(nn.Module):
@@ -38,7 +56,9 @@ class InferenceModel(nn.Module):
     weight freezing on. ``config`` and ``new_kv_cache`` are the model's, so :func:`generate` takes it.
 
     Freezing treats the weights as constants of the compiled graph: changing them afterwards
-    (training, ``load_state_dict``) does not reach this wrapper; build a new one.
+    (training, ``load_state_dict``) does not reach this wrapper; build a new one. Nor does any other change
+    to the model's modules (a new attention backend, say): the decode and prompt-chunk graphs are not guarded
+    on them, which saves each step dynamo's checks of every module and parameter.
     """
 
     def __init__(self, model: TransformerLM) -> None:
@@ -52,14 +72,16 @@ class InferenceModel(nn.Module):
 
         # Two functions (two code objects), so the fixed-shape decode graphs and the dynamic-shape prefill
         # graphs are cached apart.
-        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
-            return model.forward_static(tokens, positions, caches)
+        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None) -> Tensor:
+            return model.forward_static(tokens, positions, caches, slots=slots)
 
-        def prefill(tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor) -> Tensor:
-            return model.forward_static(tokens, positions, caches, rows, last)
+        def prefill(
+            tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor, slots: Tensor | None
+        ) -> Tensor:
+            return model.forward_static(tokens, positions, caches, rows, last, slots)
 
-        self._decode = torch.compile(decode, **decode_kwargs)
-        self._prefill = torch.compile(prefill, **PREFILL_COMPILE_KWARGS)
+        self._decode = _compile(decode, decode_kwargs)
+        self._prefill = _compile(prefill, PREFILL_COMPILE_KWARGS)
 
     @property
     def config(self):  # type: ignore[no-untyped-def]
@@ -84,12 +106,19 @@ class InferenceModel(nn.Module):
         with _frozen():
             return self.compiled(in_indices, token_positions, kv_cache)
 
-    def decode_step(self, tokens: Tensor, positions: Tensor, caches: list[KVCache]) -> Tensor:
+    def decode_step(
+        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None = None
+    ) -> Tensor:
         """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (one graph per batch size
-        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions."""
+        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions.
+
+        ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
+        so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
+        two, :func:`~tlm_model.batching.slot_bucket`)."""
+        _dynamic_slots(slots)
         with _frozen():
             if tokens.device.type != "cuda":
-                return self._decode(tokens, positions, caches)
+                return self._decode(tokens, positions, caches, slots)
             # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
             # each call is a new step, and the logits are copied out of the graph's memory, which the next
             # replay reuses.
@@ -97,24 +126,47 @@ class InferenceModel(nn.Module):
                 for buffer in (cache.key_buffer, cache.value_buffer):
                     torch._dynamo.mark_static_address(buffer)
             torch.compiler.cudagraph_mark_step_begin()
-            return self._decode(tokens, positions, caches).clone()
+            return self._decode(tokens, positions, caches, slots).clone()
 
     def prefill_step(
-        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        caches: list[KVCache],
+        rows: Tensor,
+        last: Tensor,
+        slots: Tensor | None = None,
     ) -> Tensor:
-        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes)."""
+        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes;
+        ``slots`` as in :meth:`decode_step`, its length dynamic from the first call)."""
+        _dynamic_slots(slots)
         with _frozen():
-            return self._prefill(tokens, positions, caches, rows, last)
+            return self._prefill(tokens, positions, caches, rows, last, slots)
+
+
+def _dynamic_slots(slots: Tensor | None) -> None:
+    # A size of 1 (a cache of capacity 1) would be specialised by dynamo whatever it is told: left static.
+    if slots is not None and slots.shape[0] > 1:
+        torch._dynamo.mark_dynamic(slots, 0)
 
 
 @contextlib.contextmanager
 def _frozen() -> Iterator[None]:
     import torch._inductor.config as inductor_config
 
-    # Freezing is read when inductor compiles, which may be any call (a new shape recompiles),
-    # so it is switched on around every call rather than once.
-    with torch.no_grad(), inductor_config.patch(freezing=True):
-        yield
+    # Freezing is read when dynamo traces and inductor compiles, which may be any call (a new shape
+    # recompiles), so it is switched on around every call rather than once: set and reset directly (a
+    # ``config.patch`` object cost a decode step tens of microseconds), and left alone when already on.
+    if inductor_config.freezing:
+        with torch.no_grad():
+            yield
+        return
+    inductor_config.freezing = True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        inductor_config.freezing = False
 
 
 def compile_for_inference(model: TransformerLM) -> InferenceModel:

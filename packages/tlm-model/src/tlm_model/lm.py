@@ -277,7 +277,7 @@ class TransformerLM(nn.Module):
         kv_cache: list[KVCache],
         rows: Integer[Tensor, " batch"] | None = None,
         last: Integer[Tensor, "batch ..."] | None = None,
-        limit: int | None = None,
+        slots: Integer[Tensor, " slots"] | None = None,
     ) -> Float[Tensor, "batch ... vocab"]:
         """One step over static caches (what a compiled decode step runs): the next-token logits of token
         ``last[b]`` (default the last; ``last`` (batch, k): of k tokens) of each row.
@@ -287,13 +287,16 @@ class TransformerLM(nn.Module):
         ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the caches'
         capacity, never by what is stored, so a compiled step of one shape serves every step. The mask is
         built once here for all layers. Nothing is checked and no host state changes: the caller records
-        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run. ``limit`` (an eager
-        caller that knows every real token's position is below it) reads only the first ``limit`` slots.
+        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run.
+
+        ``slots`` (``arange(n)``, from a caller that knows every real token's position is below ``n``: the
+        occupied prefix) reads only the first ``n`` slots of each cache, so a step's cost follows what is
+        stored, not the capacity; None reads every slot. Compiled with ``n`` marked dynamic, one graph serves
+        every ``n`` (:meth:`~tlm_model.InferenceModel.decode_step`).
         """
         capacity = kv_cache[0].capacity
-        mask = cache_mask(positions, capacity)
-        if limit is not None:
-            mask = mask[..., :limit]
+        mask = cache_mask(positions, capacity, slots)
+        limit = None if slots is None else slots.shape[0]
         # A padding token's scratch position is past the RoPE table when capacity == context_length.
         rope_positions = positions.clamp(max=capacity - 1)
         x = self.token_embeddings(in_indices)
