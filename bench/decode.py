@@ -19,10 +19,12 @@ round: the median and the range over the rounds are reported.
   (static caches, one compiled step). HF: eager ``generate`` (its dynamic cache), and ``generate`` with
   ``cache_implementation="static"`` and ``forward`` compiled with ``torch.compile`` (transformers' documented
   fast path; given the same inductor mode and weight freezing as tlm).
-- **ttft**: ``tlm serve``'s scheduler in this process (no HTTP, the eager model: ``--no-compile``), the course
-  shape with a 2560-token context: the time from submitting a 16-token greedy request to its first token, on an
-  idle scheduler and while a 2000-token prompt is being prefilled (submitted just before), at prefill chunks of
-  512 (the default) and 64 tokens.
+- **ttft**: ``tlm serve``'s scheduler in this process (no HTTP, the eager model: ``--no-compile``; with
+  ``--compiled-ttft`` the compiled one, warmed up first), the course shape with a 2560-token context: the time
+  from submitting a 16-token greedy request to its first token, on an idle scheduler and while a 2000-token prompt
+  is being prefilled (submitted 30 to 90 ms before, seeded uniform: the short one lands anywhere in a chunk), at
+  prefill forwards of 64 tokens, one an iteration (the scheduler's policy before this round), of 32 (its default
+  since) and of 16 under its budget an iteration.
 - **capacity**: one compiled step of a batch of 1 at cache capacities 128, 512 and 2048 (the course shape with a
   2048-token context), a short sequence (9 to 25 tokens): the step writes one token in place and reads only the
   occupied prefix of the cache (its slot bucket, 64 slots here), so its time should not depend on the capacity.
@@ -33,6 +35,7 @@ import argparse
 import contextlib
 import json
 import pathlib
+import random
 import statistics
 import sys
 import time
@@ -189,11 +192,11 @@ def capacity(steps: int, repeats: int) -> dict:
     }
 
 
-def ttft(repeats: int) -> dict:
+def ttft(repeats: int, compiled: bool = False) -> dict:
     import dataclasses
     import threading
 
-    from tlm_command.scheduler import Request, Scheduler
+    from tlm_command.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, Request, Scheduler
 
     class Bytes:  # the scheduler's text stream needs bytes per id; any will do for timing
         vocab_size = COURSE.vocab_size
@@ -207,32 +210,42 @@ def ttft(repeats: int) -> dict:
     gen = torch.Generator().manual_seed(3)
     short = torch.randint(1, cfg.vocab_size, (16,), generator=gen).tolist()
     long = torch.randint(1, cfg.vocab_size, (2000,), generator=gen).tolist()
+
+    def send(scheduler, prompt, max_tokens):
+        done = threading.Event()
+        request = Request(prompt, max_tokens, lambda piece, done=done: piece.finish_reason and done.set(),
+                          temperature=0.0)  # fmt: skip
+        request.submitted = time.perf_counter()
+        scheduler.submit(request)
+        return request, done
+
     rows = {}
-    for chunk in (512, 64):
-        scheduler = Scheduler(model, Bytes(), max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
-        scheduler.batch.prefill_chunk = chunk
+    # (tokens a prefill forward, tokens an iteration): 64/64 is one chunk of 64 an iteration, the scheduler's
+    # policy before this round; PREFILL_CHUNK/PREFILL_BUDGET its default since.
+    served = compile_for_inference(model) if compiled else model
+    for chunk, budget in ((64, 64), (PREFILL_CHUNK, PREFILL_BUDGET), (16, PREFILL_BUDGET)):
+        start = time.perf_counter()
+        scheduler = Scheduler(served, Bytes(), max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"),
+                              warm_up=compiled)  # fmt: skip
+        warm_s = time.perf_counter() - start
+        scheduler.batch.prefill_chunk, scheduler.prefill_budget = chunk, budget
+        if compiled:  # the chunks' graph takes a prompt as long as the long one's rows once before the timing
+            send(scheduler, long, 2)[1].wait()
 
-        def send(prompt, max_tokens, scheduler=scheduler):
-            done = threading.Event()
-            request = Request(prompt, max_tokens, lambda piece, done=done: piece.finish_reason and done.set(),
-                              temperature=0.0)  # fmt: skip
-            request.submitted = time.perf_counter()
-            scheduler.submit(request)
-            return request, done
-
-        idle, busy = [], []
+        idle, busy, arrival = [], [], random.Random(0)
         for _ in range(repeats):
-            request, done = send(short, 2)
+            request, done = send(scheduler, short, 2)
             done.wait()
             idle.append(request.first_token_at - request.submitted)
-            _, background_done = send(long, 2)
-            time.sleep(0.05)  # its prefill under way
-            request, done = send(short, 2)
+            _, background_done = send(scheduler, long, 2)
+            time.sleep(arrival.uniform(0.03, 0.09))  # its prefill under way
+            request, done = send(scheduler, short, 2)
             done.wait()
             busy.append(request.first_token_at - request.submitted)
             background_done.wait()
         scheduler.close(timeout=5)
-        rows[str(chunk)] = {
+        rows[f"{chunk}/{budget}"] = {
+            "warm_up_s": warm_s,
             "idle_ms": 1e3 * statistics.median(idle),
             "busy_ms": 1e3 * statistics.median(busy),
             "ratio": statistics.median(busy) / statistics.median(idle),
@@ -287,11 +300,12 @@ def render(results: dict, meta: dict) -> str:
         t = results["ttft"]
         lines += [
             "",
-            "Time to first token of a 16-token request (scheduler in-process, eager), idle vs while a 2000-token "
-            "prompt prefills: "
+            "Time to first token of a 16-token request (scheduler in-process), idle vs while a 2000-token prompt "
+            "prefills, by prefill tokens a forward / an iteration: "
             + "; ".join(
-                f"chunk {c}: {t[c]['idle_ms']:.0f} ms vs {t[c]['busy_ms']:.0f} ms ({t[c]['ratio']:.1f}x)"
-                for c in ("512", "64")
+                f"{c}: {t[c]['idle_ms']:.0f} ms vs {t[c]['busy_ms']:.0f} ms ({t[c]['ratio']:.1f}x)"
+                for c in t
+                if "/" in c
             )
             + f" (load {t['load']:.1f}).",
         ]
@@ -307,6 +321,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["batch", "single", "capacity", "ttft"], action="append")
     parser.add_argument("--new", type=int, default=32, help="new tokens per completion")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled-ttft", action="store_true", help="ttft on compile_for_inference (the server's)")
     parser.add_argument("--cpu-time", action="store_true", help="time by CPU seconds, not wall (busy machines)")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--json", type=pathlib.Path, help="also write the results here")
@@ -335,7 +350,7 @@ def main() -> None:
         elif part == "single":
             results[part] = single(args.new, repeats)
         elif part == "ttft":
-            results[part] = ttft(repeats)
+            results[part] = ttft(repeats, args.compiled_ttft)
         else:
             results[part] = capacity(16, repeats)
         print(f"{part}: {json.dumps(results[part])} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +44,9 @@ PROMPTS = [
 ]
 
 
-def _model_folder(out: pathlib.Path) -> pathlib.Path:
+def _model_folder(out: pathlib.Path, context: int | None = None) -> pathlib.Path:
+    import dataclasses
+
     import torch
 
     from tlm_model import ModelConfig, TransformerLM, save_model_file
@@ -51,6 +54,8 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
     from tlm_train import default_corpus
 
     cfg = ModelConfig.from_preset("course-tinystories")
+    if context is not None:  # the same weights (RoPE has none); only the server's KV caches are this long
+        cfg = dataclasses.replace(cfg, context_length=context)
     text = out / "corpus.txt"
     text.write_text(default_corpus(), encoding="utf-8")
     vocab, merges = train_bpe(text, cfg.vocab_size, ["<|endoftext|>"], num_workers=1)
@@ -62,32 +67,50 @@ def _model_folder(out: pathlib.Path) -> pathlib.Path:
 
 
 class _Server:
-    def __init__(self, folder: pathlib.Path, max_batch: int, *extra: str) -> None:
+    def __init__(
+        self, folder: pathlib.Path, max_batch: int, *extra: str, threads: int | None = None, python: str | None = None
+    ) -> None:
         # The first stderr line comes once the server listens (after the compiled step's warm-up).
+        start = time.perf_counter()
+        env = dict(os.environ) | ({"OMP_NUM_THREADS": str(threads)} if threads else {})
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
+            [python or sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch",
              str(max_batch), "--max-queue", "256", "--model-name", "course", *extra],
-            stderr=subprocess.PIPE, text=True,
+            stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
-        line = self.process.stderr.readline()
+        # Warnings (a compiler's, say) may come first: the line that names the address is the one.
+        line = ""
+        while "127.0.0.1:" not in line:
+            line = self.process.stderr.readline()
+            if not line:
+                raise RuntimeError(f"the server exited with {self.process.wait()} before it listened")
+            print(line, end="", file=sys.stderr)
         self.port = int(line.split("127.0.0.1:")[1].split("/")[0])
         threading.Thread(target=self.process.stderr.read, daemon=True).start()  # the access log: never a full pipe
         for _ in range(600):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5).read()
+                self.startup_s = time.perf_counter() - start  # loading, compiling and warming up
+                self.texts: dict[str, tuple[str, str | None, int]] = {}
                 return
             except OSError:
                 time.sleep(0.1)
         raise RuntimeError("the server never answered /health")
 
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far (every thread: the scheduler's, the event loop's)."""
+        fields = pathlib.Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stream(self, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-        """(seconds to the first streamed token, to the last, tokens generated) of one greedy completion."""
+        """(seconds to the first streamed token, to the last, tokens generated) of one greedy completion; its text
+        and finish reason are left in ``self.texts[prompt]``."""
         body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                            "stop": []}).encode()  # fmt: skip
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"})  # fmt: skip
         start = time.perf_counter()
-        first, tokens = None, 0
+        first, tokens, text, reason = None, 0, [], None
         with urllib.request.urlopen(request, timeout=600) as response:
             for raw in response:
                 line = raw.decode().strip()
@@ -96,8 +119,12 @@ class _Server:
                 chunk = json.loads(line[6:])
                 if first is None:
                     first = time.perf_counter() - start
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("text", ""))
+                    reason = choice.get("finish_reason") or reason
                 if chunk.get("usage"):
                     tokens = chunk["usage"]["completion_tokens"]
+        self.texts[prompt] = ("".join(text), reason, tokens)
         return first if first is not None else float("nan"), time.perf_counter() - start, tokens
 
     def stop(self) -> None:
@@ -182,42 +209,61 @@ def _summary(results: list[tuple[float, float, int]], wall: float, label: str) -
             "last_p50": _percentile(lasts, 0.5), "last_p99": _percentile(lasts, 0.99)}  # fmt: skip
 
 
-def _hf_batched(folder: pathlib.Path, out: pathlib.Path, requests: list[str], max_tokens: int, batch: int) -> dict:
+class _HF:
     """transformers' batched greedy generate on the HF export of the same weights, ``batch`` prompts at a time."""
-    import torch
-    import transformers
 
-    from tlm_model import load_model_file, save_hf
-    from tlm_tokenizer import Tokenizer
+    def __init__(self, folder: pathlib.Path, out: pathlib.Path) -> None:
+        import transformers
 
-    model = load_model_file(folder)
-    tokenizer = Tokenizer.load(folder / "tokenizer")
-    save_hf(model, out / "hf")
-    hf = transformers.LlamaForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()
-    encoded = [tokenizer.encode(p) for p in requests]
-    tokens, start = 0, time.perf_counter()
-    with torch.no_grad():
-        for i in range(0, len(encoded), batch):
-            group = encoded[i : i + batch]
-            width = max(map(len, group))
-            ids = torch.tensor([[0] * (width - len(g)) + g for g in group])
-            mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
-            new = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                              do_sample=False, pad_token_id=0)  # fmt: skip
-            tokens += (new.shape[1] - width) * len(group)
-    wall = time.perf_counter() - start
-    return {"label": f"HF generate, batches of {batch}", "requests": len(encoded), "tokens": tokens, "wall": wall,
-            "tok_s": tokens / wall}  # fmt: skip
+        from tlm_model import load_model_file, save_hf
+        from tlm_tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.load(folder / "tokenizer")
+        save_hf(load_model_file(folder), out / "hf")
+        self.model = transformers.LlamaForCausalLM.from_pretrained(out / "hf", attn_implementation="sdpa").eval()
+
+    def run(self, requests: list[str], max_tokens: int, batch: int) -> tuple[dict, dict[str, list[int]]]:
+        """(the row of the table, each prompt's generated ids)."""
+        import torch
+
+        encoded = [self.tokenizer.encode(p) for p in requests]
+        tokens, generated = 0, {}
+        start, cpu = time.perf_counter(), time.process_time()
+        with torch.no_grad():
+            for i in range(0, len(encoded), batch):
+                group = encoded[i : i + batch]
+                width = max(map(len, group))
+                ids = torch.tensor([[0] * (width - len(g)) + g for g in group])
+                mask = torch.tensor([[0] * (width - len(g)) + [1] * len(g) for g in group])
+                new = self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                                          min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+                tokens += (new.shape[1] - width) * len(group)
+                for prompt, row in zip(requests[i : i + batch], new[:, width:].tolist(), strict=True):
+                    generated[prompt] = row
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return {"label": f"HF generate, batches of {batch}", "requests": len(encoded), "tokens": tokens, "wall": wall,
+                "tok_s": tokens / wall, "cpu": cpu}, generated  # fmt: skip
+
+    def same_texts(self, texts: dict[str, tuple[str, str | None, int]], generated: dict[str, list[int]]) -> bool:
+        """Whether each streamed greedy text is HF's: its first ``tokens`` ids decoded (one fewer where the server
+        stopped at an end-of-text token, which HF's ``min_new_tokens`` rules out)."""
+        for prompt, (text, reason, tokens) in texts.items():
+            ids = generated[prompt][: tokens - 1 if reason == "stop" else tokens]
+            # The model's vocabulary may be larger than the tokenizer's: the server sends no text for such an id.
+            if text != self.tokenizer.decode([i for i in ids if i < self.tokenizer.vocab_size]):
+                return False
+        return True
 
 
 def render(rows: list[dict], meta: dict) -> str:
+    v = meta["versus"]
     alone = next(r for r in rows if r["label"] == "one at a time")
     lines = [
         "## Serving: `tlm serve` under concurrent clients",
         "",
         "<!-- Generated by bench/serve.py (`nox -s bench -- serve`); do not edit by hand. -->",
         "",
-        f"Machine: {meta['cpu']}; torch {meta['torch']}, {meta['threads']} threads; 1-minute load average "
+        f"Machine: {meta['cpu']}; torch {meta['torch']}, {meta['threads']} thread(s) per side; 1-minute load average "
         f"{meta['load_before']:.1f} before and {meta['load_after']:.1f} after (the machine is shared with other "
         "jobs, whose load moves between the rows, so each figure is rough: compare the 1-client row with the "
         "one-at-a-time row, the same work).",
@@ -243,8 +289,47 @@ def render(rows: list[dict], meta: dict) -> str:
         "gained is what batching the matmuls gains on this CPU; time to first token grows with the queue and the "
         "prefills that share its steps. HF's row has no HTTP, no streaming and no scheduler: whole batches, each "
         "finished before the next starts.",
+        "",
+        f"Against HF, {meta['rounds']} rounds of {v['clients']} clients alternating with HF's batched generate on "
+        f"the same requests: **{v['wall'][0]:.2f}x** HF's tokens/s (range {v['wall'][1]:.2f}-{v['wall'][2]:.2f}), "
+        f"{v['cpu'][0]:.2f}x ({v['cpu'][1]:.2f}-{v['cpu'][2]:.2f}) in CPU time per token (the server process's, "
+        f"its HTTP included, against HF's); greedy texts equal to HF's: {v['same_texts']}. The server listened "
+        f"{meta['startup_s']:.0f} s after it started (loading, and compiling every batch size's step).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _against_hf(servers: dict[str, _Server], hf: _HF, clients: int, requests: int, max_tokens: int,
+                rounds: int) -> dict:  # fmt: skip
+    """Rounds of the ``clients``-client run on each server alternating with HF's batched generate on the same
+    requests: per server, each round's ratio of tokens/s (wall time) and of CPU time per token (the server
+    process's against this process's while HF runs: what the machine's other jobs take from either side counts
+    in neither), and whether its texts agree with HF's."""
+    per_client = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+    everything = [PROMPTS[i % len(PROMPTS)] for i in range(requests * clients)]
+    results = {name: {"clients": clients, "wall": [], "cpu": [], "same_texts": True} for name in servers}
+    for _ in range(rounds):
+        runs = {}
+        for name, server in servers.items():
+            server.texts.clear()
+            cpu = server.cpu_s()
+            runs[name] = _clients(server, clients, per_client, max_tokens), server.cpu_s() - cpu
+        theirs, generated = hf.run(everything, max_tokens, batch=clients)
+        for name, (ours, ours_cpu) in runs.items():
+            result = results[name]
+            result["same_texts"] = result["same_texts"] and hf.same_texts(servers[name].texts, generated)
+            result["wall"].append(ours["tok_s"] / theirs["tok_s"])
+            result["cpu"].append((theirs["cpu"] / theirs["tokens"]) / (ours_cpu / ours["tokens"]))
+            result["ours"], result["hf"] = ours, theirs
+            print(f"round, {name}: {ours['tok_s']:.0f} vs HF {theirs['tok_s']:.0f} tok/s ({result['wall'][-1]:.2f}x "
+                  f"wall, {result['cpu'][-1]:.2f}x CPU time), load {load_average():.1f}", file=sys.stderr)  # fmt: skip
+    for result in results.values():
+        result["wall"], result["cpu"] = _spread(result["wall"]), _spread(result["cpu"])
+    return results
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
 
 
 def main() -> None:
@@ -255,16 +340,42 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", help="these client counts only (no doc written)")
     parser.add_argument("--no-compile", action="store_true", help="tlm serve --no-compile (eager decoding)")
     parser.add_argument("--health", action="store_true", help="only /health's latency under big requests")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the most clients against HF, alternating")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of HF's side")
+    parser.add_argument(
+        "--before",
+        metavar="PYTHON",
+        help="also a server run by this interpreter (another "
+        "checkout's environment), alternating in the rounds against HF (no doc written)",
+    )
+    parser.add_argument(
+        "--context",
+        type=int,
+        help="the model's context (default the preset's, 256): the server's "
+        "caches hold this many positions, and its compiled step attends over all of them",
+    )
+    parser.add_argument("--against-hf-only", action="store_true", help="only the rounds against HF (no doc written)")
     args = parser.parse_args()
     import torch
 
+    torch.set_num_threads(args.threads)
     max_tokens = 16 if args.quick else args.max_tokens
     counts = args.clients or ([1, 4] if args.quick else [1, 4, 16])
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         out = pathlib.Path(tmp)
-        folder = _model_folder(out)
-        server = _Server(folder, max(counts), *(["--no-compile"] if args.no_compile else []))
+        folder = _model_folder(out, args.context)
+        extra = ["--no-compile"] if args.no_compile else []
+        if args.before:  # both start (and compile) together
+            before = threading.Thread(target=lambda: servers.update(before=_Server(
+                folder, max(counts), *extra, threads=args.threads, python=args.before)))  # fmt: skip
+            servers: dict[str, _Server] = {}
+            before.start()
+        server = _Server(folder, max(counts), *extra, threads=args.threads)
+        print(f"the server listened {server.startup_s:.0f} s after it started", file=sys.stderr)
+        if args.before:
+            before.join()
+            print(f"the server before listened {servers['before'].startup_s:.0f} s after it started", file=sys.stderr)
         if args.health:
             from tlm_model import ModelConfig
             from tlm_tokenizer import Tokenizer
@@ -276,25 +387,38 @@ def main() -> None:
             finally:
                 server.stop()
             return
+        rows = []
         try:
             server.stream(PROMPTS[0], 4)  # warm-up
-            per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
-            rows = []
-            for clients in counts:
-                rows.append(_clients(server, clients, per_client, max_tokens))
-                print(rows[-1], file=sys.stderr)
-            everything = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests * max(counts))]
-            alone = _clients(server, 1, everything, max_tokens)
-            alone["label"] = "one at a time"
-            rows.insert(0, alone)
-            print(alone, file=sys.stderr)
+            hf = _HF(folder, out)
+            everyone = ({"before": servers["before"]} if args.before else {}) | {"this": server}
+            compared = _against_hf(everyone, hf, max(counts), args.requests, max_tokens, args.rounds)
+            versus = compared["this"]
+            if not args.against_hf_only:
+                per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+                for clients in counts:
+                    rows.append(_clients(server, clients, per_client, max_tokens))
+                    print(rows[-1], file=sys.stderr)
+                everything = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests * max(counts))]
+                alone = _clients(server, 1, everything, max_tokens)
+                alone["label"] = "one at a time"
+                rows.insert(0, alone)
+                print(alone, file=sys.stderr)
+                rows.append(versus["hf"])
         finally:
             server.stop()
-        rows.append(_hf_batched(folder, out, everything, max_tokens, batch=max(counts)))
-        print(rows[-1], file=sys.stderr)
-    meta = {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            if args.before:
+                servers["before"].stop()
+    for name, result in compared.items():
+        startup = (servers["before"] if name == "before" else server).startup_s
+        print(name, json.dumps({"startup_s": startup} | {k: v for k, v in result.items() if k not in ("ours", "hf")}),
+              file=sys.stderr)  # fmt: skip
+    if args.against_hf_only or args.before:
+        return
+    meta = {"cpu": cpu_description(), "torch": torch.__version__, "threads": args.threads,
             "load_before": load_before, "load_after": load_average(), "max_tokens": max_tokens,
-            "requests": args.requests, "max_batch": max(counts), "compiled": not args.no_compile}  # fmt: skip
+            "requests": args.requests, "max_batch": max(counts), "compiled": not args.no_compile,
+            "startup_s": server.startup_s, "versus": versus, "rounds": args.rounds}  # fmt: skip
     text = render(rows, meta)
     print(text)
     if not args.quick and not args.clients:

@@ -569,3 +569,84 @@ def test_a_chat_models_turn_ends_at_im_end(parts):
     assert status == 200, body
     assert body["choices"][0]["message"]["content"] == "" and body["choices"][0]["finish_reason"] == "stop"
     assert body["usage"]["completion_tokens"] == 1
+
+
+def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one_chunk_of_it(parts):
+    # Chunks of 8 tokens under a budget of 32 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
+    # request that arrives during the first of them joins before the second, which runs its prompt alone (no chunk
+    # of the long one beside it), and its first token is out before the long prompt's third chunk. Each answer is
+    # the eager model's greedy generate alone.
+    from tlm_command.scheduler import Request, Scheduler
+    from tlm_model import generate
+
+    model, tokenizer = parts
+    scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
+    scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 32
+    generator = torch.Generator().manual_seed(7)
+    long, short = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (60, 3))
+    forwards, events, tokens, done = [], [], {}, threading.Event()
+    prefill = scheduler.batch.prefill
+
+    def send(name, prompt):
+        def emit(piece):
+            tokens.setdefault(name, []).extend(s.token for s in piece.scored)
+            events.append((name, len(forwards)))
+            if piece.finish_reason and name == "long":
+                done.set()
+
+        scheduler.submit(Request(prompt, 3, emit, temperature=0.0, logprobs=0))
+
+    def counted(budget=None):
+        forwards.append(budget)
+        if len(forwards) == 1:
+            send("short", short)  # arrives during the long prompt's first chunk
+        done = prefill(budget)
+        forwards[-1] = scheduler.batch.lengths  # each row's prompt tokens run after this forward
+        return done
+
+    scheduler.batch.prefill = counted
+    send("long", long)
+    assert done.wait(30)
+    scheduler.close(timeout=5)
+    assert events[0] == ("short", 2)  # after the long chunk in flight and its own forward
+    assert forwards[:2] == [(8,), (8, 3)]
+    assert len(forwards) >= 8  # the long prompt's rest still to run then
+    for name, prompt in (("long", long), ("short", short)):
+        assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name
+
+
+def test_an_echo_request_arriving_during_the_last_prefill_forward_decodes_from_its_own_token(parts):
+    # An echo request is prefilled as it joins (to score its prompt first). Arriving during the last forward of
+    # another prompt, it joins before the step that follows, and that step must feed it its own sampled token.
+    from tlm_command.scheduler import Request, Scheduler
+    from tlm_model import generate
+
+    model, tokenizer = parts
+    scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
+    scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 64
+    generator = torch.Generator().manual_seed(8)
+    long, echoed = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (20, 5))
+    tokens, done, forwards = {}, {"long": threading.Event(), "echo": threading.Event()}, []
+    prefill = scheduler.batch.prefill
+
+    def send(name, prompt, **kwargs):
+        def emit(piece):
+            tokens.setdefault(name, []).extend(s.token for s in piece.scored)
+            if piece.finish_reason:
+                done[name].set()
+
+        scheduler.submit(Request(prompt, 3, emit, temperature=0.0, logprobs=0, **kwargs))
+
+    def counted(budget=None):
+        forwards.append(budget)
+        if len(forwards) == 3:  # the long prompt's last 4 tokens
+            send("echo", echoed, echo=True)
+        return prefill(budget)
+
+    scheduler.batch.prefill = counted
+    send("long", long)
+    assert done["long"].wait(30) and done["echo"].wait(30)
+    scheduler.close(timeout=5)
+    assert len(forwards) == 3
+    for name, prompt in (("long", long), ("echo", echoed)):
+        assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name

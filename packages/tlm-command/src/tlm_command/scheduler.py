@@ -1,17 +1,18 @@
 """The scheduler behind ``tlm serve``: one thread owns the model and runs one batched decode step a time
 for every active request (continuous batching).
 
-Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between
-steps while it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a
-row whose prompt is prefilled with the other joining prompts, a chunk a step (at most the batch's
-``prefill_chunk`` tokens, shortest prompt first: :meth:`tlm_model.batching.DecodeBatch.prefill`) between the
-decoding rows' steps, so a long prompt does not stall them; then every step feeds one token to every
-decoding row in one forward. A request that only scores its prompt (``max_tokens`` 0 with ``echo``) or generates one
-token needs no cache: those that join together run as one padded prefill (:meth:`Scheduler._prefill_only`),
-and end there. Each row samples with its own parameters (:mod:`tlm_command.sampling`, one call for the batch)
-and its own ``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
-``temperature=0`` is greedy, the same as ``tlm generate --temperature 0``. Log-probabilities come from the
-forward that gave the token (:func:`tlm_command.sampling.token_logprobs`).
+Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between forwards while
+it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a row whose prompt is
+prefilled with the other joining prompts: up to :data:`PREFILL_BUDGET` tokens between two decoding steps, in
+forwards of at most the batch's ``prefill_chunk`` tokens (shortest prompt first:
+:meth:`tlm_model.batching.DecodeBatch.prefill`), so a long prompt does not stall the decoding rows and a short one
+waits for one chunk of it; then every step feeds one token to every decoding row in one forward. A request that only
+scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token needs no cache: those that join together
+run as one padded prefill (:meth:`Scheduler._prefill_only`), and end there. Each row samples with its own parameters
+(:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
+its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
+--temperature 0``. Log-probabilities come from the forward that gave the token
+(:func:`tlm_command.sampling.token_logprobs`).
 
 A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
 (a client that went away), and its row is free for the next step. What one request raises (outside the
@@ -40,10 +41,16 @@ from tlm_model.inference import unwrap
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
 
-#: Prompt tokens prefilled between two decoding steps at most (DecodeBatch's ``prefill_chunk``). On a 2-core CPU
-#: (course shape, eager, bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an
-#: idle server while a 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
-PREFILL_CHUNK = 64
+#: Prompt tokens in one prefill forward at most (DecodeBatch's ``prefill_chunk``): what a request that arrives
+#: while a long prompt is prefilled waits for before its own prompt runs. On a 2-core CPU (course shape, eager,
+#: bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an idle server while a
+#: 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
+PREFILL_CHUNK = 32
+
+#: Prompt tokens prefilled between two decoding steps at most: how long the decoding rows wait for the prompts
+#: that join. Short prompts (a PREFILL_CHUNK at most) that fit it run in one forward (a burst of 16 in one or two
+#: iterations, not one forward and one step each); longer ones a PREFILL_CHUNK a forward.
+PREFILL_BUDGET = 128
 
 
 class QueueFull(Exception):
@@ -156,6 +163,7 @@ class _Row:
         self.penalized = bool(request.presence_penalty or request.frequency_penalty)
         self.counts = torch.zeros(vocab, device=device) if self.penalized else None
         self.logits: torch.Tensor | None = None
+        self.token: torch.Tensor | None = None  # the sampled token the next step feeds
 
 
 class Scheduler:
@@ -182,6 +190,7 @@ class Scheduler:
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
         self.batch = DecodeBatch(model, max_batch, prefill_chunk=PREFILL_CHUNK)
+        self.prefill_budget = PREFILL_BUDGET
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
@@ -189,6 +198,7 @@ class Scheduler:
         self._params_rows: list[_Row] = []  # the rows _cached_params was built for
         self._cached_params: RowParams | None = None
         self._one = torch.ones(1, device=device)
+        self._zero = torch.zeros((), dtype=torch.long, device=device)
         self._wake = threading.Condition()
         self._closing = False
         self._in_flight = 0  # waiting + decoding, counted under the lock (rows are the thread's own)
@@ -294,6 +304,80 @@ class Scheduler:
                 if self._closing:
                     return False
                 self._wake.wait()
+        self._admit()
+        if not self._rows:
+            return True
+        # Up to prefill_budget prompt tokens this iteration (_forward_size: the short prompts that fit together,
+        # a long prompt a chunk a forward): a burst of short prompts runs in one iteration, a long prompt a few
+        # chunks an iteration between the decoding rows' steps. A row whose prompt completes takes its first
+        # token at once, and a request that arrived during a forward joins before the next one, so a short
+        # prompt waits for one chunk of a long one, not for a whole iteration.
+        self._sample_ready()  # rows that joined prefilled (echo)
+        budget = self.prefill_budget
+        while budget > 0 and self.batch.prefilling:
+            before = sum(self.batch.lengths)
+            done = self.batch.prefill(self._forward_size(budget))  # the model's: a failure ends everything
+            for r, logits in done.items():
+                self._rows[r].logits = logits
+            budget -= sum(self.batch.lengths) - before
+            self._sample_ready()
+            if self._waiting and budget > 0:  # read without the lock: a hint, _admit takes it
+                self._admit()
+                self._sample_ready()  # one that joined prefilled (echo) has its logits already
+        self._drop_ended()
+        prefilling = set(self.batch.prefilling)
+        if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
+            tokens = torch.stack([self._zero if row.token is None else row.token for row in self._rows])
+            logits = self.batch.step(tokens)  # a failure here is the model's: _loop ends it all
+            for r, row in enumerate(self._rows):
+                row.logits = None if r in prefilling else logits[r]
+            self.steps += 1
+            # The step's tokens go out now, not after the next iteration's prefill.
+            self._sample_ready()
+            self._drop_ended()
+        return True
+
+    def _forward_size(self, budget: int) -> int:
+        """Prompt tokens for the next prefill forward: exactly the short prompts (at most a prefill_chunk left)
+        that the budget left can finish, when there are some (the shortest first, as DecodeBatch takes them: a
+        burst of short prompts in one forward, and a short prompt never beside a chunk of a long one, which would
+        double its forward); else one chunk of a long prompt, at most prefill_chunk tokens (what a request
+        arriving meanwhile waits for)."""
+        chunk, lengths = self.batch.prefill_chunk, self.batch.lengths
+        left = sorted(len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling)
+        finishing = 0
+        for n in left:
+            if n > chunk or finishing + n > budget:
+                break
+            finishing += n
+        return finishing or min(budget, chunk)
+
+    def _sample_ready(self) -> None:
+        """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
+        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
+        if not ready:
+            return
+        saved, self._rows = self._rows, [self._rows[r] for r in ready]
+        try:
+            sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
+        finally:
+            self._rows = saved
+        for r, token in zip(ready, sampled, strict=True):
+            self._rows[r].token, self._rows[r].logits = token, None
+
+    def _drop_ended(self) -> None:
+        """Ended and cancelled rows leave (the last row takes each one's place); then their last pieces go out."""
+        for r in reversed(range(len(self._rows))):
+            if self._rows[r].request.cancelled.is_set():
+                self.batch.remove(r)
+                self._rows[r] = self._rows[-1]
+                self._rows.pop()
+                self._left(1)
+        self._send_last()
+
+    def _admit(self) -> None:
+        """Waiting requests take the free rows (a prompt to prefill each, or a prefill-only forward now)."""
+        with self._wake:
             joining: list[Request] = []
             while self._waiting and len(self._rows) + len(joining) < self.max_batch:
                 joining.append(self._waiting.popleft())
@@ -307,39 +391,6 @@ class Scheduler:
         if short:
             self._prefill_only(short)
         self._joining = []
-        if not self._rows:
-            return True
-        # One chunk of the joined prompts (shortest first, at most the batch's prefill_chunk tokens), so a long
-        # prompt is run a chunk a step between the decoding rows' steps instead of stalling them.
-        if self.batch.prefilling:
-            for r, logits in self.batch.prefill().items():  # the model's: a failure ends everything
-                self._rows[r].logits = logits
-        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
-        tokens = [torch.zeros((), dtype=torch.long, device=self.device)] * len(self._rows)
-        if ready:
-            saved, self._rows = self._rows, [self._rows[r] for r in ready]
-            try:
-                sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
-            finally:
-                self._rows = saved
-            for r, token in zip(ready, sampled, strict=True):
-                tokens[r] = token
-                self._rows[r].logits = None
-        # Ended and cancelled rows leave before the forward; the last row takes each one's place.
-        for r in reversed(range(len(self._rows))):
-            if self._rows[r].request.cancelled.is_set():
-                self.batch.remove(r)
-                self._rows[r], tokens[r] = self._rows[-1], tokens[-1]
-                self._rows.pop(), tokens.pop()
-                self._left(1)
-        self._send_last()
-        prefilling = set(self.batch.prefilling)
-        if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
-            logits = self.batch.step(torch.stack(tokens))  # a failure here is the model's: _loop ends it all
-            for r, row in enumerate(self._rows):
-                row.logits = None if r in prefilling else logits[r]
-            self.steps += 1
-        return True
 
     def _join(self, request: Request) -> None:
         """Give ``request`` a new row whose prompt is prefilled a chunk a step with the others joining

@@ -98,6 +98,8 @@ class Tokenizer:
                 self._vocab[index] = encoded
                 self._ids[encoded] = index
         self._special_ids = {token: self._ids[token.encode("utf-8")] for token in self.special_tokens}
+        # Read once per generated token by a server's text stream: kept, not a max over the vocabulary each time.
+        self._vocab_size = max(self._vocab) + 1
         self._splitter = special_splitter(self.special_tokens)
         self._splitters: dict[frozenset[str], re.Pattern[str] | None] = {}  # per allowed_special set
         self._longest_special = max(map(len, self.special_tokens), default=0)
@@ -196,7 +198,7 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         """One more than the largest id: the size an embedding table needs."""
-        return max(self._vocab) + 1
+        return self._vocab_size
 
     def __len__(self) -> int:
         return len(self._vocab)
