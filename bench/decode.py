@@ -298,12 +298,13 @@ def render(results: dict, meta: dict) -> str:
         ]
     if "ttft" in results:
         t = results["ttft"]
+        mode = "compiled" if t.get("compiled") else "eager"
         lines += [
             "",
-            "Time to first token of a 16-token request (scheduler in-process), idle vs while a 2000-token prompt "
-            "prefills, by prefill tokens a forward / an iteration: "
+            f"Time to first token of a 16-token request (scheduler in-process, {mode}), "
+            "idle vs while a 2000-token prompt prefills, by prefill tokens a forward / an iteration: "
             + "; ".join(
-                f"{c}: {t[c]['idle_ms']:.0f} ms vs {t[c]['busy_ms']:.0f} ms ({t[c]['ratio']:.1f}x)"
+                f"{c}: {t[c]['idle_ms']:.0f} ms vs {t[c]['busy_ms']:.0f} ms ({t[c]['ratio']:.2f}x)"
                 for c in t
                 if "/" in c
             )
@@ -351,6 +352,7 @@ def main() -> None:
             results[part] = single(args.new, repeats)
         elif part == "ttft":
             results[part] = ttft(repeats, args.compiled_ttft)
+            results[part]["compiled"] = args.compiled_ttft
         else:
             results[part] = capacity(16, repeats)
         print(f"{part}: {json.dumps(results[part])} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
