@@ -147,6 +147,27 @@ def test_causal_attention_groups_with_cache_offset(backend, device):
     )
 
 
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "torch"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (6, 1)])
+def test_one_query_a_row_under_a_mask_matches_float64_sdpa(backend, heads, kv_heads, device):
+    # A decode step over rows of different lengths: one query a row, each row blind past its own length (on a
+    # CPU the torch backend runs its own two matmuls here, not torch's fused kernel). Values and gradients
+    # against float64 SDPA of the repeated kv heads.
+    torch.manual_seed(3)
+    q = torch.randn(3, heads, 1, 8, device=device, requires_grad=True)
+    k = torch.randn(3, kv_heads, 11, 8, device=device, requires_grad=True)
+    v = torch.randn(3, kv_heads, 11, 8, device=device, requires_grad=True)
+    lengths = torch.tensor([11, 4, 1], device=device)
+    mask = (torch.arange(11, device=device) < lengths[:, None]).view(3, 1, 1, 11)
+    got = ATTENTION_BACKENDS[backend](q, k, v, mask=mask)
+    want = repeat_kv_reference(q.double(), k.double(), v.double(), mask)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for g, e in zip(grads, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grouped_gradients_match_repeat_kv(backend, device):
     torch.manual_seed(2)

@@ -14,7 +14,8 @@ from tlm_model.lm import TransformerLM
 
 def batch_bucket(rows: int, max_batch_size: int) -> int:
     """The batch size a step over ``rows`` rows runs at: the next power of two, at most ``max_batch_size``.
-    A compiled step has one graph per bucket, so rows joining and leaving reuse a handful of graphs."""
+    A compiled step has one graph per bucket (on a CPU: one for a single row, one for every other bucket), so
+    rows joining and leaving reuse a handful of graphs."""
     return min(max_batch_size, 1 << max(0, rows - 1).bit_length())
 
 
@@ -62,7 +63,8 @@ class DecodeBatch:
     **The occupied prefix only.** A step reads the first :func:`slot_bucket` slots of each cache (the longest
     row's length after the step, rounded up to a power of two of at least ``min_slots``; an eager model: that
     length exactly), so its time follows the rows' lengths, not ``capacity``. The compiled step takes that
-    length as a dynamic size: still one graph per batch bucket.
+    length as a dynamic size: still one graph per batch bucket (on a CPU two in all, see
+    :meth:`~tlm_model.InferenceModel.decode_step`).
     """
 
     def __init__(

@@ -28,8 +28,9 @@ _AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
 _STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
-#: one graph per (batch bucket, capacity), whose only dynamic size is the number of slots it reads; CUDA graphs
-#: on CUDA ("reduce-overhead"), inductor's autotuned C++ GEMMs on CPU. (Inductor's C++ wrapper, ``cpp_wrapper``,
+#: one graph per (batch bucket, capacity), whose dynamic sizes are the number of slots it reads and, on a CPU, the
+#: batch above one row (see :meth:`InferenceModel.decode_step`); CUDA graphs on CUDA ("reduce-overhead"),
+#: inductor's autotuned GEMMs on CPU. (Inductor's C++ wrapper, ``cpp_wrapper``,
 #: was tried for the CPU step: no difference in batch-1 CPU time per token could be measured, 2.82-2.93 ms with
 #: and without, and it nearly doubled ``tlm serve``'s warm-up, 292 s -> 530 s on a loaded 2-core machine.)
 DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
@@ -109,8 +110,15 @@ class InferenceModel(nn.Module):
     def decode_step(
         self, tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None = None
     ) -> Tensor:
-        """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (one graph per batch size
-        and capacity; CUDA graphs on CUDA). Unchecked: the caller feeds sampled ids and the caches' positions.
+        """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (on CUDA one graph per
+        batch size and capacity, CUDA graphs). Unchecked: the caller feeds sampled ids and the caches' positions.
+
+        On a CPU the batch size is a dynamic size too (above 1: dynamo specialises a size of 1), so there are
+        two graphs per capacity, batch 1 and every other bucket. That is for speed as much as for fewer
+        compilations: inductor packs a frozen float32 weight for MKL's GEMM when the batch is a constant and
+        for oneDNN's when it is symbolic, and on the AMD EPYC this was measured on oneDNN's GEMM ran 2.5x MKL's
+        at 16 rows (MKL takes its generic code path on non-Intel CPUs): a 16-row step of the course model took
+        7.9 ms instead of 14.1 ms (bench/decode.py's figures are in docs/benchmarks.md).
 
         ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
         so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
@@ -118,6 +126,10 @@ class InferenceModel(nn.Module):
         _dynamic_slots(slots)
         with _frozen():
             if tokens.device.type != "cuda":
+                if tokens.shape[0] > 1:  # one graph for every batch bucket above 1, on oneDNN's GEMMs
+                    # "maybe": with room for 2 rows, 2 is the only such bucket and dynamo makes it a constant.
+                    torch._dynamo.maybe_mark_dynamic(tokens, 0)
+                    torch._dynamo.maybe_mark_dynamic(positions, 0)
                 return self._decode(tokens, positions, caches, slots)
             # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
             # each call is a new step, and the logits are copied out of the graph's memory, which the next
