@@ -16,6 +16,8 @@ Parts, each timed and reported even when another fails (a part that cannot run s
   alternating rounds; tokens/s and MFU against the device's published dense bf16 peak.
 - ``resume``: ``tlm train`` on CUDA (bfloat16 and float32), stopped and resumed from a checkpoint: the
   final weights and metrics bit-identical to the uninterrupted run (deterministic=True).
+- ``decode``: greedy decode tokens/s at batch 1 and 64, tlm's compiled static-cache ``generate`` (the decode
+  step under CUDA graphs) against HF's static-cache ``generate`` compiled with reduce-overhead, same weights.
 - ``nan``: a NaN injected into the loss mid-run on CUDA: the run stops with the ``diverged`` record
   naming that step, the process and its CUDA context still work, the weights and optimizer state equal
   the newest checkpoint's.
@@ -57,7 +59,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 # The benchmark before the runs whose deterministic=True switches deterministic algorithms on for the process.
-PARTS = ["census", "chunk", "bench", "nan", "resume", "tests", "stall"]
+PARTS = ["census", "chunk", "bench", "nan", "resume", "tests", "stall", "decode"]
 
 
 def _pythonpath() -> str:
@@ -316,6 +318,72 @@ def _bench_shape(device: torch.device, dry: bool, label: str, cfg: Any, batch: i
     return row
 
 
+# --------------------------------------------------------------------------------------- decode
+
+
+def part_decode(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    """Greedy decode tokens/s at batch 1 and 64 (issue 34, item 7): tlm's ``generate`` on
+    ``compile_for_inference`` (static caches, the decode step under CUDA graphs) against HF's ``generate`` with
+    ``cache_implementation="static"`` and ``forward`` compiled with ``mode="reduce-overhead"`` (transformers'
+    documented fast path), the same float32 weights (course-tinystories), prompts of 16 tokens, 64 new ones;
+    rounds alternate; how many rows' tokens are equal is reported (float32: rounding alone may flip a near tie)."""
+    import transformers
+
+    from tlm_model import ModelConfig, TransformerLM, compile_for_inference, generate
+    from tlm_model.interop import hf_llama_config_kwargs, to_hf_llama_state_dict
+
+    cfg = ModelConfig.from_preset("course-tinystories") if not dry else ModelConfig(512, 128, 64, 2, 4, 128)
+    new, rounds = (64, 5) if not dry else (8, 2)
+    torch.manual_seed(0)
+    ours = TransformerLM(cfg).eval().to(device)
+    hf_config = transformers.LlamaConfig(**hf_llama_config_kwargs(cfg), attn_implementation="sdpa")
+    hf = transformers.LlamaForCausalLM(hf_config).to(device).eval()
+    hf.load_state_dict(to_hf_llama_state_dict(ours.state_dict(), cfg))
+    hf.generation_config.pad_token_id = 0
+    # The dry run checks this script on a CPU, where compiling would take minutes: eager on both sides there.
+    fast = compile_for_inference(ours) if not dry else ours
+    if not dry:
+        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    rows = []
+    for batch in (1, 64):
+        gen = torch.Generator().manual_seed(batch)
+        prompts = torch.randint(1, cfg.vocab_size, (batch, 16), generator=gen).to(device)
+
+        def tlm(prompts: torch.Tensor = prompts) -> torch.Tensor:
+            return generate(fast, prompts, new, temperature=0)[:, 16:]
+
+        def reference(prompts: torch.Tensor = prompts) -> torch.Tensor:
+            kwargs = {"cache_implementation": "static"} if not dry else {}
+            with torch.no_grad():
+                out = hf.generate(prompts, max_new_tokens=new, min_new_tokens=new, do_sample=False, **kwargs)
+            return out[:, 16:]
+
+        compile_s = {}
+        for name, fn in (("tlm", tlm), ("hf", reference)):
+            start = time.perf_counter()
+            fn(), fn()  # compiles (and records CUDA graphs) outside the timings
+            _sync(device)
+            compile_s[name] = time.perf_counter() - start
+        equal_rows = int((tlm() == reference()).all(dim=1).sum())
+        times: dict[str, list[float]] = {"tlm": [], "hf": []}
+        for _ in range(rounds):
+            for name, fn in (("tlm", tlm), ("hf", reference)):
+                _sync(device)
+                start = time.perf_counter()
+                fn()
+                _sync(device)
+                times[name].append(time.perf_counter() - start)
+        ratios = sorted(h / t for t, h in zip(times["tlm"], times["hf"], strict=True))
+        rows.append({
+            "batch": batch, "new_tokens": new, "compile_and_warmup_s": compile_s, "equal_rows": equal_rows,
+            "tlm_tokens_per_s": batch * new / statistics.median(times["tlm"]),
+            "hf_tokens_per_s": batch * new / statistics.median(times["hf"]),
+            "speedup_vs_hf": [statistics.median(ratios), ratios[0], ratios[-1]],
+        })  # fmt: skip
+        torch._dynamo.reset()
+    return {"ok": True, "rows": rows}
+
+
 # --------------------------------------------------------------------------------------- resume, nan
 
 
@@ -516,6 +584,18 @@ def render(report: dict[str, Any]) -> str:
                 for mode, r in stall["rows"].items()
             )
         )
+    decode = parts.get("decode", {})
+    if decode.get("rows"):
+        lines.append(
+            "- greedy decoding, float32, tlm `generate` on `compile_for_inference` (CUDA graphs) vs HF `generate` "
+            "(static cache, `forward` compiled with reduce-overhead): "
+            + "; ".join(
+                f"batch {r['batch']}: {r['tlm_tokens_per_s']:,.0f} vs {r['hf_tokens_per_s']:,.0f} tokens/s, "
+                f"**{r['speedup_vs_hf'][0]:.2f}×** ({r['speedup_vs_hf'][1]:.2f}–{r['speedup_vs_hf'][2]:.2f}), "
+                f"{r['equal_rows']}/{r['batch']} rows' tokens equal"
+                for r in decode["rows"]
+            )
+        )
     tests = parts.get("tests", {})
     if "passed" in tests:
         lines.append(
@@ -562,7 +642,7 @@ def main() -> int:
     began = time.perf_counter()
     functions: dict[str, Callable[..., dict[str, Any]]] = {
         "tests": part_tests, "census": part_census, "chunk": part_chunk, "bench": part_bench,
-        "resume": part_resume, "nan": part_nan, "stall": part_stall,
+        "resume": part_resume, "nan": part_nan, "stall": part_stall, "decode": part_decode,
     }  # fmt: skip
     for name in chosen:
         start = time.perf_counter()
