@@ -192,14 +192,19 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     model = TransformerLM(dataclasses.replace(CFG, num_layers=1)).eval()
     fast = compile_for_inference(model)
     read = {"decode": set(), "prefill": set()}
+    shapes = {"decode": [], "prefill": []}  # the tokens' shape of each call, in order
     for kind in read:  # the slot counts each compiled call is given (its length is the graph's dynamic size)
         step = getattr(fast, f"{kind}_step")
         monkeypatch.setattr(
-            fast, f"{kind}_step", lambda *a, step=step, kind=kind: read[kind].add(len(a[-1])) or step(*a)
-        )
+            fast, f"{kind}_step",
+            lambda *a, step=step, kind=kind: read[kind].add(len(a[-1])) or shapes[kind].append(a[0].shape) or step(*a),
+        )  # fmt: skip
     batch_kwargs = {"max_batch_size": 2, "chunk": 8, "min_slots": 8}
     DecodeBatch(fast, 2, prefill_chunk=8, min_slots=8).warm_up()  # buckets 1 and 2, prompt chunks of 1 and 2
     assert len(graphs["decode"]) == 2 and read["decode"] == {8}
+    # Each graph first compiled at a size it serves (inductor's hints): a full chunk of one prompt, then of
+    # two; the steps from the largest bucket down.
+    assert shapes["prefill"][:2] == [(1, 8), (2, 4)] and [s[0] for s in shapes["decode"]] == [2, 1]
     warm_frames, warm_prefill = counters["frames"]["total"], len(graphs["prefill"])
     requests = [(arrival, prompt, new) for (arrival, new), prompt in zip(
         [(0, 7), (0, 3), (1, 9), (2, 4), (5, 6), (6, 18)], _prompts([3, 20, 7, 13, 29, 28]), strict=True)]  # fmt: skip

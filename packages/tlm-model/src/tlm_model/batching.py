@@ -128,23 +128,43 @@ class DecodeBatch:
         a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
         on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
         its graph, so one step per batch bucket covers every slot bucket: nothing recompiles later as rows grow
-        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation)."""
+        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation).
+
+        Each graph with a dynamic size is first compiled at a size it will serve: inductor takes the first
+        call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
+        rows, and max-autotune times its candidates there). So the chunks run first one prompt and then
+        several of a full chunk's tokens, and the steps run from the largest bucket down: a 16-row step
+        compiled at 2 rows took 10.7 ms instead of 6.5."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
-        sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)})
+        sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
         zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 7)]
+        # The tokens a warm-up row may hold and still take a step at every bucket.
+        room = max(1, self.capacity - len(sizes) - 1)
+        group = min(self.max_batch_size, 4)
+        wide = min(self.prefill_chunk, room)
+        chunks = [[torch.zeros(wide, dtype=torch.int64)]]
+        if group > 1:
+            chunks.append([torch.zeros(max(1, min(wide // group, room)), dtype=torch.int64)] * group)
+        # Then chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
+        chunks += [[zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]]
         try:
+            for prompts in chunks[:2]:
+                self.add_many(prompts)
+                while len(self):
+                    self.remove(len(self) - 1)
             for rows in sizes:
                 while len(self) < rows:
                     self.add(zeros[min(len(self), 1)])
+                while len(self) > rows:
+                    self.remove(len(self) - 1)
                 if all(n < self.capacity for n in self.lengths):
                     self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
-            # Chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
-            for group in ([zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]):
+            for prompts in chunks[2:]:
                 while len(self):
                     self.remove(len(self) - 1)
-                if len(group) <= self.max_batch_size:
-                    self.add_many(group)
+                if len(prompts) <= self.max_batch_size:
+                    self.add_many(prompts)
         finally:
             while len(self):
                 self.remove(len(self) - 1)
