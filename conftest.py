@@ -368,8 +368,13 @@ class Forked:
         return self.stdout.read(), self.stderr.read()
 
     def send_signal(self, sig: int) -> None:
+        # As subprocess.Popen's: a process that ended (and was reaped by the fork server) after the poll is not
+        # an error; the ended process's status is what the caller reads next.
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def kill(self) -> None:
         import signal
