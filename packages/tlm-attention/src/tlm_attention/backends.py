@@ -91,8 +91,8 @@ def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tenso
 def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``: torch's fused kernels. On a CPU, one masked query
     a row (a decode step over rows of different lengths) is two matmuls instead: torch's fused CPU kernel took
-    0.68 ms a layer for 16 rows of the course model (compiled), and the matmuls cut that step from 7.9 ms to
-    6.0-6.8 ms (CPU time, 4 layers)."""
+    0.68 ms a layer for 16 rows of the course model (compiled), and the matmuls cut that step from 7.8-9.0 ms
+    to 6.0-7.0 ms (CPU time, 4 layers)."""
     gqa = _kv_groups(q, k, v) > 1
     if mask is not None and q.shape[-2] == 1 and q.device.type == "cpu" and (mask.ndim < 3 or mask.shape[-3] == 1):
         return _one_query_attention(q, k, v, mask)
