@@ -116,9 +116,9 @@ class InferenceModel(nn.Module):
         On a CPU the batch size is a dynamic size too (above 1: dynamo specialises a size of 1), so there are
         two graphs per capacity, batch 1 and every other bucket. That is for speed as much as for fewer
         compilations: inductor packs a frozen float32 weight for MKL's GEMM when the batch is a constant and
-        for oneDNN's when it is symbolic, and on the AMD EPYC this was measured on oneDNN's GEMM ran 2.0-2.9x MKL's
-        at 16 rows (MKL takes its generic code path on non-Intel CPUs): a 16-row step of the course model took
-        7.8-9.0 ms instead of 14.1 ms (bench/decode.py's figures are in docs/benchmarks.md).
+        for oneDNN's when it is symbolic. On the AMD EPYC where this was measured, oneDNN's GEMM ran 2.0-2.9x
+        MKL's at 16 rows (MKL takes its generic code path on non-Intel CPUs), and a 16-row step of the course
+        model took 7.8-9.0 ms instead of 14.1 ms (bench/decode.py's figures are in docs/benchmarks.md).
 
         ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
         so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
