@@ -145,7 +145,7 @@ class DecodeBatch:
         wide = min(self.prefill_chunk, room)
         chunks = [[torch.zeros(wide, dtype=torch.int64)]]
         if group > 1:
-            chunks.append([torch.zeros(max(1, min(wide // group, room)), dtype=torch.int64)] * group)
+            chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
         # Then chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
         chunks += [[zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]]
         try:
