@@ -1,11 +1,11 @@
-"""tlm_command.stats against SciPy (the reference implementation of the t distribution and t-tests) and
+"""tlm_experiments.stats against SciPy (the reference implementation of the t distribution and t-tests) and
 against values worked by hand."""
 
 import math
 
 import pytest
 
-from tlm_command.stats import Difference, describe, difference, t_cdf, t_quantile, verdict
+from tlm_experiments.stats import Difference, describe, difference, t_cdf, t_quantile, verdict
 
 scipy_stats = pytest.importorskip("scipy.stats", reason="scipy is the reference: tlm-command's test extra has it")
 
