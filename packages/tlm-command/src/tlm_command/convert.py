@@ -141,8 +141,9 @@ def _to_peft(args: argparse.Namespace) -> int:
     import torch
 
     import tlm_artifacts
+    from tlm_artifacts.artifact import load_lora_step
     from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
-    from tlm_artifacts.lora import adapter_bytes, load_lora_step, peft_config
+    from tlm_artifacts.lora import adapter_bytes, peft_config
     from tlm_core.atomic import replace_dir
     from tlm_lora import lora_state_dict
     from tlm_model.interop import to_hf_lora_state_dict

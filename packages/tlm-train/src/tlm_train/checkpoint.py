@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from tlm_artifacts.artifact import load_step_model
 from tlm_artifacts.layout import ADAPTER_NAME, LATEST_NAME, SHARDS_DIR, STATE_NAME
 from tlm_artifacts.lora import adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
-from tlm_artifacts.steps import StepFolders, load_step_model, read_model_state, read_sharded_tensors, read_step_config
+from tlm_artifacts.steps import StepFolders, read_model_state, read_sharded_tensors, read_step_config
 from tlm_artifacts.steps import file_digests as _file_digests
 from tlm_artifacts.steps import one_process_is_meant as _one_process_is_meant
 from tlm_artifacts.steps import shard_reader as _reader

@@ -3,6 +3,7 @@
 
 from typing import Any
 
+from tlm_artifacts.artifact import load_base, load_lora_step, load_peft
 from tlm_artifacts.layout import ADAPTER_NAME, PEFT_CONFIG, PEFT_WEIGHTS
 from tlm_artifacts.lora import (
     PEFT_MODULE_OF_ROLE,
@@ -13,10 +14,7 @@ from tlm_artifacts.lora import (
     grown,
     is_adapter_key,
     is_peft_folder,
-    load_base,
-    load_lora_step,
     load_named_adapters,
-    load_peft,
     peft_base_path,
     peft_config,
     peft_settings,

@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 import tlm_artifacts
+from tlm_artifacts.artifact import load_step_model
 from tlm_artifacts.lora import grown
-from tlm_artifacts.steps import load_step_model
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
@@ -375,7 +375,7 @@ class Recipe:
             )
         lora = settings(config)
         # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
-        # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
+        # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
