@@ -364,8 +364,8 @@ class Recipe:
     def _adapt(self, base: TransformerLM) -> dict[str, Any]:
         """Freeze the model and give it the adapters the config asks for; the record a checkpoint keeps of
         them and of the base (the path ``init_from`` names and its weights' SHA-256)."""
+        from tlm_artifacts.lora import adapt
         from tlm_lora import weights_sha256
-        from tlm_train.lora import adapt, settings
 
         config = self.config
         if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
@@ -373,7 +373,13 @@ class Recipe:
                 f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "
                 "would change the embedding too); leave lm_head out"
             )
-        lora = settings(config)
+        alpha = float(config.lora_rank if config.lora_alpha is None else config.lora_alpha)
+        lora = {
+            "rank": config.lora_rank,
+            "alpha": alpha,
+            "targets": config.lora_targets,
+            "dropout": config.lora_dropout,
+        }
         # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
         # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
@@ -639,7 +645,7 @@ class Recipe:
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
         if self.lora is not None:  # the adapters only: the frozen base is the --init-from model, named here
-            from tlm_train.lora import is_adapter_key
+            from tlm_artifacts.lora import is_adapter_key
 
             state["model"] = {k: v for k, v in state["model"].items() if is_adapter_key(k)}
             state["lora"] = self.lora
