@@ -40,7 +40,7 @@ from tlm_optim import AdamW, CosineSchedule
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
+from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
@@ -117,6 +117,11 @@ def train(
             dist.destroy_process_group()
 
 
+def data_settings(config: TrainConfig) -> DataSettings:
+    """The settings of ``config`` that the run's data depends on (:mod:`tlm_train.data` reads no other)."""
+    return DataSettings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(DataSettings)})
+
+
 class Recipe:
     """One training run; use as a context manager (it holds the run folder's lock) and call :meth:`run`."""
 
@@ -178,12 +183,14 @@ class Recipe:
         context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
             data = prepare_data(
-                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
                 context_length=context,
             )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
+            data = prepare_data(
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context
+            )
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
