@@ -25,7 +25,9 @@ _AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
 #: What the decode step and prompt chunks add to their options: no guards on the model's modules (the wrapper's
 #: weights are frozen constants of the graph already: a changed model needs a new ``compile_for_inference``),
 #: which leaves dynamo fewer checks to run before every step.
-_STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+#: Found by feature detection (a newer torch's function): without it the steps keep dynamo's module guards.
+_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+_STEP_OPTIONS: dict[str, Any] = {} if _SKIP_MODULE_GUARDS is None else {"guard_filter_fn": _SKIP_MODULE_GUARDS}
 
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
 #: one graph per (batch bucket, capacity), whose dynamic sizes are the number of slots it reads and, on a CPU, the

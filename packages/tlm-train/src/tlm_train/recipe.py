@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +40,7 @@ from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
+from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
@@ -96,8 +96,9 @@ def train(
     ``config.logger_errors == "warn"`` the run goes on without that backend instead (``metrics.jsonl``, which
     every command reads, always stops it).
     """
-    device_from_name(config.device, "--device")  # before a process group is joined on it
-    cuda_notes = _cuda_determinism_env(config)  # before this process's first cuBLAS call
+    # The device is checked before a process group is joined on it.
+    settings = determinism_for(device_from_name(config.device, "--device").type, config.deterministic)
+    cuda_notes = set_cublas_workspace(settings)  # before this process's first cuBLAS call
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
     recipe: Recipe | None = None
@@ -170,8 +171,9 @@ class Recipe:
         saved = self._check_resume() if self.resume else None
         if not self.resume:
             self._check_fresh()
-        if config.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=info.device.type != "cpu")
+        # Bit-exact on this device or refused here; restored when the run ends.
+        self.determinism = determinism_for(info.device.type, config.deterministic)
+        self._exit.callback(apply(self.determinism))
         if info.device.type == "cuda":
             self._cuda_settings()
         seed_everything(config.seed)
@@ -279,28 +281,8 @@ class Recipe:
             self.say(
                 "float32 matmuls on TF32 tensor cores" if config.tf32 else "float32 matmuls in full float32 (--no-tf32)"
             )
-        if not config.deterministic:
-            return
-        flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-                 torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
-
-        def restore() -> None:
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[0], flags[1]
-            torch.backends.cuda.enable_mem_efficient_sdp(flags[2])
-            torch.backends.cuda.enable_cudnn_sdp(flags[3])
-
-        self._exit.callback(restore)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        # Flash attention's backward is deterministic under deterministic algorithms; the memory-efficient and
-        # cuDNN kernels' backward is not, so they are turned off (the math kernel remains the fallback).
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        self.say(
-            "deterministic on CUDA: CUBLAS_WORKSPACE_CONFIG="
-            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')}, deterministic algorithms (an op without a deterministic "
-            "kernel warns once), attention by the flash or math kernels"
-            + "".join(f"; {note}" for note in self.cuda_notes)
-        )
+        if config.deterministic:  # the flags were set in setup (tlm_train.determinism)
+            self.say(describe(self.determinism) + "".join(f"; {note}" for note in self.cuda_notes))
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
@@ -391,6 +373,10 @@ class Recipe:
         # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
+        if config.dtype != "float32":  # the frozen base in the training dtype: what autocast multiplies with anyway
+            from tlm_lora import cast_frozen_weights
+
+            cast_frozen_weights(self.model, getattr(torch, config.dtype))
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
     def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
@@ -553,23 +539,30 @@ class Recipe:
     def train_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
         # Never raises for a non-finite loss: the update is skipped on the device and the guard remembers
         # the step; _halt_if_diverged reads it where the loop syncs anyway.
-        return train_step(
-            self.loss_module,
-            self.optimizer,
-            batches,
-            scheduler=self.scheduler,
-            max_grad_norm=self.config.grad_clip,
-            autocast_dtype=self.autocast,
-            scaler=self.scaler,
-            guard=self.guard,
-        )
-
-    def _halt_if_diverged(self) -> None:
-        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
-        optimizer state are then those from before that step. Reads the device: called only where the loop
-        syncs anyway (logging, evaluation, a checkpoint)."""
         try:
-            self.guard.check(self.optimizer, self.scheduler)
+            return train_step(
+                self.loss_module,
+                self.optimizer,
+                batches,
+                scheduler=self.scheduler,
+                max_grad_norm=self.config.grad_clip,
+                autocast_dtype=self.autocast,
+                scaler=self.scaler,
+                guard=self.guard,
+            )
+        except RuntimeError as err:  # an op without a deterministic kernel on this device: refused in one line
+            refused = refusal(err) if self.config.deterministic else None
+            if refused is None:
+                raise
+            raise refused from err
+
+    def _halt_if_diverged(self, *values: torch.Tensor) -> list[float]:
+        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
+        optimizer state are then those from before that step. Reads the device once, with ``values`` (0-d
+        tensors) in the same transfer, returned as floats: called only where the loop syncs anyway (logging,
+        evaluation, a checkpoint)."""
+        try:
+            return self.guard.check(self.optimizer, self.scheduler, also=values)
         except NonFiniteLossError as err:
             failed = cast(int, self.guard.first())
             raise self._diverged(f"step {failed}: {err}; {self._good_checkpoint(failed)}", failed) from None
@@ -606,11 +599,11 @@ class Recipe:
     def maybe_log(self, step: int, stats: StepStats, bar: Any) -> bool:
         """Read the step's numbers from the device and record them, on logging steps only."""
         config = self.config
-        if not (step % config.log_interval == 0 or step % config.eval_interval == 0 or step == self.steps):
+        every = config.logging_interval(self.info.device.type)
+        if not (step % every == 0 or step % config.eval_interval == 0 or step == self.steps):
             bar.update()
             return False
-        self._halt_if_diverged()
-        loss, grad_norm = float(stats.loss), float(stats.grad_norm)  # the one host sync of a logged step
+        loss, grad_norm = self._halt_if_diverged(stats.loss, stats.grad_norm)  # the step's one device read
         began, since = self._mark
         seconds = max(time.perf_counter() - began, 1e-9)
         rate = self.tokens_per_step * (step - since) / seconds
@@ -741,23 +734,6 @@ def _finite(weights: dict[str, torch.Tensor]) -> bool:
 
     local = [t.to_local() if isinstance(t, DTensor) else t for t in weights.values()]
     return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
-
-
-def _cuda_determinism_env(config: TrainConfig) -> list[str]:
-    """For a deterministic run on CUDA, ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS reads it when this process makes
-    its first handle, so it is set before anything touches CUDA); what cannot be guaranteed, one note each."""
-    if not (config.deterministic and config.device.startswith("cuda")):
-        return []
-    have = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if have is None:
-        if torch.cuda.is_initialized():
-            return ["CUDA was already in use in this process, so cuBLAS may not be deterministic: set "
-                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"]  # fmt: skip
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        return []
-    if have not in (":4096:8", ":16:8"):
-        return [f"CUBLAS_WORKSPACE_CONFIG={have} is not :4096:8 or :16:8, so cuBLAS may not be deterministic"]
-    return []
 
 
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
