@@ -161,3 +161,13 @@ def test_a_chat_template_that_cannot_be_used_is_refused_before_anything_is_writt
     with pytest.raises((FileNotFoundError, ValueError), match=f"--chat-template {path}: .*{message}"):
         train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(path)))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("role", ["user<|im_end|>", "narrator"])
+def test_a_role_outside_the_declared_set_is_named_by_file_and_line(tmp_path, make_config, role):
+    path = tmp_path / "roles.jsonl"
+    path.write_text('{"prompt": "hi", "completion": "yo"}\n' + json.dumps({"messages": [{"role": role,
+                    "content": "hi"}]}) + "\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--data .*roles.jsonl line 2\[0\]: role must be one of system, "):
+        train(make_config(data=[str(path)], vocab_size=300))
+    assert not (tmp_path / "run" / "checkpoints").exists()
