@@ -146,3 +146,40 @@ def test_a_role_outside_the_declared_set_is_refused_naming_where(gpt2_chat, role
 def test_a_name_that_is_not_a_string_is_refused(gpt2_chat):
     with pytest.raises(ValueError, match=r"'name' must be a string"):
         ChatTemplate(gpt2_chat[0]).encode([{"role": "user", "name": 3, "content": "x"}])
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ("{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}" + CHATML_TEMPLATE,
+         "^line 7: the chat template took more than 0.2 s to render$"),
+        ("{{ 'x' * 2000000 }}" + CHATML_TEMPLATE, "a repetition of 2,000,000 items is over 1,048,576"),
+        ("{% set n = 10 %}{{ n ** 100000000 }}" + CHATML_TEMPLATE, "a power of about .* bits is over 1,048,576"),
+        ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}" + CHATML_TEMPLATE, "recursed too deeply"),
+    ],
+)  # fmt: skip
+def test_a_template_that_loops_or_makes_too_much_is_stopped(gpt2_chat, monkeypatch, template, message):
+    import time
+
+    import tlm_tokenizer.chat
+
+    monkeypatch.setattr(tlm_tokenizer.chat, "RENDER_SECONDS", 0.2)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message):
+        ChatTemplate(gpt2_chat[0], template).encode(CONVERSATIONS[0], where="line 7")
+    assert time.perf_counter() - start < 3
+
+
+def test_many_messages_take_linear_work(gpt2_chat):
+    import time
+
+    ours = gpt2_chat[0]
+    template = ChatTemplate(ours)
+    timings = []
+    for count in (1_000, 10_000):
+        messages = [{"role": "user", "content": ""}] * count + [{"role": "assistant", "content": "ok"}]
+        start = time.perf_counter()
+        encoded = template.encode(messages)
+        timings.append(time.perf_counter() - start)
+        assert encoded.ids.count(ours.encode(IM_END)[0]) == count + 1 and sum(encoded.assistant) == 3
+    assert timings[1] < 30 * timings[0] + 0.5  # 10x the messages: ~10x the time (quadratic work would be ~100x)

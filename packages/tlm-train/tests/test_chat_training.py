@@ -190,3 +190,15 @@ def test_chat_data_that_leaves_no_target_is_refused_before_training(tmp_path, ma
     with pytest.raises(ValueError, match=expected):
         train(make_config(data=[str(path)], vocab_size=300, steps=1, val_fraction=0.1, chat_layout="padded"))
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_chat_template_that_loops_is_stopped_naming_the_line(tmp_path, make_config, chat_file, monkeypatch):
+    import tlm_tokenizer.chat
+
+    monkeypatch.setattr(tlm_tokenizer.chat, "RENDER_SECONDS", 0.2)
+    template = tmp_path / "loops.jinja"
+    loop = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    template.write_text(loop + CHATML_TEMPLATE)
+    with pytest.raises(ValueError, match=r"^--data .*chat.jsonl line 1: the chat template took more than 0.2 s"):
+        train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(template)))
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -165,10 +165,11 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
     are ``tokenizer.encode(text)``'s except that no content becomes a special token. A template that changes
     contents (trims them, say) gets its whole text encoded with no special token at all.
     """
-    from tlm_tokenizer.chat import encode_pieces, locate_contents
+    from tlm_tokenizer.chat import encode_pieces, locate_contents, render_time_limit
 
     try:
-        text, fields = locate_contents(render, messages)
+        with render_time_limit("messages"):  # a template that loops is stopped, and this worker thread freed
+            text, fields = locate_contents(render, messages)
     except Exception as err:
         raise TemplateError(f"{type(err).__name__}: {err}") from err
     if fields is None:
@@ -353,9 +354,13 @@ def create_app(
                     raise too_long(f"prompt.{i}", f"{len(item)} characters, more than {context_length} tokens can hold")
         messages = data.get("messages")
         if isinstance(messages, list):
+            # Each message a template writes costs a token at least: more than the context are refused unrendered.
+            if len(messages) > context_length:
+                raise too_long("messages", f"{len(messages)} messages, more than {context_length} tokens can hold")
             chars = sum(
-                len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
-            )
+                len(m[key]) for m in messages if isinstance(m, dict) for key in ("content", "name")
+                if isinstance(m.get(key), str)
+            )  # fmt: skip
             if chars > max_chars:
                 raise too_long("messages", f"{chars} characters, more than {context_length} tokens can hold")
         try:

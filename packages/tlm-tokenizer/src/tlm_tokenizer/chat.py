@@ -41,21 +41,67 @@ TEXT_FIELDS = ("content", "name")
 TRAIN_ON = ("completion", "prompt", "all")
 
 
+#: How long rendering one conversation may take (every render :meth:`ChatTemplate.encode` or a server makes for
+#: it): a template that loops is stopped there, freeing its thread.
+RENDER_SECONDS = 2.0
+#: The most characters a template's ``*`` (a string or list repeated) or ``**`` may make in one operation: a
+#: single such C call cannot be interrupted by the time bound.
+MAX_PRODUCT = 1 << 20
+
+
+def render_time_limit(where: str) -> Any:
+    """``with render_time_limit(where):`` bounds the renders inside to :data:`RENDER_SECONDS`; past it, they stop
+    with a ValueError naming ``where``."""
+    from tlm_core.limits import time_limit
+
+    message = f"{where}: the chat template took more than {RENDER_SECONDS:g} s to render"
+    return time_limit(RENDER_SECONDS, message, ValueError)
+
+
+def _sandbox() -> Any:
+    """transformers' environment for chat templates (sandboxed, immutable, ``trim_blocks``, ``lstrip_blocks``) whose
+    ``*`` and ``**`` refuse a result over :data:`MAX_PRODUCT` (characters, items or bits)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if (
+                        isinstance(seq, (str, list, tuple))
+                        and isinstance(count, int)
+                        and len(seq) * count > MAX_PRODUCT
+                    ):
+                        raise SecurityError(f"a repetition of {len(seq) * count:,} items is over {MAX_PRODUCT:,}")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0:
+                if abs(left) > 1 and right * max(abs(left).bit_length(), 1) > MAX_PRODUCT:
+                    raise SecurityError(
+                        f"a power of about {right * abs(left).bit_length():,} bits is over {MAX_PRODUCT:,}"
+                    )
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded(trim_blocks=True, lstrip_blocks=True)
+
+
 def compile_template(source: str) -> Callable[..., str]:
     """``source`` (Jinja) compiled as transformers compiles a chat template; ``render(messages=...,
-    add_generation_prompt=...)``. Raises ValueError for a template that does not compile."""
+    add_generation_prompt=...)``. Raises ValueError for a template that does not compile, and ``render`` raises
+    ValueError for one that fails, recurses without end or makes a product over :data:`MAX_PRODUCT` (bound its
+    time with :func:`render_time_limit`)."""
     if not isinstance(source, str) or not source.strip():
         raise ValueError(f"chat template must be a non-empty Jinja string, got {source!r:.60}")
     try:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ValueError("a chat template needs jinja2: pip install 'tlm-tokenizer[chat]'") from None
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"the chat template refused the conversation: {message}")
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment = _sandbox()
     environment.globals["raise_exception"] = raise_exception
     try:
         template = environment.from_string(source)
@@ -67,6 +113,8 @@ def compile_template(source: str) -> Callable[..., str]:
             return str(template.render(**context))
         except TemplateError as err:
             raise ValueError(f"chat template failed to render: {err}") from None
+        except RecursionError:
+            raise ValueError("chat template failed to render: it recursed too deeply") from None
 
     return render
 
@@ -128,19 +176,20 @@ class ChatTemplate:
     def encode(self, messages: object, where: str = "messages") -> ChatEncoding:
         """The ids of the whole conversation (``add_generation_prompt=False``) and its assistant mask."""
         messages = check_messages(messages, where)
-        text, fields = locate_contents(self.render, messages)
-        if fields is None:
-            raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
-        starts_of = {i: start for i, key, start, _ in fields if key == "content"}
-        # The assistant's spans, from the renders of each prefix.
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-            if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > starts_of[i]:
-                raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
-            spans.append((len(prompt), len(turn)))
+        with render_time_limit(where):  # every render of this conversation, together
+            text, fields = locate_contents(self.render, messages)
+            if fields is None:
+                raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
+            starts_of = {i: start for i, key, start, _ in fields if key == "content"}
+            # The assistant's spans, from the renders of each prefix.
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+                if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > starts_of[i]:
+                    raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
+                spans.append((len(prompt), len(turn)))
         ids: list[int] = []
         starts: list[int] = []  # each id's first character
         offsets = _char_offsets(text)
@@ -151,7 +200,8 @@ class ChatTemplate:
                 starts.append(bisect.bisect_right(offsets, at) - 1)
                 at += len(self.tokenizer.decode_bytes([token]))
             ids += piece_ids
-        return ChatEncoding(ids, [any(a <= s < b for a, b in spans) for s in starts])
+        begins = [a for a, _ in spans]  # in order, not overlapping
+        return ChatEncoding(ids, [(k := bisect.bisect_right(begins, s) - 1) >= 0 and s < spans[k][1] for s in starts])
 
 
 def locate_contents(

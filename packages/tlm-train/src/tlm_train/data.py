@@ -133,7 +133,7 @@ def chat_files(config: TrainConfig) -> bool:
 
 def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_length: int | None) -> None:
     from tlm_tokenizer import Tokenizer, train_bpe
-    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template, render_time_limit
     from tlm_train.chat_data import conversations, encode_examples, lay_out
 
     if config.chat_template is None:
@@ -158,8 +158,9 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
         try:
             with create_new(corpus) as sink:
                 for path in config.data:
-                    for _, messages in conversations(path):
-                        text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
+                    for number, messages in conversations(path):
+                        with render_time_limit(f"--data {path} line {number}"):
+                            text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
                         data = (text + SEPARATOR).encode("utf-8")
                         written += len(data)
                         if written > limit:
