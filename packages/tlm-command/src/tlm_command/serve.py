@@ -76,14 +76,20 @@ def _chat_template(artifact: Any, tokenizer: Any) -> Any:
     exit 2), never a request's."""
     folder = artifact.tokenizer_path if artifact.tokenizer_path is not None else artifact.model_path
     folder = folder if folder.is_dir() else folder.parent
+    from tlm_core.atomic import read_input
+
     source, where = None, folder
-    if (folder / "chat_template.jinja").is_file():
-        where = folder / "chat_template.jinja"
-        source = where.read_text(encoding="utf-8")
-    elif (folder / "tokenizer_config.json").is_file():
-        where = folder / "tokenizer_config.json"
-        config = json.loads(where.read_text(encoding="utf-8"))
-        source = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+    try:  # through the checked read: a FIFO or device under the name is refused, never waited on
+        if (folder / "chat_template.jinja").exists():
+            where = folder / "chat_template.jinja"
+            source = read_input(where, "chat template").decode("utf-8")
+        elif (folder / "tokenizer_config.json").exists():
+            where = folder / "tokenizer_config.json"
+            config = json.loads(read_input(where, "tokenizer config"))
+            source = config.get("chat_template") if isinstance(config, dict) else None
+            source = source if isinstance(source, str) else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{where}: not UTF-8 text or not JSON ({err})") from None
     if source is None:
         return None
     from tlm_tokenizer.chat import compile_template, render_time_limit
