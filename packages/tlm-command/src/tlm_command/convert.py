@@ -72,6 +72,7 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 def run(args: argparse.Namespace) -> int:
     import tlm_artifacts
+    from tlm_artifacts.inputs import read_paths
     from tlm_core.tensors import dtype_from_name
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base is not None:
         raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
     source = args.from_hf if args.from_hf is not None else args.to_hf
-    check_output(args.out, source, args.tokenizer)
+    check_output(args.out, *read_paths(source), args.tokenizer)  # a LoRA run or PEFT adapter reads its base too
     if args.merge and args.to_hf is None:
         raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
     dtype = dtype_from_name(args.dtype) if args.dtype else None
@@ -142,6 +143,7 @@ def _to_peft(args: argparse.Namespace) -> int:
 
     import tlm_artifacts
     from tlm_artifacts.artifact import load_lora_step
+    from tlm_artifacts.inputs import read_paths
     from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
     from tlm_artifacts.lora import adapter_bytes, peft_config
     from tlm_core.atomic import replace_dir
@@ -150,7 +152,7 @@ def _to_peft(args: argparse.Namespace) -> int:
 
     if args.merge or args.tokenizer is not None or args.dtype is not None:
         raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
-    check_output(args.out, args.to_peft, args.base)
+    check_output(args.out, *read_paths(args.to_peft), args.base)
     out_dir = Path(args.out)
     if out_dir.is_dir() and (
         other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))

@@ -151,7 +151,7 @@ def chat_files(data: list[str], text_field: str) -> bool:
 
 def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_length: int | None) -> None:
     from tlm_tokenizer import Tokenizer, train_bpe
-    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template, render_time_limit
     from tlm_train.chat_data import conversations, encode_examples, lay_out
 
     if config.chat_template is None:
@@ -176,8 +176,9 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
         try:
             with create_new(corpus) as sink:
                 for path in config.data:
-                    for _, messages in conversations(path):
-                        text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
+                    for number, messages in conversations(path):
+                        with render_time_limit(f"--data {path} line {number}"):
+                            text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
                         data = (text + SEPARATOR).encode("utf-8")
                         written += len(data)
                         if written > limit:
@@ -215,6 +216,18 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
     row = (context_length or 0) + 1
     train, cut_train = lay_out(examples, config.chat_layout, separator, row)
     val, cut_val = lay_out(held_out, config.chat_layout, separator, row)
+    what = {"completion": "the assistant's", "prompt": "all but the assistant's", "all": "every"}[config.train_on]
+    if not _targets(train, config.chat_layout, row):
+        raise ValueError(
+            f"--data {' '.join(config.data)}: no token of its conversations is a target (--train-on "
+            f"{config.train_on} trains on {what} tokens, and they have none within the context): nothing would train"
+        )
+    if not _targets(val, config.chat_layout, row):
+        where = f"--val-data {' '.join(config.val_data)}" if config.val_data else "the validation split of --data"
+        raise ValueError(
+            f"{where}: no token of its conversations is a target (--train-on {config.train_on} trains on {what} "
+            "tokens, and they have none within the context): the validation loss would measure nothing"
+        )
     tokenizer.save(run.tokenizer_dir)
 
     def fill(folder: Path) -> None:
@@ -227,6 +240,13 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
         (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
+
+
+def _targets(stored: np.ndarray, layout: str, row: int) -> int:
+    """How many tokens of laid-out chat data are targets: stored as ids (not ``-1 - id``) after a window's first."""
+    if layout == "padded":
+        return int((stored.reshape(-1, row)[:, 1:] >= 0).sum())
+    return int((stored[1:] >= 0).sum())
 
 
 def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -> np.ndarray:

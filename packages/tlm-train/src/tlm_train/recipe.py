@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 import tlm_artifacts
 from tlm_artifacts.artifact import load_step_model
+from tlm_artifacts.inputs import read_paths
 from tlm_artifacts.lora import grown
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
@@ -757,7 +758,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
     inputs: dict[str, Sequence[str | None]] = {
-        "--init-from": [config.init_from],
+        # A LoRA run or PEFT adapter reads its base model too: that is an input as well.
+        "--init-from": [] if config.init_from is None else [str(p) for p in read_paths(config.init_from)],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
         "--val-data": config.val_data,
