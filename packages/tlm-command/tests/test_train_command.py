@@ -227,3 +227,33 @@ def test_a_logger_that_failed_is_one_line_and_its_own_exit_status(tmp_path, toke
         "tlm: error: the tensorboard logger failed: OSError: [Errno 28] No space left on device; stopped at step 3: "
         "checkpoint RUN/checkpoints/step_00000003\n"
     )
+
+
+def test_a_busy_machine_trains_on_the_free_cores_and_says_so_in_one_line(tmp_path, tokens, capsys, monkeypatch):
+    # The load figure is injected: three other processes busy on a 2-CPU machine, OMP_NUM_THREADS unset.
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        argv = ["train", "--data", str(tokens), "--vocab-size", "32", *SMALL]
+        assert main([*argv, "--out-dir", str(tmp_path / "run")]) == 0
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    err = capsys.readouterr().err
+    busy = [line for line in err.splitlines() if "the machine is busy" in line]
+    assert threads == 1 and len(busy) == 1, err
+    assert "load 3.0 on 2 CPUs" in busy[0] and "OMP_NUM_THREADS=1" in busy[0]
+    # With OMP_NUM_THREADS set, the user's count stands and nothing is said.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    try:
+        assert main([*argv, "--out-dir", str(tmp_path / "run2")]) == 0
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    assert threads == 2 and "the machine is busy" not in capsys.readouterr().err

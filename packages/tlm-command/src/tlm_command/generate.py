@@ -17,6 +17,7 @@ from tlm_command.args import (
     UserError,
     add_command,
     add_device_arguments,
+    fit_threads,
     positive_int,
     say,
     temperature,
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_model import compile_for_inference, generate
 
     device = parse_device(args.device)
+    fit_threads(device, quiet=args.quiet)
     model, tokenizer = _model(args, device)
     vocab = model.config.vocab_size
     if args.prompt is not None:
