@@ -257,3 +257,30 @@ def test_a_busy_machine_trains_on_the_free_cores_and_says_so_in_one_line(tmp_pat
     finally:
         torch.set_num_threads(previous)
     assert threads == 2 and "the machine is busy" not in capsys.readouterr().err
+
+
+def test_val_tokens_spread_over_the_validation_data_and_tlm_eval_scores_the_same(tmp_path, tokens, capsys):
+    out, held = tmp_path / "run", tmp_path / "held.npy"
+    np.save(held, np.random.default_rng(1).integers(0, 32, 200).astype(np.uint16))
+    argv = ["train", "--data", str(tokens), "--val-data", str(held), "--vocab-size", "32", "--out-dir", str(out),
+            *SMALL, "--val-tokens", "40"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    # 40 tokens in whole windows of 16: 3 windows, 48 tokens, spread over the 200 held out.
+    assert "on 48 tokens in windows spread over the 200 of the validation data (--val-tokens)" in err, err
+    assert "step 2: validation loss" in err and "(48 tokens)" in err, err
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["step"] == 2 and "val_loss" in final
+    assert main(["eval", "--checkpoint", str(out), "--data", str(held), "--val-tokens", "40", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == 48 and report["loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    # An independent computation: windows 0, 4 and 8 of the 12 (i * 12 // 3), scored with F.cross_entropy.
+    val = np.load(held).astype(np.int64)
+    model = load_model_file(RunDir(out).checkpoints().path(2))
+    starts = [16 * (i * 12 // 3) for i in range(3)]
+    assert len(val) == 200 and (len(val) - 16 + 15) // 16 == 12  # 12 windows of 16 (+1 target) fit
+    inputs = torch.tensor(np.stack([val[s : s + 16] for s in starts]))
+    targets = torch.tensor(np.stack([val[s + 1 : s + 17] for s in starts]))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(inputs).double().flatten(0, 1), targets.flatten()).item()
+    assert final["val_loss"] == pytest.approx(expected, rel=1e-5)
