@@ -242,6 +242,13 @@ class TrainConfig:
             "metrics.jsonl is always written"
         },
     )
+    wandb: bool = field(
+        default=False,
+        metadata={
+            "help": "also log to Weights & Biases (pip install 'tlm-train[wandb]'): project $WANDB_PROJECT (tlm), "
+            "files in RUN/wandb/; WANDB_MODE=offline needs no account (wandb sync uploads later)"
+        },
+    )
     logger_errors: str = field(
         default="stop",
         metadata={
@@ -291,6 +298,7 @@ class TrainConfig:
             "deterministic",
             "activation_checkpointing",
             "tensorboard",
+            "wandb",
             "tf32",
             "async_checkpoint",
         ):

@@ -457,16 +457,17 @@ class Recipe:
         # Wall-clock time continues from the last record kept: a resumed run's curve does not count the pause.
         earlier = [r["time_s"] for r in self.metrics.read() if isinstance(r.get("time_s"), (int, float))]
         self._clock = (time.perf_counter(), earlier[-1] if earlier else 0.0)
-        names = ["tensorboard"] if self.config.tensorboard else []
-        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start)
+        names = [name for name in ("tensorboard", "wandb") if getattr(self.config, name)]
+        model = self.model_config.to_dict(drop_none=True)
+        resolved = self.config.replace(vocab_size=model["vocab_size"], model=model)  # what train.toml records
+        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start, config=resolved.to_dict())
         self._exit.callback(self.loggers.close)
         if self.resume and getattr(self, "applied", None):
             self._log({"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}})
         # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
         # the shape --init-from gave), so a resume or `--config train.toml` builds the same model; its one
         # vocabulary size is the model's (a --tokenizer's or --init-from's may differ from the flag's default).
-        model = self.model_config.to_dict(drop_none=True)
-        self.run_dir.write_config(self.config.replace(vocab_size=model["vocab_size"], model=model))
+        self.run_dir.write_config(resolved)
         self._lock.record()
 
     # ---------------------------------------------------------------------------------- the loop
