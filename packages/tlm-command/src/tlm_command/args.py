@@ -152,5 +152,22 @@ def check_output(out: str | os.PathLike[str], *inputs: str | os.PathLike[str] | 
             raise UserError(f"{flag} {out} would overwrite the input {source}; choose another {flag}")
 
 
+def fit_threads(device: "str | torch.device", *, quiet: bool = False) -> int:
+    """Keep torch's CPU threads to the cores other processes leave free (``tlm_core.threads.fit_threads``),
+    for a command computing on the CPU; says so in one line unless ``quiet``. Returns the threads used."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return int(torch.get_num_threads())
+    from tlm_core.threads import fit_threads as choose
+
+    choice = choose(torch.get_num_threads())
+    if choice.threads != torch.get_num_threads():
+        torch.set_num_threads(choice.threads)
+    if choice.note is not None and not quiet:
+        say(choice.note)
+    return choice.threads
+
+
 def damaged(step: int, error: Exception) -> None:
     say(f"checkpoint of step {step} is damaged ({str(error).splitlines()[0][:160]}); using the one before")

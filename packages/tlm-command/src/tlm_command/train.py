@@ -21,7 +21,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command
+from tlm_command.args import UserError, add_command, fit_threads
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_train.config import TrainConfig
 
@@ -189,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
         raise type(err)(_flags(str(err))) from None
     from tlm_train import NonFiniteLossError, RunInUseError, train
     from tlm_train.loggers import LoggerError
+
+    fit_threads(config.device, quiet=args.quiet)  # a busy machine: fewer threads than cores, said in one line
 
     try:
         result = train(

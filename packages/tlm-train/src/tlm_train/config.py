@@ -191,7 +191,21 @@ class TrainConfig:
         default=None, metadata={"help": "a token budget instead of steps", "shown": "steps decides"}
     )
     eval_interval: int = field(default=50, metadata={"help": "steps between validation losses"})
-    eval_batches: int = field(default=8, metadata={"help": "validation batches per evaluation"})
+    eval_batches: int = field(
+        default=8,
+        metadata={
+            "help": "validation batches per evaluation, when --val-tokens is not given (batch_size ÷ grad_accum "
+            "windows each)"
+        },
+    )
+    val_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "validation tokens scored at each evaluation, in whole windows of the context spread evenly over "
+            "the whole validation data (all of it when it holds fewer); tlm eval --val-tokens scores the same ones",
+            "shown": "eval_batches × batch_size ÷ grad_accum windows: 32,768 tokens at the defaults",
+        },
+    )
     log_interval: int | None = field(
         default=None,
         metadata={
@@ -237,6 +251,13 @@ class TrainConfig:
             "metrics.jsonl is always written"
         },
     )
+    wandb: bool = field(
+        default=False,
+        metadata={
+            "help": "also log to Weights & Biases (pip install 'tlm-train[wandb]'): project $WANDB_PROJECT (tlm), "
+            "files in RUN/wandb/; WANDB_MODE=offline needs no account (wandb sync uploads later)"
+        },
+    )
     logger_errors: str = field(
         default="stop",
         metadata={
@@ -259,7 +280,7 @@ class TrainConfig:
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        for name in ("max_tokens", "max_data_bytes", "log_interval"):
+        for name in ("max_tokens", "max_data_bytes", "log_interval", "val_tokens"):
             if getattr(self, name) is not None:
                 check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
@@ -286,6 +307,7 @@ class TrainConfig:
             "deterministic",
             "activation_checkpointing",
             "tensorboard",
+            "wandb",
             "tf32",
             "async_checkpoint",
         ):

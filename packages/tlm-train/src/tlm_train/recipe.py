@@ -248,11 +248,14 @@ class Recipe:
             data.train, micro // info.world_size, context, info.device, seed=config.seed, rank=info.rank,
             world_size=info.world_size, rows=data.rows,
         )  # fmt: skip
-        # Every rank evaluates the same fixed windows (cheap, and no reduction needed).
+        # Every rank evaluates the same fixed windows (cheap, and no reduction needed), spread evenly over the
+        # whole validation data: --val-tokens of them in whole windows, else eval_batches micro-batches.
+        val_windows = micro * config.eval_batches if config.val_tokens is None else -(-config.val_tokens // context)
         self.val_batches = EvalBatches(
-            data.val, micro, context, info.device, max_batches=config.eval_batches,
-            stride=context + 1 if data.rows else None,
+            data.val, micro, context, info.device, windows=val_windows, stride=context + 1 if data.rows else None,
         )  # fmt: skip
+        self.val_scored = len(self.val_batches.starts) * context  # target positions (a chat prompt's score none)
+        self.val_total = len(data.val)
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
@@ -454,16 +457,17 @@ class Recipe:
         # Wall-clock time continues from the last record kept: a resumed run's curve does not count the pause.
         earlier = [r["time_s"] for r in self.metrics.read() if isinstance(r.get("time_s"), (int, float))]
         self._clock = (time.perf_counter(), earlier[-1] if earlier else 0.0)
-        names = ["tensorboard"] if self.config.tensorboard else []
-        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start)
+        names = [name for name in ("tensorboard", "wandb") if getattr(self.config, name)]
+        model = self.model_config.to_dict(drop_none=True)
+        resolved = self.config.replace(vocab_size=model["vocab_size"], model=model)  # what train.toml records
+        self.loggers = choose_loggers(names, self.run_dir.path, start_step=self.start, config=resolved.to_dict())
         self._exit.callback(self.loggers.close)
         if self.resume and getattr(self, "applied", None):
             self._log({"step": self.start, "event": "resume", "changed": {k: v[1] for k, v in self.applied.items()}})
         # train.toml records what runs: the model resolved field by field (the vocabulary the tokenizer gave,
         # the shape --init-from gave), so a resume or `--config train.toml` builds the same model; its one
         # vocabulary size is the model's (a --tokenizer's or --init-from's may differ from the flag's default).
-        model = self.model_config.to_dict(drop_none=True)
-        self.run_dir.write_config(self.config.replace(vocab_size=model["vocab_size"], model=model))
+        self.run_dir.write_config(resolved)
         self._lock.record()
 
     # ---------------------------------------------------------------------------------- the loop
@@ -632,11 +636,18 @@ class Recipe:
         loss = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast).loss
         self.val_losses.append((step, loss))
         if step == 0:
-            self.say(f"step 0: validation loss {loss:.4f} (ln(vocab) = {math.log(self.model_config.vocab_size):.4f})")
+            self.say(
+                f"step 0: validation loss {loss:.4f} (ln(vocab) = {math.log(self.model_config.vocab_size):.4f}) on "
+                f"{self.val_scored:,} tokens in windows spread over the {self.val_total:,} of the validation data "
+                f"({flag('val_tokens')})"
+            )
             self._log({"step": 0, "tokens": 0, "val_loss": loss})
             return
         record = {**self._record, "val_loss": loss}
-        self.say(f"step {step}: validation loss {loss:.4f}, train loss {record['train_loss']:.4f}")
+        self.say(
+            f"step {step}: validation loss {loss:.4f} ({self.val_scored:,} tokens), train loss "
+            f"{record['train_loss']:.4f}"
+        )
         self._log(record)
 
     def maybe_checkpoint(self, step: int, sampler_state: dict[str, Any], *, force: bool = False) -> None:
