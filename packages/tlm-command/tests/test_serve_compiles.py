@@ -11,7 +11,6 @@ import random
 import threading
 
 import pytest
-import torch
 
 from tlm_model import ModelConfig, TransformerLM, generate
 
