@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
+from tlm_train.cluster import StopPoll, StopSignals, requeue_job
 from tlm_train.config import TrainConfig
 from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
 from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
@@ -68,8 +68,9 @@ class RunResult:
     step: int  # the last completed step
     val_losses: list[tuple[int, float]]  # (step, validation loss), this process's evaluations
     sample: str | None  # decoded text (or ids) generated at the end on rank 0; None when stopped early
-    interrupted: bool  # stopped by SIGINT/SIGTERM after writing a checkpoint
+    interrupted: bool  # stopped by a signal (SIGINT, SIGTERM, SIGUSR1/2) after writing a checkpoint
     checkpoint: Path | None  # the newest checkpoint written
+    requeued: bool = False  # stopped by SIGUSR1/SIGUSR2 in a SLURM job, which rank 0 put back in the queue
 
 
 def flag(name: str) -> str:
@@ -85,7 +86,8 @@ def train(
     log: Callable[[str], None] | None = None,
     progress: bool | None = None,
 ) -> RunResult:
-    """Run ``config`` to its last step (or until SIGINT/SIGTERM, which checkpoint and return).
+    """Run ``config`` to its last step (or until SIGINT, SIGTERM, SIGUSR1 or SIGUSR2, which checkpoint at the
+    next step boundary and return; after SIGUSR1/SIGUSR2 in a SLURM job, rank 0 also requeues the job).
 
     ``resume`` continues ``config.out_dir`` from its newest checkpoint that verifies (``resume_from``: from
     that step, abandoning later ones); without it, a folder that already holds checkpoints is refused.
@@ -151,6 +153,7 @@ class Recipe:
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
         self.saver = BackgroundSaver()  # checkpoints, written while training goes on
+        self.requeue = False  # a SIGUSR1/SIGUSR2 stop (on any rank): the SLURM job goes back in the queue
         # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
         self._exit.callback(self._settle_saves)
 
@@ -493,7 +496,8 @@ class Recipe:
         self._mark = (time.perf_counter(), self.start)
         # The first non-finite step, remembered on the device; read where the loop syncs anyway.
         self.guard = NonFiniteGuard(info.device, start_step=self.start)
-        with _stop_requests() as requested:
+        with StopSignals() as signals:
+            stops = self._exit.enter_context(_closing_poll(StopPoll(info.world_size)))
             batches = self._draw()
             for step in range(self.start + 1, self.steps + 1):
                 stats = self.train_step(step, batches)
@@ -504,11 +508,13 @@ class Recipe:
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at, and on the step that finishes the save in flight
                 # (its error raised on every rank there): compared where the step syncs anyway.
-                asked = requested() or self.logger_error is not None
+                asked = signals.requested or self.logger_error is not None
                 if info.world_size == 1:
                     stop, writing = asked, not self.saver.idle()
                 else:
                     stop, writing = self._any_rank(asked, not self.saver.idle()) if logged else (False, True)
+                signalled, requeue = stops.poll(signals.requested, signals.requeue)  # every step, every rank
+                stop = stop or signalled
                 if self._prune_pending and logged and not writing:
                     self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 if stop and self.logger_error is not None:
@@ -516,7 +522,7 @@ class Recipe:
                     break
                 self.maybe_checkpoint(step, sampler_state, force=stop)
                 if stop:
-                    interrupted = True
+                    interrupted, self.requeue = True, requeue or signals.requeue
                     self.say(
                         f"stopped at step {step}: checkpoint {self.last_checkpoint}; continue with --resume "
                         f"{self.run_dir.path}"
@@ -524,6 +530,8 @@ class Recipe:
                     break
         bar.close()
         result = self.finish(step, interrupted or self.logger_error is not None)
+        if self.requeue and info.is_main:  # SIGUSR1/SIGUSR2: time is running out; the checkpoint is written
+            result.requeued = requeue_job(self.say)
         if self.logger_error is not None:
             raise self.logger_error
         return result
@@ -794,23 +802,9 @@ def _check_chat_template(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _stop_requests() -> Iterator[Callable[[], bool]]:
-    """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping its workers) ask the loop to checkpoint
-    and return at the end of the current step; a second SIGINT interrupts at once."""
-    requested = False
-
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal requested
-        if requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requested = True
-
+def _closing_poll(poll: StopPoll) -> Iterator[StopPoll]:
+    """The stop agreement for the loop; its last all-reduce is waited for however the loop ends."""
     try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: signals stay as they are
-        previous = {}
-    try:
-        yield lambda: requested
+        yield poll
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        poll.close()
