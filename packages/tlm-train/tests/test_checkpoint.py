@@ -77,7 +77,8 @@ def test_file_is_a_plain_weights_only_torch_file(tmp_path):
     model, opt = _trained()
     save_checkpoint(model, opt, 3, tmp_path / "ck.pt", rng=rng_state())
     payload = torch.load(tmp_path / "ck.pt", weights_only=True)
-    assert payload["step"] == 3 and payload["format"] == "tlm-train-state/1"
+    assert payload["step"] == 3 and payload["format"] == "tlm-train-state/2"
+    assert "digest" not in payload  # one hash per file: the trailer's SHA-256 of its bytes (issue 43)
     assert set(payload["model"]) == set(model.state_dict())
 
 
@@ -134,7 +135,7 @@ def test_truncated_file_refused_with_its_name(tmp_path):
     save_checkpoint(model, opt, 1, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="ck.pt is not a tlm-train-state/1 file .truncated"):
+    with pytest.raises(ValueError, match="ck.pt is not a tlm-train-state/2 file .truncated"):
         load_checkpoint(path, model, opt)
 
 
@@ -164,7 +165,7 @@ def test_a_refusal_names_the_whole_path_given(tmp_path, kind):
     model, opt = _trained()
     with pytest.raises(ValueError) as raised:
         load_checkpoint(kind(path), model, opt)
-    assert str(raised.value).startswith(f"{path} is not a tlm-train-state/1 file")
+    assert str(raised.value).startswith(f"{path} is not a tlm-train-state/2 file")
 
 
 def _fresh(seed=9):
@@ -216,7 +217,7 @@ def test_restore_state_refuses_an_optimizer_with_other_groups():
 def test_foreign_file_refused(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     model, opt = _trained()
-    with pytest.raises(ValueError, match="other.pt is not a tlm-train-state/1 file"):
+    with pytest.raises(ValueError, match="other.pt is not a tlm-train-state/2 file"):
         load_checkpoint(tmp_path / "other.pt", model, opt)
 
 

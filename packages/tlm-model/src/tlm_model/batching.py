@@ -188,8 +188,8 @@ class DecodeBatch:
         Each graph with a dynamic size is first compiled at a size it will serve: inductor takes the first
         call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
         rows, and max-autotune times its candidates there). So the chunks run first one prompt and then
-        several of a full chunk's tokens, and the steps run from the largest bucket down: a 16-row step
-        compiled at 2 rows took 10.7 ms instead of 6.8-7.4."""
+        several of a full chunk's tokens, and the steps run from the largest bucket down: a step compiled at
+        fewer rows than it serves runs slower (``bench/decode.py`` times the compiled steps)."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)

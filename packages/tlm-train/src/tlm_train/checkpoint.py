@@ -1,10 +1,10 @@
 """Training checkpoints: one format for the training state, step folders for runs, the course's API on top.
 
 **The training state** (``train_state.pt``) is ``torch.save`` of plain containers and tensors only, so it
-loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and a
-SHA-256 over every tensor's bytes and every other value, and ends with a one-line trailer holding the
-SHA-256 of every byte before it (torch's zip reader ignores it): a flipped bit anywhere in the file, zip
-headers and padding included, is refused. :func:`save_train_state` writes it all-or-nothing.
+loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and ends with
+a one-line trailer holding the SHA-256 of every byte before it, the file's one hash (torch's zip reader
+ignores it): a flipped bit anywhere in the file, zip headers and padding included, is refused.
+:func:`save_train_state` writes it all-or-nothing.
 
 **A step folder** (``RUN/checkpoints/step_00000100/``) holds the model in tlm-model's own file
 (``model.safetensors``: weights, ``ModelConfig`` and their SHA-256, the same file ``tlm generate`` reads)
@@ -15,7 +15,7 @@ instead holds ``shards/``, written by torch.distributed.checkpoint with each ran
 built under a temporary name and renamed into place: it appears complete or not at all.
 :class:`CheckpointManager` lists, loads, prunes and cleans step folders.
 
-The read side of these formats (the training state's digest and reader, listing step folders, a step
+The read side of these formats (the training state's reader, listing step folders, a step
 folder's model in either layout, DCP's metadata read safely) is ``tlm_artifacts``'s, which inference
 opens models through without this package; this module imports it from there and adds the writing and
 the whole training state of a resume.
@@ -49,7 +49,7 @@ from tlm_artifacts.steps import shard_sizes as _shard_sizes
 from tlm_artifacts.steps import verify_shards as _verify_shards
 from tlm_artifacts.train_state import FORMAT, Source, load_train_state
 from tlm_artifacts.train_state import TRAILER as _TRAILER
-from tlm_artifacts.train_state import digest as _digest
+from tlm_artifacts.train_state import check_loadable as _check_loadable
 from tlm_artifacts.train_state import source_name as _name
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
@@ -68,13 +68,13 @@ __all__ = [  # the readers of these formats are tlm_artifacts's (its .train_stat
 
 def save_train_state(out: Source, state: dict[str, Any]) -> None:
     """Write ``state`` (plain containers, numbers, strings and tensors; ``step`` required) to ``out``, a
-    path (written all-or-nothing) or a binary file, with the format tag and a SHA-256 of everything."""
+    path (written all-or-nothing) or a binary file, with the format tag and the SHA-256 of its bytes."""
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"state must be a dict with a 'step', got {type(state).__name__}")
-    if {"format", "digest"} & set(state):
-        raise ValueError("state must not set 'format' or 'digest': the file's own fields")
+    if "format" in state:
+        raise ValueError("state must not set 'format': the file's own field")
     payload = {"format": FORMAT, **state}
-    payload["digest"] = _digest(payload)
+    _check_loadable(payload)
     if not isinstance(out, (str, os.PathLike)) and not hasattr(out, "write"):
         raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
     buffer = io.BytesIO()
