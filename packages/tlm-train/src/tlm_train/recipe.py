@@ -536,6 +536,7 @@ class Recipe:
                 autocast_dtype=self.autocast,
                 scaler=self.scaler,
                 guard=self.guard,
+                before_update=self.saver.wait_staged,  # a sharded save's async staging: done before the update
             )
         except RuntimeError as err:  # an op without a deterministic kernel on this device: refused in one line
             refused = refusal(err) if self.config.deterministic else None
