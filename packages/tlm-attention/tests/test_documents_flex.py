@@ -88,3 +88,10 @@ def test_on_the_device_flex_document_attention_matches_the_dense_mask_forward_an
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
     for a, b in zip(grads, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+def test_building_the_block_mask_reads_nothing_back_to_the_host(host_reads) -> None:
+    ids = torch.cat([_ids(64, [10, 30, 24]), _ids(64, [64])])
+    with host_reads() as reads:
+        document_block_mask(ids, block=8)
+    assert reads == []
