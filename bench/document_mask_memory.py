@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--d-head", type=int, default=32)
+    parser.add_argument("--print-only", action="store_true", help="print the figures; leave docs/benchmarks.md")
     args = parser.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     paths = [os.path.join(root, "packages", p, "src") for p in sorted(os.listdir(os.path.join(root, "packages")))]
@@ -91,6 +92,52 @@ def main() -> None:
             results[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         print(variant, results[variant], flush=True)
     print(json.dumps({"seq": args.seq, "heads": args.heads, "d_head": args.d_head, **results}))
+    if not args.print_only:
+        write(args, results)
+
+
+def write(args: argparse.Namespace, results: dict) -> None:
+    import datetime
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _common import cpu_description, write_section
+
+    def mib(variant: str) -> str:
+        r = results[variant]
+        return f"{r['peak_bytes'] / 2**20:,.1f}" if "peak_bytes" in r else f"failed: {r['error'][:80]}"
+
+    mask = results["mask"]
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "## Document masks: a T=4096 packed window's attention memory, dense mask vs FlexAttention's block mask",
+        "",
+        f"Measured {date} on {cpu_description()}, torch {torch.__version__}, one thread: one attention layer, batch 1, "
+        f"{args.heads} heads of {args.d_head}, {args.seq} tokens holding seven documents. Each variant runs in a "
+        "fresh process after one warm-up call; its figure is the peak resident memory of one call above the "
+        "resident memory before it (`VmHWM` reset through `/proc/self/clear_refs`). Method: the script's docstring.",
+        "",
+        "| what | MiB |",
+        "| --- | ---: |",
+        *(f"| {what} | {value} |" for what, value in (
+            ("the dense (1, 1, T, T) boolean mask", f"{mask['dense_bytes'] / 2**20:,.2f}"),
+            ("the `BlockMask` built from the document ids (`document_block_mask`)",
+             f"{mask['block_mask_bytes'] / 2**20:,.3f}"),
+            ("SDPA's math kernel under the dense mask, forward + backward (a deterministic CUDA run before)",
+             mib("math")),
+            ("SDPA as the CPU picks it under the dense mask, forward + backward (the CPU's path, before and after)",
+             mib("cpu")),
+            ("SDPA's math kernel under the dense mask, forward only", mib("math-forward")),
+            ("compiled FlexAttention under the block mask, forward only (the block mask built in the call)",
+             mib("flex-forward")),
+        )),
+        "",
+        "On CUDA a document-masked training step now runs FlexAttention (flash takes no mask, and a deterministic run "
+        "has only the math kernel besides); FlexAttention has no CPU backward, so a CPU keeps the dense mask and its "
+        "fused CPU kernel. The CUDA figures are the GPU check's to take.",
+    ]  # fmt: skip
+    write_section("document_mask_memory", "\n".join(lines))
 
 
 if __name__ == "__main__":
