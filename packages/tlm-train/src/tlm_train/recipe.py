@@ -360,7 +360,9 @@ class Recipe:
         # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
-        if config.dtype != "float32":  # the frozen base in the training dtype: what autocast multiplies with anyway
+        # The frozen base in the training dtype: what autocast multiplies with anyway. Not under FSDP2, whose
+        # MixedPrecisionPolicy gathers every parameter in that dtype already (and wants one dtype per group).
+        if config.dtype != "float32" and config.distributed != "fsdp":
             from tlm_lora import cast_frozen_weights
 
             cast_frozen_weights(self.model, getattr(torch, config.dtype))
