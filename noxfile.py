@@ -135,7 +135,7 @@ def _install(session: nox.Session, *args: str, device: str = "cpu") -> None:
     """``session.install(*args)`` with the torch requirement in the same call.
 
     Every resolution then sees the pin: uv, which knows nothing of pip's constraint file, would
-    otherwise answer a package's ``torch>=2.13`` with the newest torch on PyPI, a CUDA build.
+    otherwise answer a package's ``torch>=2.11`` with the newest torch on PyPI, a CUDA build.
     """
     session.install(*shlex.split(TORCH[device]), *args)
 
@@ -291,9 +291,10 @@ TORCH_PACKAGES = [d for d in PACKAGES if "torch" in map(_requirement_name, PACKA
 @nox.parametrize("target", TORCH_PACKAGES, ids=TORCH_PACKAGES)
 def tests_lowest(session: nox.Session, target: str) -> None:
     """Run one package's suite on exactly the lowest torch it declares (CPU), with only what it declares."""
-    # The floors equal the torch that `tests` runs (2.13, the CPU build kept on disk): PyPI's older
-    # Linux wheels are multi-GB CUDA builds, so CI never installs one. To lower a floor, run this with
-    # TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu" and then change it.
+    # The floor (2.11, the torch of the lent GPU machine, which installs nothing) is below the torch that
+    # `tests` runs (2.13, the CPU build kept on disk): PyPI's older Linux wheels are multi-GB CUDA builds, so CI
+    # never installs one. Run this with TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+    # where that index can be reached; offline, tlm-train's test_older_torch hides the newer-only APIs instead.
     torch_requirement = [f"torch=={_torch_floor(target)}", *shlex.split(os.environ.get("TLM_TORCH_LOWEST_ARGS", ""))]
     closure = _local_closure(target)
     session.install(*torch_requirement, *TEST_REQUIREMENTS, *_editable(closure, {target: "test"}))

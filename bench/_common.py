@@ -29,6 +29,7 @@ ORDER = [
     "bf16",
     "lora",
     "document_mask",
+    "document_mask_memory",
     "checkpoint",
     "checkpoint_stall",
     "checkpoint_stall_sharded",
@@ -44,6 +45,8 @@ TITLES = {
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
     "lora": "LoRA against full fine-tuning: trainable parameters, AdamW state, step time (`bench/lora.py`)",
     "document_mask": "document masking's cost in a training step, per attention backend (`bench/document_mask.py`)",
+    "document_mask_memory": "a T=4096 packed window's attention memory: dense mask vs FlexAttention's block mask "
+    "(`bench/document_mask_memory.py`)",
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
     "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",

@@ -594,6 +594,7 @@ if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's saves: a w
     saver, first = BackgroundSaver(), step + 1
     while True:
         step += 1
+        saver.wait_staged()  # as train_step does before the update: DCP's async staging has copied step - 1
         with torch.no_grad():  # the next step's weights, written over the live tensors while step - 1 is saved
             for p in model.parameters():
                 p.fill_(step)
@@ -779,6 +780,8 @@ def test_a_background_sharded_save_equals_the_inline_one_and_a_failed_one_leaves
     CheckpointManager(tmp_path / "b").save(model, state)
     saver = BackgroundSaver()
     folder = saver.submit(CheckpointManager(tmp_path / "a"), model, state)
+    assert saver._staging is not None  # DCP stages on its own thread (issue 42): the step goes on meanwhile
+    saver.wait_staged()  # what train_step calls before the update
     with torch.no_grad():  # training goes on: the save holds the snapshot
         for p in model.parameters():
             p.add_(1.0)

@@ -186,3 +186,17 @@ def test_a_lora_chat_fine_tune_of_a_run_without_the_markers_trains_resumes_and_o
     assert model.config.vocab_size == base_model.config.vocab_size + 2
     old = base_model.token_embeddings.weight
     torch.testing.assert_close(model.token_embeddings.weight[-2:], old.mean(0).expand(2, -1), rtol=0, atol=1e-6)
+
+
+def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(data: Path, base: Path, tmp_path: Path):
+    # Issue 42: autocast would cast every frozen float32 weight on each forward; held in bfloat16 they take half
+    # the memory and give the same products (tlm-lora's test_lora.py checks the bits). Adapters stay float32.
+    from tlm_train import init_distributed
+    from tlm_train.recipe import Recipe
+
+    with Recipe(lora_config(data, base, tmp_path / "run", dtype="bfloat16"), init_distributed("cpu")) as recipe:
+        recipe.setup()
+        dtypes = {n: (p.dtype, p.requires_grad) for n, p in recipe.model.named_parameters()}
+    frozen_matmuls = {d for n, (d, grad) in dtypes.items() if not grad and "proj" in n}
+    assert frozen_matmuls == {torch.bfloat16}
+    assert {d for d, grad in dtypes.values() if grad} == {torch.float32}

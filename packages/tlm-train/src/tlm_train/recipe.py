@@ -380,7 +380,9 @@ class Recipe:
         # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
-        if config.dtype != "float32":  # the frozen base in the training dtype: what autocast multiplies with anyway
+        # The frozen base in the training dtype: what autocast multiplies with anyway. Not under FSDP2, whose
+        # MixedPrecisionPolicy gathers every parameter in that dtype already (and wants one dtype per group).
+        if config.dtype != "float32" and config.distributed != "fsdp":
             from tlm_lora import cast_frozen_weights
 
             cast_frozen_weights(self.model, getattr(torch, config.dtype))
@@ -562,6 +564,7 @@ class Recipe:
                 autocast_dtype=self.autocast,
                 scaler=self.scaler,
                 guard=self.guard,
+                before_update=self.saver.wait_staged,  # a sharded save's async staging: done before the update
             )
         except RuntimeError as err:  # an op without a deterministic kernel on this device: refused in one line
             refused = refusal(err) if self.config.deterministic else None
