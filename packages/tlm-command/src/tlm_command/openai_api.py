@@ -177,6 +177,7 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
     return [token for _, ids in encode_pieces(tokenizer, text, [(a, b) for _, _, a, b in fields]) for token in ids]
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
 
 
@@ -386,7 +387,8 @@ def create_app(
             return None
         bias = {}
         for key, value in body.logit_bias.items():
-            if not (key.isdigit() and int(key) < vocab):
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int), and few: int() of thousands is refused.
+            if not (_TOKEN_ID.fullmatch(key) and int(key) < vocab):
                 raise APIError(
                     400, f"logit_bias: keys must be token ids below {vocab}, got {key!r}", param="logit_bias"
                 )
