@@ -483,6 +483,15 @@ def create_app(
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
                 "total_tokens": sum(prompts.values()) + done}  # fmt: skip
 
+    def last_chunk(choices: list[_Choice], with_usage: bool) -> Callable[[Piece], bool]:
+        """Whether a stream's chunk for ``piece`` carries the usage: once per answer, on the last choice's last
+        chunk, unless ``stream_options.include_usage`` asks for a chunk of its own at the end (OpenAI's)."""
+
+        def here(piece: Piece) -> bool:
+            return not with_usage and piece.finish_reason is not None and all(c.reason is not None for c in choices)
+
+        return here
+
     def sse(data: Any) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -555,6 +564,7 @@ def create_app(
         choices = [_Choice(i, job, texts[i // body.n]) for i, job in enumerate(jobs)]
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         with_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage_here = last_chunk(choices, with_usage)
 
         def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
             return {"id": ident, "object": "text_completion", "created": now, "model": model_name, "choices": items,
@@ -573,8 +583,7 @@ def create_app(
             if not text and logprobs is None and piece.finish_reason is None:
                 return []
             item = {"index": choice.index, "text": text, "finish_reason": piece.finish_reason, "logprobs": logprobs}
-            last = piece.finish_reason is not None and all(c.reason is not None for c in choices)
-            return [envelope([item], with_usage=last)]
+            return [envelope([item], with_usage=usage_here(piece))]
 
         def final() -> dict[str, Any]:
             items = []
@@ -620,6 +629,7 @@ def create_app(
         choices = [_Choice(i, job, "") for i, job in enumerate(jobs)]
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         with_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage_here = last_chunk(choices, with_usage)
         started: set[int] = set()
 
         def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
@@ -637,8 +647,9 @@ def create_app(
                 out.append(envelope([{"index": choice.index, "delta": {"content": piece.text}, "finish_reason": None,
                                       "logprobs": logprobs}], False))  # fmt: skip
             if piece.finish_reason is not None:
+                choice.reason = piece.finish_reason
                 out.append(envelope([{"index": choice.index, "delta": {}, "finish_reason": piece.finish_reason,
-                                      "logprobs": None}], len(choices) == 1))  # fmt: skip
+                                      "logprobs": None}], usage_here(piece)))  # fmt: skip
             return out
 
         def final() -> dict[str, Any]:
