@@ -720,7 +720,6 @@ def test_a_template_that_loops_is_stopped_with_a_400_and_the_worker_is_freed(tmp
     scheduler.close(timeout=5)
 
 
-
 @pytest.mark.parametrize("include_usage", [False, True])
 @pytest.mark.parametrize(
     ("path", "extra"),
