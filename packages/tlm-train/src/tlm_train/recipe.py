@@ -41,7 +41,7 @@ from tlm_optim import AdamW, CosineSchedule
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
+from tlm_train.data import SEPARATOR, Dataset, chat_files, check_data_paths, is_token_file, prepare_data
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
@@ -180,11 +180,12 @@ class Recipe:
         if info.is_main:
             data = prepare_data(
                 config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
-                context_length=context,
+                context_length=context, vocab_size=source.config.vocab_size if source is not None else None,
             )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
+            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context,
+                                vocab_size=source.config.vocab_size if source is not None else None)  # fmt: skip
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -396,7 +397,8 @@ class Recipe:
         # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
         vocab = max(shape.vocab_size, data.vocab_size)
         if vocab > shape.vocab_size:
-            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+            why = "for the chat template's markers" if chat_files(config) else "for the data's tokenizer"
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids {why}")
         return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
