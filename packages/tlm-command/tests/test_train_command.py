@@ -227,3 +227,60 @@ def test_a_logger_that_failed_is_one_line_and_its_own_exit_status(tmp_path, toke
         "tlm: error: the tensorboard logger failed: OSError: [Errno 28] No space left on device; stopped at step 3: "
         "checkpoint RUN/checkpoints/step_00000003\n"
     )
+
+
+def test_a_busy_machine_trains_on_the_free_cores_and_says_so_in_one_line(tmp_path, tokens, capsys, monkeypatch):
+    # The load figure is injected: three other processes busy on a 2-CPU machine, OMP_NUM_THREADS unset.
+    import os
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        argv = ["train", "--data", str(tokens), "--vocab-size", "32", *SMALL]
+        assert main([*argv, "--out-dir", str(tmp_path / "run")]) == 0
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    err = capsys.readouterr().err
+    busy = [line for line in err.splitlines() if "the machine is busy" in line]
+    assert threads == 1 and len(busy) == 1, err
+    assert "load 3.0 on 2 CPUs" in busy[0] and "OMP_NUM_THREADS=1" in busy[0]
+    # With OMP_NUM_THREADS set, the user's count stands and nothing is said.
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(2)
+    try:
+        assert main([*argv, "--out-dir", str(tmp_path / "run2")]) == 0
+        threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+    assert threads == 2 and "the machine is busy" not in capsys.readouterr().err
+
+
+def test_val_tokens_spread_over_the_validation_data_and_tlm_eval_scores_the_same(tmp_path, tokens, capsys):
+    out, held = tmp_path / "run", tmp_path / "held.npy"
+    np.save(held, np.random.default_rng(1).integers(0, 32, 200).astype(np.uint16))
+    argv = ["train", "--data", str(tokens), "--val-data", str(held), "--vocab-size", "32", "--out-dir", str(out),
+            *SMALL, "--val-tokens", "40"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    # 40 tokens in whole windows of 16: 3 windows, 48 tokens, spread over the 200 held out.
+    assert "on 48 tokens in windows spread over the 200 of the validation data (--val-tokens)" in err, err
+    assert "step 2: validation loss" in err and "(48 tokens)" in err, err
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert final["step"] == 2 and "val_loss" in final
+    assert main(["eval", "--checkpoint", str(out), "--data", str(held), "--val-tokens", "40", "--json", "--quiet"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == 48 and report["loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    # An independent computation: windows 0, 4 and 8 of the 12 (i * 12 // 3), scored with F.cross_entropy.
+    val = np.load(held).astype(np.int64)
+    model = load_model_file(RunDir(out).checkpoints().path(2))
+    starts = [16 * (i * 12 // 3) for i in range(3)]
+    assert len(val) == 200 and (len(val) - 16 + 15) // 16 == 12  # 12 windows of 16 (+1 target) fit
+    inputs = torch.tensor(np.stack([val[s : s + 16] for s in starts]))
+    targets = torch.tensor(np.stack([val[s + 1 : s + 17] for s in starts]))
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model(inputs).double().flatten(0, 1), targets.flatten()).item()
+    assert final["val_loss"] == pytest.approx(expected, rel=1e-5)

@@ -157,6 +157,25 @@ def test_eval_batches_cover_fixed_windows_in_order():
     assert torch.equal(strided, torch.arange(0, 93, 5))
 
 
+def test_eval_windows_are_spread_evenly_over_the_whole_array():
+    data = np.arange(1001)  # 100 non-overlapping windows of 10 (+1 target)
+    starts = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 3, 10, windows=8)])
+    # Window i of 8 is the floor(i * 100 / 8)-th: 0, 12, 25, 37, 50, 62, 75, 87 windows in.
+    assert starts.tolist() == [0, 120, 250, 370, 500, 620, 750, 870]
+    assert starts.tolist() == [10 * (i * 100 // 8) for i in range(8)]  # the same, from the rule
+    again = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 3, 10, windows=8)])
+    assert torch.equal(starts, again)  # deterministic
+    # As many windows as there are (or more) is every window, in order.
+    every = torch.cat([x[:, 0] for x, _ in EvalBatches(data, 64, 10, windows=500)])
+    assert torch.equal(every, torch.arange(0, 991, 10))
+    # The first 8 windows (max_batches) see only the array's first 8%; the spread ones reach its last eighth.
+    assert int(starts.max()) > 1001 * 7 / 8 - 10
+    for bad, message in [({"windows": 0}, "windows"), ({"windows": 2, "max_batches": 1}, "max_batches"),
+                         ({"windows": 2, "score_once": True}, "score_once")]:  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            EvalBatches(data, 3, 10, **bad)
+
+
 def test_sampler_seeds_start_at_zero():
     # torch's Generator.manual_seed takes -1 (as 2**64 - 1): the sampler's own check is what refuses it.
     BatchSampler(np.arange(100), 2, 4, seed=0)

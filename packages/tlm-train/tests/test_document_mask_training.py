@@ -36,7 +36,7 @@ def test_the_validation_loss_is_the_document_masked_one(tmp_path, make_config, p
     model = build_model(ModelConfig.from_dict(saved.model), "cpu", seed=config.seed)
     tokens = np.load(folder / "ids.npy")
     val = tokens[len(tokens) - max(1, round(len(tokens) * config.val_fraction)) :]
-    batches = EvalBatches(val, config.batch_size, 16, max_batches=config.eval_batches)
+    batches = EvalBatches(val, config.batch_size, 16, windows=config.eval_batches * config.batch_size)
     eot = tokenizer.encode(EOT)[0]
     assert any(bool((inputs == eot).any()) for inputs, _ in batches)  # windows do cross documents
     masked = evaluate(LanguageModelLoss(model, document_mask_id=eot), batches).loss

@@ -2,6 +2,7 @@
 TensorBoard's own reader reads back what metrics.jsonl says, each step once after a resume; names are checked."""
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -58,9 +59,9 @@ def test_tensorboard_events_read_back_as_the_jsonl_and_a_resume_leaves_each_step
 
 
 def test_backends_are_chosen_by_name_and_a_missing_library_says_what_to_install(tmp_path, monkeypatch) -> None:
-    expected = r"unknown logger\(s\) \['wandb'\]; expected some of \['jsonl', 'tensorboard'\]"
+    expected = r"unknown logger\(s\) \['mlflow'\]; expected some of \['jsonl', 'tensorboard', 'wandb'\]"
     with pytest.raises(ValueError, match=expected):
-        choose_loggers(["wandb"], tmp_path)
+        choose_loggers(["mlflow"], tmp_path)
     loggers = choose_loggers([], tmp_path)
     loggers.log({"step": 1, "time_s": 0.5, "train_loss": 2.0})
     loggers.close()
@@ -68,6 +69,9 @@ def test_backends_are_chosen_by_name_and_a_missing_library_says_what_to_install(
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # importing it now raises ImportError
     with pytest.raises(ImportError, match=r"pip install 'tlm-train\[tensorboard\]'"):
         choose_loggers(["tensorboard"], tmp_path)
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install 'tlm-train\[wandb\]'"):
+        choose_loggers(["wandb"], tmp_path)
 
 
 class _FullDisk:
@@ -103,7 +107,7 @@ def _fill_after(monkeypatch, room):
 
 
 def _loads(checkpoint, step):
-    from tlm_train.checkpoint import load_step_model
+    from tlm_artifacts import load_step_model
 
     assert checkpoint.name == f"step_{step:08d}"
     model = load_step_model(checkpoint)
@@ -372,3 +376,63 @@ def test_a_loss_plot_the_disk_refuses_is_a_log_line_and_the_run_ends(make_config
     lines = []
     result = train(make_config(sample_tokens=0), log=lines.append)
     assert result.step == 4 and not result.interrupted and "no loss.png: No space left on device" in lines
+
+
+def _wandb_records(path):
+    """The protobuf records of a W&B run file (``run-ID.wandb``): LevelDB's log format after W&B's 7-byte header,
+    chunks of (CRC32, length, type) in 32 KiB blocks, read here without W&B's own code."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:7] == b":W&B\xe1\xbe\x00"  # the magic, 0xBEE1 and version 0
+    pos, parts = 7, []
+    while pos + 7 <= len(data):
+        room = 32768 - pos % 32768
+        if room < 7:  # a block's tail too short for a chunk header is padding
+            pos += room
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:
+            break
+        parts.append(data[pos + 7 : pos + 7 + length])
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(b"".join(parts))
+            parts = []
+            yield record
+
+
+@pytest.mark.slow  # W&B starts its own service process: seconds
+def test_wandb_offline_run_holds_the_jsonl_metrics_and_the_run_settings(make_config, tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="W&B logging needs the optional wandb package")
+    from tlm_train.loggers import TENSORBOARD_TAGS
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_PROJECT", "tlm-test")
+    for name in ("WANDB_DIR", "WANDB_API_KEY", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    run = tmp_path / "run"
+    train(make_config(wandb=True, eval_interval=2))
+    import wandb
+
+    wandb.teardown()  # W&B's service writes the run file in the background: complete once the service stops
+    (file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")
+    history, settings = {}, {}
+    for record in _wandb_records(file):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            # A key with "/" is stored split, in nested_key.
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+        elif kind == "run":
+            settings = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+            assert (record.run.display_name, record.run.project) == ("run", "tlm-test")
+    expected = {}
+    for record in MetricsLog(run / "metrics.jsonl").read():
+        values = {tag: record[key] for key, tag in TENSORBOARD_TAGS.items() if key in record}
+        expected.setdefault(record["step"], {}).update(values)
+    assert history == expected and sorted(history) == [0, 1, 2, 3, 4]
+    assert history[4]["loss/val"] == MetricsLog(run / "metrics.jsonl").read()[-1]["val_loss"]
+    saved = RunDir(run).read_config()
+    assert settings["steps"] == saved.steps == 4 and settings["model"] == saved.model  # train.toml's settings

@@ -252,7 +252,7 @@ def test_init_from_starts_from_the_weights_and_shape_of_a_model_file(tmp_path, m
 
     val = np.load(config.data[0], mmap_mode="r")
     val = val[len(val) - max(1, round(len(val) * 0.1)) :]
-    expected = evaluate(source, EvalBatches(val, 4, 16, max_batches=2)).loss
+    expected = evaluate(source, EvalBatches(val, 4, 16, windows=2 * 4)).loss
     assert result.val_losses[0][1] == pytest.approx(expected, rel=1e-6)
     tuned = load_model_file(tmp_path / "run" / "checkpoints" / "step_00000001")
     assert tuned.config == source.config

@@ -34,7 +34,7 @@ def test_a_token_file_validates_on_a_token_file(tmp_path, make_config, tokens):
     # Step 0's validation loss is the initial model's on the held-out file's windows.
     saved = TrainConfig.from_toml(tmp_path / "run" / "train.toml")
     model = build_model(ModelConfig.from_dict(saved.model), "cpu", seed=config.seed)
-    batches = EvalBatches(np.load(held), config.batch_size, 16, max_batches=config.eval_batches)
+    batches = EvalBatches(np.load(held), config.batch_size, 16, windows=config.eval_batches * config.batch_size)
     assert result.val_losses[0][1] == pytest.approx(evaluate(model, batches).loss, rel=1e-6)
 
 

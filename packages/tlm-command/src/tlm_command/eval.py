@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, add_command, add_device_arguments, positive_int, say
+from tlm_command.args import UserError, add_command, add_device_arguments, fit_threads, positive_int, say
 from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model
 
@@ -60,6 +60,15 @@ def add_parser(commands: Any) -> None:
         metavar="N",
         help="evaluate only the first N tokens of the file",
     )
+    parser.add_argument(
+        "--val-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="score N tokens (in whole windows of the context, no overlap) spread evenly over the whole file, as "
+        "tlm train's validation with the same --val-tokens does: RUN/data/val.npy then gives the run's number "
+        "(default: every token)",
+    )
     add_device_arguments(parser, "compute in this dtype (default: the checkpoint's; bfloat16/float16 via autocast)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -100,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_train import EvalBatches, evaluate
 
     device = parse_device(args.device)
+    fit_threads(device, quiet=args.quiet)
     check_input(args.data, "--data")  # the cheap checks before the model loads: a regular file
     model, tokenizer, artifact = load_model(args, device)
     ids = _tokens(Path(args.data), tokenizer, args.token_dtype)
@@ -116,7 +126,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--data {args.data} holds token ids up to {top}, outside the model's vocabulary [0, {vocab})")
     if args.stride is not None and args.stride > context:
         raise UserError(f"--stride {args.stride} exceeds the context length {context}; a token would go unscored")
-    batches = EvalBatches(ids, args.batch_size, context, device, stride=args.stride, score_once=True)
+    if args.val_tokens is not None:
+        if args.stride is not None:
+            raise UserError("--val-tokens scores non-overlapping windows spread over the file; give it without --stride")
+        batches = EvalBatches(ids, args.batch_size, context, device, windows=-(-args.val_tokens // context))
+    else:
+        batches = EvalBatches(ids, args.batch_size, context, device, stride=args.stride, score_once=True)
     # Autocast for reduced precision; float32/float64 weights were already converted by --dtype.
     autocast = dtype_from_name(args.dtype) if args.dtype in ("bfloat16", "float16") else None
     with progress_bar(False if args.quiet else None, total=len(batches), unit="batch", desc="evaluating") as bar:

@@ -5,6 +5,11 @@ decoded incrementally so that a character split across tokens prints whole; with
 ids out. Generation ends at ``--max-new-tokens``, at ``--eos-id``, or at any ``--stop`` text (by default
 the tokenizer's ``<|endoftext|>``); the stop text itself is not printed. A generation longer than the
 model's context slides its window (see ``tlm_model.generate``).
+
+``--token-healing`` (as transformers' ``generate(token_healing=True)``): the prompt's last token is backed up and
+the first new token must start with its text, so a prompt that ends where training text never split (a trailing
+space or newline, half a word) continues as the tokenizer would have cut the whole text. The original token is
+slightly favoured (+1 on its logit, as transformers does), and the printed text starts after the prompt's.
 """
 
 import argparse
@@ -17,6 +22,7 @@ from tlm_command.args import (
     UserError,
     add_command,
     add_device_arguments,
+    fit_threads,
     positive_int,
     say,
     temperature,
@@ -66,6 +72,11 @@ def add_parser(commands: Any) -> None:
         default=None,
         metavar="ID",
         help="end when this token is generated: an id, or a special token such as <|endoftext|>",
+    )
+    parser.add_argument(
+        "--token-healing",
+        action="store_true",
+        help="back up the prompt's last token; the first new token must start with its text (needs a tokenizer)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's; float32 for random weights)")
@@ -119,13 +130,52 @@ def _eos(args: argparse.Namespace, tokenizer: Any, vocab: int) -> list[int] | No
     return [eos]
 
 
+#: The logit added to the backed-up token itself among the first token's candidates (transformers' own figure),
+#: so that healing changes the prompt's last token only when the model prefers a longer one.
+HEALING_FAVOUR = 1.0
+
+
+def heal_prompt(tokenizer: Any, prompt: list[int]) -> tuple[list[int], bytes, list[int]]:
+    """Token healing's prompt side: (the prompt without its last token, that token's bytes, the ids whose bytes
+    start with them: the candidates for the first new token, the removed one among them). Special tokens are
+    never candidates, and a special or only token is not backed up (the prompt comes back whole, with b"" and [])."""
+    specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
+    if len(prompt) < 2 or prompt[-1] in specials:
+        return prompt, b"", []
+    tail = tokenizer.decode_bytes([prompt[-1]])
+    table = tokenizer.vocab
+    allowed = [i for i in sorted(table) if i not in specials and table[i].startswith(tail)]
+    return prompt[:-1], tail, allowed
+
+
+def _healed_first_token(model: Any, prompt: list[int], last: int, allowed: list[int], args: Any, generator: Any) -> int:
+    """The first new token of a healed prompt: the model's next-token logits on ``prompt`` restricted to
+    ``allowed`` (the backed-up token ``last`` favoured by :data:`HEALING_FAVOUR`), then the usual sampling."""
+    import torch
+
+    from tlm_model.generate import sample_next_token
+
+    context = model.config.context_length
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt[-context:], device=device)[None])[0, -1].float()
+    mask = torch.full_like(logits, -torch.inf)
+    mask[torch.tensor(allowed, device=device)] = 0.0
+    mask[last] += HEALING_FAVOUR
+    token = sample_next_token(
+        logits + mask, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=generator
+    )
+    return int(token)
+
+
 class _Stream:
     """Prints the continuation as it comes: text through an incremental UTF-8 decoder (a character
     split across tokens prints once whole), held back by the length of the longest stop text so that
     a stop text split across tokens is found before any of it is printed."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], out: Any) -> None:
+    def __init__(self, tokenizer: Any, stops: list[str], out: Any, skip: bytes = b"") -> None:
         self.tokenizer, self.stops, self.out = tokenizer, [s for s in stops if s], out
+        self.skip = len(skip)  # the first bytes of the output that the prompt already holds (token healing)
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.pending, self.text = "", ""
         self.ids: list[int] = []
@@ -138,7 +188,9 @@ class _Stream:
         if self.tokenizer is None:
             self._emit(f"{token} ")
             return False
-        self.pending += self.decoder.decode(self.tokenizer.decode_bytes([token]))
+        data = self.tokenizer.decode_bytes([token])
+        data, self.skip = data[self.skip :], max(0, self.skip - len(data))
+        self.pending += self.decoder.decode(data)
         for stop in self.stops:
             at = self.pending.find(stop)
             if at >= 0:
@@ -172,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_model import compile_for_inference, generate
 
     device = parse_device(args.device)
+    fit_threads(device, quiet=args.quiet)
     model, tokenizer = _model(args, device)
     vocab = model.config.vocab_size
     if args.prompt is not None:
@@ -207,9 +260,16 @@ def run(args: argparse.Namespace) -> int:
         # A stop text that is one special token ends generation at that token: no need to decode it.
         special = [tokenizer.encode(s)[0] for s in stops if s in tokenizer.special_tokens]
         eos = (eos or []) + [i for i in special if i < vocab] or None
+    removed, allowed, last = b"", [], -1
+    if args.token_healing:
+        if tokenizer is None:
+            raise UserError("--token-healing needs a tokenizer to see the prompt's text; give --tokenizer DIR")
+        last = prompt[-1]
+        prompt, removed, allowed = heal_prompt(tokenizer, prompt)
+    eager = model
     if args.compile:
         model = compile_for_inference(model)  # type: ignore[assignment]
-    stream = _Stream(tokenizer, stops, None if args.json else sys.stdout)
+    stream = _Stream(tokenizer, stops, None if args.json else sys.stdout, skip=removed)
     show = False if args.quiet else (None if not sys.stdout.isatty() or args.json else False)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with progress_bar(show, total=args.max_new_tokens, unit="tok", desc="generating") as bar:
@@ -219,10 +279,16 @@ def run(args: argparse.Namespace) -> int:
             return stream.add(ids)
 
         try:
+            given, budget = list(prompt), args.max_new_tokens
+            if allowed:  # the first token chosen among the backed-up one's extensions, then decoding as usual
+                first = _healed_first_token(eager, prompt, last, allowed, args, generator)
+                given, budget = [*prompt, first], budget - 1
+                if on_token(torch.tensor(first)) or (eos is not None and first in eos):
+                    budget = 0
             out = generate(
                 model,
-                torch.tensor(prompt, device=device),
-                args.max_new_tokens,
+                torch.tensor(given, device=device),
+                budget,
                 temperature=args.temperature,
                 top_k=args.top_k,
                 top_p=args.top_p,

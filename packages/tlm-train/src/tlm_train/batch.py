@@ -160,7 +160,9 @@ class EvalBatches:
     ``context_length``: non-overlapping windows that cover the array), ``batch_size`` at a time.
 
     Iterating twice gives the same batches; ``len()`` is the number of batches (the last may be
-    smaller). ``max_batches`` keeps only the first ones.
+    smaller). ``max_batches`` keeps only the first ones; ``windows=k`` keeps k of the n windows evenly spaced
+    over the whole array instead (the i-th kept is window ``i·n // k``; all n when k >= n), as the validation
+    of a training run and ``tlm eval --val-tokens`` draw them.
 
     ``score_once=True`` is sliding-window scoring (``tlm eval --stride``): every token after the first is a
     target exactly once, with as much history as its window gives (at least ``context_length - stride``
@@ -177,6 +179,7 @@ class EvalBatches:
         *,
         stride: int | None = None,
         max_batches: int | None = None,
+        windows: int | None = None,
         score_once: bool = False,
     ) -> None:
         _check_sizes(batch_size, context_length)
@@ -195,6 +198,13 @@ class EvalBatches:
             # (s_prev + context) are scored already.
             previous_end = torch.cat([torch.zeros(1, dtype=torch.int64), self.starts[:-1] + context_length])
             self.first_scored = (previous_end - self.starts).clamp_min(0)
+        if windows is not None:
+            check_int("windows", windows, low=1)
+            if max_batches is not None or score_once:
+                raise ValueError("windows spreads its windows over the array: give it without max_batches or score_once")
+            n_windows = len(self.starts)
+            if windows < n_windows:
+                self.starts = self.starts[torch.arange(windows) * n_windows // windows]
         if max_batches is not None:
             self.starts = self.starts[: check_int("max_batches", max_batches, low=1) * batch_size]
             if self.first_scored is not None:

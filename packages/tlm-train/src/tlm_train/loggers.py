@@ -3,7 +3,8 @@ litgpt's ``choose_logger``).
 
 A record is a flat dict with ``step`` and ``time_s`` (seconds since training began, a resumed run
 continuing the count) and whatever was measured: ``train_loss``, ``val_loss``, ``lr``, ... or an
-``event``. ``metrics.jsonl`` is always written, and is the record every tlm command reads; TensorBoard
+``event``. ``metrics.jsonl`` is always written, and is the record every tlm command reads; W&B (``wandb=True``,
+``tlm train --wandb``, the optional ``tlm-train[wandb]``) gets the scalars TensorBoard gets; TensorBoard
 (``tensorboard=True``, ``tlm train --tensorboard``) writes event files under ``RUN/tensorboard/``: the
 records are TensorBoard's own (its ``RecordWriter``, torch's ``scalar`` summaries), the file is this
 module's, created with ``O_EXCL | O_NOFOLLOW`` inside a folder opened with ``O_NOFOLLOW`` (the optional
@@ -114,6 +115,49 @@ class TensorBoardLogger:
 _FILES = itertools.count()
 
 
+class WandbLogger:
+    """The same scalars as :class:`TensorBoardLogger`, under the same tags, in a Weights & Biases run, with the run's
+    settings (``train.toml``'s, as ``config``) as its config (the optional ``tlm-train[wandb]``).
+
+    The W&B project is ``WANDB_PROJECT`` (default ``tlm``), the run's name the run folder's, its files under
+    ``RUN/wandb/``; everything else is the ``wandb`` library's own environment: ``WANDB_MODE=offline`` logs with no
+    account or network (``wandb sync RUN/wandb/offline-run-*`` uploads it later). Each process is a W&B run of its
+    own: a run resumed at step N logs from step N + 1 in a new W&B run in the same group (the run folder's name),
+    since W&B's steps only grow and the interrupted process may have logged past N. W&B's service writes the run's
+    file in the background: it is complete once that service stops (at the process's exit, or ``wandb.teardown()``).
+    """
+
+    def __init__(self, run_dir: Path, *, start_step: int = 0, config: dict[str, Any] | None = None) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise ImportError("--wandb needs the wandb package: pip install 'tlm-train[wandb]'") from None
+        folder = run_dir / "wandb"
+        folder.mkdir(exist_ok=True)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "tlm"),
+            name=run_dir.resolve().name,
+            group=run_dir.resolve().name,
+            job_type="resume" if start_step else "train",
+            dir=str(run_dir),
+            config=config or {},
+            settings=wandb.Settings(console="off"),  # the run's log lines are its own; W&B gets the numbers
+            reinit="create_new",
+        )
+
+    def log(self, record: dict[str, Any]) -> None:
+        values = {}
+        for key, tag in TENSORBOARD_TAGS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[tag] = value
+        if values:
+            self.run.log(values, step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 def _create_in(folder: Path, name: str) -> Any:
     """A new file ``name`` in ``folder`` (made if missing), open for binary writing: the folder is opened with
     ``O_NOFOLLOW`` and the file created in it with ``O_EXCL | O_NOFOLLOW``, so no symlink planted at either
@@ -138,7 +182,11 @@ def _create_in(folder: Path, name: str) -> Any:
 
 
 #: The backends by name; ``jsonl`` is always among those a run opens.
-LOGGERS: dict[str, Callable[..., MetricLogger]] = {"jsonl": JsonlLogger, "tensorboard": TensorBoardLogger}
+LOGGERS: dict[str, Callable[..., MetricLogger]] = {
+    "jsonl": JsonlLogger,
+    "tensorboard": TensorBoardLogger,
+    "wandb": WandbLogger,
+}
 
 
 class LoggerError(RuntimeError):
@@ -183,14 +231,30 @@ class Loggers:
             backend.close()
 
 
-def choose_loggers(names: Sequence[str], run_dir: str | os.PathLike[str], *, start_step: int = 0) -> Loggers:
+def choose_loggers(
+    names: Sequence[str],
+    run_dir: str | os.PathLike[str],
+    *,
+    start_step: int = 0,
+    config: dict[str, Any] | None = None,
+) -> Loggers:
     """The backends ``names`` (each a key of :data:`LOGGERS`) for ``run_dir``, ``jsonl`` first and always.
 
-    ``start_step`` is the step the run continues from (0 for a new run). An unknown name is a
-    ``ValueError`` naming the known ones; a backend whose library is missing raises ``ImportError``.
+    ``start_step`` is the step the run continues from (0 for a new run); ``config``, the run's settings, goes to
+    the backends that record one (W&B). An unknown name is a ``ValueError`` naming the known ones; a backend
+    whose library is missing raises ``ImportError``.
     """
     unknown = sorted(set(names) - set(LOGGERS))
     if unknown:
         raise ValueError(f"unknown logger(s) {unknown}; expected some of {sorted(LOGGERS)}")
     chosen = ["jsonl", *dict.fromkeys(name for name in names if name != "jsonl")]
-    return Loggers([LOGGERS[name](Path(run_dir), start_step=start_step) for name in chosen], chosen)
+    backends: list[MetricLogger] = []
+    try:
+        for name in chosen:
+            extra = {"config": config} if name == "wandb" else {}
+            backends.append(LOGGERS[name](Path(run_dir), start_step=start_step, **extra))
+    except BaseException:
+        for backend in backends:  # the ones opened before the failure
+            backend.close()
+        raise
+    return Loggers(backends, chosen)
