@@ -718,3 +718,24 @@ def test_a_template_that_loops_is_stopped_with_a_400_and_the_worker_is_freed(tmp
         status, body = post(client, "/v1/chat/completions", named)
         assert status == 400 and f"{64 * longest + 1} characters" in body["error"]["message"]
     scheduler.close(timeout=5)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [("/v1/completions", {}), ("/v1/completions", {"n": 2}), ("/v1/completions", {"echo": True, "logprobs": 1}),
+     ("/v1/completions", {"prompt": ["a", "b c"], "n": 2}), ("/v1/chat/completions", {}),
+     ("/v1/chat/completions", {"n": 2})],
+)  # fmt: skip
+def test_a_stream_sends_its_usage_once(served, tokenizer, path, extra, include_usage):
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    base = {"prompt": "a b"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {**base, "max_tokens": 4, "temperature": 0, "logit_bias": no_end, **extra}
+    whole = post(served, path, body)[1]
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    status, lines = served.stream(path, {**body, "stream": True, **options})
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    with_usage = [c for c in chunks if c["usage"] is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1]["usage"] == whole["usage"]
+    assert (chunks[-1]["choices"] == []) is include_usage  # OpenAI's own chunk for it, when asked for

@@ -39,6 +39,7 @@ from tlm_artifacts.lora import (
 )
 from tlm_artifacts.steps import StepFolders, load_whole_step, read_sharded_tensors, read_step_config, step_of
 from tlm_artifacts.train_state import load_train_state
+from tlm_core.atomic import read_input
 from tlm_lora import weights_sha256
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
@@ -102,7 +103,7 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
 def _tlm_legacy_config(path: Path) -> bool:
     """Whether a config.json is tlm-model 0.1.0's (it carries a "format" field), not an HF model's."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_input(path, "config"))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "format" in data and "model_type" not in data
@@ -135,7 +136,7 @@ def model_config(artifact: Artifact) -> ModelConfig:
         from tlm_model.interop import config_from_hf
 
         try:
-            return config_from_hf(json.loads((artifact.path / HF_CONFIG).read_text(encoding="utf-8")))
+            return config_from_hf(json.loads(read_input(artifact.path / HF_CONFIG, "HF config")))
         except json.JSONDecodeError as err:
             raise ValueError(f"{artifact.path / HF_CONFIG} is not valid JSON ({err})") from None
     if artifact.kind == "peft":

@@ -11,11 +11,12 @@ redundant; such files are still read.
 import hashlib
 import io
 import os
-from pathlib import Path
 from typing import IO, Any, BinaryIO, cast
 
 import torch
 from torch import Tensor
+
+from tlm_core.atomic import read_input
 
 FORMAT = "tlm-train-state/2"
 #: The formats :func:`load_train_state` reads: this one, and format 1 (with its redundant ``digest`` field).
@@ -62,7 +63,10 @@ def load_train_state(src: Source) -> dict[str, Any]:
     name = source_name(src)
     if not isinstance(src, (str, os.PathLike)) and not hasattr(src, "read"):
         raise TypeError(f"src must be a path or a binary file object, got {type(src).__name__}")
-    data = Path(os.fspath(src)).read_bytes() if isinstance(src, (str, os.PathLike)) else cast(IO[bytes], src).read()
+    if isinstance(src, (str, os.PathLike)):
+        data = read_input(src, "training state")  # a FIFO or device is refused, never waited on
+    else:
+        data = cast(IO[bytes], src).read()
     body, trailer = data[:-TRAILER_SIZE], data[-TRAILER_SIZE:]
     if not (trailer.startswith(TRAILER) and trailer.endswith(b"\n")):
         raise ValueError(f"{name} is not a {FORMAT} file (truncated, or written by something else: no SHA-256 trailer)")

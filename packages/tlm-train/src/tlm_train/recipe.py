@@ -40,7 +40,15 @@ from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.cluster import StopPoll, StopSignals, requeue_job
 from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
+from tlm_train.data import (
+    SEPARATOR,
+    Dataset,
+    DataSettings,
+    chat_files,
+    check_data_paths,
+    is_token_file,
+    prepare_data,
+)
 from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
@@ -190,13 +198,14 @@ class Recipe:
         if info.is_main:
             data = prepare_data(
                 data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
-                context_length=context,
+                context_length=context, vocab_size=source.config.vocab_size if source is not None else None,
             )  # fmt: skip
         barrier()
         if not info.is_main:
             data = prepare_data(
-                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context
-            )
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context,
+                vocab_size=source.config.vocab_size if source is not None else None,
+            )  # fmt: skip
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -403,7 +412,9 @@ class Recipe:
         # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
         vocab = max(shape.vocab_size, data.vocab_size)
         if vocab > shape.vocab_size:
-            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
+            chat = chat_files(config.data, config.text_field)
+            why = "for the chat template's markers" if chat else "for the data's tokenizer"
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids {why}")
         return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
