@@ -10,6 +10,10 @@ that every tlm command and ``tlm train --init-from`` read.
 A LoRA run (``tlm train --lora-rank``): ``--to-peft RUN --out DIR`` writes its adapters as a PEFT adapter
 (``adapter_config.json``, ``adapter_model.safetensors``) for the HF export of its base (``--to-hf BASE``), which
 ``peft.PeftModel.from_pretrained`` loads; ``--to-hf RUN --merge`` writes the base with the adapters merged in.
+
+``--from-hf`` also reads Qwen2 (q/k/v biases; exported back as Qwen2) and Mistral folders; a sliding window
+shorter than the context needs ``--context-length N`` within it. ``--to-gguf X --out FILE.gguf`` (the ``gguf``
+extra) writes one GGUF file for llama.cpp and ollama, tokenizer and chat template included.
 """
 
 import argparse
@@ -33,6 +37,12 @@ def add_parser(commands: Any) -> None:
         "--to-hf", metavar="PATH", help="a run folder, step folder or model file (the run's newest checkpoint)"
     )
     direction.add_argument("--to-peft", metavar="RUN", help="a LoRA run (or step folder of one): its adapters for peft")
+    direction.add_argument(
+        "--to-gguf",
+        metavar="PATH",
+        help="a run folder, step folder, model file or HF folder: one GGUF file (--out FILE.gguf) for llama.cpp and "
+        "ollama, its tokenizer included (needs the gguf extra)",
+    )
     parser.add_argument(
         "--merge", action="store_true", help="with --to-hf of a LoRA run or PEFT adapter: merge the adapters in"
     )
@@ -83,17 +93,19 @@ def run(args: argparse.Namespace) -> int:
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
 
+    if args.context_length is not None and args.from_hf is None:
+        raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
+                        "--init-from RUN --context-length N)")  # fmt: skip
     if args.to_peft is not None:
         return _to_peft(args)
+    if args.to_gguf is not None:
+        return _to_gguf(args)
     if args.base is not None:
         raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
     source = args.from_hf if args.from_hf is not None else args.to_hf
     check_output(args.out, source, args.tokenizer)
     if args.merge and args.to_hf is None:
         raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
-    if args.context_length is not None and args.from_hf is None:
-        raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
-                        "--init-from RUN --context-length N)")  # fmt: skip
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     if args.from_hf is not None:
         artifact = tlm_artifacts.resolve(args.from_hf)
@@ -203,4 +215,72 @@ def _to_peft(args: argparse.Namespace) -> int:
     else:
         print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out} for the base {base} "
               f"({report['parameters']:,} adapter parameters)")  # fmt: skip
+    return 0
+
+
+def gguf_vocabulary(tokenizer: Any) -> Any:
+    """``tokenizer`` (a tlm byte-level BPE) as a :class:`tlm_model.gguf.GGUFVocabulary`: the tokens and merges of
+    its ``tokenizer.json`` (GPT-2's byte-level text), its special tokens as control tokens, ``<|endoftext|>`` as
+    the end of a sequence, and its chat template."""
+    from tlm_model.gguf import GGUFVocabulary
+
+    document = json.loads(tokenizer.hf_files()["tokenizer.json"])
+    by_id = {index: text for text, index in document["model"]["vocab"].items()}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise UserError("--to-gguf: the tokenizer's ids are not 0..n-1, which GGUF's token list needs")
+    special = frozenset(token["id"] for token in document["added_tokens"])
+    eos = tokenizer.encode(EOS_TOKEN)[0] if EOS_TOKEN in tokenizer.special_tokens else None
+    return GGUFVocabulary(
+        tokens=[by_id[i] for i in range(len(by_id))],
+        merges=document["model"]["merges"],
+        special=special,
+        eos_token_id=eos,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def _to_gguf(args: argparse.Namespace) -> int:
+    """A model as one GGUF file (llama.cpp's ``llama``, or ``qwen2`` with q/k/v biases), tokenizer included."""
+    import tlm_artifacts
+    from tlm_model.accounting import human
+
+    try:
+        from tlm_model.gguf import GGUF_DTYPES, save_gguf
+    except ModuleNotFoundError as err:
+        raise UserError(f"--to-gguf needs the gguf library ({err}): pip install 'tlm-command[gguf]'") from None
+    if args.base is not None:
+        raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
+    if args.dtype is not None and args.dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {args.dtype}: a GGUF export takes one of {', '.join(GGUF_DTYPES)}")
+    check_output(args.out, args.to_gguf, args.tokenizer)
+    artifact = tlm_artifacts.resolve(args.to_gguf)
+    adapted = artifact.kind == "peft" or tlm_artifacts.lora_step(artifact) is not None
+    if adapted and not args.merge:
+        raise UserError(
+            f"--to-gguf {args.to_gguf} holds LoRA adapters: add --merge to write its base with them merged in"
+        )
+    if args.merge and not adapted:
+        raise UserError(f"--merge: {args.to_gguf} is a {artifact.describe()} with no LoRA adapters to merge")
+    model, _ = tlm_artifacts.load_model(artifact)
+    tokenizer = load_tokenizer(args.tokenizer, artifact)
+    stored = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = args.dtype if args.dtype is not None else stored if stored in GGUF_DTYPES else "float32"
+    vocabulary = None if tokenizer is None else gguf_vocabulary(tokenizer)
+    save_gguf(model, args.out, dtype=dtype, vocabulary=vocabulary, name=Path(args.to_gguf).resolve().name)
+    arch = "qwen2" if model.config.qkv_bias else "llama"
+    report = {
+        "from": args.to_gguf,
+        "out": args.out,
+        "architecture": arch,
+        "dtype": dtype,
+        "parameters": model.num_parameters(),
+        "tokenizer": tokenizer is not None,
+        "config": model.config.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        with_tokenizer = " with its tokenizer" if tokenizer is not None else " (no tokenizer)"
+        print(f"{artifact.describe()} {args.to_gguf} -> GGUF ({arch}, {dtype}) {args.out}{with_tokenizer} "
+              f"({human(report['parameters'])} parameters)")  # fmt: skip
     return 0
