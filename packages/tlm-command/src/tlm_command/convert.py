@@ -24,7 +24,10 @@ from typing import Any
 from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
 from tlm_tokenizer.chat import IM_END
-from tlm_tokenizer.hf_json import EOS_TOKEN
+from tlm_tokenizer.hf_json import EOS_TOKEN, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON
+
+#: The tokenizer's files that --to-peft writes beside the adapter.
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON)
 
 
 def add_parser(commands: Any) -> None:
@@ -52,7 +55,9 @@ def add_parser(commands: Any) -> None:
         help="with --to-peft: the base model the adapter names (base_model_name_or_path; default: the run's base)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced as a whole)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own)")
+    parser.add_argument(
+        "--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own; --to-peft too)"
+    )
     parser.add_argument(
         "--dtype", choices=dtype_choices(), default=None, help="convert the weights (default: as stored)"
     )
@@ -170,13 +175,12 @@ def _to_peft(args: argparse.Namespace) -> int:
     from tlm_lora import lora_state_dict
     from tlm_model.interop import to_hf_lora_state_dict
 
-    if args.merge or args.tokenizer is not None or args.dtype is not None:
-        raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
-    check_output(args.out, args.to_peft, args.base)
+    if args.merge or args.dtype is not None:
+        raise UserError("--to-peft writes the adapters as trained: --merge and --dtype do not apply")
+    check_output(args.out, args.to_peft, args.base, args.tokenizer)
     out_dir = Path(args.out)
-    if out_dir.is_dir() and (
-        other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))
-    ):
+    ours = (PEFT_CONFIG, PEFT_WEIGHTS, *TOKENIZER_FILES)
+    if out_dir.is_dir() and (other := sorted(p.name for p in out_dir.iterdir() if p.name not in ours)):
         raise UserError(f"--out {args.out} holds other files ({', '.join(other[:3])}): choose an empty or new folder")
     artifact = tlm_artifacts.resolve(args.to_peft)
     found = tlm_artifacts.lora_step(artifact)
@@ -192,6 +196,14 @@ def _to_peft(args: argparse.Namespace) -> int:
             f"{state['model_config']['vocab_size']} ids (a chat template's markers), which a PEFT adapter of the "
             "base cannot carry; export the merged model with --to-hf --merge"
         )
+    # The run's tokenizer (its chat template included) beside the adapter: AutoTokenizer reads the folder as it is.
+    tokenizer = load_tokenizer(args.tokenizer, artifact)
+    tokenizer_files = {} if tokenizer is None else tokenizer.hf_files()
+    if tokenizer is not None and tokenizer.vocab_size > base_vocab:
+        raise UserError(
+            f"--to-peft: the tokenizer has {tokenizer.vocab_size} ids, more than the base's {base_vocab}; export the "
+            "merged model with --to-hf --merge"
+        )
     model = load_lora_step(folder, state, dtype=torch.float32, merge=False)
     adapters = to_hf_lora_state_dict(lora_state_dict(model), model.config)
     base = os.path.abspath(args.base if args.base is not None else state["lora"]["base"]["path"])
@@ -200,6 +212,8 @@ def _to_peft(args: argparse.Namespace) -> int:
     def fill(out: Path) -> None:
         (out / PEFT_CONFIG).write_bytes(config)
         (out / PEFT_WEIGHTS).write_bytes(adapter_bytes(adapters))
+        for name, data in tokenizer_files.items():
+            (out / name).write_bytes(data)
 
     replace_dir(out_dir, fill)
     report = {
@@ -208,13 +222,15 @@ def _to_peft(args: argparse.Namespace) -> int:
         "step": state["step"],
         "base": base,
         "parameters": sum(t.numel() for t in adapters.values()),
+        "tokenizer": tokenizer is not None,
         "lora": {k: v for k, v in state["lora"].items() if k != "base"},
     }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out} for the base {base} "
-              f"({report['parameters']:,} adapter parameters)")  # fmt: skip
+        with_tokenizer = " with its tokenizer" if tokenizer is not None else ""
+        print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out}{with_tokenizer} for the "
+              f"base {base} ({report['parameters']:,} adapter parameters)")  # fmt: skip
     return 0
 
 
