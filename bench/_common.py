@@ -35,6 +35,7 @@ ORDER = [
     "checkpoint_stall_sharded",
     "serve",
     "gpu",
+    "context",
 ]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
@@ -53,6 +54,7 @@ TITLES = {
     "checkpoint_stall": "a checkpoint's stall and memory, inline vs background (`bench/checkpoint_stall.py`)",
     "checkpoint_stall_sharded": "a sharded checkpoint's stall and memory, DCP inline vs async "
     "(`bench/checkpoint_stall.py --sharded`)",
+    "context": "context extension: perplexity at 1x, 2x, 4x the trained context (`bench/context_extension.py`)",
     "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (

@@ -10,7 +10,7 @@
 | a folder holding ``model.safetensors`` | that file | ``tokenizer/`` or ``tokenizer.json`` beside it |
 | a ``.safetensors`` file | the file | as for its folder |
 | an HF Llama folder (``config.json``) | ``tlm_model.from_hf`` | its ``tokenizer.json`` when tlm can read it |
-| a PEFT LoRA adapter folder | its base (any of the above) with the adapter merged | the base's |
+| a PEFT LoRA adapter folder | its base (any of the above), adapter merged | its ``tokenizer.json``, else the base's |
 
 A LoRA run (``tlm train --lora-rank``), or a step folder of one, opens as its base with the adapters merged
 (:func:`load_lora_step`: the base is opened here, as any artifact, and :mod:`tlm_artifacts.lora` applies the
@@ -84,7 +84,9 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
                 f"{path}: its base {base_path} is another PEFT adapter; tlm applies one adapter to a model"
             )
         base = resolve(base_path)
-        return Artifact("peft", path, path, base.tokenizer_path)
+        # tlm convert --to-peft writes the run's tokenizer (its chat template) beside the adapter: it wins.
+        own = path / HF_TOKENIZER
+        return Artifact("peft", path, path, own if own.is_file() else base.tokenizer_path)
     if (path / HF_CONFIG).is_file() and not _tlm_legacy_config(path / HF_CONFIG):
         return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
     if (path / WEIGHTS_NAME).is_file() or (path / STATE_NAME).is_file():  # a sharded step has no model file

@@ -62,6 +62,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _json_object_or_name(names: tuple[str, ...]) -> Any:
+    def parse(text: str) -> dict[str, Any] | str:
+        if text in names:
+            return text
+        if text.isidentifier():  # a name, but not one of these
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)} or a JSON object, got {text!r}")
+        return _json_object(text)
+
+    return parse
+
+
 def shown(field: dataclasses.Field[Any], value: Any) -> str:
     """A field's value as ``--help`` shows it: the field's ``shown`` text for None or [], ``on``/``off``
     for a switch, a list space-separated."""
@@ -92,6 +103,10 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
     common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+    elif (kind is dict or typing.get_origin(kind) is dict) and "names" in field.metadata:
+        # A table, or one of the names that stand for one (a RoPE rule that --init-from's context completes).
+        names = field.metadata["names"]
+        parser.add_argument(flag, type=_json_object_or_name(names), metavar="|".join((*names, "JSON")), **common)
     elif kind is dict or typing.get_origin(kind) is dict:
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
