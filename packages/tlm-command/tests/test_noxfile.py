@@ -79,7 +79,8 @@ def test_sigterm_to_nox_stops_its_tlm_train_which_checkpoints(noxfile, tmp_path)
     argv = [sys.executable, "-m", "nox", "-f", str(NOXFILE), "-s", "train", "--no-venv", "--no-install", "--",
             "--out-dir", str(run), "--data", str(text), "--vocab-size", "260", "--steps", "1000000",
             "--context-length", "16", "--d-model", "16", "--num-layers", "1", "--num-heads", "2", "--d-ff", "32",
-            "--batch-size", "2", "--eval-interval", "1000000", "--sample-tokens", "0", "--peak-flops", "1e9"]  # fmt: skip
+            "--batch-size", "2", "--eval-interval", "1000000", "--sample-tokens", "0",
+            "--peak-flops", "1e9"]  # fmt: skip
     nox = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            start_new_session=True)  # fmt: skip
     child = None

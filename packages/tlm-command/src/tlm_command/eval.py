@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stride {args.stride} exceeds the context length {context}; a token would go unscored")
     if args.val_tokens is not None:
         if args.stride is not None:
-            raise UserError("--val-tokens scores non-overlapping windows spread over the file; give it without --stride")
+            raise UserError("--val-tokens scores whole windows spread over the file: give it without --stride")
         batches = EvalBatches(ids, args.batch_size, context, device, windows=-(-args.val_tokens // context))
     else:
         batches = EvalBatches(ids, args.batch_size, context, device, stride=args.stride, score_once=True)

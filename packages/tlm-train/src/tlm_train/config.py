@@ -190,8 +190,10 @@ class TrainConfig:
     eval_interval: int = field(default=50, metadata={"help": "steps between validation losses"})
     eval_batches: int = field(
         default=8,
-        metadata={"help": "validation batches per evaluation, when --val-tokens is not given (batch_size ÷ grad_accum "
-                  "windows each)"},
+        metadata={
+            "help": "validation batches per evaluation, when --val-tokens is not given (batch_size ÷ grad_accum "
+            "windows each)"
+        },
     )
     val_tokens: int | None = field(
         default=None,
