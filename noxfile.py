@@ -459,14 +459,18 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(default=False, venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """The GPU check (issue 33, ``bench/gpu.py``, ≤ 8 min on one H100/H200): the CUDA test leg, a bf16 training
-    step tlm vs HF (both compiled) with MFU against the device's peak, bit-exact resume and a NaN stop on CUDA;
-    writes the GPU section of docs/benchmarks.md.
+    """The GPU check (issues 33 and 42, ``bench/gpu.py``, ≤ 8 min on one H100/H200), most valuable first: the
+    CUDA test leg (TLM_TEST_DEVICE=cuda), ``set_sync_debug_mode("error")`` around ``train_step`` and
+    ``DecodeBatch.step``, a bf16 training step tlm vs HF (both compiled) with MFU against the device's published
+    peak, bit-exact resume, the NaN stop, compiled decoding in bf16 and float32 with zero recompiles and zero
+    cudagraph skips after warm-up; a part that would end past the budget is skipped, not begun. One JSON of
+    results ($OUT/gpu.json, else bench/out/gpu.json); writes the GPU section of docs/benchmarks.md.
 
     On the machine's own python (TLM_GPU_PYTHON, else python3), nothing installed: the packages come from
-    packages/*/src on the path, so a GPU box with no network and an older torch runs it; a test module needing
-    a package that python lacks is reported as not collected. ``nox -s gpu -- --only bench`` passes arguments on;
-    ``tools/gpu_check.sh`` is the same without nox.
+    packages/*/src on the path, so a GPU box with no network and its own torch (at least the packages' floor,
+    2.11; newer-only APIs are found by feature detection) runs it; a test module needing a package that python
+    lacks is reported as not collected. ``nox -s gpu -- --only bench`` passes arguments on; ``--dry-run`` runs
+    the parts on a CPU (tlm-train's test_gpu_check does, in CI); ``tools/gpu_check.sh`` is the same without nox.
     """
     if not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); bench/gpu.py --dry-run checks the script on a CPU")

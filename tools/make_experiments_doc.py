@@ -112,7 +112,7 @@ def sweep(out: pathlib.Path, name: str, settings: dict[str, Any], *plan: str,
           runs: dict[str, dict[str, Any]] | None = None, seeds: int | None = None) -> list[Any]:  # fmt: skip
     """One sweep (a grid in ``plan``, or named ``runs``), continued when a sweep of the same plan is there (else
     made anew): its runs' summaries."""
-    from tlm_command import sweep as sweeps
+    from tlm_experiments import sweep as sweeps
 
     seeds = SEEDS if seeds is None else seeds
     folder = out / name
@@ -201,8 +201,8 @@ def main() -> None:
 
 
 def run_all(out: pathlib.Path, figures: pathlib.Path) -> dict[str, Any]:
-    from tlm_command.compare import plot
-    from tlm_command.results import group_runs
+    from tlm_experiments.compare import plot
+    from tlm_experiments.results import group_runs
 
     tokenizer, tokens, n_tokens = prepare(out)
     interval = max(1, STEPS // EVALS)
@@ -274,7 +274,7 @@ def run_all(out: pathlib.Path, figures: pathlib.Path) -> dict[str, Any]:
 
 
 def _ms(values: list[float]) -> str:
-    from tlm_command.stats import describe
+    from tlm_experiments.stats import describe
 
     d = describe(values)
     if d.mean is None:
@@ -306,8 +306,8 @@ def _ended(runs: list[Any]) -> str:
 
 def _versus(runs: list[Any], base: list[Any]) -> Any:
     """The final loss of ``runs`` against ``base``'s (by seed), or None where either has no finished run."""
-    from tlm_command.results import Group
-    from tlm_command.stats import difference
+    from tlm_experiments.results import Group
+    from tlm_experiments.stats import difference
 
     a, b = Group("a", {}, list(runs)).finals(), Group("b", {}, list(base)).finals()
     return difference(a, b) if a and b else None
@@ -326,7 +326,7 @@ def _beyond(d: Any) -> str:
 
 
 def _say(d: Any, what: str) -> str:
-    from tlm_command.stats import verdict
+    from tlm_experiments.stats import verdict
 
     if d is None:
         return f"{what}: no finished runs to compare"
@@ -334,7 +334,7 @@ def _say(d: Any, what: str) -> str:
 
 
 def page(v: dict[str, Any]) -> str:
-    from tlm_command.results import group_runs
+    from tlm_experiments.results import group_runs
 
     lr_runs, best_lr = v["lr_runs"], v["best_lr"]
     lr_groups = group_runs(lr_runs)
@@ -595,7 +595,7 @@ of the corpus's words and layout, not fluent English.
 
 
 def _seed_sd(groups: list[Any]) -> float | None:
-    from tlm_command.stats import describe
+    from tlm_experiments.stats import describe
 
     sds = [describe(g.finals().values()).sd for g in groups if all(r.status == "done" for r in g.runs)]
     sds = [x for x in sds if x is not None]

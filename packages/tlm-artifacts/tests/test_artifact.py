@@ -201,3 +201,25 @@ def test_a_peft_adapter_opens_beside_its_base_merged(tmp_path, writers):
     (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="is another PEFT adapter"):
         resolve(tmp_path / "adapter")
+
+
+def test_read_paths_names_the_base_a_lora_step_or_peft_adapter_reads(tmp_path, writers):
+    from tlm_artifacts.inputs import read_paths
+    from tlm_artifacts.lora import peft_config
+
+    save_model_file(writers.model(1), tmp_path / "base")
+    folder = tmp_path / "run" / "checkpoints" / "step_00000001"
+    folder.mkdir(parents=True)
+    (tmp_path / "run" / "train.toml").write_text("")
+    lora = {"rank": 2, "alpha": 4.0, "targets": "q,v", "dropout": 0.0, "base": {"path": str(tmp_path / "base")}}
+    writers.write_state(folder / "train_state.pt", {"step": 1, "lora": lora, "model_config": CONFIG.to_dict()})
+    (folder / "adapter.safetensors").write_bytes(b"")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(peft_config(lora, "../run")))
+    (tmp_path / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    assert read_paths(tmp_path / "base") == [tmp_path / "base"]
+    assert read_paths(tmp_path / "run") == [tmp_path / "run", tmp_path / "base"]
+    assert read_paths(folder) == [folder, tmp_path / "base"]
+    assert read_paths(tmp_path / "adapter") == [tmp_path / "adapter", tmp_path / "adapter" / "../run",
+                                                tmp_path / "base"]  # fmt: skip
+    assert read_paths(tmp_path / "nothing") == [tmp_path / "nothing"]  # not an artifact: its reader says so

@@ -90,7 +90,7 @@ def test_each_status_says_what_happened_and_the_unstable_threshold_is_a_flag(tmp
 
 
 def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by_seed(tmp_path, capsys) -> None:
-    from tlm_command.stats import difference
+    from tlm_experiments.stats import difference
 
     finals = {("baseline", 0): 3.20, ("baseline", 1): 3.25, ("baseline", 2): 3.18,
               ("wide", 0): 3.10, ("wide", 1): 3.16, ("wide", 2): 3.07}  # fmt: skip

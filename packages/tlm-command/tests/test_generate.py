@@ -3,6 +3,7 @@ a window that slides past the context, and one-line errors."""
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -196,3 +197,25 @@ def test_allowed_special_none_keeps_special_token_text_as_text(run, capsys):
     assert main([*argv, "--allowed-special", "none"]) == 0
     ids = json.loads(capsys.readouterr().out)["prompt_ids"]
     assert ids == tokenizer.encode("a<|endoftext|>", allowed_special="none") and len(ids) > 2
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_fifo_as_a_tokenizer_file_is_one_line_not_a_hang(run, tmp_path, fails, name):
+    import shutil
+    import threading
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "tokenizer" / name).unlink()
+    os.mkfifo(copy / "tokenizer" / name)  # no writer: a blocking open would wait for ever
+    outcome = {}
+
+    def generate():
+        argv = ["generate", "--checkpoint", str(copy), "--prompt", "a", "--max-new-tokens", "1"]
+        outcome["err"] = fails(argv, f"{copy / 'tokenizer' / name}: a FIFO (named pipe), expected a regular file")
+
+    thread = threading.Thread(target=generate, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive() and "err" in outcome

@@ -1,40 +1,103 @@
-"""The command's modules import each other without a cycle (function-level imports counted too), so each
-can be read, tested and changed from the bottom up: ``tlm_command.sweep`` and ``tlm_command.compare`` share
-``tlm_command.manifest`` instead of importing each other."""
+"""No import circle anywhere in the workspace: every module of every package (``packages/*/src``) imports the
+others without a cycle, counting the imports deferred into function bodies and those under ``TYPE_CHECKING``
+(a deferred import only postpones a loop; it does not remove it). So each module can be read, tested and changed
+from the bottom up: ``tlm_artifacts.lora`` handles adapter files and never opens an artifact (the base of an
+adapter is opened beside ``resolve``), and ``tlm_experiments.sweep`` and ``.compare`` share ``.manifest`` instead
+of importing each other."""
 
 import ast
-from pathlib import Path
+import pathlib
 
-import tlm_command
+import pytest
 
-PACKAGE = Path(tlm_command.__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "packages").is_dir(), reason="reads every package's source: the tlm monorepo only"
+)
 
 
-def _imports(path: Path) -> set[str]:
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("tlm_command.")}
-        elif isinstance(node, ast.ImportFrom) and node.module == "tlm_command":
-            found |= {f"tlm_command.{a.name}" for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tlm_command."):
-            found.add(str(node.module))
+def modules(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Dotted module name -> its file, for every ``packages/*/src`` of the workspace at ``root``."""
+    found = {}
+    for src in sorted(root.glob("packages/*/src")):
+        for path in sorted(src.rglob("*.py")):
+            parts = path.relative_to(src).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
 
-def test_the_command_modules_import_each_other_without_a_cycle() -> None:
-    graph = {f"tlm_command.{p.stem}": _imports(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
-    assert "tlm_command.manifest" in graph["tlm_command.compare"] & graph["tlm_command.sweep"]
-    assert "tlm_command.compare" in graph["tlm_command.sweep"]  # the summary's table and plot, imported in a function
+def imports(name: str, path: pathlib.Path, known: dict[str, pathlib.Path]) -> set[str]:
+    """The workspace modules ``name`` imports, at any depth: ``from pkg import mod`` names ``pkg.mod`` when that
+    is a module, else ``pkg`` itself (its ``__init__``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                if f"{base}.{alias.name}" in known:
+                    found.add(f"{base}.{alias.name}")
+                elif base in known:
+                    found.add(base)
+    return found - {name}
+
+
+def graph(root: pathlib.Path) -> dict[str, set[str]]:
+    known = modules(root)
+    return {name: imports(name, path, known) for name, path in known.items()}
+
+
+def cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (its modules, the first repeated at the end), or None."""
     done: set[str] = set()
 
-    def visit(module: str, path: tuple[str, ...]) -> None:
-        assert module not in path, "an import cycle: " + " -> ".join((*path[path.index(module) :], module))
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module) :], module]
         if module in done:
-            return
-        for imported in sorted(graph.get(module, ())):
-            visit(imported, (*path, module))
+            return None
+        for imported in sorted(edges.get(module, ())):
+            if (found := visit(imported, [*path, module])) is not None:
+                return found
         done.add(module)
+        return None
 
-    for module in sorted(graph):
-        visit(module, ())
+    for module in sorted(edges):
+        if (found := visit(module, [])) is not None:
+            return found
+    return None
+
+
+def test_no_module_of_any_package_is_in_an_import_cycle() -> None:
+    edges = graph(ROOT)
+    assert len({name.split(".")[0] for name in edges}) >= 14  # every package's source was read
+    found = cycle(edges)
+    assert found is None, "an import cycle: " + " -> ".join(found or [])
+
+
+def test_the_cycle_finder_finds_a_cycle_deferred_into_a_function(tmp_path) -> None:
+    src = tmp_path / "packages" / "tlm-x" / "src" / "tlm_x"
+    src.mkdir(parents=True)
+    (src / "__init__.py").write_text("")
+    (src / "a.py").write_text("from tlm_x.b import f\n")
+    (src / "b.py").write_text("def f():\n    from tlm_x import a\n")
+    (src / "c.py").write_text("from . import b\n")
+    assert graph(tmp_path)["tlm_x.c"] == {"tlm_x.b"}
+    assert cycle(graph(tmp_path)) == ["tlm_x.a", "tlm_x.b", "tlm_x.a"]
+    (src / "b.py").write_text("def f():\n    pass\n")
+    assert cycle(graph(tmp_path)) is None
+
+
+def test_adapter_files_and_experiments_import_nothing_above_them() -> None:
+    edges = graph(ROOT)
+    assert not edges["tlm_artifacts.lora"] & {"tlm_artifacts.artifact", "tlm_artifacts.steps", "tlm_artifacts"}
+    assert not edges["tlm_artifacts.layout"] & {"tlm_artifacts.steps", "tlm_artifacts.artifact"}
+    assert "tlm_experiments.manifest" in edges["tlm_experiments.compare"] & edges["tlm_experiments.sweep"]
+    experiments = {n: e for n, e in edges.items() if n.startswith("tlm_experiments")}
+    assert not {m for e in experiments.values() for m in e if m.startswith("tlm_command")}

@@ -226,3 +226,42 @@ def test_to_peft_reports_as_json_or_in_one_line(lora_run: Path, exported: dict[s
     (line,) = capsys.readouterr().out.splitlines()
     assert line == (f"LoRA run {lora_run} (step 3) -> PEFT adapter {tmp_path / 'b'} for the base {exported['hf']} "
                     f"({report['parameters']:,} adapter parameters)")  # fmt: skip
+
+
+def _files(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_no_output_lands_on_or_in_the_base_a_peft_adapter_reads(exported, corpus: Path, tmp_path: Path, fails):
+    import shutil
+
+    hf, adapter = tmp_path / "hf", tmp_path / "peft"
+    shutil.copytree(exported["hf"], hf)
+    shutil.copytree(exported["peft"], adapter)
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(hf)}))
+    before = _files(hf)
+    for out in (hf, hf / "merged"):
+        fails(["convert", "--to-hf", str(adapter), "--merge", "--out", str(out)], f"would overwrite the input {hf};")
+    fails(["train", "--init-from", str(adapter), "--data", str(corpus), "--out-dir", str(hf / "ft"), "--steps", "1"],
+          f"lies inside --init-from {hf}")  # fmt: skip
+    assert _files(hf) == before
+
+
+@pytest.mark.slow  # a LoRA run of one step on a copy of the base: ~3 s on the 2-core machine
+def test_no_output_lands_on_or_in_the_base_a_lora_run_reads(run: Path, corpus: Path, tmp_path: Path, fails):
+    import shutil
+
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    shutil.copytree(run, base)
+    argv = ["train", "--init-from", str(base), "--data", str(corpus), "--out-dir", str(lora), "--steps", "1",
+            "--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0", "--lora-rank", "2",
+            "--quiet"]  # fmt: skip
+    assert main(argv) == 0
+    before = _files(base)
+    for out in (base, base / "hf"):
+        fails(["convert", "--to-hf", str(lora), "--merge", "--out", str(out)], f"would overwrite the input {base}")
+        fails(["convert", "--to-peft", str(lora), "--out", str(out)], f"would overwrite the input {base}")
+    fails(["train", "--init-from", str(lora), "--data", str(corpus), "--out-dir", str(base), "--steps", "1"],
+          f"--out-dir {base} is --init-from {base.resolve()}")  # fmt: skip
+    assert _files(base) == before

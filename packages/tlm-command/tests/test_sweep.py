@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from tlm_command import sweep
-from tlm_command.compare import TIMING_FIELDS
 from tlm_command.main import main
+from tlm_experiments import sweep
+from tlm_experiments.compare import TIMING_FIELDS
 from tlm_model import load_model_file
 from tlm_train import RunDir
 
@@ -231,7 +231,9 @@ def test_resume_needs_a_sweep_and_a_new_sweep_an_empty_folder(tmp_path, fails) -
 
 # A --jobs worker's link to its sweep (_die_with_parent), in fresh interpreters (no torch): it lives while the
 # sweep does, and the kernel kills it once the sweep is gone (Linux's parent-death signal).
-_WORKER = "from tlm_command.sweep import _die_with_parent; import time; _die_with_parent(); print('armed', flush=True)"
+_WORKER = (
+    "from tlm_experiments.sweep import _die_with_parent; import time; _die_with_parent(); print('armed', flush=True)"
+)
 _SWEEP = f"""import subprocess, sys
 worker = subprocess.Popen([sys.executable, "-c", {_WORKER + "; time.sleep(60)"!r}], stdout=subprocess.PIPE, text=True)
 print(worker.pid, worker.stdout.readline().strip(), flush=True)

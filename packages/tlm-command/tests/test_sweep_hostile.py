@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from tlm_command import manifest as manifest_module
-from tlm_command import sweep
+from tlm_experiments import manifest as manifest_module
+from tlm_experiments import sweep
 
 BASE = {"steps": 2, "vocab_size": 32, "model": {"context_length": 16, "d_model": 32, "num_layers": 1,
                                                 "num_heads": 2, "d_ff": 64}}  # fmt: skip

@@ -478,3 +478,39 @@ def test_a_rename_that_fails_for_another_reason_than_a_race_is_raised_at_once(tm
     with pytest.raises(PermissionError, match="Permission denied"):
         replace_dir(target, _version(1))
     assert calls == [target] and os.listdir(tmp_path) == []  # one try, and the new folder is cleaned up
+
+
+def _within(seconds, call):
+    """``call()``'s exception or result, run in a thread that must end within ``seconds`` (a FIFO read would hang)."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = call()
+        except Exception as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the read blocked"
+    return outcome
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_read_dir_files_and_read_input_refuse_a_fifo_without_blocking(tmp_path):
+    from tlm_core.atomic import read_input
+
+    (tmp_path / "a.json").write_bytes(b"{}")
+    os.mkfifo(tmp_path / "b.json")  # no writer: a blocking open would hang here
+    for names, optional in ((["a.json", "b.json"], ()), ([], ("b.json",))):
+        error = _within(10, lambda names=names, optional=optional: read_dir_files(tmp_path, names, optional=optional))
+        assert isinstance(error.get("error"), ValueError)
+        assert str(error["error"]) == f"{tmp_path / 'b.json'}: a FIFO (named pipe), expected a regular file"
+    assert read_dir_files(tmp_path, ["a.json"]) == {"a.json": b"{}"}
+    error = _within(10, lambda: read_input(tmp_path / "b.json", "--flag"))["error"]
+    assert isinstance(error, ValueError) and "a FIFO (named pipe), expected a regular file" in str(error)
+    assert read_input(tmp_path / "a.json", "--flag") == b"{}"
+    assert read_input(tmp_path / "a.json", "--flag", limit=2) == b"{}"
+    with pytest.raises(ValueError, match=r"^--flag \S+a.json: over 1 bytes, too large for what it should hold$"):
+        read_input(tmp_path / "a.json", "--flag", limit=1)

@@ -21,3 +21,9 @@ def test_every_public_name_resolves_and_is_listed():
     for name in tlm_core.__all__:
         assert getattr(tlm_core, name) is not None
     assert set(tlm_core.__all__) <= set(dir(tlm_core))
+
+
+def test_the_command_line_helpers_load_no_torch():
+    """A parser is built and its errors printed before torch is imported (tlm-command's and tlm-experiments')."""
+    loaded = _modules_after("from tlm_core.cli import UserError, add_command, positive_int")
+    assert not loaded & {"tlm_core.atomic", "tlm_core.progress", "tlm_core.tensors", "torch", "tqdm"}

@@ -223,3 +223,38 @@ def test_weights_sha256_tells_bases_apart_and_ignores_the_file_layout():
     unfused.load_state_dict(fused.state_dict())
     assert weights_sha256(fused.state_dict()) == weights_sha256(unfused.state_dict())
     assert weights_sha256(fused.state_dict()) != weights_sha256(base_model(seed=1).state_dict())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_bfloat16_frozen_base_gives_bfloat16_autocasts_exact_loss_and_adapter_gradients(fused):
+    # Issue 42: under bfloat16 autocast every frozen float32 weight was cast to bfloat16 on each forward; held in
+    # bfloat16, the products are the same ones (autocast's cast is the same round-to-nearest), at half the memory.
+    from tlm_lora import cast_frozen_weights
+
+    models = []
+    for cast in (False, True):
+        model = base_model(fused)
+        apply_lora(model, ALL, rank=4, alpha=8)
+        randomise_adapters(model)
+        if cast:
+            names = cast_frozen_weights(model, torch.bfloat16)
+            assert names and all(model.get_parameter(n).dtype == torch.bfloat16 for n in names)
+        models.append(model)
+    float32_base, bfloat16_base = models
+    dtypes = {n: p.dtype for n, p in bfloat16_base.named_parameters()}
+    assert all(dtypes[n] == torch.float32 for n, p in bfloat16_base.named_parameters() if p.requires_grad)
+    assert [d for n, d in dtypes.items() if "embed" in n] == [torch.float32]  # a lookup: autocast casts nothing
+    assert all(d == torch.float32 for n, d in dtypes.items() if "ln" in n)  # gains are not matmul weights
+    losses = []
+    for model in models:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model.loss(ids(), ids(seed=4))
+        loss.backward()
+        losses.append(loss)
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), b in zip(lora_state_dict(float32_base).items(), lora_state_dict(bfloat16_base).values(),
+                            strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in models]
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -202,10 +202,10 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     batch_kwargs = {"max_batch_size": 2, "chunk": 8, "min_slots": 8}
     DecodeBatch(fast, 2, prefill_chunk=8, min_slots=8).warm_up()  # buckets 1 and 2, prompt chunks of 1 and 2
     assert len(graphs["decode"]) == 2 and read["decode"] == {8}
-    # Each graph first compiled at a size it serves (inductor's hints): a full chunk of one prompt, then of
-    # two; the steps from the largest bucket down.
-    assert shapes["prefill"][:2] == [(1, 8), (2, 4)] and [s[0] for s in shapes["decode"]] == [2, 1]
-    warm_frames, warm_prefill = counters["frames"]["total"], len(graphs["prefill"])
+    # Each graph first compiled at a size it serves (inductor's hints): a full chunk of one prompt (its two
+    # halves in two grid rows, pack_chunks), then of two; the steps from the largest bucket down.
+    assert shapes["prefill"][:2] == [(2, 4), (2, 4)] and [s[0] for s in shapes["decode"]] == [2, 1]
+    warm_frames, warm_prefill = counters["stats"]["unique_graphs"], len(graphs["prefill"])
     requests = [(arrival, prompt, new) for (arrival, new), prompt in zip(
         [(0, 7), (0, 3), (1, 9), (2, 4), (5, 6), (6, 18)], _prompts([3, 20, 7, 13, 29, 28]), strict=True)]  # fmt: skip
     outputs = _drive_chunked(fast, requests, **batch_kwargs)
@@ -213,7 +213,7 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     assert read["prefill"] >= {8, 16, 32}
     assert len(graphs["decode"]) == 2  # no recompile of the step
     assert len(graphs["prefill"]) == warm_prefill  # prompt chunks: their sizes became dynamic in the warm-up
-    assert counters["frames"]["total"] == warm_frames
+    assert counters["stats"]["unique_graphs"] == warm_frames
     for i, (_, prompt, new) in enumerate(requests):
         assert outputs[i] == generate(model, prompt, new, temperature=0)[len(prompt) :].tolist(), i
     torch._dynamo.reset()
@@ -254,3 +254,25 @@ def test_every_position_gives_the_prompts_logits_from_the_same_prefill():
     torch.testing.assert_close(every[-1], plain.add(prompt), rtol=1e-6, atol=1e-6)
     token = torch.tensor([3])
     torch.testing.assert_close(scored.step(token), plain.step(token), rtol=0, atol=0)  # the same row was cached
+
+
+@pytest.mark.parametrize("lengths", [[1], [2], [3], [8], [9], [1, 1, 1], [1, 5], [4, 4, 2], [16, 3]])
+def test_prompt_chunks_are_packed_in_at_least_two_rows_and_columns_each_token_once(lengths):
+    # Issue 41: dynamo specialises sizes of 1, so no chunk forward may have 1 row, 1 column or 1 picked logit.
+    from tlm_model.batching import pack_chunks
+
+    starts = [3 * c for c in range(len(lengths))]
+    grid = pack_chunks(lengths, starts)
+    assert grid.rows >= 2 and grid.width >= 2 and len(grid.last) >= 2 and len(grid.every) >= 2
+    assert len(grid.positions) == grid.rows * grid.width == len(grid.owner) * grid.width
+    assert sorted(grid.source) == grid.source and len(set(grid.source)) == sum(lengths)
+    at = 0
+    for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        cells = grid.source[at : at + n]
+        assert [grid.positions[i] for i in cells] == list(range(start, start + n))  # consecutive slots, in order
+        assert {grid.owner[i // grid.width] for i in cells} == {c}
+        assert grid.last[c] == cells[-1]
+        at += n
+    padding = set(range(grid.rows * grid.width)) - set(grid.source)
+    assert all(grid.positions[i] == -1 for i in padding)
+    assert grid.width <= max(2, max(lengths))  # never wider than the longest chunk (or 2)

@@ -1,5 +1,6 @@
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -363,3 +364,33 @@ def test_an_unreadable_torch_file_is_a_value_error_naming_it(tmp_path, content):
     (tmp_path / "weights.pt").write_bytes(content)
     with pytest.raises(ValueError, match="weights.pt is not a readable torch.save file"):
         load_model_file(tmp_path / "weights.pt", config=CFG)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_as_the_model_file_is_refused_without_blocking(tmp_path):
+    import threading
+
+    from tlm_model.checkpoint import read_config
+
+    os.mkfifo(tmp_path / "model.safetensors")  # no writer: a blocking open would wait for ever
+    os.mkfifo(tmp_path / "model.pt")
+    errors = []
+
+    def read(call, path, **options):
+        try:
+            call(path, **options)
+        except ValueError as err:
+            errors.append(str(err))
+
+    calls = [(load_model_file, tmp_path, {}), (read_config, tmp_path, {}),
+             (load_model_file, tmp_path / "model.pt", {"config": CFG})]  # fmt: skip
+    for call, path, options in calls:
+        thread = threading.Thread(target=read, args=(call, path), kwargs=options, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"{call.__name__} blocked on the FIFO"
+    fifo = "a FIFO (named pipe), expected a regular file"
+    assert errors == [
+        *[f"model file {tmp_path / 'model.safetensors'}: {fifo}"] * 2,
+        f"model file {tmp_path / 'model.pt'}: {fifo}",
+    ]

@@ -191,7 +191,8 @@ def test_other_scalings_import_with_hf_logits(scaling, tmp_path, record_error):
         ),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'default'"),
         ({"some_new_switch": 1}, "unknown keys \\['some_new_switch'\\]"),
-        ({"model_type": "mistral"}, "model_type must be 'llama'"),
+        ({"model_type": "gemma"}, r"model_type must be one of \['llama', 'mistral', 'qwen2'\]"),
+        ({"model_type": "mistral", "architectures": ["LlamaForCausalLM"]}, r"must be \['MistralForCausalLM'\]"),
     ],
 )
 def test_unsupported_settings_are_refused_by_name(changes, match):

@@ -118,6 +118,18 @@ def test_foreach_and_single_tensor_paths_agree_exactly():
         assert torch.equal(x, y)
 
 
+def test_the_fused_paths_device_step_counter_equals_a_fresh_step_each_time():
+    # Issue 42: the fused kernel's step tensor is a counter on the device advanced by add_(1), not a host copy
+    # per step; a step that makes its tensor afresh from the host count must give the same bits.
+    class Fresh(AdamW):
+        def _device_step(self, device, step):
+            return torch.tensor(float(step), device=device)
+
+    for a, b in zip(_run(lambda groups: AdamW(groups, fused=True)), _run(lambda groups: Fresh(groups, fused=True)),
+                    strict=True):  # fmt: skip
+        assert torch.equal(a, b)
+
+
 def test_state_dict_round_trip_resumes_bit_exactly():
     full = _run(AdamW)
     params = [[p.clone().requires_grad_() for p in group] for group in _initial()]

@@ -223,3 +223,28 @@ def test_a_kill_between_the_two_renames_of_the_fallback_loses_nothing(tmp_path):
     assert which(Tokenizer.load(folder)) == "A"
     make("B").save(folder)
     assert which(Tokenizer.load(folder)) == "B" and leftovers(folder) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_fifo_in_a_tokenizer_folder_is_one_line_not_a_hang(tmp_path, name):
+    import threading
+
+    make("A").save(tmp_path / "tok")
+    (tmp_path / "tok" / name).unlink(missing_ok=True)
+    os.mkfifo(tmp_path / "tok" / name)  # no writer: a blocking open would wait for ever
+    readers = [Tokenizer.from_hf] if name == "chat_template.jinja" else [Tokenizer.load, Tokenizer.from_hf]
+    for read in readers:
+        outcome = {}
+
+        def run(read=read, outcome=outcome):
+            try:
+                read(tmp_path / "tok")
+            except ValueError as err:
+                outcome["error"] = str(err)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"{read.__name__} blocked on the FIFO"
+        assert outcome["error"].endswith(f"{tmp_path / 'tok' / name}: a FIFO (named pipe), expected a regular file")

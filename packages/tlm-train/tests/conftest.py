@@ -89,3 +89,72 @@ def forked(fork_server):
     has imported torch and tlm-train already (the root conftest's ``fork_server``): a killed or resumed run
     then costs a fork, not an interpreter start. Its stdout and stderr are always captured."""
     return fork_server(WARM_IMPORTS)
+
+
+class _HostTransfers:
+    """Counts the copies between the host and the device while active, both ways.
+
+    Device to host: ``aten::_local_scalar_dense`` (``.item()``, ``int(t)``, ``bool(t)``), a ``_to_copy`` or
+    ``copy_`` onto the CPU from another device, and the Python-level reads (``Tensor.item``/``tolist``/
+    ``__bool__``/``__float__``/``numpy``..., seen by a ``TorchFunctionMode``: ``tolist`` of a CPU tensor reads
+    memory without dispatching). Host to device: ``aten::lift_fresh`` (``torch.tensor``/``as_tensor`` of Python
+    data: on an accelerator, that data copied to the device; on the CPU the same call, so a CPU run sees it)
+    and a ``_to_copy``/``copy_`` from the CPU onto another device. Factories filled by a kernel (``full``,
+    ``zeros``, ``scalar_tensor``) copy nothing and are not counted. One CPU has no second device, so there the
+    cross-device copies cannot occur; the same counter under ``TLM_TEST_DEVICE=cuda`` sees them."""
+
+    _PYTHON_READS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"})
+
+    def __init__(self) -> None:
+        self.copies: list[str] = []
+
+    def __enter__(self) -> "list[str]":
+        import torch
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        copies = self.copies
+        aten = torch.ops.aten
+        moves = {aten._to_copy.default, aten.copy_.default}
+        lifts = {aten.lift_fresh.default, aten.lift_fresh_copy.default}
+
+        def device_of(value):  # type: ignore[no-untyped-def]
+            return value.device.type if isinstance(value, torch.Tensor) else None
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if func is aten._local_scalar_dense.default:
+                    copies.append(f"D2H {func}")
+                elif func in lifts:
+                    copies.append(f"H2D {func}")
+                elif func in moves:
+                    source = device_of(args[1] if func is aten.copy_.default else args[0])
+                    target = device_of(args[0] if func is aten.copy_.default else out)
+                    if source != target and "meta" not in (source, target):
+                        copies.append(f"{'D2H' if target == 'cpu' else 'H2D'} {func} {source}->{target}")
+                return out
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = getattr(func, "__name__", "")
+                if name in _HostTransfers._PYTHON_READS:
+                    copies.append(f"D2H Tensor.{name}")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (Function(), Dispatch())
+        for mode in self._modes:
+            mode.__enter__()
+        return copies
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+@pytest.fixture
+def host_transfers():
+    """``with host_transfers() as copies: ...``: ``copies`` lists every host-to-device and device-to-host copy
+    made inside the block (``"H2D ..."``/``"D2H ..."``; see :class:`_HostTransfers` for what counts)."""
+    return _HostTransfers

@@ -60,17 +60,14 @@ def test_a_run_gives_its_newest_verified_step_and_falls_back_saying_so(tmp_path)
     assert model_config(resolve(run)) == CONFIG
 
 
-def test_tlm_train_artifacts_is_a_deprecated_alias_of_tlm_artifacts():
-    import importlib
-    import sys
+def test_the_readers_live_in_tlm_artifacts_only():
+    """The re-exports kept for tlm-train 0.3's importers are gone (issue 43): one home per name."""
+    import importlib.util
 
-    import pytest
-
-    import tlm_artifacts
     import tlm_train
+    import tlm_train.checkpoint
 
-    sys.modules.pop("tlm_train.artifacts", None)
-    with pytest.warns(DeprecationWarning, match="import tlm_artifacts"):
-        module = importlib.import_module("tlm_train.artifacts")
-    assert module.resolve is tlm_artifacts.resolve and module.load_model is tlm_artifacts.load_model
-    assert tlm_train.resolve is tlm_artifacts.resolve and tlm_train.Artifact is tlm_artifacts.Artifact
+    assert importlib.util.find_spec("tlm_train.artifacts") is None
+    assert importlib.util.find_spec("tlm_train.lora") is None
+    assert not {"resolve", "load_model", "load_tokenizer", "Artifact", "load_train_state"} & set(tlm_train.__all__)
+    assert not {"load_step_model", "read_model_state", "load_train_state"} & set(tlm_train.checkpoint.__all__)

@@ -161,3 +161,44 @@ def test_a_chat_template_that_cannot_be_used_is_refused_before_anything_is_writt
     with pytest.raises((FileNotFoundError, ValueError), match=f"--chat-template {path}: .*{message}"):
         train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(path)))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("role", ["user<|im_end|>", "narrator"])
+def test_a_role_outside_the_declared_set_is_named_by_file_and_line(tmp_path, make_config, role):
+    path = tmp_path / "roles.jsonl"
+    path.write_text('{"prompt": "hi", "completion": "yo"}\n' + json.dumps({"messages": [{"role": role,
+                    "content": "hi"}]}) + "\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--data .*roles.jsonl line 2\[0\]: role must be one of system, "):
+        train(make_config(data=[str(path)], vocab_size=300))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("case", ["no assistant", "no assistant in the validation split", "cut by the context"])
+def test_chat_data_that_leaves_no_target_is_refused_before_training(tmp_path, make_config, case):
+    # 20 conversations; 2 (the last 10%) are the validation split. A user turn alone leaves no assistant token to
+    # train on; padded rows of the context (16 tokens) cut an answer that comes after a long question.
+    asked = {"messages": [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "on a mat"}]}
+    alone = {"messages": [{"role": "user", "content": "the cat sat on a mat"}]}
+    long = {"prompt": " ".join(WORDS * 4), "completion": "the end"}
+    records = {"no assistant": [alone] * 20, "no assistant in the validation split": [asked] * 18 + [alone] * 2,
+               "cut by the context": [long] * 20}[case]  # fmt: skip
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    expected = ("^the validation split of --data: no token of its conversations is a target .*would measure nothing$"
+                if case == "no assistant in the validation split" else
+                "^--data .*: no token of its conversations is a target .*: nothing would train$")  # fmt: skip
+    with pytest.raises(ValueError, match=expected):
+        train(make_config(data=[str(path)], vocab_size=300, steps=1, val_fraction=0.1, chat_layout="padded"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_chat_template_that_loops_is_stopped_naming_the_line(tmp_path, make_config, chat_file, monkeypatch):
+    import tlm_tokenizer.chat
+
+    monkeypatch.setattr(tlm_tokenizer.chat, "RENDER_SECONDS", 0.2)
+    template = tmp_path / "loops.jinja"
+    loop = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    template.write_text(loop + CHATML_TEMPLATE)
+    with pytest.raises(ValueError, match=r"^--data .*chat.jsonl line 1: the chat template took more than 0.2 s"):
+        train(make_config(data=[str(chat_file[0])], vocab_size=300, chat_template=str(template)))
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -464,8 +464,9 @@ def _save_sharded(manager, step, seed=0):
 
 
 def test_a_sharded_step_folder_restores_model_and_optimizer_exactly_and_gives_the_model(tmp_path):
+    from tlm_artifacts import load_step_model
+    from tlm_artifacts.steps import read_model_state
     from tlm_train import CheckpointManager
-    from tlm_train.checkpoint import load_step_model, read_model_state
 
     manager = CheckpointManager(tmp_path, keep=5)
     model, opt, path = _save_sharded(manager, 3)
@@ -489,8 +490,8 @@ def test_a_sharded_step_folder_restores_model_and_optimizer_exactly_and_gives_th
     ],
 )
 def test_a_sharded_step_folder_whose_files_changed_is_refused_before_dcp_reads_it(tmp_path, change, match):
+    from tlm_artifacts.steps import read_model_state
     from tlm_train import CheckpointManager
-    from tlm_train.checkpoint import read_model_state
 
     manager = CheckpointManager(tmp_path, keep=5)
     _, _, path = _save_sharded(manager, 1)
@@ -522,8 +523,10 @@ def test_a_crafted_dcp_metadata_pickle_runs_nothing_even_when_its_digest_is_reco
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+    from tlm_artifacts.steps import read_model_state
+    from tlm_artifacts.train_state import load_train_state
     from tlm_train import CheckpointManager
-    from tlm_train.checkpoint import load_train_state, read_model_state, save_train_state
+    from tlm_train.checkpoint import save_train_state
 
     manager = CheckpointManager(tmp_path, keep=5)
     _, _, path = _save_sharded(manager, 1)
@@ -628,8 +631,8 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
     import socket
     import time
 
+    from tlm_artifacts.steps import read_model_state
     from tlm_train import CheckpointManager
-    from tlm_train.checkpoint import read_model_state
 
     rng, done = random.Random(11), 0
     for _ in range(2):
@@ -763,7 +766,8 @@ def test_a_background_sharded_save_equals_the_inline_one_and_a_failed_one_leaves
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from tlm_train.checkpoint import BackgroundSaver, read_sharded_tensors
+    from tlm_artifacts.steps import read_sharded_tensors
+    from tlm_train.checkpoint import BackgroundSaver
 
     model = TransformerLM(ModelConfig(64, 8, 16, 1, 2, 32), fused=False)
     opt = AdamW(model.parameters())

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from tlm_train.checkpoint import FORMAT, load_checkpoint, load_train_state, read_checkpoint
+from tlm_artifacts.train_state import FORMAT, load_train_state
+from tlm_train.checkpoint import load_checkpoint, read_checkpoint
 
 
 def _crafted(tmp_path, marker):

@@ -7,6 +7,7 @@ import pytest
 
 from tlm_train import RunDir, TrainConfig, default_corpus
 from tlm_train.data import check_data_paths, prepare_data
+from tlm_train.recipe import data_settings
 
 
 def test_default_corpus_needs_no_download() -> None:
@@ -19,12 +20,12 @@ def test_text_is_encoded_once_with_the_tokenizer_trained_here(tmp_path) -> None:
     text.write_text(default_corpus()[:20_000], encoding="utf-8")
     config = TrainConfig(data=[str(text)], vocab_size=300, out_dir=str(tmp_path / "run"))
     run = RunDir(tmp_path / "run")
-    data = prepare_data(config, run)
+    data = prepare_data(data_settings(config), run)
     tokens = np.concatenate([data.train, data.val])
     assert data.tokenizer.decode(tokens.tolist()) == text.read_text()
     assert len(data.val) == round(len(tokens) * 0.1) and data.vocab_size == 300
     before = (run.data_dir / "train.npy").stat().st_mtime_ns
-    prepare_data(config, run)  # a resumed run reads what is there
+    prepare_data(data_settings(config), run)  # a resumed run reads what is there
     assert (run.data_dir / "train.npy").stat().st_mtime_ns == before
 
 
@@ -51,13 +52,13 @@ def test_token_files_must_hold_ids_of_the_vocabulary(tmp_path, array, message) -
     np.save(tmp_path / "t.npy", array)
     config = TrainConfig(data=[str(tmp_path / "t.npy")], vocab_size=32)
     with pytest.raises(ValueError, match=message):
-        prepare_data(config, RunDir(tmp_path / "run"))
+        prepare_data(data_settings(config), RunDir(tmp_path / "run"))
 
 
 def test_a_pickled_npy_is_refused(tmp_path) -> None:
     np.save(tmp_path / "t.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="is not a readable .npy file"):
-        prepare_data(TrainConfig(data=[str(tmp_path / "t.npy")]), RunDir(tmp_path / "run"))
+        prepare_data(data_settings(TrainConfig(data=[str(tmp_path / "t.npy")])), RunDir(tmp_path / "run"))
 
 
 def test_a_token_file_changed_in_place_is_refused_on_resume(tmp_path, make_config, tokens, snapshot) -> None:
@@ -87,7 +88,7 @@ def test_only_the_main_rank_writes_the_given_tokenizer_into_the_run(tmp_path, to
 
     tokenizer = Tokenizer({i: bytes([i]) for i in range(256)}, [])
     run = RunDir(tmp_path / "run")
-    data = prepare_data(TrainConfig(data=[str(tokens)]), run, tokenizer=tokenizer, is_main=is_main)
+    data = prepare_data(data_settings(TrainConfig(data=[str(tokens)])), run, tokenizer=tokenizer, is_main=is_main)
     assert data.tokenizer is tokenizer and data.vocab_size == 256
     assert run.has_tokenizer() == is_main
 
@@ -108,11 +109,11 @@ def test_without_max_data_bytes_the_corpus_may_take_half_the_free_disk(tmp_path,
     monkeypatch.setattr(shutil, "disk_usage", disk_usage)
     run = RunDir(tmp_path / "run")
     with pytest.raises(ValueError, match=r"t\.txt: the corpus passed --max-data-bytes 999 "):
-        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+        prepare_data(data_settings(TrainConfig(data=[str(text)], out_dir=str(run.path))), run)
     assert seen == [str(run.path)]  # the run folder's disk, where the corpus is written
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 2000))
     with pytest.raises(ValueError, match="--data holds 1 tokens"):  # 1,000 bytes fit; too few tokens is next
-        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path), vocab_size=300), run)
+        prepare_data(data_settings(TrainConfig(data=[str(text)], out_dir=str(run.path), vocab_size=300)), run)
 
 
 def _chat_file(tmp_path):
@@ -126,7 +127,7 @@ def test_an_unreadable_chat_template_is_one_error_naming_it(tmp_path) -> None:
     run = RunDir(tmp_path / "run")
     config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), chat_template=str(tmp_path / "no"))
     with pytest.raises(ValueError, match=rf"^--chat-template {tmp_path / 'no'}: cannot read it \("):
-        prepare_data(config, run, context_length=32)
+        prepare_data(data_settings(config), run, context_length=32)
 
 
 def test_a_given_tokenizer_gains_the_chat_markers_and_keeps_the_template(tmp_path) -> None:
@@ -136,7 +137,7 @@ def test_a_given_tokenizer_gains_the_chat_markers_and_keeps_the_template(tmp_pat
     given = Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
     run = RunDir(tmp_path / "run")
     config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path))
-    prepare_data(config, run, tokenizer=given, context_length=32)
+    prepare_data(data_settings(config), run, tokenizer=given, context_length=32)
     saved = run.tokenizer()
     assert saved.chat_template == CHATML_TEMPLATE  # what generate and serve render chats with
     assert saved.special_tokens == ["<|endoftext|>", *CHAT_MARKERS] and saved.vocab_size == 257 + len(CHAT_MARKERS)
@@ -147,7 +148,7 @@ def test_a_tokenizer_trained_on_chat_data_has_the_chat_markers_as_special_tokens
 
     run = RunDir(tmp_path / "run")
     config = TrainConfig(data=[str(_chat_file(tmp_path))], out_dir=str(run.path), vocab_size=300)
-    prepare_data(config, run, context_length=32)
+    prepare_data(data_settings(config), run, context_length=32)
     assert run.tokenizer().special_tokens == ["<|endoftext|>", *CHAT_MARKERS]
 
 
@@ -176,7 +177,7 @@ def test_a_full_disk_while_the_data_is_written_is_one_error_naming_the_run_folde
     text.write_text("some text " * 100, encoding="utf-8")
     run = RunDir(tmp_path / "run")
     with pytest.raises(ValueError, match=rf"^--out-dir {run.path}: the disk filled while the run's data was written "):
-        prepare_data(TrainConfig(data=[str(text)], out_dir=str(run.path)), run)
+        prepare_data(data_settings(TrainConfig(data=[str(text)], out_dir=str(run.path))), run)
     assert [p.name for p in run.path.iterdir()] == []  # the partial corpus is removed
 
 
@@ -188,11 +189,12 @@ def test_validation_text_and_chat_data_are_bounded_by_max_data_bytes_too(tmp_pat
     config = TrainConfig(data=[str(text)], val_data=[str(held_out)], out_dir=str(run.path), vocab_size=300,
                          max_data_bytes=25_000)  # fmt: skip
     with pytest.raises(ValueError, match=rf"^--val-data {held_out}: the corpus passed --max-data-bytes 25,000 "):
-        prepare_data(config, run)
+        prepare_data(data_settings(config), run)
     run = RunDir(tmp_path / "chat-run")
     chat = _chat_file(tmp_path)
     with pytest.raises(ValueError, match=rf"^--data {chat}: the corpus passed --max-data-bytes 100 "):
-        prepare_data(TrainConfig(data=[str(chat)], out_dir=str(run.path), max_data_bytes=100), run, context_length=32)
+        config = TrainConfig(data=[str(chat)], out_dir=str(run.path), max_data_bytes=100)
+        prepare_data(data_settings(config), run, context_length=32)
     assert not (run.path / "data").exists() and not (run.path / "tokenizer").exists()
 
 
@@ -205,7 +207,7 @@ def test_chat_data_holds_out_its_last_conversations_and_trains_on_every_other_on
     config = TrainConfig(
         data=[str(_chat_file(tmp_path))], out_dir=str(run.path), val_fraction=0.34, chat_layout="padded"
     )
-    prepare_data(config, run, tokenizer=given, context_length=63)
+    prepare_data(data_settings(config), run, tokenizer=given, context_length=63)
     template = ChatTemplate(run.tokenizer())
     # round(6 x 0.34) = 2 held out, the last two; one conversation per 64-token row, in the file's order.
     rows = [np.load(run.data_dir / name).reshape(-1, 64) for name in ("train.npy", "val.npy")]
@@ -216,3 +218,23 @@ def test_chat_data_holds_out_its_last_conversations_and_trains_on_every_other_on
         ).ids
         assert np.where(row < 0, -1 - row, row)[: len(ids)].tolist() == ids
     assert json.loads((run.data_dir / "info.json").read_text())["chat"]["examples"] == 6
+
+
+def test_the_data_layer_depends_on_its_own_settings_only():
+    """tlm_train.data reads the dozen settings of DataSettings, never the whole TrainConfig (issue 43)."""
+    import ast
+    import dataclasses
+    import pathlib
+
+    import tlm_train.data
+    from tlm_train.data import DataSettings
+
+    tree = ast.parse(pathlib.Path(tlm_train.data.__file__).read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not imported & {"tlm_train.config", "tlm_train.recipe", "tlm_train.run_dir", "tlm_train"}
+    config = TrainConfig(data=["a.txt"], vocab_size=300, chat_layout="padded", max_data_bytes=5)
+    settings = data_settings(config)
+    names = {f.name for f in dataclasses.fields(DataSettings)}
+    assert names < {f.name for f in dataclasses.fields(TrainConfig)}
+    assert all(getattr(settings, name) == getattr(config, name) for name in names)

@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import tlm_train.distributed
+from tlm_artifacts.steps import read_model_state
 from tlm_model import ModelConfig, TransformerLM
 from tlm_train import DistInfo, LanguageModelLoss, RunDir, TrainConfig, init_distributed, train, wrap_model
-from tlm_train.checkpoint import read_model_state
 from tlm_train.distributed import barrier
 from tlm_train.metrics import TIMING_FIELDS
 

@@ -107,7 +107,7 @@ def _fill_after(monkeypatch, room):
 
 
 def _loads(checkpoint, step):
-    from tlm_train.checkpoint import load_step_model
+    from tlm_artifacts import load_step_model
 
     assert checkpoint.name == f"step_{step:08d}"
     model = load_step_model(checkpoint)

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import tlm_artifacts as artifacts
+from tlm_artifacts.layout import ADAPTER_NAME, STATE_NAME
 from tlm_lora import weights_sha256
 from tlm_train import ResumeError, RunDir, TrainConfig, train
-from tlm_train.checkpoint import STATE_NAME
-from tlm_train.lora import ADAPTER_NAME
 
 MODEL = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
 COMMON = dict(vocab_size=48, batch_size=4, eval_batches=2, peak_flops=1e9, warmup_steps=1, sample_tokens=0, seed=3)
@@ -130,7 +129,7 @@ def test_a_lora_run_on_two_ranks_equals_one_process(mode: str, data: Path, base:
     import subprocess
     import sys
 
-    from tlm_train.checkpoint import read_sharded_tensors
+    from tlm_artifacts.steps import read_sharded_tensors
 
     # No dropout: each rank draws its own masks, so only a dropout-free run can equal one process.
     changes = dict(lora_dropout=0.0, batch_size=8)

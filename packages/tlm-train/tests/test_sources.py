@@ -9,6 +9,7 @@ import pytest
 from tlm_tokenizer import Tokenizer, train_bpe
 from tlm_train import RunDir, TrainConfig, default_corpus
 from tlm_train.data import prepare_data
+from tlm_train.recipe import data_settings
 from tlm_train.sources import documents, write_corpus
 
 zstandard = pytest.importorskip("zstandard", reason="the zstd extra (zstandard) is not installed")
@@ -98,7 +99,7 @@ def test_a_run_trains_on_the_documents_of_a_compressed_jsonl_joined_by_end_of_te
     corpus.write_text("<|endoftext|>".join(docs), encoding="utf-8")
     tokenizer = Tokenizer(*train_bpe(str(corpus), 300, ["<|endoftext|>"]), ["<|endoftext|>"])
     config = TrainConfig(data=[str(source)], out_dir=str(tmp_path / "run"))
-    data = prepare_data(config, RunDir(tmp_path / "run"), tokenizer=tokenizer)
+    data = prepare_data(data_settings(config), RunDir(tmp_path / "run"), tokenizer=tokenizer)
     assert np.concatenate([data.train, data.val]).tolist() == tokenizer.encode(corpus.read_text(encoding="utf-8"))
     assert not [p for p in (tmp_path / "run").iterdir() if "corpus" in p.name]  # the temporary is gone
 
@@ -291,7 +292,7 @@ def test_a_run_refuses_data_past_max_data_bytes_before_writing_its_data(tmp_path
     run = RunDir(tmp_path / "run")
     config = TrainConfig(data=[str(files["jsonl"])], out_dir=str(run.path), max_data_bytes=10)
     with pytest.raises(ValueError, match=r"c\.jsonl: the corpus passed --max-data-bytes 10 "):
-        prepare_data(config, run)
+        prepare_data(data_settings(config), run)
     assert [p.name for p in run.path.iterdir()] == []  # no data, no tokenizer, no temporary corpus
 
 

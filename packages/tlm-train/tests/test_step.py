@@ -175,6 +175,37 @@ def test_a_step_after_the_first_reads_nothing_back_to_the_host(fused, host_reads
     assert guard.first() == 3
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_a_step_after_the_first_copies_nothing_either_way(fused, host_transfers) -> None:
+    # Issue 42: host-to-device copies count too. The fused path used to build its step scalar from the host each
+    # step (torch.tensor(float(step), device=...): aten::lift_fresh, on CUDA a blocking copy); it is now a
+    # counter on the device. Gradient accumulation, clipping, the schedule and a skipped non-finite step included.
+    model = _model()
+    optimizer, loss_module = AdamW(model.parameters(), lr=1e-3, fused=fused), LanguageModelLoss(model)
+    scheduler = CosineSchedule(optimizer, max_learning_rate=1e-3, min_learning_rate=1e-4, warmup_iters=1,
+                               cosine_cycle_iters=8)  # fmt: skip
+    guard = NonFiniteGuard("cpu")
+    kwargs = {"max_grad_norm": 1.0, "guard": guard, "scheduler": scheduler}
+    train_step(loss_module, optimizer, [_batch(2, 0)], **kwargs)
+    with host_transfers() as copies:
+        train_step(loss_module, optimizer, [_batch(2, 1), _batch(2, 2)], **kwargs)
+        train_step(loss_module, optimizer, [_batch(2, 3)], **kwargs)
+        train_step(_Poisoned(model, {1}), optimizer, [_batch(2, 4)], **kwargs)
+    assert copies == []
+    assert guard.first() == 4
+
+
+def test_a_logging_step_reads_the_guard_loss_and_norm_in_one_transfer(host_transfers) -> None:
+    model = _model()
+    optimizer, loss_module = AdamW(model.parameters(), lr=1e-3), LanguageModelLoss(model)
+    guard = NonFiniteGuard("cpu")
+    stats = train_step(loss_module, optimizer, [_batch(2, 0)], max_grad_norm=1.0, guard=guard)
+    with host_transfers() as copies:
+        loss, norm = guard.check(optimizer, also=(stats.loss, stats.grad_norm))
+    assert copies == ["D2H Tensor.tolist"]
+    assert (loss, norm) == (stats.loss.item(), stats.grad_norm.item())
+
+
 class _Poisoned(LanguageModelLoss):
     """The loss times NaN on the chosen calls (counted from 1): a non-finite loss and NaN gradients."""
 

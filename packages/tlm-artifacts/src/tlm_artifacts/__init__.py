@@ -28,7 +28,7 @@ _HOMES = {
     "RunFolder": "tlm_artifacts.layout",
     "BaseModelError": "tlm_artifacts.lora",
     "StepFolders": "tlm_artifacts.steps",
-    "load_step_model": "tlm_artifacts.steps",
+    "load_step_model": "tlm_artifacts.artifact",
     "read_model_state": "tlm_artifacts.steps",
     "load_train_state": "tlm_artifacts.train_state",
 }
@@ -58,6 +58,7 @@ if TYPE_CHECKING:
         Artifact,
         UnreadableTokenizer,
         load_model,
+        load_step_model,
         load_tokenizer,
         lora_step,
         model_config,
@@ -66,7 +67,7 @@ if TYPE_CHECKING:
     )
     from tlm_artifacts.layout import RunFolder
     from tlm_artifacts.lora import BaseModelError
-    from tlm_artifacts.steps import StepFolders, load_step_model, read_model_state
+    from tlm_artifacts.steps import StepFolders, read_model_state
     from tlm_artifacts.train_state import load_train_state
 
 

@@ -13,7 +13,8 @@
 | a PEFT LoRA adapter folder | its base (any of the above) with the adapter merged | the base's |
 
 A LoRA run (``tlm train --lora-rank``), or a step folder of one, opens as its base with the adapters merged
-(:mod:`tlm_artifacts.lora`); :func:`lora_step` tells one apart. A PEFT folder (``adapter_config.json``) names its
+(:func:`load_lora_step`: the base is opened here, as any artifact, and :mod:`tlm_artifacts.lora` applies the
+adapters); :func:`lora_step` tells one apart. A PEFT folder (``adapter_config.json``) names its
 base in ``base_model_name_or_path``, relative to the adapter folder when not absolute.
 """
 
@@ -26,10 +27,19 @@ from typing import Any
 
 import torch
 
-from tlm_artifacts.layout import CHECKPOINT_DIR, STATE_NAME, TOKENIZER_DIR, RunFolder
-from tlm_artifacts.lora import BaseModelError, is_peft_folder, load_peft, peft_base_path
-from tlm_artifacts.steps import StepFolders, load_step_model, read_step_config, step_of
+from tlm_artifacts.layout import ADAPTER_NAME, CHECKPOINT_DIR, STATE_NAME, TOKENIZER_DIR, RunFolder
+from tlm_artifacts.lora import (
+    BaseModelError,
+    is_peft_folder,
+    peft_base_path,
+    peft_settings,
+    read_adapter_file,
+    with_adapters,
+    with_peft_adapter,
+)
+from tlm_artifacts.steps import StepFolders, load_whole_step, read_sharded_tensors, read_step_config, step_of
 from tlm_artifacts.train_state import load_train_state
+from tlm_lora import weights_sha256
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
 from tlm_model.interop import CONFIG_NAME as HF_CONFIG
@@ -176,6 +186,70 @@ def load_model(
             if on_damaged is not None:
                 on_damaged(step, err)
     raise ValueError(f"{artifact.path}: every checkpoint is damaged; none can be read")
+
+
+def load_step_model(
+    folder: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    **options: Any,
+) -> TransformerLM:
+    """The TransformerLM of a step folder (either layout; a LoRA step's base with its adapters merged), verified;
+    ``dtype`` defaults to the saved one. ``options`` go to ``TransformerLM``."""
+    if not (Path(folder) / WEIGHTS_NAME).is_file():
+        state = load_train_state(Path(folder) / STATE_NAME)
+        if state.get("lora"):  # the base the run adapted, the adapters merged in
+            return load_lora_step(Path(folder), state, device=device, dtype=dtype, **options)
+    return load_whole_step(folder, device=device, dtype=dtype, **options)
+
+
+def load_base(path: str, *, expect_sha256: str | None, what: str) -> TransformerLM:
+    """The float32 base model at ``path`` (any artifact tlm opens), refused when its weights' SHA-256 is not
+    ``expect_sha256``."""
+    if not Path(path).exists():
+        raise BaseModelError(f"{what}: its base model {path} is gone (a LoRA run holds only adapters)")
+    model, _ = load_model(resolve(path), dtype=torch.float32)
+    if expect_sha256 is not None and weights_sha256(model.state_dict()) != expect_sha256:
+        raise BaseModelError(
+            f"{what}: the base model at {path} is not the one its adapters were trained on (its weights' SHA-256 "
+            "differs)"
+        )
+    return model
+
+
+def load_lora_step(
+    folder: Path,
+    state: dict[str, Any],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    merge: bool = True,
+    **options: Any,
+) -> TransformerLM:
+    """The model of a LoRA step folder: its verified base with the adapters applied (merged unless ``merge``
+    is False, when the LoRALinear modules stay in place, as a PEFT export wants them)."""
+    lora = state["lora"]
+    base = load_base(lora["base"]["path"], expect_sha256=lora["base"]["sha256"], what=str(folder))
+    if "adapter_sha256" in state:
+        adapters = read_adapter_file(folder / ADAPTER_NAME, state["adapter_sha256"])
+    else:  # a sharded (DDP/FSDP2) step: its adapters are in the DCP files
+        adapters = read_sharded_tensors(folder)
+    return with_adapters(base, state, adapters, str(folder), device=device, dtype=dtype, merge=merge, **options)
+
+
+def load_peft(
+    folder: Path,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    merge: bool = True,
+    **options: Any,
+) -> TransformerLM:
+    """The base a PEFT LoRA adapter folder names, with the adapter applied (merged unless ``merge`` is False)."""
+    lora = peft_settings(folder)
+    base = load_base(str(peft_base_path(folder)), expect_sha256=None, what=str(folder))
+    return with_peft_adapter(base, folder, lora, device=device, dtype=dtype, merge=merge, **options)
 
 
 def load_tokenizer(artifact: Artifact) -> Any:

@@ -11,10 +11,7 @@ RUN/train.toml  tokenizer/  data/{train.npy,val.npy,info.json}  metrics.jsonl
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tlm_artifacts.steps import StepFolders
+from typing import Any
 
 #: A run's settings (``tlm_train.TrainConfig`` as TOML); its presence, or ``checkpoints/``'s, makes a run folder.
 CONFIG_NAME = "train.toml"
@@ -43,7 +40,8 @@ def step_name(step: int) -> str:
 
 
 class RunFolder:
-    """The paths of a run folder and what inference reads from it (``tlm_train.RunDir`` adds the writing)."""
+    """The paths of a run folder and what inference reads from it (``tlm_train.RunDir`` adds the writing).
+    Its step folders: ``tlm_artifacts.StepFolders(run.checkpoints_dir)``."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -62,12 +60,6 @@ class RunFolder:
         """Whether ``path`` is a folder that ``tlm train`` wrote (its ``train.toml`` or ``checkpoints/``)."""
         path = Path(path)
         return path.is_dir() and ((path / CONFIG_NAME).is_file() or (path / CHECKPOINT_DIR).is_dir())
-
-    def checkpoints(self) -> "StepFolders":
-        """The run's step folders (listing only)."""
-        from tlm_artifacts.steps import StepFolders
-
-        return StepFolders(self.checkpoints_dir)
 
     def has_tokenizer(self) -> bool:
         return self.tokenizer_dir.is_dir()

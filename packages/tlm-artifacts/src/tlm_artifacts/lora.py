@@ -4,7 +4,9 @@ A LoRA run's step folder holds ``adapter.safetensors`` (the adapters, keyed by p
 ``model.safetensors``, and its ``train_state.pt`` records the adapters' SHA-256, the LoRA settings and the
 base's identity: the path ``--init-from`` named and the SHA-256 of the base's weights
 (:func:`tlm_lora.weights_sha256`, the same whatever file format the base was read from). Opening one reads
-the base again, refuses it when its weights changed, applies the adapters and (for inference) merges them.
+the base again, refuses it when its weights changed, applies the adapters and (for inference) merges them:
+:mod:`tlm_artifacts.artifact` reads the base (it is any artifact, so it is opened beside ``resolve``), and this
+module, which handles adapters and their files only, applies them (:func:`with_adapters`).
 
 A PEFT adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``) opens the same way, with its
 base taken from ``base_model_name_or_path`` (relative to the adapter folder when relative). The adapter
@@ -21,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tlm_artifacts.layout import ADAPTER_NAME, PEFT_CONFIG, PEFT_WEIGHTS
-from tlm_lora import apply_lora, load_lora_state_dict, merge_lora, weights_sha256
+from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
+from tlm_lora import apply_lora, load_lora_state_dict, merge_lora
 from tlm_model import ModelConfig, TransformerLM
 
 #: PEFT's module names of tlm's roles (target_modules of an HF Llama).
@@ -88,46 +90,25 @@ def read_adapter_file(path: Path, sha256: str) -> dict[str, Tensor]:
     return load(data)
 
 
-def load_base(path: str, *, expect_sha256: str | None, what: str) -> TransformerLM:
-    """The float32 base model at ``path`` (any artifact tlm opens), refused when its weights' SHA-256 is not
-    ``expect_sha256``."""
-    from tlm_artifacts import artifact
-
-    if not Path(path).exists():
-        raise BaseModelError(f"{what}: its base model {path} is gone (a LoRA run holds only adapters)")
-    model, _ = artifact.load_model(artifact.resolve(path), dtype=torch.float32)
-    if expect_sha256 is not None and weights_sha256(model.state_dict()) != expect_sha256:
-        raise BaseModelError(
-            f"{what}: the base model at {path} is not the one its adapters were trained on (its weights' SHA-256 "
-            "differs)"
-        )
-    return model
-
-
-def load_lora_step(
-    folder: Path,
+def with_adapters(
+    base: TransformerLM,
     state: dict[str, Any],
+    adapters: dict[str, Tensor],
+    what: str,
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     merge: bool = True,
     **options: Any,
 ) -> TransformerLM:
-    """The model of a LoRA step folder: its verified base with the adapters applied (merged unless ``merge``
-    is False, when the LoRALinear modules stay in place, as a PEFT export wants them)."""
-    lora = state["lora"]
-    base = load_base(lora["base"]["path"], expect_sha256=lora["base"]["sha256"], what=str(folder))
-    if "adapter_sha256" in state:
-        adapters = read_adapter_file(folder / ADAPTER_NAME, state["adapter_sha256"])
-    else:  # a sharded (DDP/FSDP2) step: its adapters are in the DCP files
-        from tlm_artifacts.steps import read_sharded_tensors
-
-        adapters = read_sharded_tensors(folder)
+    """A LoRA step's model from its verified ``base`` and ``adapters`` (keyed by parameter name), as its training
+    state ``state`` built it: merged unless ``merge`` is False, when the LoRALinear modules stay in place, as a
+    PEFT export wants them. :func:`tlm_artifacts.artifact.load_lora_step` reads the base and the adapters."""
     config = ModelConfig.from_dict(state["model_config"])
     model = TransformerLM(config, **{**options, "fused": False})  # unfused, as training built it
     model.load_state_dict(grown(base.state_dict(), config.vocab_size))  # a chat run's markers, as in training
-    adapt(model, lora)
-    load_named_adapters(model, adapters, str(folder))
+    adapt(model, state["lora"])
+    load_named_adapters(model, adapters, what)
     return _finished(model, merge, device, dtype, options)
 
 
@@ -222,21 +203,22 @@ def peft_settings(folder: Path) -> dict[str, Any]:
     }
 
 
-def load_peft(
+def with_peft_adapter(
+    base: TransformerLM,
     folder: Path,
+    lora: dict[str, Any],
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     merge: bool = True,
     **options: Any,
 ) -> TransformerLM:
-    """The base a PEFT LoRA adapter folder names, with the adapter applied (merged unless ``merge`` is False)."""
+    """``base`` with the PEFT LoRA adapter in ``folder`` applied (``lora``: its :func:`peft_settings`), merged unless
+    ``merge`` is False. :func:`tlm_artifacts.artifact.load_peft` reads the base the adapter names."""
     from safetensors.torch import load_file
 
     from tlm_model.interop import from_hf_lora_state_dict
 
-    lora = peft_settings(folder)
-    base = load_base(str(peft_base_path(folder)), expect_sha256=None, what=str(folder))
     model = TransformerLM(base.config, **{**options, "fused": False})
     model.load_state_dict(base.state_dict())
     adapt(model, lora)

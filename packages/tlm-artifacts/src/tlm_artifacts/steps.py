@@ -281,22 +281,18 @@ def _course_model(config: ModelConfig) -> nn.Module:
     return TransformerLM(config, device="meta", fused=False)
 
 
-def load_step_model(
+def load_whole_step(
     folder: str | os.PathLike[str],
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     **options: Any,
 ) -> TransformerLM:
-    """The TransformerLM of a step folder (either layout; a LoRA step's base with its adapters merged), verified;
-    ``dtype`` defaults to the saved one. ``options`` go to ``TransformerLM``."""
+    """The TransformerLM of a step folder that holds the whole model (either layout), verified; ``dtype`` defaults
+    to the saved one. ``options`` go to ``TransformerLM``. A LoRA step holds adapters only: its base is another
+    artifact, which :func:`tlm_artifacts.artifact.load_step_model` opens."""
     if (Path(folder) / WEIGHTS_NAME).is_file():
         return load_model_file(folder, device=device, dtype=dtype, **options)
-    state = load_train_state(Path(folder) / STATE_NAME)
-    if state.get("lora"):  # the base the run adapted, the adapters merged in
-        from tlm_artifacts.lora import load_lora_step
-
-        return load_lora_step(Path(folder), state, device=device, dtype=dtype, **options)
     config, weights = read_model_state(folder)
     saved = next(iter(weights.values())).dtype
     model = TransformerLM(config, device=device, dtype=dtype or saved, **options)

@@ -1,6 +1,7 @@
 """Causal multi-head self-attention with optional rotary position embedding and a KV cache."""
 
 import math
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -11,6 +12,7 @@ from tlm_attention.backends import ATTENTION_BACKENDS, masked_attention_backend,
 from tlm_attention.documents import document_mask
 from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import CacheStep, KVCache
+from tlm_core.checks import check_bool
 from tlm_linear import Linear, register_split_layout
 from tlm_rope import RotaryPositionalEmbedding
 
@@ -35,6 +37,12 @@ class CausalMultiHeadSelfAttention(nn.Module):
     and v with one matmul against a stacked (3·d_model, d_model) weight ``qkv_proj``; state
     dicts keep (and accept) the separate q/k/v keys either way. A :class:`KVCache` for this
     module holds ``num_kv_heads`` heads, so its memory is ∝ ``num_kv_heads``.
+
+    ``qkv_bias=True`` adds a learned bias to q, k and v (Qwen2's attention; the output projection has
+    none). It is one parameter ``qkv_bias`` (q's rows, then k's, then v's), zero at initialisation,
+    kept outside the projections so that a LoRA adapter on them leaves it alone; state dicts present it
+    as ``q_proj.bias``, ``k_proj.bias`` and ``v_proj.bias`` (and accept those keys). The default,
+    False, has no such parameter: the course's model and every state dict without biases are unchanged.
     """
 
     def __init__(
@@ -49,6 +57,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         fused: bool = True,
         num_kv_heads: int | None = None,
         head_dim: int | None = None,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         num_kv_heads, d_head = head_layout(d_model, num_heads, num_kv_heads, head_dim)
@@ -80,6 +89,34 @@ class CausalMultiHeadSelfAttention(nn.Module):
             self.v_proj = Linear(d_model, kv_size, device=device, dtype=dtype)
         self.output_proj = Linear(q_size, d_model, device=device, dtype=dtype)
         self.rope = rope
+        self.qkv_bias: nn.Parameter | None
+        if check_bool("qkv_bias", qkv_bias):
+            self.qkv_bias = nn.Parameter(torch.zeros(q_size + 2 * kv_size, device=device, dtype=dtype))
+            parts = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+            self.register_state_dict_post_hook(_SplitBias(parts))
+            self.register_load_state_dict_pre_hook(_JoinBias(parts))
+        else:
+            self.register_parameter("qkv_bias", None)
+
+    def reset_parameters(self) -> None:
+        """Zero the q/k/v bias (the projections reset themselves); nothing without ``qkv_bias``."""
+        if self.qkv_bias is not None:
+            with torch.no_grad():
+                self.qkv_bias.zero_()
+
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v of ``x`` (..., seq, heads·d_head each), biases added."""
+        if self.fused:
+            qkv = self.qkv_proj(x)
+            if self.qkv_bias is not None:
+                qkv = qkv + self.qkv_bias.to(qkv.dtype)
+            q, k, v = qkv.split(self._split_sizes, dim=-1)
+            return q, k, v
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_bias is not None:
+            bq, bk, bv = self.qkv_bias.to(q.dtype).split(self._split_sizes)
+            q, k, v = q + bq, k + bk, v + bv
+        return q, k, v
 
     @property
     def attention_backend(self) -> str:
@@ -132,10 +169,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             raise ValueError("document_ids is for whole packed windows; it cannot be given with a kv_cache")
         start = 0 if kv_cache is None else kv_cache.length
 
-        if self.fused:
-            q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._project(x)
         split = "... seq (heads d_head) -> ... heads seq d_head"
         q = rearrange(q, split, d_head=self.d_head)
         k, v = (rearrange(t, split, d_head=self.d_head) for t in (k, v))
@@ -164,10 +198,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
 
     def _static_step(self, x: Tensor, rope_positions: Tensor | None, step: CacheStep) -> Tensor:
-        if self.fused:
-            q, k, v = self.qkv_proj(x).split(self._split_sizes, dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._project(x)
         split = "batch seq (heads d_head) -> batch heads seq d_head"
         q, k, v = (rearrange(t, split, d_head=self.d_head) for t in (q, k, v))
         if self.rope is not None and rope_positions is not None:
@@ -182,6 +213,24 @@ class CausalMultiHeadSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.d_head}, "
+            f"head_dim={self.d_head}, qkv_bias={self.qkv_bias is not None}, "
             f"attention_backend={self._requested_backend!r} ({self._backend}), fused={self.fused}"
         )
+
+
+class _SplitBias:
+    # Callable objects, as tlm_linear.fused's hooks, so that a module carrying them still pickles.
+    def __init__(self, parts: dict[str, int]) -> None:
+        self.names, self.sizes = list(parts), list(parts.values())
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        bias = state_dict.pop(prefix + "qkv_bias")
+        for name, block in zip(self.names, torch.split(bias, self.sizes), strict=True):
+            state_dict[f"{prefix}{name}.bias"] = block.clone()  # separate storage, as safetensors needs
+
+
+class _JoinBias(_SplitBias):
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        keys = [f"{prefix}{name}.bias" for name in self.names]
+        if prefix + "qkv_bias" not in state_dict and all(k in state_dict for k in keys):
+            state_dict[prefix + "qkv_bias"] = torch.cat([state_dict.pop(k) for k in keys])

@@ -46,6 +46,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument(
         "--dtype", choices=dtype_choices(), default=None, help="convert the weights (default: as stored)"
     )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="with --from-hf: import for a context of N tokens (default: the checkpoint's max_position_embeddings; "
+        "a Mistral or Qwen2 whose sliding window is shorter needs N within the window)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON summary")
     parser.set_defaults(run=run)
 
@@ -72,6 +79,7 @@ def hf_files(tokenizer: Any) -> dict[str, bytes]:
 
 def run(args: argparse.Namespace) -> int:
     import tlm_artifacts
+    from tlm_artifacts.inputs import read_paths
     from tlm_core.tensors import dtype_from_name
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
@@ -81,9 +89,12 @@ def run(args: argparse.Namespace) -> int:
     if args.base is not None:
         raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
     source = args.from_hf if args.from_hf is not None else args.to_hf
-    check_output(args.out, source, args.tokenizer)
+    check_output(args.out, *read_paths(source), args.tokenizer)  # a LoRA run or PEFT adapter reads its base too
     if args.merge and args.to_hf is None:
         raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
+    if args.context_length is not None and args.from_hf is None:
+        raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
+                        "--init-from RUN --context-length N)")  # fmt: skip
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     if args.from_hf is not None:
         artifact = tlm_artifacts.resolve(args.from_hf)
@@ -91,13 +102,14 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"--from-hf {args.from_hf} is a tlm {artifact.describe()}, not an HF folder (no config.json)"
             )
-        model, _ = tlm_artifacts.load_model(artifact, dtype=dtype)
+        context = {} if args.context_length is None else {"context_length": args.context_length}
+        model, _ = tlm_artifacts.load_model(artifact, dtype=dtype, **context)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
         out = Path(args.out)
         save_model_file(model, out)
         if tokenizer is not None:
             tokenizer.save(out / "tokenizer")
-        source_kind, target = "HF Llama folder", "tlm model folder"
+        source_kind, target = "HF model folder", "tlm model folder"
     else:
         artifact = tlm_artifacts.resolve(args.to_hf)
         if artifact.kind == "hf":
@@ -116,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
         card = {"README.md": model_card(model, tokenizer, artifact, step)}
         save_hf(model, args.out, extra_files={**hf_files(tokenizer), **card})
-        source_kind, target = f"tlm {artifact.describe()}", "HF Llama folder"
+        source_kind, target = f"tlm {artifact.describe()}", f"HF {'Qwen2' if model.config.qkv_bias else 'Llama'} folder"
     report = {
         "from": source,
         "out": args.out,
@@ -141,15 +153,17 @@ def _to_peft(args: argparse.Namespace) -> int:
     import torch
 
     import tlm_artifacts
+    from tlm_artifacts.artifact import load_lora_step
+    from tlm_artifacts.inputs import read_paths
     from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
-    from tlm_artifacts.lora import adapter_bytes, load_lora_step, peft_config
+    from tlm_artifacts.lora import adapter_bytes, peft_config
     from tlm_core.atomic import replace_dir
     from tlm_lora import lora_state_dict
     from tlm_model.interop import to_hf_lora_state_dict
 
     if args.merge or args.tokenizer is not None or args.dtype is not None:
         raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
-    check_output(args.out, args.to_peft, args.base)
+    check_output(args.out, *read_paths(args.to_peft), args.base)
     out_dir = Path(args.out)
     if out_dir.is_dir() and (
         other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))

@@ -69,7 +69,7 @@ def _artifact(args: argparse.Namespace) -> int:
     artifact = tlm_artifacts.resolve(args.checkpoint)
     described: dict[str, Any] = {"path": str(artifact.path), "kind": artifact.describe()}
     if artifact.run is not None:
-        steps = artifact.run.checkpoints().steps()
+        steps = tlm_artifacts.StepFolders(artifact.run.checkpoints_dir).steps()
         described["run"] = str(artifact.run.path)
         described["steps"] = ", ".join(map(str, steps)) if not args.json else steps
     if artifact.kind not in ("hf", "peft"):

@@ -33,17 +33,18 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tlm_command.sampling import GREEDY_BELOW
 from tlm_command.scheduler import Closed, Failed, Piece, QueueFull, Scheduler, Scored
 from tlm_command.scheduler import Request as Job
+from tlm_tokenizer.chat import CHAT_ROLES
 
 #: How long a client is told to wait before retrying a full or closing server (the Retry-After header).
 RETRY_AFTER_S = 1
@@ -118,10 +119,17 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
+def _role(value: str) -> str:
+    """A message's role, one of :data:`tlm_tokenizer.chat.CHAT_ROLES` (a template writes its markers around it)."""
+    if value not in CHAT_ROLES:
+        raise ValueError(f"must be one of {', '.join(CHAT_ROLES)}, got {value[:40]!r}")
+    return value
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Annotated[str, AfterValidator(_role)]
     content: str
-    name: str | None = None
+    name: str | None = None  # text: encoded as the content is, whatever the template makes of it
 
 
 class ChatCompletionRequest(_Sampling):
@@ -151,21 +159,22 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
                     tokenizer: Any) -> list[int]:  # fmt: skip
     """The ids of ``render(messages)`` in which only the template's own text may hold special tokens.
 
-    Where the contents lie comes from a second render with a random mark for each
+    Where the contents (and names) lie comes from a second render with a random mark for each
     (:func:`tlm_tokenizer.chat.locate_contents`); special tokens are then matched in the template's text only and
     the rest is encoded as text (:func:`tlm_tokenizer.chat.encode_pieces`, what training encodes with), so the ids
     are ``tokenizer.encode(text)``'s except that no content becomes a special token. A template that changes
     contents (trims them, say) gets its whole text encoded with no special token at all.
     """
-    from tlm_tokenizer.chat import encode_pieces, locate_contents
+    from tlm_tokenizer.chat import encode_pieces, locate_contents, render_time_limit
 
     try:
-        text, contents = locate_contents(render, messages)
+        with render_time_limit("messages"):  # a template that loops is stopped, and this worker thread freed
+            text, fields = locate_contents(render, messages)
     except Exception as err:
         raise TemplateError(f"{type(err).__name__}: {err}") from err
-    if contents is None:
+    if fields is None:
         return tokenizer.encode(text, allowed_special="none")
-    return [token for _, ids in encode_pieces(tokenizer, text, contents) for token in ids]
+    return [token for _, ids in encode_pieces(tokenizer, text, [(a, b) for _, _, a, b in fields]) for token in ids]
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
@@ -345,9 +354,13 @@ def create_app(
                     raise too_long(f"prompt.{i}", f"{len(item)} characters, more than {context_length} tokens can hold")
         messages = data.get("messages")
         if isinstance(messages, list):
+            # Each message a template writes costs a token at least: more than the context are refused unrendered.
+            if len(messages) > context_length:
+                raise too_long("messages", f"{len(messages)} messages, more than {context_length} tokens can hold")
             chars = sum(
-                len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), str)
-            )
+                len(m[key]) for m in messages if isinstance(m, dict) for key in ("content", "name")
+                if isinstance(m.get(key), str)
+            )  # fmt: skip
             if chars > max_chars:
                 raise too_long("messages", f"{chars} characters, more than {context_length} tokens can hold")
         try:

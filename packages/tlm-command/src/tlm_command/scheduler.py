@@ -179,9 +179,13 @@ class Scheduler:
         eos_ids: list[int],
         device: torch.device,
         warm_up: bool = False,
+        prefill_chunk: int = PREFILL_CHUNK,
+        token_budget: int = PREFILL_BUDGET,
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
-        every batch size's step now, not on the first requests); its failure is raised here."""
+        every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
+        prompt tokens in one prefill forward at most; ``token_budget``: prompt tokens between two decoding
+        steps at most."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
         # shapes would vary with every request): the eager model inside any compiled wrapper.
@@ -189,8 +193,8 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
-        self.batch = DecodeBatch(model, max_batch, prefill_chunk=PREFILL_CHUNK)
-        self.prefill_budget = PREFILL_BUDGET
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=prefill_chunk)
+        self.prefill_budget = token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []

@@ -76,39 +76,40 @@ def _chat_template(artifact: Any, tokenizer: Any) -> Any:
     exit 2), never a request's."""
     folder = artifact.tokenizer_path if artifact.tokenizer_path is not None else artifact.model_path
     folder = folder if folder.is_dir() else folder.parent
+    from tlm_core.atomic import read_input
+
     source, where = None, folder
-    if (folder / "chat_template.jinja").is_file():
-        where = folder / "chat_template.jinja"
-        source = where.read_text(encoding="utf-8")
-    elif (folder / "tokenizer_config.json").is_file():
-        where = folder / "tokenizer_config.json"
-        config = json.loads(where.read_text(encoding="utf-8"))
-        source = config.get("chat_template") if isinstance(config.get("chat_template"), str) else None
+    try:  # through the checked read: a FIFO or device under the name is refused, never waited on
+        if (folder / "chat_template.jinja").exists():
+            where = folder / "chat_template.jinja"
+            source = read_input(where, "chat template").decode("utf-8")
+        elif (folder / "tokenizer_config.json").exists():
+            where = folder / "tokenizer_config.json"
+            config = json.loads(read_input(where, "tokenizer config"))
+            source = config.get("chat_template") if isinstance(config, dict) else None
+            source = source if isinstance(source, str) else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"{where}: not UTF-8 text or not JSON ({err})") from None
     if source is None:
         return None
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise UserError(f"{folder} has a chat template, which needs jinja2: pip install 'tlm-command[serve]'") from None
+    from tlm_tokenizer.chat import compile_template, render_time_limit
 
-    def raise_exception(message: str) -> None:  # what HF templates call to refuse a conversation
-        raise jinja2.exceptions.TemplateError(message)
-
-    # As transformers renders templates: sandboxed, whitespace kept as the template writes it.
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    environment.globals["raise_exception"] = raise_exception
-    try:
-        template = environment.from_string(source)
-    except jinja2.TemplateError as err:
-        raise UserError(f"{where}: the chat template does not compile: {type(err).__name__}: {err}") from None
+    try:  # as transformers renders templates (sandboxed, whitespace kept as written), with bounds on the work
+        template = compile_template(source)
+    except ValueError as err:
+        if "needs jinja2" in str(err):
+            raise UserError(
+                f"{folder} has a chat template, which needs jinja2: pip install 'tlm-command[serve]'"
+            ) from None
+        raise UserError(f"{where}: the chat template does not compile: {err}") from None
     specials = {"bos_token": "", "eos_token": "<|endoftext|>" if "<|endoftext|>" in tokenizer.special_tokens else ""}
 
     def render(messages: list[dict[str, str]]) -> str:
-        return str(template.render(messages=messages, add_generation_prompt=True, **specials))
+        return template(messages=messages, add_generation_prompt=True, **specials)
 
     try:
-        render(PROBE_CONVERSATION)
+        with render_time_limit(str(where)):
+            render(PROBE_CONVERSATION)
     except Exception as err:
         raise UserError(f"{where}: the chat template fails on a one-message conversation: "
                         f"{type(err).__name__}: {err}") from None  # fmt: skip

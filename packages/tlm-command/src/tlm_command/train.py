@@ -7,7 +7,11 @@ newest checkpoint that verifies (or ``RUN/checkpoints/step_N``): flags apply fro
 change the model, data, tokenizer or seed is refused. Scale-out is torchrun's, rank 0 writing the files:
 ``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU).
 
-Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by Ctrl-C/SIGTERM (checkpointed), 74 a
+Under SLURM, ``srun tlm train --distributed ddp --auto-resume ...`` takes its ranks from srun; SIGTERM, SIGUSR1
+or SIGUSR2 checkpoint and stop at the next step, and after SIGUSR1/SIGUSR2 (``sbatch --signal=USR1@120``) the job
+is requeued, to continue where it stopped (docs/slurm.sbatch).
+
+Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by a signal (checkpointed), 74 a
 logger failed (a full disk...; stopped, checkpointed when the disk took it; ``--logger-errors warn`` trains on).
 """
 
@@ -109,6 +113,12 @@ def add_parser(commands: Any) -> None:
     common.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
     common.add_argument("--resume", metavar="RUN", help="continue a run folder (or a step folder of one)")
     common.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
+    common.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue --out-dir from its newest checkpoint when it holds a run, else start it (for a job that "
+        "SLURM may requeue; implied in a requeued job)",
+    )
     more = parser.more_group("training settings")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model"}
     for name in (*COMMON, *(n for n in fields if n not in COMMON)):
@@ -169,6 +179,25 @@ def _resume_target(path: Path) -> tuple[Path, int | None]:
     return path, None
 
 
+def _requeued() -> bool:
+    from tlm_train.cluster import requeued
+
+    return requeued()
+
+
+def _auto_resume(config: TrainConfig, *, quiet: bool) -> tuple[TrainConfig, bool]:
+    """``--auto-resume``: the run in ``--out-dir`` continued (its train.toml, with the flags a resume may change
+    over it), or ``config`` started afresh when the folder holds no run yet."""
+    from tlm_train.cluster import auto_resume_config
+
+    continued = auto_resume_config(config)
+    if continued is None:
+        return config, False
+    if not quiet:
+        _log(f"--auto-resume: {config.out_dir} holds a run; continuing it from its newest checkpoint")
+    return continued, True
+
+
 def _flags(message: str) -> str:
     """Settings named as the user typed them: ``TrainConfig.min_lr`` -> ``--min-lr``."""
     message = re.sub(r"TrainConfig\.model: ModelConfig\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
@@ -192,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
 
     fit_threads(config.device, quiet=args.quiet)  # a busy machine: fewer threads than cores, said in one line
 
+    if not resume and (args.auto_resume or _requeued()):
+        config, resume = _auto_resume(config, quiet=args.quiet)
     try:
         result = train(
             config,

@@ -33,11 +33,13 @@ __all__ = [
     "is_current",
     "open_input",
     "read_dir_files",
+    "read_input",
     "remove_leftovers",
     "replace_dir",
     "temp_path",
 ]
 
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _TEMP = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)-[0-9a-f]{16}\.(?:tmp|old)")
 
@@ -217,7 +219,8 @@ def read_dir_files(
     """The bytes of each of ``names`` (and of ``optional`` ones that exist) in the folder ``path``, all
     from one version of the folder even while :func:`replace_dir` replaces it: every file is opened
     relative to one open handle on the folder, and the read starts again if that folder is retired
-    under it. A missing required file raises ``FileNotFoundError`` naming it."""
+    under it. A missing required file raises ``FileNotFoundError`` naming it, and one that is not a regular file
+    (a FIFO, a device) ``ValueError``, without blocking on it."""
     folder = Path(path)
     for _ in range(100):
         try:
@@ -228,8 +231,8 @@ def read_dir_files(
             found: dict[str, bytes] = {}
             retired = False
             for name in [*names, *optional]:
-                try:
-                    fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
+                try:  # not blocking: a FIFO planted under the name is refused below, never waited on
+                    fd = os.open(name, os.O_RDONLY | _NONBLOCK | getattr(os, "O_NOFOLLOW", 0), dir_fd=dir_fd)
                 except FileNotFoundError:
                     if os.stat(dir_fd).st_nlink == 0 or not is_current(dir_fd, folder):
                         retired = True  # replaced while we read: read the new folder instead
@@ -238,6 +241,10 @@ def read_dir_files(
                         continue
                     raise FileNotFoundError(errno.ENOENT, "missing from the folder", str(folder / name)) from None
                 with os.fdopen(fd, "rb") as handle:
+                    if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
+                        raise ValueError(f"{folder / name}: {_kind(mode)}, expected a regular file")
+                    if _NONBLOCK:
+                        os.set_blocking(fd, True)
                     found[name] = handle.read()
             if not retired:
                 return found
@@ -290,6 +297,17 @@ def open_input(path: str | os.PathLike[str], what: str) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def read_input(path: str | os.PathLike[str], what: str, *, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path``, read through :func:`open_input` (a FIFO, device or folder raises
+    ``ValueError`` naming ``what`` and the path; a missing file ``FileNotFoundError``). With ``limit``, a file
+    over that many bytes raises ``ValueError`` instead of being read whole."""
+    with open_input(path, what) as handle:
+        data = handle.read() if limit is None else handle.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{what} {os.fspath(path)}: over {limit:,} bytes, too large for what it should hold")
+    return data
 
 
 def check_input(path: str | os.PathLike[str], what: str) -> None:

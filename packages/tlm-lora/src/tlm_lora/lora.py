@@ -302,6 +302,27 @@ def merged_state_dict(model: nn.Module) -> dict[str, Tensor]:
     return state
 
 
+def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Store each frozen matmul weight (of a ``tlm_linear.Linear`` or a :class:`LoRALinear`) in ``dtype``, in
+    place; the names of those cast. For training under autocast to ``dtype``: autocast would cast each of
+    them on every forward, so holding them in ``dtype`` gives the same products at half the memory. A weight
+    that is trainable, or shared with a module of another kind (an embedding tied to the head), is kept."""
+    counts: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    cast = []
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, (Linear, LoRALinear)) or not isinstance(weight, nn.Parameter):
+            continue
+        if weight.requires_grad or weight.dtype == dtype or counts[id(weight)] > 1:
+            continue
+        weight.data = weight.data.to(dtype)
+        cast.append(f"{name}.weight")
+    return cast
+
+
 def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The state dict of the frozen base (no adapter keys; merged adapters are taken back out first)."""
     if any(m.merged for _, m in lora_modules(model)):

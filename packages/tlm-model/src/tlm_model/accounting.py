@@ -241,17 +241,19 @@ def shape_model(config: ModelConfig) -> "TransformerLM":
 
 
 def _component(name: str) -> str:
-    # "layers.3.attn.q_proj.weight" -> "attn_q_proj"; "token_embeddings.weight" -> "token_embeddings"
-    parts = name.removesuffix(".weight").split(".")
+    # "layers.3.attn.q_proj.weight" -> "attn_q_proj"; "token_embeddings.weight" -> "token_embeddings"; a bias
+    # ("layers.3.attn.q_proj.bias", with qkv_bias) counts with its projection.
+    parts = name.removesuffix(".weight").removesuffix(".bias").split(".")
     return "_".join(parts[2:] if parts[0] == "layers" else parts)
 
 
 def count_parameters(config: ModelConfig) -> dict[str, int]:
     """Parameters per component, summed over layers, counted on the model itself (a tied head is the
-    embedding: one parameter, counted once, there)."""
+    embedding: one parameter, counted once, there). Read off the state dict, whose keys name each
+    projection's own rows (the q/k/v biases of ``qkv_bias`` are one parameter, three keys)."""
     counts = dict.fromkeys(PARAMETER_COMPONENTS, 0)
-    for name, parameter in shape_model(config).named_parameters():
-        counts[_component(name)] += parameter.numel()
+    for name, tensor in shape_model(config).state_dict().items():
+        counts[_component(name)] += tensor.numel()
     return counts
 
 

@@ -1,6 +1,8 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
+import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from jaxtyping import Float, Integer
@@ -29,6 +31,59 @@ def slot_bucket(length: int, capacity: int, least: int = MIN_SLOTS) -> int:
     slot, which only padding reads). The step's cost then follows what is stored, not the capacity; powers of
     two keep CUDA graphs (one per distinct length) few."""
     return min(capacity, max(least, 1 << max(0, length - 1).bit_length()))
+
+
+class ChunkGrid(NamedTuple):
+    """Where the tokens of one prompt-chunk forward sit in its (rows, width) grid (:func:`pack_chunks`)."""
+
+    rows: int
+    width: int
+    #: Per grid row: the chunk whose tokens it holds.
+    owner: list[int]
+    #: Per grid cell, row-major: the cache slot its token goes to (-1: padding).
+    positions: list[int]
+    #: Each chunk's tokens in order, as flat grid cells.
+    source: list[int]
+    #: The flat cell of each chunk's last token (at least 2 entries: the last repeated).
+    last: list[int]
+    #: ``source`` (at least 2 entries: the last repeated): every token's cell, for scoring.
+    every: list[int]
+
+
+def pack_chunks(lengths: Sequence[int], starts: Sequence[int]) -> ChunkGrid:
+    """Lay out prompt chunks of ``lengths`` tokens (chunk ``c`` continuing its row at slot ``starts[c]``) in a
+    grid of at least 2 rows and 2 columns, each grid row a run of consecutive tokens of one chunk.
+
+    A compiled forward specialises a size of 0 or 1 (dynamo's rule), so a chunk forward whose rows, width or
+    number of logits could be 1 would compile again when it is. Never 1 by construction: the width is the
+    longest chunk (several chunks) or half the only one, at least 2; a chunk longer than the width takes
+    several grid rows (a token meets the others only through the cache, which every layer writes before it
+    reads, so a row split in two computes what it would in one); one grid row alone gets a padding row; the
+    logits' indices repeat their last entry up to 2."""
+    if len(lengths) == 1:
+        width = max(2, -(-lengths[0] // 2))
+    else:
+        width = max(2, *lengths)
+    owner: list[int] = []
+    positions: list[int] = []
+    source: list[int] = []
+    last: list[int] = []
+    for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        for at in range(0, n, width):
+            take = min(width, n - at)
+            source.extend(range(len(positions), len(positions) + take))
+            positions.extend(range(start + at, start + at + take))
+            positions.extend([-1] * (width - take))
+            owner.append(c)
+        last.append(source[-1])
+    if len(owner) == 1:
+        owner.append(0)
+        positions.extend([-1] * width)
+    return ChunkGrid(len(owner), width, owner, positions, source, _at_least_two(last), _at_least_two(source))
+
+
+def _at_least_two(cells: list[int]) -> list[int]:
+    return cells if len(cells) >= 2 else cells * 2
 
 
 class DecodeBatch:
@@ -138,7 +193,7 @@ class DecodeBatch:
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
-        zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 7)]
+        zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 3)]
         # The tokens a warm-up row may hold and still take a step at every bucket.
         room = max(1, self.capacity - len(sizes) - 1)
         group = min(self.max_batch_size, 4)
@@ -146,10 +201,8 @@ class DecodeBatch:
         chunks = [[torch.zeros(wide, dtype=torch.int64)]]
         if group > 1:
             chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
-        # Then chunks of one prompt and of several, of other widths: what makes their sizes dynamic.
-        chunks += [[zeros[2], zeros[4]], [zeros[1], zeros[3], zeros[5]]]
         try:
-            for prompts in chunks[:2]:
+            for prompts in chunks:
                 self.add_many(prompts)
                 while len(self):
                     self.remove(len(self) - 1)
@@ -160,11 +213,6 @@ class DecodeBatch:
                     self.remove(len(self) - 1)
                 if all(n < self.capacity for n in self.lengths):
                     self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
-            for prompts in chunks[2:]:
-                while len(self):
-                    self.remove(len(self) - 1)
-                if len(prompts) <= self.max_batch_size:
-                    self.add_many(prompts)
         finally:
             while len(self):
                 self.remove(len(self) - 1)
@@ -334,28 +382,25 @@ class DecodeBatch:
         taken = {row for row, _ in chunks}
         for row in rows:
             self._skipped[row] = 0 if row in taken else self._skipped[row] + 1
-        width = max(len(ids) for _, ids in chunks)
         lengths = self.lengths
-        tokens = torch.zeros(len(chunks), width, dtype=torch.int64, device=self._device)
-        # Padding goes to the scratch slot (position capacity), which no real token reads.
-        positions = torch.full((len(chunks), width), self.capacity, dtype=torch.int64, device=self._device)
-        for i, (row, ids) in enumerate(chunks):
-            tokens[i, : len(ids)] = ids
-            positions[i, : len(ids)] = torch.arange(lengths[row], lengths[row] + len(ids), device=self._device)
-        index = torch.tensor([row for row, _ in chunks], device=self._device)
-        if scores is None:
-            last = torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device)
-        else:
-            last = torch.arange(width, device=self._device).expand(len(chunks), width)
+        grid = pack_chunks([len(ids) for _, ids in chunks], [lengths[row] for row, _ in chunks])
+        # One host-built copy per tensor: the ids cross to the device once, padding included.
+        flat = torch.cat([ids for _, ids in chunks]).to(self._device)
+        tokens = torch.zeros(grid.rows * grid.width, dtype=torch.int64, device=self._device)
+        tokens[grid.source] = flat
+        tokens = tokens.view(grid.rows, grid.width)
+        positions = torch.tensor(grid.positions, device=self._device).view(grid.rows, grid.width)
+        positions = positions.masked_fill(positions < 0, self.capacity)  # padding: the scratch slot
+        index = torch.tensor([chunks[c][0] for c in grid.owner], device=self._device)
+        last = grid.every if scores is not None else grid.last
         slots = self._slots(max(lengths[row] + len(ids) for row, ids in chunks))
-        logits = self._prefill_fn(tokens, positions, self.caches, index, last, slots)
+        logits = self._prefill_fn(tokens, positions, self.caches, index, torch.tensor(last, device=self._device), slots)
         if scores is not None:
-            for i, (row, ids) in enumerate(chunks):
-                scores[row].append(logits[i, : len(ids)])
-            logits = logits[
-                torch.arange(len(chunks), device=self._device),
-                last[:, 0] + torch.tensor([len(ids) - 1 for _, ids in chunks], device=self._device),
-            ]
+            at = 0
+            for row, ids in chunks:
+                scores[row].append(logits[at : at + len(ids)])
+                at += len(ids)
+            logits = logits[[at - 1 for at in itertools.accumulate(len(ids) for _, ids in chunks)]]
         new = [0] * len(self)
         for row, ids in chunks:
             new[row] = len(ids)

@@ -62,6 +62,7 @@ class TransformerBlock(nn.Module):
     not used here). ``rope`` is the RoPE module a model shares across its layers; without it the
     block builds its own from the config (none with ``positions="none"``). State-dict keys:
     ``attn.{q,k,v,output}_proj.weight``, ``ln1.weight``, ``ffn.w{1,2,3}.weight``, ``ln2.weight``,
+    (and ``attn.{q,k,v}_proj.bias`` with ``qkv_bias``),
     whether or not ``fused`` (the default) stacks q/k/v and w1/w3 into single matmuls; no
     ``ln*.weight`` without norms, no ``ffn.w3.weight`` with ``ffn="silu"``.
     ``attention_backend`` is ``"auto"`` or a key of ``tlm_attention.ATTENTION_BACKENDS``.
@@ -92,6 +93,7 @@ class TransformerBlock(nn.Module):
             fused=fused,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
+            qkv_bias=config.qkv_bias,
         )
         self.ln1 = build_norm(config, device, dtype)
         self.ffn = build_ffn(config, fused=fused, device=device, dtype=dtype)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tlm_core.atomic import atomic_write
+from tlm_core.atomic import atomic_write, check_input, open_input
 from tlm_core.checks import short_repr
 from tlm_model import _weights
 from tlm_model.config import ModelConfig
@@ -145,7 +145,7 @@ def load_model_file(
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "no such checkpoint (file or folder)", str(path))
     weights = _weights_path(path)
-    if not weights.is_file():
+    if not weights.exists():  # something that is not a regular file is refused by name when it is opened
         raise FileNotFoundError(
             errno.ENOENT, f"not a tlm checkpoint: missing {WEIGHTS_NAME} (save_model_file writes it)", str(weights)
         )
@@ -167,7 +167,7 @@ def _weights_path(path: Path) -> Path:
 
 
 def _load_safetensors(path: Path, config: ModelConfig | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    with open(path, "rb") as handle, _weights.TensorFile(handle, path) as file:
+    with open_input(path, "model file") as handle, _weights.TensorFile(handle, path) as file:
         # Any one of the three keys marks a tlm file, so a damaged key name cannot pass for a plain one.
         embedded = bool(_TLM_KEYS & set(file.metadata))
         if embedded:
@@ -208,6 +208,7 @@ def _embedded_config(meta: Mapping[str, str], path: Path) -> ModelConfig:
 def _load_torch_file(path: Path, config: ModelConfig | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     if config is None:
         raise _no_config(path)
+    check_input(path, "model file")  # a FIFO or device is refused here, before torch.load would wait on it
     try:
         # mmap: tensors stay on disk until load_state_dict copies them, so the check below runs first.
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -251,7 +252,7 @@ def _saved_dtype(state: dict[str, torch.Tensor], path: Path) -> torch.dtype:
 
 def _metadata(path: Path) -> dict[str, str]:
     # From the header alone, which the library validates; no tensor is read.
-    with open(path, "rb") as handle, _weights.TensorFile(handle, path) as file:
+    with open_input(path, "model file") as handle, _weights.TensorFile(handle, path) as file:
         return file.metadata
 
 

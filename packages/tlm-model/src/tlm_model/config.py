@@ -78,6 +78,9 @@ class ModelConfig:
     )
     head_dim: int | None = field(default=None, metadata={"help": "per-head width", "shown": "d_model / num_heads"})
     tie_word_embeddings: bool = field(default=False, metadata={"help": "the LM head reuses the token embedding matrix"})
+    qkv_bias: bool = field(
+        default=False, metadata={"help": "the q, k and v projections add a learned bias (Qwen2's attention)"}
+    )
     rope_scaling: dict[str, Any] | None = field(
         default=None,
         metadata={"help": 'RoPE context extension, e.g. {"rope_type": "linear", "factor": 2.0}'},
@@ -112,6 +115,7 @@ class ModelConfig:
                 check_positive_int(f"ModelConfig.{name}", getattr(self, name))
                 _check_limit(name, getattr(self, name))
         check_bool("ModelConfig.tie_word_embeddings", self.tie_word_embeddings)
+        check_bool("ModelConfig.qkv_bias", self.qkv_bias)
         try:
             # A private copy: the caller's dict may change later, a frozen config must not.
             object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))

@@ -25,7 +25,9 @@ _AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
 #: What the decode step and prompt chunks add to their options: no guards on the model's modules (the wrapper's
 #: weights are frozen constants of the graph already: a changed model needs a new ``compile_for_inference``),
 #: which leaves dynamo fewer checks to run before every step.
-_STEP_OPTIONS: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+#: Found by feature detection (a newer torch's function): without it the steps keep dynamo's module guards.
+_SKIP_MODULE_GUARDS = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)
+_STEP_OPTIONS: dict[str, Any] = {} if _SKIP_MODULE_GUARDS is None else {"guard_filter_fn": _SKIP_MODULE_GUARDS}
 
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
 #: one graph per (batch bucket, capacity), whose dynamic sizes are the number of slots it reads and, on a CPU, the
@@ -149,18 +151,17 @@ class InferenceModel(nn.Module):
         last: Tensor,
         slots: Tensor | None = None,
     ) -> Tensor:
-        """:meth:`TransformerLM.forward_static` for prompt chunks (any shape: compiled with dynamic sizes;
-        ``slots`` as in :meth:`decode_step`, its length dynamic from the first call). On a CPU the chunk's rows
-        and width are dynamic from the first call too, so the first graph already runs on oneDNN's GEMMs (see
-        :meth:`decode_step`) and serves every later chunk: a 16-token prompt's prefill took 9.5 ms through a
-        graph compiled for its exact shape, about half through the dynamic one."""
+        """:meth:`TransformerLM.forward_static` for prompt chunks: one graph for every chunk. The chunk's rows,
+        width and picked logits (``last``) are dynamic sizes from the first call, as is ``slots``' length (see
+        :meth:`decode_step`), on every device; the caller keeps each of them at 2 or more
+        (:func:`~tlm_model.batching.pack_chunks`), since dynamo specialises a size of 1 whatever it is told.
+        On a CPU the first graph then already runs on oneDNN's GEMMs (see :meth:`decode_step`)."""
         _dynamic_slots(slots)
-        if tokens.device.type != "cuda":
-            for tensor in (tokens, positions):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-            for tensor in (rows, last):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for tensor in (tokens, positions):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        for tensor in (rows, last):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
         with _frozen():
             return self._prefill(tokens, positions, caches, rows, last, slots)
 
@@ -174,20 +175,24 @@ def _dynamic_slots(slots: Tensor | None) -> None:
 @contextlib.contextmanager
 def _frozen() -> Iterator[None]:
     import torch._inductor.config as inductor_config
+    import torch.fx.experimental._config as shape_config
 
     # Freezing is read when dynamo traces and inductor compiles, which may be any call (a new shape
     # recompiles), so it is switched on around every call rather than once: set and reset directly (a
     # ``config.patch`` object cost a decode step tens of microseconds), and left alone when already on.
-    if inductor_config.freezing:
+    # Duck shaping off too: sizes that happen to be equal when a graph is traced (a chunk's rows and width, say)
+    # would otherwise share one symbol, and the graph would recompile the first time they differ.
+    if inductor_config.freezing and not shape_config.use_duck_shape:
         with torch.no_grad():
             yield
         return
-    inductor_config.freezing = True
+    saved = inductor_config.freezing, shape_config.use_duck_shape
+    inductor_config.freezing, shape_config.use_duck_shape = True, False
     try:
         with torch.no_grad():
             yield
     finally:
-        inductor_config.freezing = False
+        inductor_config.freezing, shape_config.use_duck_shape = saved
 
 
 def compile_for_inference(model: TransformerLM) -> InferenceModel:

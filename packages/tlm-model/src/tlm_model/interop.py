@@ -53,7 +53,13 @@ _TOP = {
     "ln_final.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
-_ROTATED = ("attn.q_proj.weight", "attn.k_proj.weight")
+#: With ``qkv_bias`` (Qwen2): the biases of q, k and v, which follow their projections' rows.
+_BIASES = {
+    "attn.q_proj.bias": "self_attn.q_proj.bias",
+    "attn.k_proj.bias": "self_attn.k_proj.bias",
+    "attn.v_proj.bias": "self_attn.v_proj.bias",
+}
+_ROTATED = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.q_proj.bias", "attn.k_proj.bias")
 
 
 def _head_row_order(d_head: int, to_rotate_half: bool) -> Tensor:
@@ -154,7 +160,34 @@ def from_hf_llama_state_dict(state_dict: dict[str, Tensor], config: ModelConfig)
 
 
 def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.LlamaConfig`` (transformers 5) describing ``config``."""
+    """Keyword arguments for ``transformers.LlamaConfig`` (transformers 5) describing ``config``; a config
+    with ``qkv_bias`` is no Llama (a Llama's ``attention_bias`` puts a bias on the output projection too):
+    :func:`hf_qwen2_config_kwargs` describes it."""
+    if config.qkv_bias:
+        raise ValueError(
+            "an HF Llama cannot express ModelConfig.qkv_bias=True (its attention_bias adds one to o_proj too); it "
+            "exports as Qwen2 (hf_qwen2_config_kwargs)"
+        )
+    return {**_shared_config_kwargs(config), "attention_bias": False, "mlp_bias": False}
+
+
+def hf_qwen2_config_kwargs(config: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.Qwen2Config`` describing ``config``, which must have ``qkv_bias``
+    (Qwen2's attention always has q/k/v biases) and attends over its whole context (no sliding window)."""
+    if not config.qkv_bias:
+        raise ValueError("a Qwen2 always has q/k/v biases: ModelConfig.qkv_bias must be True to export as Qwen2")
+    return {**_shared_config_kwargs(config), "use_sliding_window": False, "sliding_window": None}
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` of ``config``'s HF export: a ``LlamaForCausalLM``, or a ``Qwen2ForCausalLM``
+    with ``qkv_bias``."""
+    if config.qkv_bias:
+        return {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", **hf_qwen2_config_kwargs(config)}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **hf_llama_config_kwargs(config)}
+
+
+def _shared_config_kwargs(config: ModelConfig) -> dict[str, Any]:
     check_llama_exportable(config)
     return {
         "vocab_size": config.vocab_size,
@@ -169,8 +202,6 @@ def hf_llama_config_kwargs(config: ModelConfig) -> dict[str, Any]:
         "rope_parameters": {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
         "hidden_act": "silu",
         "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
     }
 
 
@@ -211,6 +242,19 @@ _INTS = {
     "head_dim": ("head_dim", True),
 }
 _OTHER_KEYS = frozenset({"rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling"})
+#: The HF families tlm reads: model_type -> (architecture, the fixed keys its config.json may hold, the keys of its
+#: sliding window). Mistral is a Llama whose attention may slide; Qwen2 adds biases to q, k and v (always) and
+#: may slide in its upper layers. Within its window a sliding attention is tlm's full causal attention.
+_FAMILIES: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
+    "llama": ("LlamaForCausalLM", frozenset(_FIXED), frozenset()),
+    "mistral": ("MistralForCausalLM", frozenset(_FIXED) - {"sliding_window"}, frozenset({"sliding_window"})),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        frozenset({"hidden_act", "attention_dropout"}),
+        frozenset({"use_sliding_window", "sliding_window", "max_window_layers", "layer_types"}),
+    ),
+}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 _SUPPORTED_ROPE_TYPES = ("default", *SCALINGS)
 
 #: Test seam: called with the name of each step of save_hf's folder build as it completes (tests kill
@@ -224,25 +268,31 @@ def _step(name: str) -> None:
         _after_step(name)
 
 
-def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelConfig:
-    """The :class:`ModelConfig` of an HF Llama ``config.json`` (as a dict); refuses, by key, any
-    setting tlm does not compute (biases, sliding window, RoPE scaling, another activation...) and
-    any value of the wrong type or out of range (``null`` heads, a float context length, 100,000
-    layers), before anything is built. ``source`` starts each error message (the file's path)."""
+def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME, context_length: int | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF ``config.json`` (as a dict) of a Llama, a Mistral or a Qwen2
+    (``model_type``); refuses, by key, any setting tlm does not compute (biases other than Qwen2's on q/k/v,
+    another activation...) and any value of the wrong type or out of range (``null`` heads, a float context
+    length, 100,000 layers), before anything is built. ``source`` starts each error message (the file's path).
+
+    ``context_length`` (default ``max_position_embeddings``) imports the model for a shorter context. A
+    sliding window (Mistral's ``sliding_window``; Qwen2's with ``use_sliding_window``) is accepted when the
+    context fits inside it, where sliding-window attention is full causal attention; a longer context is
+    refused in one line that says what fits."""
     if not isinstance(hf, dict):
         raise TypeError(f"hf must be a dict (a parsed config.json), got {type(hf).__name__}")
     model_type = hf.get("model_type", "llama")
-    if model_type != "llama":
-        raise ValueError(f"{source}: model_type must be 'llama', got {short_repr(model_type)}")
-    if hf.get("architectures") not in (None, ["LlamaForCausalLM"]):
-        raise ValueError(f"{source}: architectures must be ['LlamaForCausalLM'], got {short_repr(hf['architectures'])}")
+    if not isinstance(model_type, str) or model_type not in _FAMILIES:
+        raise ValueError(f"{source}: model_type must be one of {sorted(_FAMILIES)}, got {short_repr(model_type)}")
+    architecture, fixed, window_keys = _FAMILIES[model_type]
+    if hf.get("architectures") not in (None, [architecture]):
+        raise ValueError(f"{source}: architectures must be [{architecture!r}], got {short_repr(hf['architectures'])}")
     problems = []
-    for key, value in _FIXED.items():
-        if key in hf and hf[key] != value:
-            problems.append(f"{key}={short_repr(hf[key])} (tlm supports only {value!r})")
+    for key in sorted(fixed):
+        if key in hf and hf[key] != _FIXED[key]:
+            problems.append(f"{key}={short_repr(hf[key])} (tlm supports only {_FIXED[key]!r})")
     rope, rope_problems = _rope_parameters(hf)
     problems += rope_problems
-    if unknown := sorted(set(hf) - _IGNORED - set(_FIXED) - set(_INTS) - _OTHER_KEYS):
+    if unknown := sorted(set(hf) - _IGNORED - fixed - window_keys - set(_INTS) - _OTHER_KEYS):
         problems.append(f"unknown keys {_weights.names(unknown)}")
     if problems:
         raise ValueError(f"{source} has settings tlm cannot compute: " + "; ".join(problems))
@@ -255,9 +305,11 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
     for key, (field, nullable) in _INTS.items():
         if key in hf and not (nullable and hf[key] is None):
             fields[field] = check_int(f"{source}: {key}", hf[key], low=1, high=LIMITS[field])
+    window = _sliding_window(hf, model_type, fields["num_layers"], source)
     fields["norm_eps"] = check_number(f"{source}: rms_norm_eps", hf.get("rms_norm_eps", 1e-6), low=0.0)  # HF's default
     # transformers' LlamaConfig defaults to an untied head (tie_word_embeddings: bool = False).
     fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    fields["qkv_bias"] = model_type == "qwen2"
     theta = rope.pop("rope_theta", hf.get("rope_theta"))
     if theta is not None:
         fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
@@ -266,6 +318,20 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
         if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings
             rope.setdefault("original_max_position_embeddings", fields["context_length"])
         fields["rope_scaling"] = {"rope_type": kind, **_scaling_values(rope, kind, source)}
+    if context_length is not None:
+        trained = fields["context_length"]
+        fields["context_length"] = check_int("context_length", context_length, low=1)
+        if context_length > trained:
+            raise ValueError(
+                f"context_length must be at most the checkpoint's max_position_embeddings={trained} (the context it "
+                f"was trained for; extend it with tlm train --init-from --context-length), got {context_length}"
+            )
+    if window is not None and fields["context_length"] > window:
+        raise ValueError(
+            f"{source}: sliding_window={window} is shorter than the context of {fields['context_length']} tokens, "
+            f"and tlm attends over the whole context (the same only within the window); import at most "
+            f"{window} tokens of context (context_length={window}; tlm convert --from-hf DIR --context-length {window})"
+        )
     # tlm stores the defaults as None, so a config that spells them out still equals the course's.
     if fields.get("num_kv_heads") == fields["num_heads"]:
         fields.pop("num_kv_heads")
@@ -276,6 +342,32 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME) -> ModelCon
         return ModelConfig(**fields)
     except (TypeError, ValueError) as err:
         raise _weights.one_line(err, source) from None
+
+
+def _sliding_window(hf: dict[str, Any], model_type: str, num_layers: int, source: str) -> int | None:
+    """The window of the layers that slide (None: every layer attends over the whole context), as
+    transformers' Mistral and Qwen2 read their configs."""
+    if model_type == "llama":
+        return None
+    size = hf.get("sliding_window")
+    if size is not None:
+        size = check_int(f"{source}: sliding_window", size, low=1)
+    if model_type == "mistral" or size is None:
+        return size
+    # Qwen2: no window unless use_sliding_window; then the layers layer_types names (default: those from
+    # max_window_layers on) slide.
+    if not check_bool(f"{source}: use_sliding_window", hf.get("use_sliding_window", False)):
+        return None
+    types = hf.get("layer_types")
+    if types is None:
+        first = check_int(f"{source}: max_window_layers", hf.get("max_window_layers", 28), low=0)
+        return size if first < num_layers else None
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in _LAYER_TYPES for t in types):
+        raise ValueError(
+            f"{source}: layer_types must list one of {_LAYER_TYPES} for each of the {num_layers} layers, "
+            f"got {short_repr(types)}"
+        )
+    return size if "sliding_attention" in types else None
 
 
 def _rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -338,9 +430,12 @@ def from_hf(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     rope_layout: str = "interleaved",
+    context_length: int | None = None,
     **options: Any,
 ) -> TransformerLM:
-    """A :class:`TransformerLM` from an HF Llama folder (``config.json`` + safetensors, sharded or not).
+    """A :class:`TransformerLM` from an HF Llama, Mistral or Qwen2 folder (``config.json`` + safetensors,
+    sharded or not). ``context_length`` (default: the checkpoint's ``max_position_embeddings``) imports it
+    for a shorter context, as a sliding window needs (see :func:`config_from_hf`).
 
     ``rope_layout="interleaved"`` (the default) reorders each head's q/k rows into tlm's pairing;
     ``"half"`` keeps HF's rows and rotates rotate-half pairs. ``dtype`` (a floating dtype) defaults to
@@ -360,7 +455,9 @@ def from_hf(
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(errno.ENOENT, f"not an HF model folder (a folder with {CONFIG_NAME})", str(directory))
-    config, state = _folder.read_consistently(directory, lambda folder: _read_folder(folder, rope_layout))
+    config, state = _folder.read_consistently(
+        directory, lambda folder: _read_folder(folder, rope_layout, context_length)
+    )
     if config.tie_word_embeddings and "lm_head.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             raise ValueError(
@@ -377,12 +474,16 @@ def from_hf(
     return model
 
 
-def _read_folder(folder: _folder.Folder, rope_layout: str = "interleaved") -> tuple[ModelConfig, dict[str, Tensor]]:
+def _read_folder(
+    folder: _folder.Folder, rope_layout: str = "interleaved", context_length: int | None = None
+) -> tuple[ModelConfig, dict[str, Tensor]]:
     config_path = folder.path / CONFIG_NAME
     raw = folder.read(CONFIG_NAME, _weights.MAX_JSON_BYTES)
     if raw is None:
         raise FileNotFoundError(errno.ENOENT, f"not an HF model folder: it has no {CONFIG_NAME}", str(config_path))
-    config = config_from_hf(_weights.parse_json_object(raw, config_path), source=str(config_path))
+    config = config_from_hf(
+        _weights.parse_json_object(raw, config_path), source=str(config_path), context_length=context_length
+    )
     config = dataclasses.replace(config, rope_layout=rope_layout)
     expected = _expected_tensors(config)
     with contextlib.ExitStack() as stack:
@@ -463,10 +564,9 @@ def _weight_map(raw: bytes, path: Path) -> dict[str, str]:
 
 def _pairs(config: ModelConfig) -> list[tuple[str, str]]:
     pairs = [(ours, hf) for ours, hf in _TOP.items() if not (config.tie_word_embeddings and ours == "lm_head.weight")]
+    block = {**_BLOCK, **_BIASES} if config.qkv_bias else _BLOCK
     return pairs + [
-        (f"layers.{i}.{ours}", f"model.layers.{i}.{hf}")
-        for i in range(config.num_layers)
-        for ours, hf in _BLOCK.items()
+        (f"layers.{i}.{ours}", f"model.layers.{i}.{hf}") for i in range(config.num_layers) for ours, hf in block.items()
     ]
 
 
@@ -535,12 +635,7 @@ def save_hf(
     extra = _check_extra_files(extra_files, config)
     tensors = _weights.cpu_tensors(to_hf_llama_state_dict(inner.state_dict(), config))
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values()}
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **hf_llama_config_kwargs(config),
-        "dtype": dtypes.pop() if len(dtypes) == 1 else "float32",
-    }
+    hf = {**hf_config(config), "dtype": dtypes.pop() if len(dtypes) == 1 else "float32"}
     weights = _weights.serialize(tensors, {"format": "pt"})
     config_json = json.dumps(hf, indent=2, sort_keys=True).encode() + b"\n"
 

@@ -276,11 +276,12 @@ class TransformerLM(nn.Module):
         positions: Integer[Tensor, "batch seq"],
         kv_cache: list[KVCache],
         rows: Integer[Tensor, " batch"] | None = None,
-        last: Integer[Tensor, "batch ..."] | None = None,
+        last: Integer[Tensor, " picked"] | None = None,
         slots: Integer[Tensor, " slots"] | None = None,
-    ) -> Float[Tensor, "batch ... vocab"]:
-        """One step over static caches (what a compiled decode step runs): the next-token logits of token
-        ``last[b]`` (default the last; ``last`` (batch, k): of k tokens) of each row.
+    ) -> Float[Tensor, "picked vocab"]:
+        """One step over static caches (what a compiled decode step runs): the next-token logits of each row's
+        last token (batch, vocab), or with ``last`` those of the tokens it names, as indices into the
+        flattened (batch * seq) tokens (picked, vocab).
 
         Token ``t`` of row ``b`` is stored at slot ``positions[b, t]`` of buffer row ``rows[b]`` (default
         ``b``) of every layer's cache and attends to that row's slots up to it; a padding token has position
@@ -302,11 +303,8 @@ class TransformerLM(nn.Module):
         x = self.token_embeddings(in_indices)
         for layer, cache in zip(self.layers, kv_cache, strict=True):
             x = layer(x, rope_positions, CacheStep(cache, positions, rows, mask, limit))
-        if last is None:
-            x = x[:, -1]
-        else:  # last (batch,) or (batch, k): logits (batch, vocab) or (batch, k, vocab)
-            batch = torch.arange(x.shape[0], device=x.device).view(-1, *[1] * (last.ndim - 1))
-            x = x[batch, last]
+        # last: the tokens whose logits are wanted, as flat indices into the (batch * seq) tokens.
+        x = x[:, -1] if last is None else x.flatten(0, 1)[last]
         return self.lm_head(self.ln_final(x))
 
     def loss(

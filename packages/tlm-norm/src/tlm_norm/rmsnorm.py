@@ -3,6 +3,7 @@
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.autograd.function import once_differentiable
 
 from tlm_core.checks import check_number, check_positive_int
@@ -42,6 +43,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: Float[Tensor, "... d_model"]) -> Float[Tensor, "... d_model"]:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFunction.apply(x, self.weight, self.eps)
+        if x.dtype == torch.float16 and x.device.type != "mps":
+            # float32 accumulation suffices for float16: a square is at most 65504² ≈ 4.3e9 and at least
+            # (6e-8)² ≈ 3.6e-15, so no sum of them over- or underflows float32. torch's own (fused) kernel then.
+            return F.rms_norm(x.float(), (self.d_model,), self.weight.float(), self.eps).to(x.dtype)
         return _rms_norm(x, self.weight, self.eps)[0]
 
     def extra_repr(self) -> str:

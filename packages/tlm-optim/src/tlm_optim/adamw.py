@@ -79,6 +79,10 @@ class AdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for group in self.param_groups:
             _check_group(group)
+        # The fused kernel reads the step from a tensor on the parameters' device: one 0-d float32 counter per
+        # device, advanced there by add_(1) (no host-to-device copy in a step), made again by a fill kernel when
+        # the host count moved otherwise (the first step, a loaded state, a rewind).
+        self._device_steps: dict[torch.device, tuple[int, Tensor]] = {}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -124,13 +128,31 @@ class AdamW(torch.optim.Optimizer):
                     lst.append(t)
             for (device, dtype, step), batch in batches.items():
                 update = _choose(group, device, dtype)
-                if found_inf is None:
+                if update is _fused_update and found_inf is None:
+                    _fused_update(batch, step, group, None, self._device_step(device, step))
+                elif found_inf is None:
                     update(batch, step, group)
                 elif update is _fused_update:
-                    _fused_update(batch, step, group, found_inf)
+                    _fused_update(batch, step, group, found_inf, self._device_step(device, step))
                 else:
                     _skippable(update, batch, step, group, found_inf)
         return loss
+
+    def _device_step(self, device: torch.device, step: int) -> Tensor:
+        """``step`` as a 0-d float32 tensor on ``device``, for the fused kernel, made without a host copy."""
+        cached = self._device_steps.get(device)
+        if cached is not None and cached[0] == step:
+            return cached[1]
+        if cached is not None and cached[0] == step - 1 and step < 2**24:  # float32 counts exactly to 2**24
+            counter = cached[1].add_(1)
+        else:
+            counter = torch.full((), float(step), dtype=torch.float32, device=device)  # a fill, not a copy
+        self._device_steps[device] = (step, counter)
+        return counter
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_device_steps", {})
 
 
 _FUSED_DEVICES = ("cpu", "cuda")
@@ -206,11 +228,16 @@ def _skippable(update: Any, batch: _Batch, step: int, group: dict[str, Any], fou
         t.copy_(torch.where(skip, old, t))
 
 
-def _fused_update(batch: _Batch, step: int, group: dict[str, Any], found_inf: Tensor | None = None) -> None:
+def _fused_update(
+    batch: _Batch, step: int, group: dict[str, Any], found_inf: Tensor | None = None, counter: Tensor | None = None
+) -> None:
+    """``counter``: ``step`` as a 0-d float32 tensor on the parameters' device (made here when None)."""
     params, grads, exp_avgs, exp_avg_sqs = batch
     lr, (beta1, beta2), decay = group["lr"], group["betas"], group["weight_decay"]
     keep = 1.0 - lr * decay  # > 0, checked by _choose
-    steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
+    if counter is None:
+        counter = torch.full((), float(step), dtype=torch.float32, device=params[0].device)
+    steps = [counter] * len(params)
     torch._fused_adamw_(
         params,
         grads,

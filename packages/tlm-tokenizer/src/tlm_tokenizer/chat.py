@@ -17,6 +17,7 @@ Needs jinja2 (``pip install 'tlm-tokenizer[chat]'``), imported when a template i
 """
 
 import bisect
+import re
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,25 +33,75 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+#: The roles a message may have: OpenAI's (``developer`` is its newer name for ``system``) and a tool's answer.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+#: The fields of a message that a user writes: data, encoded as text wherever the template puts them.
+TEXT_FIELDS = ("content", "name")
 #: Which tokens a conversation trains on: the assistant's, everything else, or all.
 TRAIN_ON = ("completion", "prompt", "all")
 
 
+#: How long rendering one conversation may take (every render :meth:`ChatTemplate.encode` or a server makes for
+#: it): a template that loops is stopped there, freeing its thread.
+RENDER_SECONDS = 2.0
+#: The most characters a template's ``*`` (a string or list repeated) or ``**`` may make in one operation: a
+#: single such C call cannot be interrupted by the time bound.
+MAX_PRODUCT = 1 << 20
+
+
+def render_time_limit(where: str) -> Any:
+    """``with render_time_limit(where):`` bounds the renders inside to :data:`RENDER_SECONDS`; past it, they stop
+    with a ValueError naming ``where``."""
+    from tlm_core.limits import time_limit
+
+    message = f"{where}: the chat template took more than {RENDER_SECONDS:g} s to render"
+    return time_limit(RENDER_SECONDS, message, ValueError)
+
+
+def _sandbox() -> Any:
+    """transformers' environment for chat templates (sandboxed, immutable, ``trim_blocks``, ``lstrip_blocks``) whose
+    ``*`` and ``**`` refuse a result over :data:`MAX_PRODUCT` (characters, items or bits)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for seq, count in ((left, right), (right, left)):
+                    if (
+                        isinstance(seq, (str, list, tuple))
+                        and isinstance(count, int)
+                        and len(seq) * count > MAX_PRODUCT
+                    ):
+                        raise SecurityError(f"a repetition of {len(seq) * count:,} items is over {MAX_PRODUCT:,}")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0:
+                if abs(left) > 1 and right * max(abs(left).bit_length(), 1) > MAX_PRODUCT:
+                    raise SecurityError(
+                        f"a power of about {right * abs(left).bit_length():,} bits is over {MAX_PRODUCT:,}"
+                    )
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded(trim_blocks=True, lstrip_blocks=True)
+
+
 def compile_template(source: str) -> Callable[..., str]:
     """``source`` (Jinja) compiled as transformers compiles a chat template; ``render(messages=...,
-    add_generation_prompt=...)``. Raises ValueError for a template that does not compile."""
+    add_generation_prompt=...)``. Raises ValueError for a template that does not compile, and ``render`` raises
+    ValueError for one that fails, recurses without end or makes a product over :data:`MAX_PRODUCT` (bound its
+    time with :func:`render_time_limit`)."""
     if not isinstance(source, str) or not source.strip():
         raise ValueError(f"chat template must be a non-empty Jinja string, got {source!r:.60}")
     try:
         from jinja2 import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ValueError("a chat template needs jinja2: pip install 'tlm-tokenizer[chat]'") from None
 
     def raise_exception(message: str) -> None:
         raise ValueError(f"the chat template refused the conversation: {message}")
 
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    environment = _sandbox()
     environment.globals["raise_exception"] = raise_exception
     try:
         template = environment.from_string(source)
@@ -62,22 +113,29 @@ def compile_template(source: str) -> Callable[..., str]:
             return str(template.render(**context))
         except TemplateError as err:
             raise ValueError(f"chat template failed to render: {err}") from None
+        except RecursionError:
+            raise ValueError("chat template failed to render: it recursed too deeply") from None
 
     return render
 
 
 def check_messages(messages: object, where: str = "messages") -> list[dict[str, str]]:
-    """``messages`` as a list of ``{"role": str, "content": str}`` (OpenAI's chat format), or ValueError naming
-    ``where`` and what is wrong."""
+    """``messages`` as a list of ``{"role", "content"}`` (and an optional ``"name"``) in OpenAI's chat format, or
+    ValueError naming ``where`` and what is wrong. ``role`` must be one of :data:`CHAT_ROLES`: a template writes
+    its markers around the role, so a free-text role would put text among the control tokens."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where} must be a non-empty list of {{'role', 'content'}} objects, got {messages!r:.80}")
     checked = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
             raise ValueError(f"{where}[{i}] must be an object with a non-empty string 'role', got {message!r:.80}")
+        if message["role"] not in CHAT_ROLES:
+            raise ValueError(f"{where}[{i}]: role must be one of {', '.join(CHAT_ROLES)}, got {message['role']!r:.80}")
         if not isinstance(message.get("content"), str):
             raise ValueError(f"{where}[{i}] ({message['role']}) must have a string 'content', got {message!r:.80}")
-        checked.append({"role": message["role"], "content": message["content"]})
+        if "name" in message and not isinstance(message["name"], str):
+            raise ValueError(f"{where}[{i}] ({message['role']}): 'name' must be a string, got {message['name']!r:.80}")
+        checked.append({key: message[key] for key in ("role", *TEXT_FIELDS) if key in message})
     return checked
 
 
@@ -118,64 +176,77 @@ class ChatTemplate:
     def encode(self, messages: object, where: str = "messages") -> ChatEncoding:
         """The ids of the whole conversation (``add_generation_prompt=False``) and its assistant mask."""
         messages = check_messages(messages, where)
-        text, contents = locate_contents(self.render, messages)
-        if contents is None:
-            raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
-        # The assistant's spans, from the renders of each prefix.
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-            if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > contents[i][0]:
-                raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
-            spans.append((len(prompt), len(turn)))
+        with render_time_limit(where):  # every render of this conversation, together
+            text, fields = locate_contents(self.render, messages)
+            if fields is None:
+                raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
+            starts_of = {i: start for i, key, start, _ in fields if key == "content"}
+            # The assistant's spans, from the renders of each prefix.
+            spans = []
+            for i, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+                if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > starts_of[i]:
+                    raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
+                spans.append((len(prompt), len(turn)))
         ids: list[int] = []
         starts: list[int] = []  # each id's first character
         offsets = _char_offsets(text)
-        for start, piece_ids in encode_pieces(self.tokenizer, text, contents):
+        for start, piece_ids in encode_pieces(self.tokenizer, text, [(a, b) for _, _, a, b in fields]):
             # Each id's bytes, laid end to end, are the piece's UTF-8: its first character is found from them.
             at = offsets[start]
             for token in piece_ids:
                 starts.append(bisect.bisect_right(offsets, at) - 1)
                 at += len(self.tokenizer.decode_bytes([token]))
             ids += piece_ids
-        return ChatEncoding(ids, [any(a <= s < b for a, b in spans) for s in starts])
+        begins = [a for a, _ in spans]  # in order, not overlapping
+        return ChatEncoding(ids, [(k := bisect.bisect_right(begins, s) - 1) >= 0 and s < spans[k][1] for s in starts])
 
 
 def locate_contents(
     render: Callable[[list[dict[str, str]]], str], messages: list[dict[str, str]]
-) -> tuple[str, list[tuple[int, int]] | None]:
-    """``render(messages)`` and where each message's content lies in it, or None when the template does not write
-    every content once, as it is (it trims them, say). Found by rendering again with a random mark for each content
-    and putting the contents back in place of the marks."""
+) -> tuple[str, list[tuple[int, str, int, int]] | None]:
+    """``render(messages)`` and where what users wrote lies in it: ``(message index, field, start, end)`` for each
+    copy of a :data:`TEXT_FIELDS` value the template writes, in the text's order (every ``content`` once, a
+    ``name`` as often as the template writes it); or None when the template does not write each content once, as
+    it is, or changes a field it writes (trims it, say). Found by rendering again with a random mark in place of
+    each field and putting the values back in place of the marks."""
     text = render(messages)
     nonce = uuid.uuid4().hex
-    marks = [f"\ue000{nonce}{i}\ue001" for i in range(len(messages))]
-    marked = render([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
-    contents: list[tuple[int, int]] = []
-    rebuilt, rest = [], marked
-    for mark, message in zip(marks, messages, strict=True):
-        before, found, rest = rest.partition(mark)
-        if not found:
-            return text, None
-        rebuilt.append(before)
-        start = sum(map(len, rebuilt))
-        rebuilt.append(message["content"])
-        contents.append((start, start + len(message["content"])))
-    rebuilt.append(rest)
-    if "".join(rebuilt) != text or any(mark in rest for mark in marks):
+    fields = [(i, key) for i, m in enumerate(messages) for key in TEXT_FIELDS if isinstance(m.get(key), str)]
+    marks: dict[int, dict[str, str]] = {i: {} for i in range(len(messages))}
+    for k, (i, key) in enumerate(fields):
+        marks[i][key] = f"\ue000{nonce}{k}\ue001"
+    marked = render([{**m, **marks[i]} for i, m in enumerate(messages)])
+    spans: list[tuple[int, str, int, int]] = []
+    gaps: list[str] = []
+    length = position = 0
+    for match in re.finditer(f"\ue000{nonce}(\\d+)\ue001", marked):
+        i, key = fields[int(match.group(1))]
+        value = messages[i][key]
+        gaps.append(marked[position : match.start()])
+        length += match.start() - position
+        spans.append((i, key, length, length + len(value)))
+        length += len(value)
+        position = match.end()
+    gaps.append(marked[position:])
+    rebuilt = "".join(gap + messages[i][key] for gap, (i, key, _, _) in zip(gaps, spans, strict=False)) + gaps[-1]
+    contents = sorted(i for i, key, _, _ in spans if key == "content")
+    if rebuilt != text or contents != list(range(len(messages))) or any(nonce in gap for gap in gaps):
         return text, None
-    return text, contents
+    return text, spans
 
 
 def encode_pieces(tokenizer: Any, text: str, contents: list[tuple[int, int]]) -> list[tuple[int, list[int]]]:
     """``text`` as (start, ids) pieces in which special tokens are matched only outside ``contents`` (character
-    spans of what users wrote): each special token one piece, each run between two of them (template text and
-    contents together, as transformers sees it) encoded as text. Their ids, joined, are ``tokenizer.encode(text)``
-    except that no content becomes a control token."""
+    spans of what users wrote, in the text's order and not overlapping, as :func:`locate_contents` gives them):
+    each special token one piece, each run between two of them (template text and contents together, as
+    transformers sees it) encoded as text. Their ids, joined, are ``tokenizer.encode(text)`` except that no content
+    becomes a control token."""
     pieces: list[tuple[int, list[int]]] = []
     position = 0
+    starts = [a for a, _ in contents]
 
     def text_piece(end: int) -> None:
         if end > position:
@@ -183,8 +254,9 @@ def encode_pieces(tokenizer: Any, text: str, contents: list[tuple[int, int]]) ->
 
     splitter = _splitter(list(tokenizer.special_tokens))
     for match in splitter.finditer(text) if splitter is not None else ():
-        if any(a < match.end() and match.start() < b for a, b in contents):
-            continue  # inside a message's content: text, not a control token
+        last = bisect.bisect_left(starts, match.end()) - 1  # the last span starting before the match ends
+        if last >= 0 and match.start() < contents[last][1]:
+            continue  # inside what a user wrote: text, not a control token
         text_piece(match.start())
         pieces.append((match.start(), list(tokenizer.encode(match.group(), allowed_special={match.group()}))))
         position = match.end()

@@ -10,6 +10,7 @@ from itertools import chain
 from pathlib import Path
 from typing import Any, Literal, SupportsIndex, cast
 
+from tlm_core.atomic import read_input
 from tlm_core.checks import short_repr
 from tlm_tokenizer import bpe, hf_json
 from tlm_tokenizer._gc import gc_paused
@@ -159,14 +160,18 @@ class Tokenizer:
             if data is None:
                 raise FileNotFoundError(f"path must be a tokenizer.json or a folder holding one, got {source.parent}")
         else:
-            data = source.read_bytes()
+            data = read_input(source, "tokenizer")
         tokenizer = cls._from_hf_bytes(data, str(source))
         # Its chat template: transformers 5 writes chat_template.jinja, earlier ones tokenizer_config.json's field.
         jinja = source.parent / "chat_template.jinja"
-        if jinja.is_file():
-            tokenizer.chat_template = jinja.read_text(encoding="utf-8") or None
-        elif (source.parent / hf_json.TOKENIZER_CONFIG_JSON).is_file():
-            config = (source.parent / hf_json.TOKENIZER_CONFIG_JSON).read_bytes()
+        if jinja.exists():
+            text = read_input(jinja, "chat template")
+            try:
+                tokenizer.chat_template = text.decode("utf-8") or None
+            except UnicodeDecodeError as err:
+                raise ValueError(f"chat template {jinja}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        elif (source.parent / hf_json.TOKENIZER_CONFIG_JSON).exists():
+            config = read_input(source.parent / hf_json.TOKENIZER_CONFIG_JSON, "tokenizer config")
             tokenizer.chat_template = _chat_template(config, source.parent)
         return tokenizer
 

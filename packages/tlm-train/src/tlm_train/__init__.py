@@ -13,10 +13,6 @@ from tlm_core.lazy import lazy_exports
 __version__ = "0.3.0"
 
 _HOMES = {
-    "Artifact": "tlm_artifacts.artifact",
-    "load_model": "tlm_artifacts.artifact",
-    "load_tokenizer": "tlm_artifacts.artifact",
-    "resolve": "tlm_artifacts.artifact",
     "BatchSampler": "tlm_train.batch",
     "EvalBatches": "tlm_train.batch",
     "get_batch": "tlm_train.batch",
@@ -24,7 +20,6 @@ _HOMES = {
     "CheckpointManager": "tlm_train.checkpoint",
     "capture_state": "tlm_train.checkpoint",
     "load_checkpoint": "tlm_train.checkpoint",
-    "load_train_state": "tlm_train.checkpoint",
     "read_checkpoint": "tlm_train.checkpoint",
     "restore_state": "tlm_train.checkpoint",
     "save_checkpoint": "tlm_train.checkpoint",
@@ -59,7 +54,6 @@ _HOMES = {
 }
 
 __all__ = [
-    "Artifact",
     "BatchSampler",
     "Checkpoint",
     "CheckpointManager",
@@ -86,13 +80,9 @@ __all__ = [
     "get_batch",
     "init_distributed",
     "load_checkpoint",
-    "load_model",
-    "load_tokenizer",
-    "load_train_state",
     "parameter_groups",
     "plot_loss_curve",
     "read_checkpoint",
-    "resolve",
     "restore_state",
     "rng_state",
     "save_checkpoint",
@@ -106,14 +96,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from tlm_artifacts.artifact import Artifact, load_model, load_tokenizer, resolve
     from tlm_train.batch import BatchSampler, EvalBatches, get_batch
     from tlm_train.checkpoint import (
         Checkpoint,
         CheckpointManager,
         capture_state,
         load_checkpoint,
-        load_train_state,
         read_checkpoint,
         restore_state,
         save_checkpoint,

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from tlm_artifacts.layout import ADAPTER_NAME, LATEST_NAME, SHARDS_DIR, STATE_NAME
 from tlm_artifacts.lora import adapter_bytes, file_sha256, is_adapter_key, read_adapter_file
-from tlm_artifacts.steps import StepFolders, load_step_model, read_model_state, read_sharded_tensors, read_step_config
+from tlm_artifacts.steps import StepFolders
 from tlm_artifacts.steps import file_digests as _file_digests
 from tlm_artifacts.steps import one_process_is_meant as _one_process_is_meant
 from tlm_artifacts.steps import shard_reader as _reader
@@ -57,11 +57,9 @@ from tlm_model import ModelConfig, save_model_file, unwrap
 from tlm_model.checkpoint import read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
-__all__ = [  # the readers are tlm_artifacts's, named here too for the code that imported them from here
-    "FORMAT", "LATEST_NAME", "SHARDS_DIR", "STATE_NAME", "BackgroundSaver", "Checkpoint", "CheckpointManager",
-    "Source", "capture_state", "load_checkpoint", "load_step_model", "load_train_state", "read_checkpoint",
-    "read_model_state", "read_sharded_tensors", "read_step_config", "restore_state", "save_checkpoint",
-    "save_train_state", "stage_state",
+__all__ = [  # the readers of these formats are tlm_artifacts's (its .train_state and .steps): import them there
+    "BackgroundSaver", "Checkpoint", "CheckpointManager", "capture_state", "load_checkpoint", "read_checkpoint",
+    "restore_state", "save_checkpoint", "save_train_state", "stage_state",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
@@ -386,7 +384,7 @@ def _load_shards(state: dict[str, Any], model: nn.Module, optimizer: torch.optim
 class Checkpoint:
     """A verified step folder: its model file and its training state (``state["model"]`` is the model's
     state dict read from ``model.safetensors``; a sharded folder's ``state["shards"]`` is instead the
-    folder of DCP files that :func:`restore_state` reads and :func:`read_model_state` gathers)."""
+    folder of DCP files that :func:`restore_state` reads and ``tlm_artifacts.steps.read_model_state`` gathers)."""
 
     step: int
     path: Path

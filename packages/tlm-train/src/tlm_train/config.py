@@ -36,6 +36,9 @@ from tlm_model.config import PRESETS, ModelConfig
 from tlm_tokenizer.chat import TRAIN_ON
 
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
+#: The default log_interval: every step on the CPU (a read costs little there); on an accelerator each logging
+#: step waits for the device, so one step in ten (torchtitan's default log frequency).
+LOG_INTERVAL_CPU, LOG_INTERVAL_ACCELERATOR = 1, 10
 DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
 CHAT_LAYOUTS = ("packed", "padded")
@@ -203,8 +206,12 @@ class TrainConfig:
             "shown": "eval_batches × batch_size ÷ grad_accum windows: 32,768 tokens at the defaults",
         },
     )
-    log_interval: int = field(
-        default=1, metadata={"help": "steps between logged training losses (each log reads the device)"}
+    log_interval: int | None = field(
+        default=None,
+        metadata={
+            "help": "steps between logged training losses (each log reads the device once)",
+            "shown": f"{LOG_INTERVAL_CPU} on cpu, {LOG_INTERVAL_ACCELERATOR} on an accelerator",
+        },
     )
     checkpoint_interval: int = field(default=100, metadata={"help": "steps between checkpoints"})
     keep_checkpoints: int = field(default=2, metadata={"help": "checkpoints kept (the newest always)"})
@@ -267,13 +274,13 @@ class TrainConfig:
     sample_temperature: float = field(default=0.8, metadata={"help": "temperature of the sample printed at the end"})
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "steps", "eval_interval", "eval_batches", "log_interval"):
+        for name in ("batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("checkpoint_interval", "keep_checkpoints", "vocab_size"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         for name in ("warmup_steps", "sample_tokens", "seed"):
             check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        for name in ("max_tokens", "max_data_bytes", "val_tokens"):
+        for name in ("max_tokens", "max_data_bytes", "log_interval", "val_tokens"):
             if getattr(self, name) is not None:
                 check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
@@ -364,6 +371,12 @@ class TrainConfig:
     def final_min_lr(self) -> float:
         """The schedule's floor: ``min_lr``, or ``lr / 10`` when it is None."""
         return self.lr / 10 if self.min_lr is None else self.min_lr
+
+    def logging_interval(self, device_type: str) -> int:
+        """``log_interval``, or its default for ``device_type`` when it is None."""
+        if self.log_interval is not None:
+            return self.log_interval
+        return LOG_INTERVAL_CPU if device_type == "cpu" else LOG_INTERVAL_ACCELERATOR
 
     def model_config(self, vocab_size: int | None = None) -> ModelConfig:
         """The model's shape: the preset with ``model``'s fields over it, and ``vocab_size`` (the

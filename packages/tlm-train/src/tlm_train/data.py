@@ -17,15 +17,33 @@ from typing import Any
 
 import numpy as np
 
+from tlm_artifacts.layout import RunFolder
 from tlm_core.atomic import check_input, create_new, remove_leftovers, replace_dir, temp_path
-from tlm_train.config import TrainConfig
-from tlm_train.run_dir import RunDir
 from tlm_train.sources import write_corpus
 
 SEPARATOR = "<|endoftext|>"
 TOKEN_SUFFIXES = (".npy", ".bin", ".u16", ".u32")
 TRAIN_TOKENS, VAL_TOKENS, INFO = "train.npy", "val.npy", "info.json"
 CORPUS = "corpus.txt"  # the tokenizer's training text, under a temporary name while it trains
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSettings:
+    """What a run's data depends on, and nothing else of the run's settings: the ``tlm_train.TrainConfig``
+    fields of these names, documented there (``tlm_train.recipe.data_settings`` takes them from one)."""
+
+    data: list[str]
+    val_data: list[str]
+    text_field: str
+    token_dtype: str
+    val_fraction: float
+    max_data_bytes: int | None
+    tokenizer: str | None
+    vocab_size: int
+    special_tokens: list[str]
+    train_on: str
+    chat_template: str | None
+    chat_layout: str
 
 
 def default_corpus() -> str:
@@ -74,8 +92,8 @@ def check_data_paths(data: list[str], val_data: list[str] | None = None) -> None
 
 
 def prepare_data(
-    config: TrainConfig,
-    run: RunDir,
+    config: DataSettings,
+    run: RunFolder,
     *,
     tokenizer: Any = None,
     is_main: bool = True,
@@ -99,7 +117,7 @@ def prepare_data(
         if is_main and tokenizer is not None and not run.has_tokenizer():
             tokenizer.save(run.tokenizer_dir)  # the sample, generate and export decode with it
         return data
-    chat = chat_files(config)
+    chat = chat_files(config.data, config.text_field)
     if is_main and not (run.data_dir / VAL_TOKENS).is_file():
         try:
             if chat:
@@ -119,21 +137,21 @@ def prepare_data(
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
 
 
-def chat_files(config: TrainConfig) -> bool:
-    """Whether ``--data`` is chat data; refuses a mix of chat and text files."""
+def chat_files(data: list[str], text_field: str) -> bool:
+    """Whether ``--data`` (the files ``data``) is chat data; refuses a mix of chat and text files."""
     from tlm_train.chat_data import is_chat_file
 
-    kinds = [is_chat_file(path, config.text_field) for path in config.data]
+    kinds = [is_chat_file(path, text_field) for path in data]
     if any(kinds) and not all(kinds):
-        chat = [p for p, k in zip(config.data, kinds, strict=True) if k]
-        text = [p for p, k in zip(config.data, kinds, strict=True) if not k]
+        chat = [p for p, k in zip(data, kinds, strict=True) if k]
+        text = [p for p, k in zip(data, kinds, strict=True) if not k]
         raise ValueError(f"--data mixes chat files ({chat[0]}) and text files ({text[0]}); give one kind")
     return bool(kinds) and all(kinds)
 
 
-def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_length: int | None) -> None:
+def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_length: int | None) -> None:
     from tlm_tokenizer import Tokenizer, train_bpe
-    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template, render_time_limit
     from tlm_train.chat_data import conversations, encode_examples, lay_out
 
     if config.chat_template is None:
@@ -154,12 +172,13 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
         eos = SEPARATOR if SEPARATOR in specials else ""
         remove_leftovers(run.path, CORPUS)
         corpus = temp_path(run.path / CORPUS)
-        limit, written = _text_limit(config, run), 0
+        limit, written = _text_limit(config.max_data_bytes, run), 0
         try:
             with create_new(corpus) as sink:
                 for path in config.data:
-                    for _, messages in conversations(path):
-                        text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
+                    for number, messages in conversations(path):
+                        with render_time_limit(f"--data {path} line {number}"):
+                            text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
                         data = (text + SEPARATOR).encode("utf-8")
                         written += len(data)
                         if written > limit:
@@ -197,6 +216,18 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
     row = (context_length or 0) + 1
     train, cut_train = lay_out(examples, config.chat_layout, separator, row)
     val, cut_val = lay_out(held_out, config.chat_layout, separator, row)
+    what = {"completion": "the assistant's", "prompt": "all but the assistant's", "all": "every"}[config.train_on]
+    if not _targets(train, config.chat_layout, row):
+        raise ValueError(
+            f"--data {' '.join(config.data)}: no token of its conversations is a target (--train-on "
+            f"{config.train_on} trains on {what} tokens, and they have none within the context): nothing would train"
+        )
+    if not _targets(val, config.chat_layout, row):
+        where = f"--val-data {' '.join(config.val_data)}" if config.val_data else "the validation split of --data"
+        raise ValueError(
+            f"{where}: no token of its conversations is a target (--train-on {config.train_on} trains on {what} "
+            "tokens, and they have none within the context): the validation loss would measure nothing"
+        )
     tokenizer.save(run.tokenizer_dir)
 
     def fill(folder: Path) -> None:
@@ -209,6 +240,13 @@ def _encode_chat(config: TrainConfig, run: RunDir, tokenizer: Any, context_lengt
         (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
+
+
+def _targets(stored: np.ndarray, layout: str, row: int) -> int:
+    """How many tokens of laid-out chat data are targets: stored as ids (not ``-1 - id``) after a window's first."""
+    if layout == "padded":
+        return int((stored.reshape(-1, row)[:, 1:] >= 0).sum())
+    return int((stored[1:] >= 0).sum())
 
 
 def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -> np.ndarray:
@@ -239,7 +277,7 @@ def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
     return {"bytes": size, "sha256": digest.hexdigest()}
 
 
-def _check_token_file(path: Path, run: RunDir, *, resume: bool, val_path: Path | None = None) -> None:
+def _check_token_file(path: Path, run: RunFolder, *, resume: bool, val_path: Path | None = None) -> None:
     files = {"token_file": ("--data", path), **({"val_token_file": ("--val-data", val_path)} if val_path else {})}
     identities = {key: {"path": str(p), **file_identity(p)} for key, (_, p) in files.items()}
     info = run.data_dir / INFO
@@ -272,7 +310,7 @@ def _check_token_file(path: Path, run: RunDir, *, resume: bool, val_path: Path |
     replace_dir(run.data_dir, fill)
 
 
-def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
+def _token_file(config: DataSettings, tokenizer: Any) -> Dataset:
     path = Path(config.data[0])
     tokens = read_token_file(path, config.token_dtype)
     vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
@@ -289,14 +327,14 @@ def _token_file(config: TrainConfig, tokenizer: Any) -> Dataset:
     return Dataset(tokens[:split], tokens[split:], vocab, tokenizer)
 
 
-def _text_limit(config: TrainConfig, run: RunDir) -> int:
+def _text_limit(max_data_bytes: int | None, run: RunFolder) -> int:
     """The most bytes of text a run writes for its tokenizer and encoder, each corpus file bounded before the disk
     fills: ``--max-data-bytes``, or else half the free space of the run folder's disk (the tokens need room too:
     up to 4 bytes per token, about one per 2-4 bytes of text, until the corpus is removed)."""
-    return config.max_data_bytes if config.max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
+    return max_data_bytes if max_data_bytes is not None else shutil.disk_usage(run.path).free // 2
 
 
-def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
+def _encode_text(config: DataSettings, run: RunFolder, tokenizer: Any) -> None:
     from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 
     run.path.mkdir(parents=True, exist_ok=True)
@@ -310,7 +348,7 @@ def _encode_text(config: TrainConfig, run: RunDir, tokenizer: Any) -> None:
     # A fresh name created exclusively: a symlink planted in the run folder is never followed.
     remove_leftovers(run.path, CORPUS)  # of a run killed while it trained its tokenizer or encoded
     corpus = temp_path(run.path / CORPUS)
-    limit = _text_limit(config, run)
+    limit = _text_limit(config.max_data_bytes, run)
     try:
         with create_new(corpus) as sink:
             write_corpus(

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tlm_core.checks import check_choice
 from tlm_model import ModelConfig, TransformerLM
+from tlm_train.cluster import slurm_world
 from tlm_train.step import LanguageModelLoss
 
 
@@ -32,7 +33,9 @@ class DistInfo:
 def init_distributed(device: str = "cpu") -> DistInfo:
     """Join the process group that torchrun describes in the environment (``WORLD_SIZE``,
     ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``): gloo on a CPU, nccl on CUDA (one GPU
-    per local rank). Without torchrun's variables: one process, no group."""
+    per local rank). Under ``srun`` (several tasks, no torchrun), the same variables from SLURM's
+    (:func:`tlm_train.cluster.slurm_world`). Without either: one process, no group."""
+    os.environ.update(slurm_world())
     if "WORLD_SIZE" not in os.environ:
         return DistInfo(0, 1, 0, torch.device(device))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -18,8 +18,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
-import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -31,16 +29,19 @@ import torch
 import torch.distributed as dist
 
 import tlm_artifacts
+from tlm_artifacts.artifact import load_step_model
+from tlm_artifacts.inputs import read_paths
 from tlm_artifacts.lora import grown
-from tlm_artifacts.steps import load_step_model
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
+from tlm_train.cluster import StopPoll, StopSignals, requeue_job
 from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, check_data_paths, is_token_file, prepare_data
+from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
+from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
@@ -67,8 +68,9 @@ class RunResult:
     step: int  # the last completed step
     val_losses: list[tuple[int, float]]  # (step, validation loss), this process's evaluations
     sample: str | None  # decoded text (or ids) generated at the end on rank 0; None when stopped early
-    interrupted: bool  # stopped by SIGINT/SIGTERM after writing a checkpoint
+    interrupted: bool  # stopped by a signal (SIGINT, SIGTERM, SIGUSR1/2) after writing a checkpoint
     checkpoint: Path | None  # the newest checkpoint written
+    requeued: bool = False  # stopped by SIGUSR1/SIGUSR2 in a SLURM job, which rank 0 put back in the queue
 
 
 def flag(name: str) -> str:
@@ -84,7 +86,8 @@ def train(
     log: Callable[[str], None] | None = None,
     progress: bool | None = None,
 ) -> RunResult:
-    """Run ``config`` to its last step (or until SIGINT/SIGTERM, which checkpoint and return).
+    """Run ``config`` to its last step (or until SIGINT, SIGTERM, SIGUSR1 or SIGUSR2, which checkpoint at the
+    next step boundary and return; after SIGUSR1/SIGUSR2 in a SLURM job, rank 0 also requeues the job).
 
     ``resume`` continues ``config.out_dir`` from its newest checkpoint that verifies (``resume_from``: from
     that step, abandoning later ones); without it, a folder that already holds checkpoints is refused.
@@ -96,8 +99,9 @@ def train(
     ``config.logger_errors == "warn"`` the run goes on without that backend instead (``metrics.jsonl``, which
     every command reads, always stops it).
     """
-    device_from_name(config.device, "--device")  # before a process group is joined on it
-    cuda_notes = _cuda_determinism_env(config)  # before this process's first cuBLAS call
+    # The device is checked before a process group is joined on it.
+    settings = determinism_for(device_from_name(config.device, "--device").type, config.deterministic)
+    cuda_notes = set_cublas_workspace(settings)  # before this process's first cuBLAS call
     info = init_distributed(config.device)
     owns_group = info.world_size > 1
     recipe: Recipe | None = None
@@ -115,6 +119,11 @@ def train(
             recipe = None
             gc.collect()
             dist.destroy_process_group()
+
+
+def data_settings(config: TrainConfig) -> DataSettings:
+    """The settings of ``config`` that the run's data depends on (:mod:`tlm_train.data` reads no other)."""
+    return DataSettings(**{f.name: getattr(config, f.name) for f in dataclasses.fields(DataSettings)})
 
 
 class Recipe:
@@ -144,6 +153,7 @@ class Recipe:
         self._clock = (time.perf_counter(), 0.0)  # (when training began here, seconds of earlier processes)
         self.cuda_notes: list[str] = []  # what train() set in the environment for a deterministic CUDA run
         self.saver = BackgroundSaver()  # checkpoints, written while training goes on
+        self.requeue = False  # a SIGUSR1/SIGUSR2 stop (on any rank): the SLURM job goes back in the queue
         # However the run ends, the save in flight is finished (the newest checkpoint is complete, or absent).
         self._exit.callback(self._settle_saves)
 
@@ -165,8 +175,9 @@ class Recipe:
         saved = self._check_resume() if self.resume else None
         if not self.resume:
             self._check_fresh()
-        if config.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=info.device.type != "cpu")
+        # Bit-exact on this device or refused here; restored when the run ends.
+        self.determinism = determinism_for(info.device.type, config.deterministic)
+        self._exit.callback(apply(self.determinism))
         if info.device.type == "cuda":
             self._cuda_settings()
         seed_everything(config.seed)
@@ -178,12 +189,14 @@ class Recipe:
         context = shape.context_length  # padded chat examples take rows of context + 1 tokens
         if info.is_main:
             data = prepare_data(
-                config, self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
                 context_length=context,
             )  # fmt: skip
         barrier()
         if not info.is_main:
-            data = prepare_data(config, self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context)
+            data = prepare_data(
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context
+            )
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -275,28 +288,8 @@ class Recipe:
             self.say(
                 "float32 matmuls on TF32 tensor cores" if config.tf32 else "float32 matmuls in full float32 (--no-tf32)"
             )
-        if not config.deterministic:
-            return
-        flags = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-                 torch.backends.cuda.mem_efficient_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
-
-        def restore() -> None:
-            torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = flags[0], flags[1]
-            torch.backends.cuda.enable_mem_efficient_sdp(flags[2])
-            torch.backends.cuda.enable_cudnn_sdp(flags[3])
-
-        self._exit.callback(restore)
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-        # Flash attention's backward is deterministic under deterministic algorithms; the memory-efficient and
-        # cuDNN kernels' backward is not, so they are turned off (the math kernel remains the fallback).
-        torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
-        self.say(
-            "deterministic on CUDA: CUBLAS_WORKSPACE_CONFIG="
-            f"{os.environ.get('CUBLAS_WORKSPACE_CONFIG')}, deterministic algorithms (an op without a deterministic "
-            "kernel warns once), attention by the flash or math kernels"
-            + "".join(f"; {note}" for note in self.cuda_notes)
-        )
+        if config.deterministic:  # the flags were set in setup (tlm_train.determinism)
+            self.say(describe(self.determinism) + "".join(f"; {note}" for note in self.cuda_notes))
 
     def _check_fresh(self) -> None:
         if self.run_dir.checkpoints().all_steps():
@@ -367,8 +360,8 @@ class Recipe:
     def _adapt(self, base: TransformerLM) -> dict[str, Any]:
         """Freeze the model and give it the adapters the config asks for; the record a checkpoint keeps of
         them and of the base (the path ``init_from`` names and its weights' SHA-256)."""
+        from tlm_artifacts.lora import adapt
         from tlm_lora import weights_sha256
-        from tlm_train.lora import adapt, settings
 
         config = self.config
         if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
@@ -376,11 +369,21 @@ class Recipe:
                 f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "
                 "would change the embedding too); leave lm_head out"
             )
-        lora = settings(config)
+        alpha = float(config.lora_rank if config.lora_alpha is None else config.lora_alpha)
+        lora = {
+            "rank": config.lora_rank,
+            "alpha": alpha,
+            "targets": config.lora_targets,
+            "dropout": config.lora_dropout,
+        }
         # The base as --init-from holds it (float32), before a chat template's markers grew its vocabulary:
-        # what a reader loads again and grows the same way (tlm_train.lora.load_lora_step).
+        # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
+        if config.dtype != "float32":  # the frozen base in the training dtype: what autocast multiplies with anyway
+            from tlm_lora import cast_frozen_weights
+
+            cast_frozen_weights(self.model, getattr(torch, config.dtype))
         return {**lora, "base": {"path": str(Path(cast(str, config.init_from)).resolve()), "sha256": sha256}}
 
     def _model_config(self, data: Dataset, source: TransformerLM | None) -> ModelConfig:
@@ -493,7 +496,8 @@ class Recipe:
         self._mark = (time.perf_counter(), self.start)
         # The first non-finite step, remembered on the device; read where the loop syncs anyway.
         self.guard = NonFiniteGuard(info.device, start_step=self.start)
-        with _stop_requests() as requested:
+        with StopSignals() as signals:
+            stops = self._exit.enter_context(_closing_poll(StopPoll(info.world_size)))
             batches = self._draw()
             for step in range(self.start + 1, self.steps + 1):
                 stats = self.train_step(step, batches)
@@ -504,11 +508,13 @@ class Recipe:
                 self.maybe_evaluate(step)
                 # Ranks must agree on the step they stop at, and on the step that finishes the save in flight
                 # (its error raised on every rank there): compared where the step syncs anyway.
-                asked = requested() or self.logger_error is not None
+                asked = signals.requested or self.logger_error is not None
                 if info.world_size == 1:
                     stop, writing = asked, not self.saver.idle()
                 else:
                     stop, writing = self._any_rank(asked, not self.saver.idle()) if logged else (False, True)
+                signalled, requeue = stops.poll(signals.requested, signals.requeue)  # every step, every rank
+                stop = stop or signalled
                 if self._prune_pending and logged and not writing:
                     self._prune()  # the steps after the save gave a finite loss: older checkpoints can go
                 if stop and self.logger_error is not None:
@@ -516,7 +522,7 @@ class Recipe:
                     break
                 self.maybe_checkpoint(step, sampler_state, force=stop)
                 if stop:
-                    interrupted = True
+                    interrupted, self.requeue = True, requeue or signals.requeue
                     self.say(
                         f"stopped at step {step}: checkpoint {self.last_checkpoint}; continue with --resume "
                         f"{self.run_dir.path}"
@@ -524,6 +530,8 @@ class Recipe:
                     break
         bar.close()
         result = self.finish(step, interrupted or self.logger_error is not None)
+        if self.requeue and info.is_main:  # SIGUSR1/SIGUSR2: time is running out; the checkpoint is written
+            result.requeued = requeue_job(self.say)
         if self.logger_error is not None:
             raise self.logger_error
         return result
@@ -544,23 +552,30 @@ class Recipe:
     def train_step(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepStats:
         # Never raises for a non-finite loss: the update is skipped on the device and the guard remembers
         # the step; _halt_if_diverged reads it where the loop syncs anyway.
-        return train_step(
-            self.loss_module,
-            self.optimizer,
-            batches,
-            scheduler=self.scheduler,
-            max_grad_norm=self.config.grad_clip,
-            autocast_dtype=self.autocast,
-            scaler=self.scaler,
-            guard=self.guard,
-        )
-
-    def _halt_if_diverged(self) -> None:
-        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
-        optimizer state are then those from before that step. Reads the device: called only where the loop
-        syncs anyway (logging, evaluation, a checkpoint)."""
         try:
-            self.guard.check(self.optimizer, self.scheduler)
+            return train_step(
+                self.loss_module,
+                self.optimizer,
+                batches,
+                scheduler=self.scheduler,
+                max_grad_norm=self.config.grad_clip,
+                autocast_dtype=self.autocast,
+                scaler=self.scaler,
+                guard=self.guard,
+            )
+        except RuntimeError as err:  # an op without a deterministic kernel on this device: refused in one line
+            refused = refusal(err) if self.config.deterministic else None
+            if refused is None:
+                raise
+            raise refused from err
+
+    def _halt_if_diverged(self, *values: torch.Tensor) -> list[float]:
+        """Stop the run (``event: diverged``) if a step since the last look was not finite; the weights and
+        optimizer state are then those from before that step. Reads the device once, with ``values`` (0-d
+        tensors) in the same transfer, returned as floats: called only where the loop syncs anyway (logging,
+        evaluation, a checkpoint)."""
+        try:
+            return self.guard.check(self.optimizer, self.scheduler, also=values)
         except NonFiniteLossError as err:
             failed = cast(int, self.guard.first())
             raise self._diverged(f"step {failed}: {err}; {self._good_checkpoint(failed)}", failed) from None
@@ -597,11 +612,11 @@ class Recipe:
     def maybe_log(self, step: int, stats: StepStats, bar: Any) -> bool:
         """Read the step's numbers from the device and record them, on logging steps only."""
         config = self.config
-        if not (step % config.log_interval == 0 or step % config.eval_interval == 0 or step == self.steps):
+        every = config.logging_interval(self.info.device.type)
+        if not (step % every == 0 or step % config.eval_interval == 0 or step == self.steps):
             bar.update()
             return False
-        self._halt_if_diverged()
-        loss, grad_norm = float(stats.loss), float(stats.grad_norm)  # the one host sync of a logged step
+        loss, grad_norm = self._halt_if_diverged(stats.loss, stats.grad_norm)  # the step's one device read
         began, since = self._mark
         seconds = max(time.perf_counter() - began, 1e-9)
         rate = self.tokens_per_step * (step - since) / seconds
@@ -650,7 +665,7 @@ class Recipe:
         state = capture_state(self.model, self.optimizer, step=step, scheduler=self.scheduler)
         state["sampler"] = sampler_state
         if self.lora is not None:  # the adapters only: the frozen base is the --init-from model, named here
-            from tlm_train.lora import is_adapter_key
+            from tlm_artifacts.lora import is_adapter_key
 
             state["model"] = {k: v for k, v in state["model"].items() if is_adapter_key(k)}
             state["lora"] = self.lora
@@ -741,23 +756,6 @@ def _finite(weights: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in local if t.is_floating_point())
 
 
-def _cuda_determinism_env(config: TrainConfig) -> list[str]:
-    """For a deterministic run on CUDA, ``CUBLAS_WORKSPACE_CONFIG`` (cuBLAS reads it when this process makes
-    its first handle, so it is set before anything touches CUDA); what cannot be guaranteed, one note each."""
-    if not (config.deterministic and config.device.startswith("cuda")):
-        return []
-    have = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if have is None:
-        if torch.cuda.is_initialized():
-            return ["CUDA was already in use in this process, so cuBLAS may not be deterministic: set "
-                    "CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment"]  # fmt: skip
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
-        return []
-    if have not in (":4096:8", ":16:8"):
-        return [f"CUBLAS_WORKSPACE_CONFIG={have} is not :4096:8 or :16:8, so cuBLAS may not be deterministic"]
-    return []
-
-
 def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None:
     """What the machine must offer, checked before anything is written."""
     if info.world_size > 1 and config.distributed == "none":
@@ -779,7 +777,8 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
     inputs: dict[str, Sequence[str | None]] = {
-        "--init-from": [config.init_from],
+        # A LoRA run or PEFT adapter reads its base model too: that is an input as well.
+        "--init-from": [] if config.init_from is None else [str(p) for p in read_paths(config.init_from)],
         "--tokenizer": [config.tokenizer],
         "--data": config.data,
         "--val-data": config.val_data,
@@ -803,23 +802,9 @@ def _check_chat_template(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _stop_requests() -> Iterator[Callable[[], bool]]:
-    """SIGINT (Ctrl-C) and SIGTERM (torchrun stopping its workers) ask the loop to checkpoint
-    and return at the end of the current step; a second SIGINT interrupts at once."""
-    requested = False
-
-    def handler(signum: int, frame: Any) -> None:
-        nonlocal requested
-        if requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requested = True
-
+def _closing_poll(poll: StopPoll) -> Iterator[StopPoll]:
+    """The stop agreement for the loop; its last all-reduce is waited for however the loop ends."""
     try:
-        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:  # not the main thread: signals stay as they are
-        previous = {}
-    try:
-        yield lambda: requested
+        yield poll
     finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        poll.close()

@@ -18,7 +18,7 @@ context, after which nothing (not even a last save) can run.
 import contextlib
 import inspect
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -97,13 +97,18 @@ class NonFiniteGuard:
         """The first non-finite step, or None (reads the device: call it where the loop syncs anyway)."""
         return int(self._first) or None  # the one device read
 
-    def check(self, optimizer: torch.optim.Optimizer, scheduler: Any = None) -> None:
+    def check(
+        self, optimizer: torch.optim.Optimizer, scheduler: Any = None, *, also: Sequence[Tensor] = ()
+    ) -> list[float]:
         """Raise :class:`NonFiniteLossError` if a step was not finite (:meth:`first` names it), with the
         optimizer's step counters and ``scheduler`` wound back to the step before it (the weights and
-        moments were never updated)."""
-        first = self.first()
-        if first is None:
-            return
+        moments were never updated). ``also`` (0-d tensors on the guard's device, a logging step's loss and
+        gradient norm) are read in the same transfer as the flag and returned as floats."""
+        flag = (self._first != 0).to(torch.float32)
+        flag, *values = torch.stack([flag, *(t.detach().to(torch.float32).reshape(()) for t in also)]).tolist()
+        if not flag:  # the one device read of a step that went well
+            return values
+        first = cast(int, self.first())
         skipped = self.step - first + 1
         rewind(optimizer, scheduler, skipped)
         self.step = first - 1

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError
+from tlm_core.cli import UserError
 
 #: The file that makes a folder a sweep (``tlm sweep`` writes it).
 MANIFEST = "sweep.json"

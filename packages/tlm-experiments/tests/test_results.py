@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tlm_command.compare import RunSummary
-from tlm_command.results import figure, group_runs
+from tlm_experiments.compare import RunSummary
+from tlm_experiments.results import figure, group_runs
 
 pytest.importorskip("matplotlib")
 

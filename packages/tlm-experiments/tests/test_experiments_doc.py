@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from tlm_command.compare import RunSummary
+from tlm_experiments.compare import RunSummary
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "tools" / "make_experiments_doc.py"

@@ -6,7 +6,7 @@ settings that differ between the runs, how it ended (done, diverged at step S, u
 failed), the final and best validation loss, the tokens trained on, the wall time and tokens per second;
 a second table gives per setting (runs alike but for the seed) the mean, sd and N of the final and best
 loss and the difference from the baseline with a 95% interval. ``--out FILE.png`` draws the loss by step
-and by wall-clock time and the final loss per setting (:mod:`tlm_command.results`).
+and by wall-clock time and the final loss per setting (:mod:`tlm_experiments.results`).
 
     tlm compare runs/a runs/b --out compare.png
     tlm compare sweeps/lr --json
@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command
-from tlm_command.manifest import MANIFEST, read_manifest
-from tlm_command.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
+from tlm_core.cli import UserError, add_command
+from tlm_experiments.manifest import MANIFEST, read_manifest
+from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
 
 __all__ = ["STATUSES", "UNSTABLE_ABOVE", "RunSummary", "collect", "full_markdown", "markdown", "plot", "report",
            "status_text", "summarize"]  # fmt: skip
@@ -183,15 +183,15 @@ def _setting(value: Any) -> str:
 
 
 def plot(summaries: list[RunSummary], out: str | os.PathLike[str], *, title: str | None = None) -> Path:
-    """The comparison's figure (:func:`tlm_command.results.figure`) in one PNG, written whole."""
+    """The comparison's figure (:func:`tlm_experiments.results.figure`) in one PNG, written whole."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise ImportError("plots need matplotlib: pip install 'tlm-command[plot]'") from None
     import matplotlib.pyplot as plt
 
-    from tlm_command.results import figure
     from tlm_core.atomic import atomic_write
+    from tlm_experiments.results import figure
 
     fig = figure(summaries, title=title)
     out = Path(out)
@@ -262,7 +262,7 @@ def _status(status: str) -> str | None:
 def _baseline(groups: list[Any], baseline: str | None) -> str:
     """The label of the baseline setting: ``baseline`` as given (``--baseline``, checked), else the setting
     named ``baseline``, else the first."""
-    from tlm_command.results import baseline_index
+    from tlm_experiments.results import baseline_index
 
     labels = [g.label for g in groups]
     if baseline is not None and baseline not in labels:
@@ -273,7 +273,7 @@ def _baseline(groups: list[Any], baseline: str | None) -> str:
 def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE,
            baseline: str | None = None) -> dict[str, Any]:  # fmt: skip
     """The runs and each setting's statistics, as ``tlm compare --json`` prints them and ``summary.json`` holds."""
-    from tlm_command.results import group_runs, statistics
+    from tlm_experiments.results import group_runs, statistics
 
     groups = group_runs(summaries)
     label = _baseline(groups, baseline)
@@ -287,7 +287,7 @@ def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOV
 
 def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None) -> str:
     """The run table, then the table of each setting's statistics against the baseline."""
-    from tlm_command.results import group_runs, statistics, stats_markdown
+    from tlm_experiments.results import group_runs, statistics, stats_markdown
 
     groups = group_runs(summaries)
     return markdown(summaries) + "\n" + stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))

@@ -3,7 +3,7 @@ the baseline, and the figure of a comparison: what ``tlm sweep``'s summary and `
 
 A setting's final and best validation loss are given as mean, sample standard deviation and N over its
 finished runs (done or unstable); its final loss is compared with the baseline's as a difference with a
-95% interval (:mod:`tlm_command.stats`: paired by seed when both ran the same seeds, Welch's otherwise).
+95% interval (:mod:`tlm_experiments.stats`: paired by seed when both ran the same seeds, Welch's otherwise).
 The baseline is the setting named ``baseline``, else the first.
 
 The figure: validation loss by step (every run's every evaluation as a marker, and per setting of several
@@ -23,8 +23,8 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tlm_command.args import positive_float
-from tlm_command.stats import Difference, Sample, describe, difference
+from tlm_core.cli import positive_float
+from tlm_experiments.stats import Difference, Sample, describe, difference
 
 _SEED = re.compile(r"(^|,)seed=[^,]*")
 #: The loss axes turn logarithmic when the done runs' highest loss is above this multiple of their lowest.

@@ -49,10 +49,10 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_command.args import UserError, add_command, positive_int, say
-from tlm_command.compare import UNSTABLE_ABOVE
-from tlm_command.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
-from tlm_command.results import add_result_arguments
+from tlm_core.cli import UserError, add_command, positive_int, say
+from tlm_experiments.compare import UNSTABLE_ABOVE
+from tlm_experiments.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
+from tlm_experiments.results import add_result_arguments
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
@@ -500,10 +500,10 @@ def _outcome(future: Any) -> dict[str, Any]:
 
 
 def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float = UNSTABLE_ABOVE) -> list[Any]:
-    """Each started run's :class:`~tlm_command.compare.RunSummary` (its path relative to the sweep); a run that
+    """Each started run's :class:`~tlm_experiments.compare.RunSummary` (its path relative to the sweep); a run that
     failed before its folder held anything is there too, with its message."""
-    from tlm_command.compare import RunSummary
-    from tlm_command.compare import summarize as summarize_run
+    from tlm_experiments.compare import RunSummary
+    from tlm_experiments.compare import summarize as summarize_run
 
     summaries = []
     for entry in manifest["runs"]:
@@ -532,8 +532,8 @@ def write_summary(
     baseline: str | None = None,
 ) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
-    from tlm_command.compare import full_markdown, plot, report
     from tlm_core.atomic import atomic_write
+    from tlm_experiments.compare import full_markdown, plot, report
 
     summaries = summarize(folder, manifest, unstable_above=unstable_above)
     data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline)}

@@ -1,0 +1,55 @@
+"""``bench/gpu.py`` (``nox -s gpu``), the one prepared GPU check, runs on the CPU with ``--dry-run``: each part that
+a CUDA machine runs first (issue 42) runs here at toy sizes, so that the check itself is not what fails when a GPU
+is finally lent. What only a GPU shows (sync-debug errors, CUDA graphs, MFU) is not shown here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "bench" / "gpu.py"
+
+
+@pytest.mark.slow
+def test_the_gpu_checks_dry_run_passes_its_first_parts_on_the_cpu(tmp_path) -> None:
+    pytest.importorskip("transformers", reason="bench/gpu.py records the transformers version it ran with")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TLM_TEST_DEVICE": "cpu"}
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--only", "syncs,resume,nan,decode", "--out", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    parts = report["parts"]
+    assert list(parts) == ["syncs", "resume", "nan", "decode"]
+    assert all(p["ok"] and "skipped" not in p for p in parts.values()), parts
+    assert parts["syncs"]["train_step"] == parts["syncs"]["decode_step"] == "no sync"
+    assert all(r["bit_identical_weights"] and r["identical_metrics"] for r in parts["resume"]["rows"].values())
+    assert set(parts["decode"]["rows"]) == {"bfloat16", "float32"}
+    assert set(report["meta"]["newer_torch_features"]) == {
+        "torch.compiler.skip_guard_on_all_nn_modules_unsafe", "torch.distributed.checkpoint.staging.DefaultStager"
+    }  # fmt: skip
+    assert (tmp_path / "gpu.md").read_text().startswith("## GPU check")
+
+
+def test_the_gpu_check_runs_the_unproven_parts_first_within_its_budget() -> None:
+    # The order is the value order of issue 42: the CUDA test leg, host syncs, bf16 training vs HF with MFU,
+    # bit-exact resume, the NaN stop, compiled decoding; and the estimates of those fit the default budget.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tlm_bench_gpu", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    first = ["tests", "syncs", "bench", "resume", "nan", "decode"]
+    assert module.PARTS[: len(first)] == first
+    assert set(module.ESTIMATE_S) == set(module.PARTS)
+    assert sum(module.ESTIMATE_S[p] for p in first) <= 480  # 8 minutes

@@ -1,0 +1,140 @@
+"""A one-node SLURM on 127.0.0.1 for the tests: ``python tools/slurm_local.py start DIR`` / ``stop DIR``.
+
+``start`` installs Debian's ``slurm-wlm`` and ``munge`` with apt-get when ``slurmctld`` is absent (root only),
+writes ``DIR/slurm.conf`` (this host, by ``hostname -s``, with ``NodeAddr=127.0.0.1``; every spool, state, log
+and pid file under DIR), starts ``munged`` (as the ``munge`` user), ``slurmctld`` and ``slurmd``, and waits until
+the node is idle. It prints ``SLURM_CONF=DIR/slurm.conf``: the variable every SLURM command run then needs.
+``stop`` ends the three daemons by their pid files (and nothing else). ``nox -s slurm`` calls both, ``stop``
+always.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONF = """\
+ClusterName=tlmtest
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation={dir}/state
+SlurmdSpoolDir={dir}/spool
+SlurmctldPidFile={dir}/slurmctld.pid
+SlurmdPidFile={dir}/slurmd.pid
+SlurmctldLogFile={dir}/slurmctld.log
+SlurmdLogFile={dir}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+JobRequeue=1
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+ReturnToService=2
+MpiDefault=none
+KillWait=30
+MinJobAge=600
+SchedulerParameters=sched_interval=1
+MessageTimeout=20
+NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+"""
+
+DAEMONS = ("slurmd", "slurmctld", "munged")
+
+
+def _install() -> None:
+    if shutil.which("slurmctld") and shutil.which("munged"):
+        return
+    if os.geteuid() != 0:
+        sys.exit("slurm_local: slurmctld is not installed, and only root can apt-get install slurm-wlm munge")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"],
+        check=True, env=env, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start(folder: Path) -> None:
+    _install()
+    folder = folder.resolve()
+    for sub in ("state", "spool", "munge"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    host = socket.gethostname().split(".")[0]
+    conf = folder / "slurm.conf"
+    conf.write_text(CONF.format(host=host, dir=folder, cpus=os.cpu_count() or 1, ctld_port=_free_port(),
+                                d_port=_free_port()))  # fmt: skip
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    # munged: its own socket and pid file under DIR, run as the munge user (it refuses root).
+    sock = folder / "munge" / "munge.socket"
+    shutil.chown(folder / "munge", "munge", "munge")
+    os.chmod(folder / "munge", 0o755)
+    subprocess.run(
+        ["su", "-s", "/bin/sh", "munge", "-c",
+         f"/usr/sbin/munged --socket={sock} --pid-file={folder}/munge/munged.pid --log-file={folder}/munge/munged.log"
+         f" --seed-file={folder}/munge/munged.seed"],
+        check=True,
+    )  # fmt: skip
+    # Every SLURM program talks to munged through the default socket path: point it at ours.
+    default = Path("/run/munge/munge.socket.2")
+    default.parent.mkdir(parents=True, exist_ok=True)
+    if default.is_symlink() or default.exists():
+        default.unlink()
+    default.symlink_to(sock)
+    (folder / "munged.pid").symlink_to(folder / "munge" / "munged.pid")
+    subprocess.run(["/usr/sbin/slurmctld"], check=True, env=env)
+    subprocess.run(["/usr/sbin/slurmd"], check=True, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout.strip()
+        if state in ("idle", "mix", "alloc"):
+            print(f"SLURM_CONF={conf}")
+            return
+        time.sleep(0.5)
+    stop(folder)
+    sys.exit(f"slurm_local: the node did not become idle in 60 s (sinfo says {state!r}; see {folder}/*.log)")
+
+
+def stop(folder: Path) -> None:
+    for name in DAEMONS:
+        pid_file = folder / f"{name}.pid"
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            continue
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] not in ("start", "stop"):
+        sys.exit("usage: python tools/slurm_local.py start|stop DIR")
+    (start if sys.argv[1] == "start" else stop)(Path(sys.argv[2]))
