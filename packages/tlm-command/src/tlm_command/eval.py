@@ -93,13 +93,9 @@ def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> "np.ndarray":
 
 def _token_bytes(tokenizer: Any, vocab: int) -> "torch.Tensor | None":
     """The UTF-8 length of each id's text (special tokens: 0, they stand for no text)."""
-    import torch
+    from tlm_train.evaluate import token_byte_lengths
 
-    if tokenizer is None:
-        return None
-    specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
-    table = tokenizer.vocab
-    return torch.tensor([0 if i in specials else len(table.get(i, b"")) for i in range(vocab)], dtype=torch.int64)
+    return None if tokenizer is None else token_byte_lengths(tokenizer, vocab)
 
 
 def run(args: argparse.Namespace) -> int:
