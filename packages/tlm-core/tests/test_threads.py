@@ -23,7 +23,8 @@ def test_a_busy_machine_is_said_in_one_line_naming_the_count_and_what_to_set():
     choice = fit_threads(2, cpus=2, load=3.7, environ={})
     assert choice.threads == 1
     assert "\n" not in choice.note
-    assert "load 3.7 on 2 CPUs" in choice.note and f"{THREADS_VARIABLE}=1" in choice.note and "instead of 2" in choice.note
+    assert "load 3.7 on 2 CPUs" in choice.note and f"{THREADS_VARIABLE}=1" in choice.note
+    assert "instead of 2" in choice.note
 
 
 def test_omp_num_threads_set_is_kept_however_busy_the_machine():

@@ -93,13 +93,9 @@ def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> "np.ndarray":
 
 def _token_bytes(tokenizer: Any, vocab: int) -> "torch.Tensor | None":
     """The UTF-8 length of each id's text (special tokens: 0, they stand for no text)."""
-    import torch
+    from tlm_train.evaluate import token_byte_lengths
 
-    if tokenizer is None:
-        return None
-    specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
-    table = tokenizer.vocab
-    return torch.tensor([0 if i in specials else len(table.get(i, b"")) for i in range(vocab)], dtype=torch.int64)
+    return None if tokenizer is None else token_byte_lengths(tokenizer, vocab)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,9 +124,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--stride {args.stride} exceeds the context length {context}; a token would go unscored")
     if args.val_tokens is not None:
         if args.stride is not None:
-            raise UserError(
-                "--val-tokens scores non-overlapping windows spread over the file; give it without --stride"
-            )
+            raise UserError("--val-tokens scores whole windows spread over the file: give it without --stride")
         batches = EvalBatches(ids, args.batch_size, context, device, windows=-(-args.val_tokens // context))
     else:
         batches = EvalBatches(ids, args.batch_size, context, device, stride=args.stride, score_once=True)

@@ -201,9 +201,7 @@ class EvalBatches:
         if windows is not None:
             check_int("windows", windows, low=1)
             if max_batches is not None or score_once:
-                raise ValueError(
-                    "windows spreads its windows over the array: give it without max_batches or score_once"
-                )
+                raise ValueError("windows spreads windows over the array: give it without max_batches or score_once")
             n_windows = len(self.starts)
             if windows < n_windows:
                 self.starts = self.starts[torch.arange(windows) * n_windows // windows]

@@ -46,6 +46,14 @@ class EvalResult:
         }
 
 
+def token_byte_lengths(tokenizer: Any, vocab_size: int) -> Tensor:
+    """The byte length of each id's text, int64 of shape (vocab_size,): special tokens and ids the tokenizer
+    lacks count 0, since they stand for no text (``evaluate``'s ``token_bytes``)."""
+    specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
+    table = tokenizer.vocab
+    return torch.tensor([0 if i in specials else len(table.get(i, b"")) for i in range(vocab_size)], dtype=torch.int64)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,

@@ -29,6 +29,7 @@ from tlm_train.run_dir import METRICS_NAME, TENSORBOARD_DIR
 TENSORBOARD_TAGS = {
     "train_loss": "loss/train",
     "val_loss": "loss/val",
+    "val_bpb": "loss/val_bits_per_byte",
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens": "train/tokens",

@@ -52,7 +52,7 @@ from tlm_train.data import (
 )
 from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
-from tlm_train.evaluate import evaluate
+from tlm_train.evaluate import evaluate, token_byte_lengths
 from tlm_train.loggers import LoggerError, Loggers, choose_loggers
 from tlm_train.metrics import MetricsLog, peak_flops, plot_loss_curve, training_flops_per_token
 from tlm_train.rng import seed_everything
@@ -298,6 +298,12 @@ class Recipe:
         )  # fmt: skip
         self.val_scored = len(self.val_batches.starts) * context  # target positions (a chat prompt's score none)
         self.val_total = len(data.val)
+        # Each token's byte length, so that every evaluation also gives bits per byte (val_bpb): a measure that
+        # compares across tokenizers (tlm compare uses it).
+        self.val_token_bytes = (
+            None if data.tokenizer is None
+            else token_byte_lengths(data.tokenizer, self.model_config.vocab_size).to(info.device)
+        )  # fmt: skip
         self.metrics = MetricsLog(self.run_dir.metrics_path)
         self.start = self._restore() if self.resume else 0
         if self.start > self.steps:
@@ -696,7 +702,10 @@ class Recipe:
             return
         if step > 0:
             self._halt_if_diverged()
-        loss = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast).loss
+        result = evaluate(self.loss_module, self.val_batches, autocast_dtype=self.autocast,
+                          token_bytes=self.val_token_bytes)  # fmt: skip
+        loss = result.loss
+        scores = {"val_loss": loss, **({"val_bpb": result.bits_per_byte} if result.bits_per_byte is not None else {})}
         self.val_losses.append((step, loss))
         if step == 0:
             self.say(
@@ -704,9 +713,9 @@ class Recipe:
                 f"{self.val_scored:,} tokens in windows spread over the {self.val_total:,} of the validation data "
                 f"({flag('val_tokens')})"
             )
-            self._log({"step": 0, "tokens": 0, "val_loss": loss})
+            self._log({"step": 0, "tokens": 0, **scores})
             return
-        record = {**self._record, "val_loss": loss}
+        record = {**self._record, **scores}
         self.say(
             f"step {step}: validation loss {loss:.4f} ({self.val_scored:,} tokens), train loss "
             f"{record['train_loss']:.4f}"
