@@ -36,7 +36,7 @@ import torch
 
 from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
-from tlm_model.inference import unwrap
+from tlm_model.inference import InferenceModel, unwrap
 
 #: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
 PREFILL_TOKENS = 4096
@@ -181,11 +181,13 @@ class Scheduler:
         warm_up: bool = False,
         prefill_chunk: int = PREFILL_CHUNK,
         token_budget: int = PREFILL_BUDGET,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
         every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
         prompt tokens in one prefill forward at most; ``token_budget``: prompt tokens between two decoding
-        steps at most."""
+        steps at most. ``log``: told when a background warm-up (:meth:`compile_in_background`) starts, ends
+        or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
         # shapes would vary with every request): the eager model inside any compiled wrapper.
@@ -209,12 +211,72 @@ class Scheduler:
         self.steps = 0  # batched forwards so far (the tests read it)
         self.error: BaseException | None = None
         self._warm_up = warm_up
+        self._log = log or (lambda line: None)
+        self.engine = "compiled" if isinstance(model, InferenceModel) else "eager"
+        self._warming: dict[str, Any] | None = None  # the background warm-up's progress
+        self._warmed: DecodeBatch | None = None  # the compiled batch, ready to take over
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tlm-scheduler", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
             raise self.error
+
+    def compile_in_background(self) -> None:
+        """Go on serving with the eager model while another thread compiles it
+        (:func:`~tlm_model.compile_for_inference`) and warms a batch of its own up; between two steps the
+        compiled batch then takes over every row (:meth:`DecodeBatch.take_over`), so no request is dropped or
+        waits for the compiler. :meth:`engine_status` says which engine serves and how far the warm-up is; a
+        failed warm-up leaves the eager engine serving."""
+        if self.engine != "eager" or self._warming is not None:
+            raise ValueError(f"compile_in_background needs an eager engine not yet compiling; this one is "
+                             f"{self.engine}{' and compiling' if self._warming is not None else ''}")  # fmt: skip
+        self._warming = {"done": 0, "total": None, "started": time.perf_counter(), "error": None}
+        threading.Thread(target=self._compile, name="tlm-compile", daemon=True).start()
+
+    def engine_status(self) -> dict[str, Any]:
+        """Which engine serves ("eager" or "compiled") and, while a background warm-up runs or after it failed,
+        its progress: ``{"engine": ..., "warm_up": {"done": forwards, "total": forwards, "seconds": s,
+        "error": None or what it raised}}``."""
+        status: dict[str, Any] = {"engine": self.engine}
+        warming = self._warming
+        if warming is not None and (self.engine == "eager" or warming["error"]):
+            seconds = round(time.perf_counter() - warming["started"], 1)
+            status["warm_up"] = {"done": warming["done"], "total": warming["total"], "seconds": seconds,
+                                 "error": warming["error"]}  # fmt: skip
+        return status
+
+    def _compile(self) -> None:
+        """The background warm-up (its own thread): compile the model, warm a batch of its own up, and hand it
+        to the scheduler thread, which switches to it between two steps."""
+        from tlm_model import compile_for_inference
+
+        warming = cast(dict[str, Any], self._warming)
+
+        def progress(done: int, total: int) -> None:
+            warming["done"], warming["total"] = done, total
+
+        self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
+        try:
+            with torch.inference_mode():  # the graphs are compiled under the mode the steps run in
+                batch = DecodeBatch(compile_for_inference(self._plain), self.max_batch,
+                                    prefill_chunk=self.batch.prefill_chunk)  # fmt: skip
+                batch.warm_up(progress)
+        except Exception as err:
+            warming["error"] = f"{type(err).__name__}: {err}"
+            self._log(f"the compiled engine's warm-up failed ({warming['error']}); the eager engine serves on")
+            return
+        with self._wake:
+            self._warmed = batch
+            self._wake.notify()
+
+    def _switch(self) -> None:
+        """The scheduler thread: the warmed compiled batch takes over every row of the eager one."""
+        warmed, self._warmed = cast(DecodeBatch, self._warmed), None
+        warmed.take_over(self.batch)
+        self.batch, self.engine = warmed, "compiled"
+        seconds = time.perf_counter() - cast(dict[str, Any], self._warming)["started"]
+        self._log(f"the compiled engine serves from now on (warm-up {seconds:.0f} s)")
 
     # ------------------------------------------------------------------ any thread
 
@@ -304,10 +366,12 @@ class Scheduler:
 
     def _next_step(self) -> bool:
         with self._wake:
-            while not self._rows and not self._waiting:
+            while not self._rows and not self._waiting and self._warmed is None:
                 if self._closing:
                     return False
                 self._wake.wait()
+        if self._warmed is not None:
+            self._switch()  # a failure here is the engine's: _loop ends it all
         self._admit()
         if not self._rows:
             return True

@@ -59,8 +59,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     parser.add_argument(
         "--no-compile", action="store_true",
-        help="decode with the eager model (default: compile the decode step once at start, warmed up for every "
-        "batch size before the server listens, so no request waits for it)",
+        help="decode with the eager model only (default: serve with it at once while the compiled engine warms "
+        "up in the background, then switch to it between two steps; /health says which engine serves)",
     )  # fmt: skip
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
     parser.set_defaults(run=run)
@@ -162,13 +162,13 @@ def run(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as err:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
-    if not args.no_compile:
-        from tlm_model import compile_for_inference
 
-        model = compile_for_inference(model)  # type: ignore[assignment]
+    def log(line: str) -> None:
+        print(f"tlm serve: {line}", file=sys.stderr, flush=True)
+
     scheduler = Scheduler(
         model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
-        warm_up=not args.no_compile,
+        log=log,
     )  # fmt: skip
     app = create_app(
         scheduler,
@@ -192,7 +192,11 @@ def run(args: argparse.Namespace) -> int:
     )
     server = Server(config)
     host, port = sock.getsockname()[:2]
-    print(f"tlm serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch})", file=sys.stderr, flush=True)
+    engine = "eager engine" if args.no_compile else "eager engine until the compiled one has warmed up"
+    print(f"tlm serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, {engine})", file=sys.stderr,
+          flush=True)  # fmt: skip
+    if not args.no_compile:
+        scheduler.compile_in_background()
     # uvicorn re-raises the signal that stopped it once it has drained, under the handler found before it
     # ran: for SIGTERM that handler is this no-op, so a drained server exits 0 (Ctrl-C still exits 130).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

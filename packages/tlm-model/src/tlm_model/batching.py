@@ -178,7 +178,7 @@ class DecodeBatch:
         return tuple(r for r, ids in enumerate(self._pending) if ids is not None)
 
     @torch.no_grad()
-    def warm_up(self) -> None:
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
         a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
         on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
@@ -189,7 +189,9 @@ class DecodeBatch:
         call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
         rows, and max-autotune times its candidates there). So the chunks run first one prompt and then
         several of a full chunk's tokens, and the steps run from the largest bucket down: a 16-row step
-        compiled at 2 rows took 10.7 ms instead of 6.8-7.4."""
+        compiled at 2 rows took 10.7 ms instead of 6.8-7.4.
+
+        ``progress(done, total)`` is called after each of the ``total`` warm-up forwards."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
@@ -201,11 +203,15 @@ class DecodeBatch:
         chunks = [[torch.zeros(wide, dtype=torch.int64)]]
         if group > 1:
             chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
+        total, done = len(chunks) + len(sizes), 0
         try:
             for prompts in chunks:
                 self.add_many(prompts)
                 while len(self):
                     self.remove(len(self) - 1)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             for rows in sizes:
                 while len(self) < rows:
                     self.add(zeros[min(len(self), 1)])
@@ -213,9 +219,28 @@ class DecodeBatch:
                     self.remove(len(self) - 1)
                 if all(n < self.capacity for n in self.lengths):
                     self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
         finally:
             while len(self):
                 self.remove(len(self) - 1)
+
+    def take_over(self, source: "DecodeBatch") -> None:
+        """Hold ``source``'s rows from now on, each where it was (its tokens, its prompt still to run): an
+        engine switching models between steps (``tlm serve``'s compiled engine once warmed up) without
+        dropping a row. This batch must be empty and of ``source``'s shape; ``source`` is left as it was."""
+        if len(self):
+            raise ValueError(f"take_over needs an empty batch, this one has {len(self)} rows")
+        if (self.max_batch_size, self.capacity) != (source.max_batch_size, source.capacity):
+            raise ValueError(
+                f"source must have {self.max_batch_size} rows of {self.capacity} slots, got "
+                f"{source.max_batch_size} of {source.capacity}"
+            )
+        for cache, theirs in zip(self.caches, source.caches, strict=True):
+            cache.copy_from(theirs)
+        self._pending, self._skipped = list(source._pending), list(source._skipped)
+        self._decoding.copy_(source._decoding)
 
     def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
         """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
