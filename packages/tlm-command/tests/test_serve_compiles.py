@@ -223,3 +223,82 @@ def test_the_server_answers_with_the_eager_engine_while_the_compiled_one_warms_u
         ids = tokenizer.encode(p)
         expected = tokenizer.decode(generate(model, torch.tensor(ids), 6, temperature=0)[len(ids) :].tolist())
         assert text_during == text_after == expected, p
+
+
+@pytest.mark.slow
+def test_the_real_server_logs_no_recompile_once_the_compiled_engine_serves(tmp_path, corpus):
+    # Issue 41: `tlm serve` as a user runs it (compiled by default, inductor, TORCH_LOGS=recompiles), a 1-layer
+    # model on 2 rows: once /health says the compiled engine serves, a mix of requests (a 1-token prompt, n,
+    # echo scoring with max_tokens 0 and 1, a prompt filling most of the context, stop texts, streaming) makes
+    # dynamo log no recompile. The warm-up compiles three graphs with inductor: a minute or two on a busy CPU.
+    import os
+    import subprocess
+    import sys
+
+    from tlm_model import save_model_file
+    from tlm_tokenizer import Tokenizer, train_bpe
+
+    folder = tmp_path / "tiny"
+    vocab, merges = train_bpe(corpus, 300, ["<|endoftext|>"], num_workers=1)
+    torch.manual_seed(0)
+    save_model_file(TransformerLM(ModelConfig(vocab_size=300, context_length=48, d_model=32, num_layers=1,
+                                              num_heads=2, d_ff=64)).eval(), folder)  # fmt: skip
+    Tokenizer(vocab, merges, ["<|endoftext|>"]).save(folder / "tokenizer")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tlm", "serve", "--checkpoint", str(folder), "--port", "0", "--max-batch", "2",
+         "--device", "cpu", "--quiet"],
+        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_LOGS": "recompiles"},
+    )  # fmt: skip
+    try:
+        log: list[str] = []
+        line = process.stderr.readline()
+        assert " on http://127.0.0.1:" in line and "warmed up" in line, line
+        threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
+        port = int(line.split("127.0.0.1:")[1].split("/")[0])
+        deadline = time.monotonic() + 600
+        while True:  # the server answers at once; the compiled engine takes over once warmed up
+            try:
+                health = _get(port, "/health")[1]
+            except OSError:
+                health = {}
+            if health.get("engine") == "compiled" or time.monotonic() > deadline:
+                break
+            assert "error" not in health.get("warm_up", {}) or not health["warm_up"]["error"], health
+            time.sleep(1)
+        assert health.get("engine") == "compiled", health
+        seen = len(log)
+        assert any("Recompiling" in line for line in log[:seen])  # the log is on: the warm-up's second step graph
+        long = "Once upon a time " * 8
+        bodies = [
+            {"prompt": "x", "max_tokens": 5, "temperature": 0},
+            {"prompt": ["x", "y"], "max_tokens": 3, "temperature": 0.7, "n": 2, "seed": 1},
+            {"prompt": "The quick brown fox", "max_tokens": 0, "echo": True, "logprobs": 2},
+            {"prompt": "x", "max_tokens": 1, "echo": True, "logprobs": 0},
+            {"prompt": long, "max_tokens": 4, "temperature": 0, "stop": ["e"]},
+            {"prompt": "a b", "max_tokens": 6, "temperature": 0, "stream": True},
+            {"prompt": "x", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1},
+        ]
+        results = []
+        threads = [threading.Thread(target=lambda b=b: results.append(_post_raw(port, b))) for b in bodies]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert sorted(status for status, _ in results) == [200] * len(bodies), results
+        time.sleep(1)  # the log's reader thread catches up
+        assert not [line for line in log[seen:] if "Recompiling" in line or "recompile" in line.lower()], log[seen:]
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def _post_raw(port, body):
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    payload = response.read().decode()
+    conn.close()
+    return response.status, payload

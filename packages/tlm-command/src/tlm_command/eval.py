@@ -15,8 +15,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, add_command, add_device_arguments, positive_int, say
-from tlm_command.args import device as parse_device
+from tlm_command.args import UserError, add_command, add_device_arguments, inference_device, positive_int, say
 from tlm_command.loading import add_model_arguments, load_model
 
 if TYPE_CHECKING:
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_core.tensors import dtype_from_name
     from tlm_train import EvalBatches, evaluate
 
-    device = parse_device(args.device)
+    device = inference_device(args)
     check_input(args.data, "--data")  # the cheap checks before the model loads: a regular file
     model, tokenizer, artifact = load_model(args, device)
     ids = _tokens(Path(args.data), tokenizer, args.token_dtype)

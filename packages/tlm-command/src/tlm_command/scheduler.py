@@ -52,6 +52,16 @@ PREFILL_CHUNK = 32
 #: iterations, not one forward and one step each); longer ones a PREFILL_CHUNK a forward.
 PREFILL_BUDGET = 128
 
+#: (prefill chunk, token budget) by device type when the caller gives none: :data:`PREFILL_CHUNK` and
+#: :data:`PREFILL_BUDGET` on a CPU (measured there); on an accelerator a forward of a few thousand tokens costs
+#: about what one of a few costs, so larger ones (vLLM's default token budget is 2048).
+PREFILL_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (PREFILL_CHUNK, PREFILL_BUDGET), "cuda": (512, 2048)}
+
+
+def prefill_defaults(device: torch.device) -> tuple[int, int]:
+    """(prefill chunk, token budget) for ``device``: :data:`PREFILL_DEFAULTS`, the CPU's for an unlisted type."""
+    return PREFILL_DEFAULTS.get(device.type, PREFILL_DEFAULTS["cpu"])
+
 
 class QueueFull(Exception):
     """The queue holds ``max_queue`` requests already: come back later."""
@@ -179,15 +189,15 @@ class Scheduler:
         eos_ids: list[int],
         device: torch.device,
         warm_up: bool = False,
-        prefill_chunk: int = PREFILL_CHUNK,
-        token_budget: int = PREFILL_BUDGET,
+        prefill_chunk: int | None = None,
+        token_budget: int | None = None,
         log: Callable[[str], None] | None = None,
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
         every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
         prompt tokens in one prefill forward at most; ``token_budget``: prompt tokens between two decoding
-        steps at most. ``log``: told when a background warm-up (:meth:`compile_in_background`) starts, ends
-        or fails."""
+        steps at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
+        (:meth:`compile_in_background`) starts, ends or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
         # shapes would vary with every request): the eager model inside any compiled wrapper.
@@ -195,8 +205,9 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
-        self.batch = DecodeBatch(model, max_batch, prefill_chunk=prefill_chunk)
-        self.prefill_budget = token_budget
+        chunk, budget = prefill_defaults(device)
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk)
+        self.prefill_budget = budget if token_budget is None else token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []

@@ -1,5 +1,6 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -13,12 +14,27 @@ from tlm_core.tensors import as_index_tensor
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
+#: The most batch buckets (:func:`batch_buckets`): dynamo's recompile limit, past which a function with
+#: more graphs silently runs eager (on CUDA every bucket is a graph of its own).
+MAX_BUCKETS = 8
+
+
+@functools.cache
+def batch_buckets(max_batch_size: int, limit: int = MAX_BUCKETS) -> tuple[int, ...]:
+    """The batch sizes a step runs at, ascending: 1, the powers of two below ``max_batch_size`` and
+    ``max_batch_size`` itself, at most ``limit`` of them (the smallest powers above 1 go first: a few rows
+    padded to a few more cost least). A compiled step has one graph per bucket on CUDA (on a CPU: one for a
+    single row, one for every other bucket), so rows joining and leaving reuse a handful of graphs."""
+    check_positive_int("max_batch_size", max_batch_size)
+    check_int("limit", limit, low=2)
+    powers = [1 << k for k in range(1, max_batch_size.bit_length()) if 1 << k < max_batch_size]
+    above = [*powers, max_batch_size] if max_batch_size > 1 else []
+    return (1, *above[len(above) - min(len(above), limit - 1) :])
+
 
 def batch_bucket(rows: int, max_batch_size: int) -> int:
-    """The batch size a step over ``rows`` rows runs at: the next power of two, at most ``max_batch_size``.
-    A compiled step has one graph per bucket (on a CPU: one for a single row, one for every other bucket), so
-    rows joining and leaving reuse a handful of graphs."""
-    return min(max_batch_size, 1 << max(0, rows - 1).bit_length())
+    """The batch size a step over ``rows`` rows runs at: the smallest of :func:`batch_buckets` that holds them."""
+    return next(size for size in batch_buckets(max_batch_size) if size >= rows)
 
 
 #: The fewest cache slots a compiled step reads (:func:`slot_bucket`).
@@ -194,7 +210,7 @@ class DecodeBatch:
         ``progress(done, total)`` is called after each of the ``total`` warm-up forwards."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
-        sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
+        sizes = batch_buckets(self.max_batch_size)[::-1]
         zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 3)]
         # The tokens a warm-up row may hold and still take a step at every bucket.
         room = max(1, self.capacity - len(sizes) - 1)
