@@ -7,8 +7,9 @@ prefilled with the other joining prompts: up to :data:`PREFILL_BUDGET` tokens be
 forwards of at most the batch's ``prefill_chunk`` tokens (shortest prompt first:
 :meth:`tlm_model.batching.DecodeBatch.prefill`), so a long prompt does not stall the decoding rows and a short one
 waits for one chunk of it; then every step feeds one token to every decoding row in one forward. A request that only
-scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token needs no cache: those that join together
-run as one padded prefill (:meth:`Scheduler._prefill_only`), and end there. Each row samples with its own parameters
+scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token keeps no row: those that join together
+are prefilled together with every position's logits, through the same prompt-chunk forward, and end there
+(:meth:`Scheduler._prefill_only`). Each row samples with its own parameters
 (:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
 its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
 --temperature 0``. Log-probabilities come from the forward that gave the token
@@ -37,9 +38,6 @@ import torch
 from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
 from tlm_model.inference import InferenceModel, unwrap
-
-#: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
-PREFILL_TOKENS = 4096
 
 #: Prompt tokens in one prefill forward at most (DecodeBatch's ``prefill_chunk``): what a request that arrives
 #: while a long prompt is prefilled waits for before its own prompt runs. On a 2-core CPU (course shape, eager,
@@ -199,8 +197,7 @@ class Scheduler:
         steps at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
         (:meth:`compile_in_background`) starts, ends or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
-        # shapes would vary with every request): the eager model inside any compiled wrapper.
+        # The eager model inside any compiled wrapper (what a background warm-up compiles).
         self._plain = unwrap(model)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
@@ -498,51 +495,38 @@ class Scheduler:
         self._rows.append(row)
 
     def _prefill_only(self, requests: list[Request]) -> None:
-        """Requests that need no cache (score the prompt, at most one new token): right-padded prompts in as few
-        forwards as fit :data:`PREFILL_TOKENS`. A padded token comes after every real one, so no real token
-        sees it (the attention is causal)."""
-        requests = sorted(requests, key=lambda r: len(r.prompt))
-        start = 0
-        while start < len(requests):
-            end = start + 1
-            while end < len(requests) and (end + 1 - start) * len(requests[end].prompt) <= PREFILL_TOKENS:
-                end += 1
-            group, start = requests[start:end], end
-            width = len(group[-1].prompt)
-            padded = torch.zeros(len(group), width, dtype=torch.long)
-            for b, request in enumerate(group):
-                padded[b, : len(request.prompt)] = torch.tensor(request.prompt)
-            padded = padded.to(self.device)
-            logits = self._plain(padded)  # the model's: a failure ends everything
-            lengths = torch.tensor([len(r.prompt) for r in group], device=self.device)
-            last = logits[torch.arange(len(group), device=self.device), lengths - 1]
-            rows: list[_Row | None] = []
-            for b, request in enumerate(group):
-                try:
-                    if request.echo:
-                        n = len(request.prompt)
-                        scores = self._score(logits[b, : n - 1], padded[b, 1:n], request.logprobs or 0)
-                        first = Scored(request.prompt[0], None, [])
-                        request.emit(Piece("", prompt_scored=[first, *scores]))
-                    row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
-                    if row is not None:
-                        row.logits = last[b]
-                    else:
-                        request.emit(Piece("", "length"))
-                        request.cancelled.set()
-                    rows.append(row)
-                except Exception as err:
-                    self._fail(request, err)
-                    rows.append(None)
-            generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
-            if generating:
-                saved, self._rows = self._rows, generating
-                try:
-                    self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
-                finally:
-                    self._rows = saved
-            self._left(len(group))
-            self._send_last()
+        """Requests that need no cache beyond their prompt (score it, at most one new token): their prompts run
+        together through the batch's own prompt-chunk forward (the compiled one once it serves) in forwards of
+        at most the token budget, with every position's logits, on rows that leave again at once."""
+        prompts = [torch.tensor(request.prompt, device=self.device) for request in requests]
+        every = self.batch.add_many(prompts, every_position=True, budget=self.prefill_budget)  # the model's
+        for _ in requests:
+            self.batch.remove(len(self.batch) - 1)
+        rows: list[_Row | None] = []
+        for request, prompt, logits in zip(requests, prompts, cast(list[torch.Tensor], every), strict=True):
+            try:
+                if request.echo:
+                    scores = self._score(logits[:-1], prompt[1:], request.logprobs or 0)
+                    request.emit(Piece("", prompt_scored=[Scored(request.prompt[0], None, []), *scores]))
+                row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
+                if row is not None:
+                    row.logits = logits[-1]
+                else:
+                    request.emit(Piece("", "length"))
+                    request.cancelled.set()
+                rows.append(row)
+            except Exception as err:
+                self._fail(request, err)
+                rows.append(None)
+        generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
+        if generating:
+            saved, self._rows = self._rows, generating
+            try:
+                self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
+            finally:
+                self._rows = saved
+        self._left(len(requests))
+        self._send_last()
 
     def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
         """``tokens`` scored under ``logits`` (one row each), read back to the host."""

@@ -9,6 +9,7 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from tlm_attention import KVCache
 from tlm_core.checks import check_int, check_positive_int
 from tlm_core.tensors import as_index_tensor
 from tlm_model.inference import InferenceModel
@@ -146,6 +147,7 @@ class DecodeBatch:
         *,
         prefill_chunk: int = 512,
         min_slots: int = MIN_SLOTS,
+        caches: "list[KVCache] | None" = None,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
@@ -157,7 +159,17 @@ class DecodeBatch:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._lm = model.model if isinstance(model, InferenceModel) else model
-        self.caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        if caches is None:
+            caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        elif len(caches) != self._lm.config.num_layers or {(c.max_batch_size, c.capacity) for c in caches} != {
+            (max_batch_size, caches[0].capacity if capacity is None else capacity)
+        }:
+            raise ValueError(
+                f"caches must be the model's {self._lm.config.num_layers} layers' caches of {max_batch_size} rows"
+                + ("" if capacity is None else f" and {capacity} slots")
+                + f", got {len(caches)} of {[(c.max_batch_size, c.capacity) for c in caches][:2]}"
+            )
+        self.caches = list(caches)
         self.capacity = self.caches[0].capacity
         for cache in self.caches:
             cache.select_rows([])
@@ -195,11 +207,12 @@ class DecodeBatch:
 
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
-        a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
-        on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
-        its graph, so one step per batch bucket covers every slot bucket: nothing recompiles later as rows grow
-        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation).
+        """Run one step at every batch bucket and two prompt chunks on an empty batch, so that a compiled model
+        compiles now (the step's graphs, and the chunks' one graph, whose sizes are dynamic and never 1:
+        :func:`pack_chunks`) rather than on the first requests; the batch is left empty. The number of slots a
+        step reads is a dynamic size of its graph, so one step per batch bucket covers every slot bucket:
+        nothing recompiles later as rows grow (CUDA graphs still record one graph per slot bucket, at its first
+        use: no compilation).
 
         Each graph with a dynamic size is first compiled at a size it will serve: inductor takes the first
         call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
@@ -318,11 +331,17 @@ class DecodeBatch:
 
     @torch.no_grad()
     def add_many(
-        self, prompts: Sequence[Integer[Tensor, " _prompt"]], *, every_position: bool = False
+        self,
+        prompts: Sequence[Integer[Tensor, " _prompt"]],
+        *,
+        every_position: bool = False,
+        budget: int | None = None,
     ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "_prompt vocab"]]:
-        """Prefill ``prompts`` together (chunks of ``prefill_chunk`` tokens) and append them as the last rows,
-        in order; returns their next-token logits (with ``every_position``: a list of each prompt's logits after
-        every token). Rows joined earlier and still prefilling are left as they are."""
+        """Prefill ``prompts`` together (forwards of ``budget`` tokens at most, default ``prefill_chunk``) and
+        append them as the last rows, in order; returns their next-token logits (with ``every_position``: a list
+        of each prompt's logits after every token). Rows joined earlier and still prefilling are left as they
+        are."""
+        budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
         if len(self) + len(prompts) > self.max_batch_size:
@@ -336,7 +355,7 @@ class DecodeBatch:
         try:
             while len(done) < len(rows):
                 todo = [r for r in rows if r not in done]
-                done.update(self._prefill_rows(todo, self.prefill_chunk, scores))
+                done.update(self._prefill_rows(todo, budget, scores, together=True))
         except BaseException:
             for row in reversed(rows):  # all or nothing: the new rows go again
                 self.remove(row)
@@ -402,11 +421,12 @@ class DecodeBatch:
         return last if row != last else None
 
     def _prefill_rows(
-        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None
+        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None, together: bool = False
     ) -> dict[int, Tensor]:
         # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
-        # The fewest remaining tokens first, and no prompt padded to more than twice the first one's chunk: a
-        # short prompt beside a long one runs in a forward of its own width, the long one at the next call.
+        # The fewest remaining tokens first, and (unless `together`: every row is wanted now) no prompt padded to
+        # more than twice the first one's chunk: a short prompt beside a long one runs in a forward of its own
+        # width, the long one at the next call.
         # A row passed over twice goes first, so that prompts joining every step never starve a long one.
         chunks: list[tuple[int, Tensor]] = []
         order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
@@ -414,7 +434,7 @@ class DecodeBatch:
             ids = self._pending[row]
             assert ids is not None
             take = ids[:budget]
-            if budget == 0 or (chunks and len(take) > 2 * len(chunks[0][1])):
+            if budget == 0 or (chunks and not together and len(take) > 2 * len(chunks[0][1])):
                 break
             chunks.append((row, take))
             budget -= len(take)
