@@ -301,7 +301,8 @@ def create_app(
     async def health() -> JSONResponse:
         if app.state.draining or scheduler.error is not None:
             return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        counts = {"active": scheduler.active, "waiting": scheduler.waiting, "steps": scheduler.steps}
+        counts = {"active": scheduler.active, "waiting": scheduler.waiting, "steps": scheduler.steps,
+                  **scheduler.engine_status()}  # fmt: skip
         return JSONResponse({"status": "ok", **counts})
 
     @app.get("/v1/models")
