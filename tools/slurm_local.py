@@ -25,6 +25,7 @@ SlurmdPort={d_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=5
 CredType=cred/munge
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
@@ -38,12 +39,13 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 JobRequeue=1
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={dir}/jobcomp.log
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 MpiDefault=none
-KillWait=30
+KillWait=15
 MinJobAge=600
 SchedulerParameters=sched_interval=1
 MessageTimeout=20
