@@ -13,6 +13,7 @@ of its log. Job logs go to ``SWEEP/.slurm/``.
 
 import contextlib
 import fcntl
+import io
 import json
 import os
 import shutil
@@ -156,7 +157,8 @@ def submit(folder: Path, manifest: dict[str, Any], todo: list[dict[str, Any]], *
     executor.update_parameters(**parameters)
     task = _task_class()()
     try:
-        submitted = executor.map_array(task, [str(folder)] * len(todo), [e["name"] for e in todo])
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal too: said once, below
+            submitted = executor.map_array(task, [str(folder)] * len(todo), [e["name"] for e in todo])
     except Exception as err:  # sbatch refused: one line, nothing marked submitted
         reason = str(err).strip().splitlines()
         detail = next((line for line in reversed(reason) if "error" in line.lower()), reason[-1] if reason else "")
