@@ -1,7 +1,8 @@
 """Against a real SLURM (``nox -s slurm`` starts a one-node one on 127.0.0.1; skipped when none answers):
 docs/slurm.sbatch's 2-rank DDP job requeued mid-run with ``scontrol requeue`` ends bit-exact equal to the same
 job never stopped (weights and AdamW state); a job sent SIGUSR1 before its time limit requeues itself, resumes
-and finishes; a 4-run sweep as one job array that ``tlm compare`` reads."""
+and finishes; a 4-run sweep as one job array, one task requeued mid-run, that ``tlm compare`` reads and
+``tlm sweep --resume`` finds finished."""
 
 import json
 import os
@@ -107,7 +108,7 @@ def test_a_two_rank_job_requeued_mid_run_ends_bit_exact_equal_to_one_never_stopp
     state = _wait_ended(job)
     log = (work / "requeued.out").read_text()
     assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log
-    assert "restart 1" in log and "auto-resume" not in log  # --quiet; the second start found the run and resumed
+    assert "DUE TO JOB REQUEUE" in log and "restart 1" in log  # stopped once, then ran again
     events = [json.loads(line) for line in (work / "requeued" / "metrics.jsonl").read_text().splitlines()]
     assert events[-1]["step"] == STEPS
     got, want = _whole(work, "requeued"), _whole(work, "reference")
@@ -129,15 +130,27 @@ def test_a_job_sent_usr1_before_its_time_limit_requeues_itself_resumes_and_finis
     assert steps[-1] == STEPS, steps
 
 
-def test_a_four_run_sweep_runs_as_one_job_array_that_tlm_compare_reads(work: Path) -> None:
-    settings = ["data=tokens.npy", "vocab_size=48", "steps=20", "batch_size=8", "eval_interval=10",
+def test_a_four_run_sweep_runs_as_one_job_array_one_task_requeued_that_tlm_compare_reads(work: Path) -> None:
+    settings = ["data=tokens.npy", "vocab_size=48", "steps=60", "batch_size=8", "eval_interval=30",
                 "checkpoint_interval=10", "sample_tokens=0", "peak_flops=1e9", "eval_batches=1",
                 "model.context_length=16", "model.d_model=32", "model.num_layers=2", "model.num_heads=2",
                 "model.d_ff=64"]  # fmt: skip
     command = [sys.executable, "-m", "tlm", "sweep", "--launcher", "slurm", "--time", "10", "--out-dir", "sweep",
                "--grid", "lr=1e-3,3e-3", "--seeds", "2", *(a for s in settings for a in ("--set", s))]  # fmt: skip
-    done = subprocess.run(command, cwd=work, env=_env(), capture_output=True, text=True, timeout=500)
-    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = subprocess.Popen(command, cwd=work, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = work / "sweep" / "lr=1e-3,seed=0"
+        deadline = time.monotonic() + 400
+        while not ((first / "checkpoints").is_dir() and any((first / "checkpoints").glob("step_*"))):
+            assert sweep.poll() is None and time.monotonic() < deadline, "the first run never checkpointed"
+            time.sleep(0.1)
+        task = json.loads((work / "sweep" / "sweep.json").read_text())["runs"][0]["job"]
+        subprocess.run(["scontrol", "requeue", task], check=True)  # mid-run: SIGTERM, checkpoint, run again
+        _, err = sweep.communicate(timeout=500)
+    finally:
+        sweep.kill()
+    assert sweep.returncode == 0, err[-3000:]
+    assert _job(task)["Restarts"] == "1"
     manifest = json.loads((work / "sweep" / "sweep.json").read_text())
     assert [e["status"] for e in manifest["runs"]] == ["done"] * 4
     arrays = {e["job"].split("_")[0] for e in manifest["runs"]}
@@ -147,7 +160,7 @@ def test_a_four_run_sweep_runs_as_one_job_array_that_tlm_compare_reads(work: Pat
     assert compared.returncode == 0, compared.stderr[-3000:]
     runs = json.loads(compared.stdout)["runs"]
     assert sorted(r["name"] for r in runs) == sorted(e["name"] for e in manifest["runs"])
-    assert all(r["status"] == "done" and r["steps"] == 20 for r in runs)
+    assert all(r["status"] == "done" and r["steps"] == 60 for r in runs)
     resumed = subprocess.run([sys.executable, "-m", "tlm", "sweep", "--resume", "sweep", "--quiet"], cwd=work,
                              env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]  # every run finished: nothing submitted again
