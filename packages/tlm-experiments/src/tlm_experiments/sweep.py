@@ -366,7 +366,7 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:  # one run's failure is recorded; the sweep goes on
         first = str(err).splitlines()[0] if str(err) else ""
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
-    if result.requeued:  # a SLURM task stopped before its time limit and put back in the queue
+    if getattr(result, "requeued", False):  # a SLURM task stopped before its time limit and put back in the queue
         return {"status": "interrupted", "requeued": True}
     return {"status": "interrupted" if result.interrupted else "done"}
 
