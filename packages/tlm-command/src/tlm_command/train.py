@@ -5,11 +5,8 @@ too (``--num-kv-heads 2``). ``--init-from X`` fine-tunes X (a run, checkpoint, H
 folder); ``--lora-rank R`` trains only LoRA adapters on its frozen weights. ``--resume RUN`` continues from the
 newest checkpoint that verifies (or ``RUN/checkpoints/step_N``): flags apply from there on, and one that would
 change the model, data, tokenizer or seed is refused. Scale-out is torchrun's, rank 0 writing the files:
-``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU).
-
-Under SLURM, ``srun tlm train --distributed ddp --auto-resume ...`` takes its ranks from srun; SIGTERM, SIGUSR1
-or SIGUSR2 checkpoint and stop at the next step, and after SIGUSR1/SIGUSR2 (``sbatch --signal=USR1@120``) the job
-is requeued, to continue where it stopped (docs/slurm.sbatch).
+``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU), or SLURM's
+``srun ... --auto-resume`` (docs/slurm.sbatch: SIGUSR1 checkpoints and requeues the job).
 
 Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by a signal (checkpointed), 74 a
 logger failed (a full disk...; stopped, checkpointed when the disk took it; ``--logger-errors warn`` trains on).
@@ -128,13 +125,13 @@ def add_parser(commands: Any) -> None:
     common.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
     common.add_argument("--resume", metavar="RUN", help="continue a run folder (or a step folder of one)")
     common.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
-    common.add_argument(
+    more = parser.more_group("training settings")
+    more.add_argument(
         "--auto-resume",
         action="store_true",
-        help="continue --out-dir from its newest checkpoint when it holds a run, else start it (for a job that "
-        "SLURM may requeue; implied in a requeued job)",
+        help="continue --out-dir from its newest checkpoint when it holds a run, else start it (a job that SLURM "
+        "may requeue: docs/slurm.sbatch; implied in a requeued job) (default: off)",
     )
-    more = parser.more_group("training settings")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model"}
     for name in (*COMMON, *(n for n in fields if n not in COMMON)):
         field = fields[name]
