@@ -372,18 +372,10 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def resume_config(planned: Any) -> Any:
-    """What a run resumes with: its own ``train.toml`` with the planned settings that a resume may change over
-    it (steps, learning rate, intervals, ...), as ``tlm train --resume RUN --steps N`` does. The others (model,
-    data, tokenizer, seed: ``tlm_train.recipe.FIXED_ON_RESUME``) are the run's: re-applied, a vocabulary the
-    tokenizer filled to fewer tokens than --vocab-size would read as a changed one and refuse the resume."""
-    import dataclasses
+    """What a run resumes with (``tlm_train.run_dir.resume_config``): as ``tlm train --resume RUN --steps N``."""
+    from tlm_train.run_dir import resume_config as resumed
 
-    from tlm_train import RunDir, TrainConfig
-    from tlm_train.recipe import FIXED_ON_RESUME
-
-    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
-    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
-    return RunDir(planned.out_dir).read_config(out_dir=planned.out_dir, **changeable)
+    return resumed(planned)
 
 
 def _init_worker(threads: int) -> None:

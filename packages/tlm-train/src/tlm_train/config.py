@@ -46,6 +46,14 @@ CHAT_LAYOUTS = ("packed", "padded")
 LOGGER_ERRORS = ("stop", "warn")
 
 
+#: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
+FIXED_ON_RESUME = (
+    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
+    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets", "rope_factor",
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
+)  # fmt: skip
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs. Sizes are global: ``batch_size`` sequences per optimizer step over

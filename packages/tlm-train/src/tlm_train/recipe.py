@@ -40,7 +40,7 @@ from tlm_rope.options import extension_scaling
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.cluster import StopPoll, StopSignals, requeue_job
-from tlm_train.config import TrainConfig
+from tlm_train.config import FIXED_ON_RESUME, TrainConfig
 from tlm_train.data import (
     SEPARATOR,
     Dataset,
@@ -58,14 +58,6 @@ from tlm_train.metrics import MetricsLog, peak_flops, plot_loss_curve, training_
 from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
 from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_step
-
-#: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
-FIXED_ON_RESUME = (
-    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
-    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets", "rope_factor",
-    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
-)  # fmt: skip
-
 
 #: The model fields a fine-tune may change: the context is no weight shape (RoPE's tables follow it).
 EXTENSION_FIELDS = ("context_length", "rope_scaling")
