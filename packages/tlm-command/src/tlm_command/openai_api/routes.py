@@ -1,30 +1,5 @@
-"""The HTTP side of ``tlm serve``: OpenAI's completions and chat completions API on FastAPI.
-
-The wire format is OpenAI's, so its clients work unchanged: ``POST /v1/completions``,
-``POST /v1/chat/completions`` (``stream: true`` as server-sent events of ``*.chunk`` objects, ending
-with ``data: [DONE]``), ``GET /v1/models`` and ``GET /health``. Every error is OpenAI's error object
-(``{"error": {"message", "type", "param", "code"}}``): 400 for malformed JSON, an unknown, mistyped or
-unsupported field or a value out of range, 404 for another model's name, 413 for a body over ``max_body``
-bytes, 429 with ``Retry-After`` when the queue is full, 503 with ``Retry-After`` while the server shuts down
-or after the model failed, 500 for a request that failed inside the scheduler (alone: the others go on; a
-stream gets an ``error`` event, then ``[DONE]``).
-
-Every value is checked here, before any work, against what the scheduler can take: the body's size, then a
-token-id prompt's length (before it is copied) and a text prompt's characters (before it is tokenized) against
-the context, text that is not UTF-8 (a lone surrogate), the seed's range (``torch.Generator``'s), a temperature
-below :data:`~tlm_command.sampling.GREEDY_BELOW` (greedy). Parsing, tokenizing and the chat template run in
-worker threads, never on the event loop. Text from a request never becomes a special token: prompts and message
-contents are encoded with ``allowed_special="none"``; only the chat template's own markers are special.
-
-A prompt whose tokens plus ``max_tokens`` exceed the model's context is refused with 400
-(``context_length_exceeded``), as OpenAI does; the server never slides a window, so every answer is
-exactly what the model gives that prompt. ``max_tokens`` defaults to 16 for completions (OpenAI's
-default) and to the rest of the context for chat. Scoring is OpenAI's legacy completions ``logprobs`` (the top
-``k``, 0 to 20) and ``echo`` (the prompt's tokens scored too; ``max_tokens: 0`` scores without generating), and
-chat's ``logprobs`` + ``top_logprobs``: log-probabilities of the model's logits in float32, before temperature,
-penalties and bias. ``text_offset`` is each token's offset in the choice's ``text``, counting each token as the
-text it decodes to alone.
-"""
+"""The FastAPI app of ``tlm serve`` (the request models and checks are in
+:mod:`~tlm_command.openai_api.protocol`)."""
 
 import asyncio
 import json
@@ -33,110 +8,31 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tlm_command.openai_api.protocol import (
+    MAX_BODY,
+    RETRY_AFTER_S,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    _Sampling,
+    parse,
+    read_body,
+)
 from tlm_command.sampling import GREEDY_BELOW
 from tlm_command.scheduler import Closed, Failed, Piece, QueueFull, Scheduler, Scored
 from tlm_command.scheduler import Request as Job
-from tlm_tokenizer.chat import CHAT_ROLES
-
-#: How long a client is told to wait before retrying a full or closing server (the Retry-After header).
-RETRY_AFTER_S = 1
-#: The request body's bytes at most (``tlm serve --max-body``). JSON parsing holds the GIL, so it bounds how long a
-#: request can keep /health waiting: 1 MiB of token ids (~400k) parses in about 40 ms; a 128k-token prompt fits.
-MAX_BODY = 1 << 20
-#: ``torch.Generator.manual_seed``'s range: a seed outside it is refused (400), never raised in the scheduler.
-SEED_RANGE = (-(2**63), 2**64 - 1)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def _error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-
-class _Strict(BaseModel):
-    # Unknown fields are errors (a misspelt max_tokens must not be ignored); no silent "0.5" -> 0.5.
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
-class ResponseFormat(_Strict):
-    type: str
-
-
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-class _Sampling(_Strict):
-    model: str | None = None
-    max_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    user: str | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    response_format: ResponseFormat | None = None
-    # Known to OpenAI, not done here: refused by name (400), never ignored.
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
-    function_call: Any = None
-
-
-#: Fields a client may send that this server refuses by name, with why.
-UNSUPPORTED = {name: "function calling is not supported" for name in ("tools", "functions", "tool_choice",
-                                                                     "function_call")}  # fmt: skip
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
-    echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-
-
-def _role(value: str) -> str:
-    """A message's role, one of :data:`tlm_tokenizer.chat.CHAT_ROLES` (a template writes its markers around it)."""
-    if value not in CHAT_ROLES:
-        raise ValueError(f"must be one of {', '.join(CHAT_ROLES)}, got {value[:40]!r}")
-    return value
-
-
-class ChatMessage(_Strict):
-    role: Annotated[str, AfterValidator(_role)]
-    content: str
-    name: str | None = None  # text: encoded as the content is, whatever the template makes of it
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 #: The chat template of a base model (one without a template of its own): each message on its own line
@@ -178,33 +74,6 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
-
-
-def _validation_error(err: ValidationError) -> APIError:
-    first: dict[str, Any] = dict(err.errors()[0]) if err.errors() else {}
-    where = [str(part) for part in first.get("loc", ()) if not _TYPE_TAG.match(str(part))]
-    message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
-    if first.get("type") == "extra_forbidden":
-        message = f"unknown field {'.'.join(where)!r}"
-    return APIError(400, message, param=".".join(where) or None)
-
-
-def _check_utf8(value: Any, where: str) -> None:
-    """400 naming the field when a string (a key or a value, at any depth) is not encodable UTF-8."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as err:
-            raise APIError(400, f"{where}: the text is not valid UTF-8 (a lone surrogate at character {err.start})",
-                           param=where) from None  # fmt: skip
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_utf8(key, where)
-            _check_utf8(item, f"{where}.{key}" if where else str(key))
-    elif isinstance(value, list) and value and not isinstance(value[0], int):
-        for i, item in enumerate(value):
-            _check_utf8(item, f"{where}.{i}")
 
 
 def _token(tokenizer: Any, token: int) -> str:
@@ -280,7 +149,7 @@ def create_app(
     # A text prompt longer than this many characters cannot fit the context: no token is longer (in UTF-8
     # bytes, so in characters) than the longest in the vocabulary. Checked before tokenizing.
     longest = max(len(token) for token in tokenizer.vocab.values())
-    max_chars = context_length * longest
+    limits = Limits(model_name, context_length, vocab, context_length * longest, max_body)
 
     if access_log:
         app.add_middleware(_AccessLog)
@@ -311,77 +180,6 @@ def create_app(
             "object": "list",
             "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "tlm"}],
         }
-
-    async def read_body(raw: Request) -> bytes:
-        """The body, refused (413) past ``max_body`` bytes: by its Content-Length before reading, else as it comes."""
-        declared = raw.headers.get("content-length")
-        too_large = APIError(413, f"the request body is over {max_body} bytes (tlm serve --max-body)",
-                             code="request_too_large")  # fmt: skip
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise too_large
-        parts, size = [], 0
-        async for part in raw.stream():
-            size += len(part)
-            if size > max_body:
-                raise too_large
-            parts.append(part)
-        return b"".join(parts)
-
-    def too_long(where: str, what: str) -> APIError:
-        return APIError(400, f"This model's maximum context length is {context_length} tokens. However, {where} "
-                        f"has {what}. Please reduce the prompt.", param=where.split(" ")[0],
-                        code="context_length_exceeded")  # fmt: skip
-
-    def parse(body: bytes, model: type[_Sampling]) -> Any:
-        """The request, or the APIError that refuses it; size bounds come before any copy or tokenizing."""
-        try:
-            data = json.loads(body)
-        except (ValueError, RecursionError) as err:
-            raise APIError(400, f"the body is not valid JSON: {err}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"body: the request must be a JSON object, got {type(data).__name__}")
-        prompt = data.get("prompt")
-        if isinstance(prompt, str) and len(prompt) > max_chars:
-            raise too_long("prompt", f"{len(prompt)} characters, more than {context_length} tokens can hold")
-        if isinstance(prompt, list):
-            if prompt and isinstance(prompt[0], int) and len(prompt) > context_length:
-                raise too_long("prompt", f"{len(prompt)} tokens")
-            if prompt and not isinstance(prompt[0], int) and len(prompt) > scheduler.capacity:
-                raise APIError(400, f"prompt: {len(prompt)} prompts is more than this server takes at once "
-                               f"({scheduler.capacity})", param="prompt")  # fmt: skip
-            for i, item in enumerate(prompt):
-                if isinstance(item, list) and len(item) > context_length:
-                    raise too_long(f"prompt.{i}", f"{len(item)} tokens")
-                if isinstance(item, str) and len(item) > max_chars:
-                    raise too_long(f"prompt.{i}", f"{len(item)} characters, more than {context_length} tokens can hold")
-        messages = data.get("messages")
-        if isinstance(messages, list):
-            # Each message a template writes costs a token at least: more than the context are refused unrendered.
-            if len(messages) > context_length:
-                raise too_long("messages", f"{len(messages)} messages, more than {context_length} tokens can hold")
-            chars = sum(
-                len(m[key]) for m in messages if isinstance(m, dict) for key in ("content", "name")
-                if isinstance(m.get(key), str)
-            )  # fmt: skip
-            if chars > max_chars:
-                raise too_long("messages", f"{chars} characters, more than {context_length} tokens can hold")
-        try:
-            _check_utf8(data, "")
-            request = model.model_validate(data)
-        except ValidationError as err:
-            raise _validation_error(err) from None
-        except RecursionError:
-            raise APIError(400, "body: the JSON is nested too deeply") from None
-        for name, why in UNSUPPORTED.items():
-            if getattr(request, name) is not None:
-                raise APIError(400, f"{name}: {why} by this server", param=name)
-        if request.response_format is not None and request.response_format.type != "text":
-            raise APIError(400, f"response_format: only {{'type': 'text'}} is supported, got "
-                           f"{request.response_format.type!r}", param="response_format")  # fmt: skip
-        if request.model is not None and request.model != model_name:
-            raise APIError(404, f"the model {request.model!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")  # fmt: skip
-        return request
 
     def logit_bias(body: _Sampling) -> dict[int, float] | None:
         if not body.logit_bias:
@@ -548,7 +346,9 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Any:
-        body: CompletionRequest = await run_in_threadpool(parse, await read_body(raw), CompletionRequest)
+        body: CompletionRequest = await run_in_threadpool(
+            parse, await read_body(raw, max_body), CompletionRequest, limits, scheduler.capacity
+        )
         raw_prompts: list[Any] = list(body.prompt) if isinstance(body.prompt, list) else [body.prompt]
         if raw_prompts and isinstance(raw_prompts[0], int):
             raw_prompts = [raw_prompts]
@@ -609,7 +409,9 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Any:
-        body: ChatCompletionRequest = await run_in_threadpool(parse, await read_body(raw), ChatCompletionRequest)
+        body: ChatCompletionRequest = await run_in_threadpool(
+            parse, await read_body(raw, max_body), ChatCompletionRequest, limits, scheduler.capacity
+        )
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         render, stops = (
             (chat_template, default_stops) if chat_template is not None
