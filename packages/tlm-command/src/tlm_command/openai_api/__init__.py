@@ -36,15 +36,8 @@ from tlm_command.openai_api.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from tlm_command.openai_api.routes import (
-    PLAIN_CHAT_STOP,
-    TemplateError,
-    chat_logprobs,
-    chat_prompt_ids,
-    create_app,
-    legacy_logprobs,
-    plain_chat_prompt,
-)
+from tlm_command.openai_api.responses import chat_logprobs, legacy_logprobs
+from tlm_command.openai_api.routes import PLAIN_CHAT_STOP, TemplateError, chat_prompt_ids, create_app, plain_chat_prompt
 
 __all__ = [
     "MAX_BODY",

@@ -1,17 +1,16 @@
 """The FastAPI app of ``tlm serve`` (the request models and checks are in
-:mod:`~tlm_command.openai_api.protocol`)."""
+:mod:`~tlm_command.openai_api.protocol`, the answers in
+:mod:`~tlm_command.openai_api.responses`)."""
 
 import asyncio
-import json
 import re
 import sys
 import time
-import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,8 +25,9 @@ from tlm_command.openai_api.protocol import (
     parse,
     read_body,
 )
+from tlm_command.openai_api.responses import ChatFormat, Choice, CompletionFormat, answer, ids_text
 from tlm_command.sampling import GREEDY_BELOW
-from tlm_command.scheduler import Closed, Failed, Piece, QueueFull, Scheduler, Scored
+from tlm_command.scheduler import Closed, Failed, Piece, QueueFull, Scheduler
 from tlm_command.scheduler import Request as Job
 
 
@@ -74,59 +74,6 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
 
 
 _TOKEN_ID = re.compile(r"[0-9]{1,19}")
-
-
-def _token(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token]) if token < tokenizer.vocab_size else ""
-
-
-def legacy_logprobs(tokenizer: Any, scored: list[Scored], offset: int) -> tuple[dict[str, Any], int]:
-    """OpenAI's completions ``logprobs`` object for ``scored`` whose text starts at ``offset``; and the offset after
-    them. ``top_logprobs`` maps each alternative's text to its log-probability (the best kept where two tokens read
-    the same); the first prompt token's is null."""
-    tokens: list[str] = []
-    offsets: list[int] = []
-    tops: list[dict[str, float] | None] = []
-    for item in scored:
-        text = _token(tokenizer, item.token)
-        tokens.append(text)
-        offsets.append(offset)
-        offset += len(text)
-        if item.logprob is None:
-            tops.append(None)
-            continue
-        top: dict[str, float] = {}
-        for token, logprob in item.top:
-            top.setdefault(_token(tokenizer, token), logprob)
-        tops.append(top)
-    body = {"tokens": tokens, "token_logprobs": [item.logprob for item in scored], "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
-    return body, offset
-
-
-def chat_logprobs(tokenizer: Any, scored: list[Scored]) -> list[dict[str, Any]]:
-    """OpenAI's chat ``logprobs.content`` entries for ``scored``."""
-
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        raw = tokenizer.decode_bytes([token]) if token < tokenizer.vocab_size else b""
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-    return [
-        {**entry(item.token, item.logprob or 0.0), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
-        for item in scored
-    ]
-
-
-class _Choice:
-    """One choice in flight: its job, and what the answer has said of it so far."""
-
-    def __init__(self, index: int, job: Job, prompt_text: str) -> None:
-        self.index, self.job, self.prompt_text = index, job, prompt_text
-        self.text: list[str] = []
-        self.scored: list[Scored] = []
-        self.prompt_scored: list[Scored] | None = None
-        self.reason: str | None = None
-        self.offset = 0  # characters of the choice's text sent so far (the stream's text_offset)
 
 
 def create_app(
@@ -276,74 +223,6 @@ def create_app(
             for job in jobs:
                 job.cancelled.set()  # a client that went away frees its rows at the next step
 
-    def usage(choices: list[_Choice]) -> dict[str, int]:
-        prompts = {id(c.job.prompt): len(c.job.prompt) for c in choices}  # each prompt once, whatever n is
-        done = sum(c.job.completion_tokens for c in choices)
-        return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
-                "total_tokens": sum(prompts.values()) + done}  # fmt: skip
-
-    def last_chunk(choices: list[_Choice], with_usage: bool) -> Callable[[Piece], bool]:
-        """Whether a stream's chunk for ``piece`` carries the usage: once per answer, on the last choice's last
-        chunk, unless ``stream_options.include_usage`` asks for a chunk of its own at the end (OpenAI's)."""
-
-        def here(piece: Piece) -> bool:
-            return not with_usage and piece.finish_reason is not None and all(c.reason is not None for c in choices)
-
-        return here
-
-    def sse(data: Any) -> str:
-        return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-    def failure(piece: Piece) -> APIError:
-        return APIError(500, piece.error or "the request failed", kind="server_error")
-
-    async def answer(jobs: list[Job], choices: list[_Choice], raw: Request, stream: bool,
-                     chunks: Callable[[_Choice, Piece], list[dict[str, Any]]], final: Callable[[], dict[str, Any]],
-                     tail: Callable[[], dict[str, Any] | None]) -> Any:  # fmt: skip
-        """Run ``jobs`` and answer: the whole ``final()`` answer, or a stream of ``chunks`` (then ``tail()``)."""
-        events = run(jobs, raw)
-        first = await anext(events, None)  # errors before the first piece are still an HTTP status
-        if first is not None and first[1].finish_reason == "error":
-            await events.aclose()
-            raise failure(first[1])
-        if stream:
-
-            async def body() -> AsyncIterator[str]:
-                try:
-                    event = first
-                    while event is not None:
-                        index, piece = event
-                        if piece.finish_reason == "error":
-                            yield sse(failure(piece).body())
-                            break
-                        for chunk in chunks(choices[index], piece):
-                            yield sse(chunk)
-                        event = await anext(events, None)
-                    else:
-                        if (end := tail()) is not None:
-                            yield sse(end)
-                    yield "data: [DONE]\n\n"
-                finally:  # also when the client went away mid-stream: its rows are freed at the next step
-                    await events.aclose()
-                    raw.state.usage = usage(choices)
-
-            return StreamingResponse(body(), media_type="text/event-stream")
-        event = first
-        while event is not None:
-            index, piece = event
-            if piece.finish_reason == "error":
-                await events.aclose()
-                raise failure(piece)
-            choice = choices[index]
-            choice.text.append(piece.text)
-            choice.scored += piece.scored
-            if piece.prompt_scored is not None:
-                choice.prompt_scored = piece.prompt_scored
-            choice.reason = piece.finish_reason or choice.reason
-            event = await anext(events, None)
-        raw.state.usage = usage(choices)
-        return final()
-
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Any:
         body: CompletionRequest = await run_in_threadpool(
@@ -358,54 +237,13 @@ def create_app(
         def prepare() -> tuple[list[Job], list[str]]:
             prompts = [tokenizer.encode(p, allowed_special="none") if isinstance(p, str) else p for p in raw_prompts]
             jobs = jobs_for(body, prompts, 16, default_stops, logprobs=body.logprobs, echo=body.echo)
-            texts = [p if isinstance(p, str) else _decode(p) for p in raw_prompts]
+            texts = [p if isinstance(p, str) else ids_text(tokenizer, p) for p in raw_prompts]
             return jobs, texts
 
         jobs, texts = await run_in_threadpool(prepare)
-        choices = [_Choice(i, job, texts[i // body.n]) for i, job in enumerate(jobs)]
-        ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        with_usage = body.stream_options is not None and body.stream_options.include_usage
-        usage_here = last_chunk(choices, with_usage)
-
-        def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
-            return {"id": ident, "object": "text_completion", "created": now, "model": model_name, "choices": items,
-                    "usage": usage(choices) if with_usage else None}  # fmt: skip
-
-        def chunks(choice: _Choice, piece: Piece) -> list[dict[str, Any]]:
-            text, scored = piece.text, list(piece.scored)
-            if piece.prompt_scored is not None:  # echo: the prompt comes first
-                text, scored = choice.prompt_text + text, [*piece.prompt_scored, *scored]
-            choice.reason = piece.finish_reason
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs, choice.offset = legacy_logprobs(tokenizer, scored, choice.offset)
-            else:
-                choice.offset += len(text)
-            if not text and logprobs is None and piece.finish_reason is None:
-                return []
-            item = {"index": choice.index, "text": text, "finish_reason": piece.finish_reason, "logprobs": logprobs}
-            return [envelope([item], with_usage=usage_here(piece))]
-
-        def final() -> dict[str, Any]:
-            items = []
-            for choice in choices:
-                text = "".join(choice.text)
-                scored = choice.scored
-                if body.echo:
-                    text, scored = choice.prompt_text + text, [*(choice.prompt_scored or []), *scored]
-                logprobs = legacy_logprobs(tokenizer, scored, 0)[0] if body.logprobs is not None else None
-                items.append({"index": choice.index, "text": text, "finish_reason": choice.reason,
-                              "logprobs": logprobs})  # fmt: skip
-            return envelope(items, with_usage=True)
-
-        def tail() -> dict[str, Any] | None:
-            return envelope([], with_usage=True) if with_usage else None
-
-        return await answer(jobs, choices, raw, body.stream, chunks, final, tail)
-
-    def _decode(ids: list[int]) -> str:
-        return "".join(_token(tokenizer, i) for i in ids) if any(i >= tokenizer.vocab_size for i in ids) else (
-            tokenizer.decode(ids))  # fmt: skip
+        choices = [Choice(i, job, texts[i // body.n]) for i, job in enumerate(jobs)]
+        form = CompletionFormat(body, choices, tokenizer, model_name)
+        return await answer(run(jobs, raw), choices, raw, body.stream, form)
 
     @app.post("/v1/chat/completions")
     async def chat(raw: Request) -> Any:
@@ -429,44 +267,9 @@ def create_app(
             return jobs_for(body, [ids], None, stops, logprobs=top if body.logprobs else None)
 
         jobs = await run_in_threadpool(prepare)
-        choices = [_Choice(i, job, "") for i, job in enumerate(jobs)]
-        ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        with_usage = body.stream_options is not None and body.stream_options.include_usage
-        usage_here = last_chunk(choices, with_usage)
-        started: set[int] = set()
-
-        def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
-            return {"id": ident, "object": "chat.completion.chunk", "created": now, "model": model_name,
-                    "choices": items, "usage": usage(choices) if with_usage else None}  # fmt: skip
-
-        def chunks(choice: _Choice, piece: Piece) -> list[dict[str, Any]]:
-            out = []
-            if choice.index not in started:
-                started.add(choice.index)
-                out.append(envelope([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                                      "finish_reason": None, "logprobs": None}], False))  # fmt: skip
-            logprobs = {"content": chat_logprobs(tokenizer, piece.scored)} if body.logprobs else None
-            if piece.text or (logprobs and piece.scored):
-                out.append(envelope([{"index": choice.index, "delta": {"content": piece.text}, "finish_reason": None,
-                                      "logprobs": logprobs}], False))  # fmt: skip
-            if piece.finish_reason is not None:
-                choice.reason = piece.finish_reason
-                out.append(envelope([{"index": choice.index, "delta": {}, "finish_reason": piece.finish_reason,
-                                      "logprobs": None}], usage_here(piece)))  # fmt: skip
-            return out
-
-        def final() -> dict[str, Any]:
-            return {"id": ident, "object": "chat.completion", "created": now, "model": model_name,
-                    "choices": [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                                 "finish_reason": c.reason,
-                                 "logprobs": {"content": chat_logprobs(tokenizer, c.scored)} if body.logprobs else None}
-                                for c in choices],
-                    "usage": usage(choices)}  # fmt: skip
-
-        def tail() -> dict[str, Any] | None:
-            return envelope([], with_usage=True) if with_usage else None
-
-        return await answer(jobs, choices, raw, body.stream, chunks, final, tail)
+        choices = [Choice(i, job, "") for i, job in enumerate(jobs)]
+        form = ChatFormat(body, choices, tokenizer, model_name)
+        return await answer(run(jobs, raw), choices, raw, body.stream, form)
 
     return app
 
