@@ -26,6 +26,7 @@ penalties and bias. ``text_offset`` is each token's offset in the choice's ``tex
 text it decodes to alone.
 """
 
+from tlm_command.openai_api.jobs import PLAIN_CHAT_STOP, TemplateError, chat_prompt_ids, plain_chat_prompt
 from tlm_command.openai_api.protocol import (
     MAX_BODY,
     RETRY_AFTER_S,
@@ -37,7 +38,7 @@ from tlm_command.openai_api.protocol import (
     CompletionRequest,
 )
 from tlm_command.openai_api.responses import chat_logprobs, legacy_logprobs
-from tlm_command.openai_api.routes import PLAIN_CHAT_STOP, TemplateError, chat_prompt_ids, create_app, plain_chat_prompt
+from tlm_command.openai_api.routes import create_app
 
 __all__ = [
     "MAX_BODY",
