@@ -217,16 +217,9 @@ class _Stream:
             self.out.flush()
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from tlm_core.progress import progress_bar
-    from tlm_model import compile_for_inference, generate
-
-    device = inference_device(args)
-    fit_threads(device, quiet=args.quiet)
-    model, tokenizer = _model(args, device)
-    vocab = model.config.vocab_size
+def _prompt(args: argparse.Namespace, tokenizer: Any, vocab: int, context: int) -> list[int]:
+    """The prompt's ids (``--prompt`` encoded, or ``--prompt-ids``), each in the vocabulary; a prompt longer than
+    the context is said to be cut to its newest tokens (unless ``--quiet``)."""
     if args.prompt is not None:
         if tokenizer is None:
             raise UserError(
@@ -239,7 +232,6 @@ def run(args: argparse.Namespace) -> int:
         prompt = _ids(args.prompt_ids)
     if bad := [i for i in prompt if not 0 <= i < vocab]:
         raise UserError(f"--prompt-ids must be in [0, {vocab}) for this model's vocabulary, got {bad[:5]}")
-    context = model.config.context_length
     if len(prompt) > context and not args.quiet:
         from tlm_model.generate import sliding_window  # the rule generate() keeps the newest tokens by
 
@@ -248,6 +240,20 @@ def run(args: argparse.Namespace) -> int:
             f"the prompt has {len(prompt)} tokens, more than the model's context of {context}: generating from its "
             f"last {kept} (the window keeps room for new tokens)"
         )
+    return prompt
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from tlm_core.progress import progress_bar
+    from tlm_model import compile_for_inference, generate
+
+    device = inference_device(args)
+    fit_threads(device, quiet=args.quiet)
+    model, tokenizer = _model(args, device)
+    vocab = model.config.vocab_size
+    prompt = _prompt(args, tokenizer, vocab, model.config.context_length)
     eos = _eos(args, tokenizer, vocab)
     stops = (
         args.stop
