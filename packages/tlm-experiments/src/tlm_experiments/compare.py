@@ -145,13 +145,12 @@ def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData
     """The :class:`RunData` of the run folder ``path`` (``records``: its metrics, when read already)."""
     import hashlib
 
-    from tlm_artifacts.layout import RunFolder
     from tlm_train import RunDir
 
-    run = RunFolder(path)
+    run = RunDir(path)
     if not (run.path / "train.toml").is_file():  # a run that failed before it started: nothing to say
         return RunData(None, None, None)
-    config = RunDir(path).read_config()
+    config = run.read_config()
     records = read_metrics(run.path / "metrics.jsonl") if records is None else records
     scored = [r for r in records if _finite(r.get("val_loss")) and _finite(r.get("val_bpb")) and r["val_loss"] > 0]
     ratio = scored[0]["val_bpb"] / scored[0]["val_loss"] if scored else None
