@@ -144,7 +144,8 @@ def test_runs_of_other_tokenizers_compare_in_bits_per_byte_and_runs_of_other_dat
         train(TrainConfig(out_dir=str(tmp_path / name), data=[str(data)], vocab_size=vocab, lr=lr, **common))
 
     def last(name):
-        return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines() if "val_loss" in x][-1]
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if "val_loss" in line][-1]
 
     # One tokenizer: losses in nats per token, as before.
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "a2"), "--json"]) == 0
