@@ -11,6 +11,7 @@ Every package under packages/ is discovered from its pyproject.toml. Sessions:
     nox -s dev          .venv/ at the root: every package editable with its test extra, and the tools
     nox -s tests_lowest each package's suite on the lowest torch its pyproject declares (not a default session)
     nox -s course       tests-course alone: the course adapter suite
+    nox -s slurm        the tests marked slurm against a one-node SLURM it starts (and stops) on 127.0.0.1
     nox -s train        the main job: `tlm train` end to end on text that ships with Python
     nox -s report       GPT-2 XL accounting, the size comparison and its plot
     nox -s experiments  CS336's experiments at CPU scale with `tlm sweep`: docs/experiments.md and its figures
@@ -141,7 +142,7 @@ def _install(session: nox.Session, *args: str, device: str = "cpu") -> None:
     """``session.install(*args)`` with the torch requirement in the same call.
 
     Every resolution then sees the pin: uv, which knows nothing of pip's constraint file, would
-    otherwise answer a package's ``torch>=2.13`` with the newest torch on PyPI, a CUDA build.
+    otherwise answer a package's ``torch>=2.11`` with the newest torch on PyPI, a CUDA build.
     """
     session.install(*shlex.split(TORCH[device]), *args)
 
@@ -270,14 +271,15 @@ def tests(session: nox.Session, device: str) -> None:
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
     _install_workspace(session, device)
-    _run_tests(session, device, ["--durations=20"])  # the slowest tests, so they stay in view
+    # The slowest tests, so they stay in view; those against a real SLURM are `nox -s slurm`'s.
+    _run_tests(session, device, ["--durations=20", "-m", "not slurm"])
 
 
 @nox.session
 def quick(session: nox.Session) -> None:
     """The tests not marked slow, every package, CPU: the tier to run while working."""
     _install_workspace(session)
-    _run_tests(session, "cpu", ["-m", "not slow"])
+    _run_tests(session, "cpu", ["-m", "not slow and not slurm"])
 
 
 def _torch_floor(dist: str) -> str:
@@ -297,15 +299,45 @@ TORCH_PACKAGES = [d for d in PACKAGES if "torch" in map(_requirement_name, PACKA
 @nox.parametrize("target", TORCH_PACKAGES, ids=TORCH_PACKAGES)
 def tests_lowest(session: nox.Session, target: str) -> None:
     """Run one package's suite on exactly the lowest torch it declares (CPU), with only what it declares."""
-    # The floors equal the torch that `tests` runs (2.13, the CPU build kept on disk): PyPI's older
-    # Linux wheels are multi-GB CUDA builds, so CI never installs one. To lower a floor, run this with
-    # TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu" and then change it.
+    # The floor (2.11, the torch of the lent GPU machine, which installs nothing) is below the torch that
+    # `tests` runs (2.13, the CPU build kept on disk): PyPI's older Linux wheels are multi-GB CUDA builds, so CI
+    # never installs one. Run this with TLM_TORCH_LOWEST_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+    # where that index can be reached; offline, tlm-train's test_older_torch hides the newer-only APIs instead.
     torch_requirement = [f"torch=={_torch_floor(target)}", *shlex.split(os.environ.get("TLM_TORCH_LOWEST_ARGS", ""))]
     closure = _local_closure(target)
     session.install(*torch_requirement, *TEST_REQUIREMENTS, *_editable(closure, {target: "test"}))
     session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     test_dir = PACKAGES[target]["dir"] / "tests"
     session.run("pytest", str(test_dir), JAXTYPING_CHECKS, *session.posargs, env={"TLM_TEST_DEVICE": "cpu"})
+
+
+@nox.session(default=False)
+def slurm(session: nox.Session) -> None:
+    """The tests marked ``slurm`` against a real one-node SLURM on 127.0.0.1 (tools/slurm_local.py: Debian's
+    slurm-wlm and munge, installed with apt-get when absent, then munged, slurmctld and slurmd started with a
+    configuration in a temporary folder), whose daemons are stopped however the tests end. Prints each job's
+    end state (SLURM's job-completion log: sacct needs slurmdbd, which this one-node SLURM does not run) and
+    the session's wall time."""
+    began = time.monotonic()
+    extras = {"tlm-experiments": "slurm,plot", "tlm-train": "test"}
+    _install(session, *_editable(_local_closure("tlm-command"), extras), *TEST_REQUIREMENTS)
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="tlm-slurm-"))
+    conf = folder / "slurm.conf"
+    try:
+        session.run("python", str(ROOT / "tools" / "slurm_local.py"), "start", str(folder))
+        session.run(
+            "pytest", str(PACKAGES["tlm-command"]["dir"] / "tests" / "test_slurm.py"), "-m", "slurm", "-p",
+            "no:cacheprovider", *session.posargs, env={"SLURM_CONF": str(conf), "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+    finally:
+        session.run("python", str(ROOT / "tools" / "slurm_local.py"), "stop", str(folder))
+        log = folder / "jobcomp.log"
+        for line in log.read_text().splitlines() if log.is_file() else []:
+            fields = dict(re.findall(r"(\w+)=(\S*)", line))
+            when = f"{fields.get('StartTime')} .. {fields.get('EndTime')}, exit {fields.get('ExitCode')}"
+            session.log(f"job {fields.get('JobId')} {fields.get('Name')}: {fields.get('JobState')} ({when})")
+        shutil.rmtree(folder, ignore_errors=True)
+        session.log(f"slurm session: {time.monotonic() - began:.0f} s wall")
 
 
 @nox.session(default=False)

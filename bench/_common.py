@@ -29,11 +29,13 @@ ORDER = [
     "bf16",
     "lora",
     "document_mask",
+    "document_mask_memory",
     "checkpoint",
     "checkpoint_stall",
     "checkpoint_stall_sharded",
     "serve",
     "gpu",
+    "context",
 ]
 TITLES = {
     "model": "the model: tlm vs HF transformers' Llama (`bench/run.py`)",
@@ -44,12 +46,15 @@ TITLES = {
     "train": "a training step: tlm vs HF Llama + torch AdamW (`bench/train.py`)",
     "lora": "LoRA against full fine-tuning: trainable parameters, AdamW state, step time (`bench/lora.py`)",
     "document_mask": "document masking's cost in a training step, per attention backend (`bench/document_mask.py`)",
+    "document_mask_memory": "a T=4096 packed window's attention memory: dense mask vs FlexAttention's block mask "
+    "(`bench/document_mask_memory.py`)",
     "checkpoint": "a 2-rank FSDP2 checkpoint: rank 0's peak memory, gathered vs DCP shards (`bench/dcp_memory.py`)",
     "serve": "serving: `tlm serve` under 1, 4 and 16 concurrent clients (`bench/serve.py`)",
     "bf16": "bfloat16 training on this CPU: tlm vs HF Llama under the same autocast (`bench/bf16.py`)",
     "checkpoint_stall": "a checkpoint's stall and memory, inline vs background (`bench/checkpoint_stall.py`)",
     "checkpoint_stall_sharded": "a sharded checkpoint's stall and memory, DCP inline vs async "
     "(`bench/checkpoint_stall.py --sharded`)",
+    "context": "context extension: perplexity at 1x, 2x, 4x the trained context (`bench/context_extension.py`)",
     "gpu": "the GPU check: CUDA tests, bf16 training vs HF with MFU, resume, NaN stop (`bench/gpu.py`)",
 }
 HEADER = (

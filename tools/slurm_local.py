@@ -25,6 +25,7 @@ SlurmdPort={d_port}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=5,socket={dir}/munge/munge.socket
 CredType=cred/munge
 StateSaveLocation={dir}/state
 SlurmdSpoolDir={dir}/spool
@@ -38,12 +39,13 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 JobRequeue=1
-JobCompType=jobcomp/none
+JobCompType=jobcomp/filetxt
+JobCompLoc={dir}/jobcomp.log
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 MpiDefault=none
-KillWait=30
+KillWait=15
 MinJobAge=600
 SchedulerParameters=sched_interval=1
 MessageTimeout=20
@@ -76,6 +78,8 @@ def _free_port() -> int:
 def start(folder: Path) -> None:
     _install()
     folder = folder.resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o755)  # munged runs as the munge user and must reach its folder inside (mkdtemp makes 0700)
     for sub in ("state", "spool", "munge"):
         (folder / sub).mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
@@ -93,12 +97,7 @@ def start(folder: Path) -> None:
          f" --seed-file={folder}/munge/munged.seed"],
         check=True,
     )  # fmt: skip
-    # Every SLURM program talks to munged through the default socket path: point it at ours.
-    default = Path("/run/munge/munge.socket.2")
-    default.parent.mkdir(parents=True, exist_ok=True)
-    if default.is_symlink() or default.exists():
-        default.unlink()
-    default.symlink_to(sock)
+    # Every SLURM program finds this munged through AuthInfo's socket= (a system munged, if any, is left alone).
     (folder / "munged.pid").symlink_to(folder / "munge" / "munged.pid")
     subprocess.run(["/usr/sbin/slurmctld"], check=True, env=env)
     subprocess.run(["/usr/sbin/slurmd"], check=True, env=env)

@@ -10,16 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tlm_artifacts.train_state import FORMAT, TRAILER, digest
+from tlm_artifacts.train_state import FORMAT, TRAILER
 from tlm_model import ModelConfig, TransformerLM, save_model_file
 
 CONFIG = ModelConfig(48, 8, 16, 1, 2, 24)
 
 
 def write_state(path: Path, state: dict) -> None:
-    """A ``train_state.pt`` as the format says: torch.save of the payload with its digest, then the trailer."""
+    """A ``train_state.pt`` as the format says: torch.save of the payload, then the trailer."""
     payload = {"format": FORMAT, **state}
-    payload["digest"] = digest(payload)
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()

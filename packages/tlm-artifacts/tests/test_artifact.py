@@ -2,6 +2,7 @@
 LoRA step folder and a PEFT adapter folder, each to its model and tokenizer, by one dispatch."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -223,3 +224,65 @@ def test_read_paths_names_the_base_a_lora_step_or_peft_adapter_reads(tmp_path, w
     assert read_paths(tmp_path / "adapter") == [tmp_path / "adapter", tmp_path / "adapter" / "../run",
                                                 tmp_path / "base"]  # fmt: skip
     assert read_paths(tmp_path / "nothing") == [tmp_path / "nothing"]  # not an artifact: its reader says so
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda folder, config: {**config, "r": 10**9}, r"r 1000000000 is more than the base's d_model 16"),
+        (lambda folder, config: (folder / "adapter_model.safetensors").write_bytes(
+            (folder / "adapter_model.safetensors").read_bytes()[:-7]), "is not a readable safetensors file"),
+        (lambda folder, config: (folder / "adapter_model.safetensors").write_bytes(b"\x10" * 64),
+         "is not a readable safetensors file"),
+        (lambda folder, config: {**config, "r": 3}, "its tensors do not fit the adapter adapter_config.json describes"),
+    ],
+)  # fmt: skip
+def test_a_damaged_peft_adapter_is_one_value_error_naming_it(tmp_path, writers, damage, message):
+    import time
+
+    from tlm_artifacts.lora import adapter_bytes, peft_config
+    from tlm_lora import lora_state_dict
+    from tlm_model.interop import to_hf_lora_state_dict
+
+    base = writers.model(1)
+    save_model_file(base, tmp_path / "base")
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = peft_config({"rank": 2, "alpha": 4.0, "targets": "q,v", "dropout": 0.0}, "../base")
+    (folder / "adapter_model.safetensors").write_bytes(
+        adapter_bytes(to_hf_lora_state_dict(lora_state_dict(_adapted(base, seed=5)), CONFIG))
+    )
+    changed = damage(folder, config)
+    (folder / "adapter_config.json").write_text(json.dumps(changed if isinstance(changed, dict) else config))
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=message) as info:
+        load_model(resolve(folder))
+    assert "\n" not in str(info.value) and str(folder) in str(info.value)
+    assert time.perf_counter() - start < 10  # refused before anything of the rank's size is allocated
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+@pytest.mark.parametrize("name", ["train_state.pt", "config.json"])
+def test_a_fifo_among_an_artifacts_files_is_one_line_not_a_hang(tmp_path, name):
+    import threading
+
+    from tlm_artifacts import Artifact, load_train_state
+
+    os.mkfifo(tmp_path / name)  # no writer: a blocking open would wait for ever
+    errors = []
+
+    def read():
+        try:
+            if name == "train_state.pt":
+                load_train_state(tmp_path / name)
+            else:
+                model_config(Artifact("hf", tmp_path, tmp_path, None))
+        except ValueError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    thread.join(10)
+    what = "training state" if name == "train_state.pt" else "HF config"
+    assert not thread.is_alive()
+    assert errors == [f"{what} {tmp_path / name}: a FIFO (named pipe), expected a regular file"]

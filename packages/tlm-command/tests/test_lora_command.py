@@ -200,11 +200,14 @@ def test_a_lora_chat_fine_tune_resumes_exports_and_serves_with_its_template(tmp_
     with torch.no_grad():
         assert rel_err(ours(ids), wrapped(input_ids=ids).logits) < 1e-5
     # The merged export's tokenizer applies the run's template as tlm does; tlm serve renders it for the LoRA
-    # run and for the PEFT folder (whose tokenizer is its base's).
+    # run and for the PEFT folder (whose tokenizer is the run's, written beside the adapter).
     tokenizer = Tokenizer.load(lora / "tokenizer")
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
     expected = list(hf_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False))
     assert ChatTemplate(tokenizer, tokenizer.chat_template).encode(conversation).ids == expected
+    # The PEFT folder carries the run's tokenizer and template: an HF user applies it without the base's files.
+    peft_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "peft")
+    assert list(peft_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)) == expected
     for checkpoint in (lora, tmp_path / "peft"):
         artifact = artifacts.resolve(checkpoint)
         render = _chat_template(artifact, artifacts.load_tokenizer(artifact))
@@ -224,8 +227,8 @@ def test_to_peft_reports_as_json_or_in_one_line(lora_run: Path, exported: dict[s
         str(tmp_path / "a"), 3, 4, 8.0)  # fmt: skip
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     (line,) = capsys.readouterr().out.splitlines()
-    assert line == (f"LoRA run {lora_run} (step 3) -> PEFT adapter {tmp_path / 'b'} for the base {exported['hf']} "
-                    f"({report['parameters']:,} adapter parameters)")  # fmt: skip
+    assert line == (f"LoRA run {lora_run} (step 3) -> PEFT adapter {tmp_path / 'b'} with its tokenizer for the base "
+                    f"{exported['hf']} ({report['parameters']:,} adapter parameters)")  # fmt: skip
 
 
 def _files(folder: Path) -> dict[Path, bytes]:
@@ -265,3 +268,29 @@ def test_no_output_lands_on_or_in_the_base_a_lora_run_reads(run: Path, corpus: P
     fails(["train", "--init-from", str(lora), "--data", str(corpus), "--out-dir", str(base), "--steps", "1"],
           f"--out-dir {base} is --init-from {base.resolve()}")  # fmt: skip
     assert _files(base) == before
+
+
+def test_to_peft_writes_the_runs_tokenizer_and_its_chat_template_beside_the_adapter(lora_run: Path, tmp_path: Path):
+    import tlm_artifacts
+    from tlm_tokenizer import Tokenizer
+
+    # A template of plain text (the run's tokenizer has no chat markers), through --tokenizer.
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer = Tokenizer.load(lora_run / "tokenizer")
+    tokenizer.chat_template = template
+    tokenizer.save(tmp_path / "tok")
+    out = tmp_path / "peft"
+    assert main(["convert", "--to-peft", str(lora_run), "--tokenizer", str(tmp_path / "tok"), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    hf = transformers.AutoTokenizer.from_pretrained(out)
+    conversation = [{"role": "user", "content": "def f(x):\n    return x"}]
+    text = hf.apply_chat_template(conversation, tokenize=False)
+    assert text == "user: def f(x):\n    return x\n"
+    assert list(hf.apply_chat_template(conversation, tokenize=True, return_dict=False)) == tokenizer.encode(text)
+    # tlm reads the folder's own tokenizer too (its template), not the base's.
+    assert tlm_artifacts.load_tokenizer(tlm_artifacts.resolve(out)).chat_template == template
+    # A second export over the first replaces it (the tokenizer's files are the export's own).
+    assert main(["convert", "--to-peft", str(lora_run), "--out", str(out)]) == 0
+    assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())

@@ -247,6 +247,9 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(server, b
         ({"prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"99999": 5}}, 400, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"\u00b2": 5}}, 400, "logit_bias: keys must be token ids"),  # "²": no int
+        ({"prompt": "x", "logit_bias": {"\u0661": 5}}, 400, "logit_bias: keys must be token ids"),  # an Arabic 1
+        ({"prompt": "x", "logit_bias": {"9" * 5000: 5}}, 400, "logit_bias: keys must be token ids"),
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ({"prompt": "x", "max_tokens": 0}, 400, "it needs echo"),
         ({"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),

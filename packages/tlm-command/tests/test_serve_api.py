@@ -226,17 +226,19 @@ def test_sampled_chat_logprobs_are_before_temperature(served, model, tokenizer):
         )
 
 
-def test_token_id_prompts_are_scored_without_generating_in_one_batched_forward(served, model):
+def test_token_id_prompts_are_scored_without_generating_in_one_batched_forward(served, model, monkeypatch):
+    from tlm_model import batching
+
     prompts = [[5, 80, 200, 31, 7], [100, 3], [9, 9, 9, 250, 301, 12, 40]]
-    shapes = []
-    hook = model.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
-    try:
-        status, body = post(served, "/v1/completions", {"prompt": prompts, "max_tokens": 0, "echo": True,
-                                                        "logprobs": 1})  # fmt: skip
-    finally:
-        hook.remove()
+    forwards = []  # the prompt lengths of each prompt-chunk forward (issue 41: the batch's own forward)
+    pack = batching.pack_chunks
+    monkeypatch.setattr(
+        batching, "pack_chunks", lambda lengths, starts: forwards.append(lengths) or pack(lengths, starts)
+    )
+    status, body = post(served, "/v1/completions", {"prompt": prompts, "max_tokens": 0, "echo": True,
+                                                    "logprobs": 1})  # fmt: skip
     assert status == 200, body
-    assert shapes == [(3, 7)]  # the three prompts, right-padded, in one forward
+    assert forwards == [[2, 5, 7]]  # the three prompts in one forward
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     for prompt, choice in zip(prompts, body["choices"], strict=True):
         reference = reference_logprobs(model, prompt)
@@ -718,3 +720,24 @@ def test_a_template_that_loops_is_stopped_with_a_400_and_the_worker_is_freed(tmp
         status, body = post(client, "/v1/chat/completions", named)
         assert status == 400 and f"{64 * longest + 1} characters" in body["error"]["message"]
     scheduler.close(timeout=5)
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [("/v1/completions", {}), ("/v1/completions", {"n": 2}), ("/v1/completions", {"echo": True, "logprobs": 1}),
+     ("/v1/completions", {"prompt": ["a", "b c"], "n": 2}), ("/v1/chat/completions", {}),
+     ("/v1/chat/completions", {"n": 2})],
+)  # fmt: skip
+def test_a_stream_sends_its_usage_once(served, tokenizer, path, extra, include_usage):
+    no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
+    base = {"prompt": "a b"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = {**base, "max_tokens": 4, "temperature": 0, "logit_bias": no_end, **extra}
+    whole = post(served, path, body)[1]
+    options = {"stream_options": {"include_usage": True}} if include_usage else {}
+    status, lines = served.stream(path, {**body, "stream": True, **options})
+    assert status == 200 and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    with_usage = [c for c in chunks if c["usage"] is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1]["usage"] == whole["usage"]
+    assert (chunks[-1]["choices"] == []) is include_usage  # OpenAI's own chunk for it, when asked for

@@ -276,3 +276,20 @@ def test_prompt_chunks_are_packed_in_at_least_two_rows_and_columns_each_token_on
     padding = set(range(grid.rows * grid.width)) - set(grid.source)
     assert all(grid.positions[i] == -1 for i in padding)
     assert grid.width <= max(2, max(lengths))  # never wider than the longest chunk (or 2)
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3, 16, 17, 100, 256, 4096])
+def test_batch_buckets_stay_within_dynamos_recompile_limit_and_hold_every_row_count(max_batch):
+    # Issue 41: on CUDA every bucket is a graph of its own; past dynamo's recompile limit (8) the step would
+    # silently run eager. --max-batch 256 made 9 powers of two.
+    import torch._dynamo.config
+
+    from tlm_model.batching import batch_bucket, batch_buckets
+
+    buckets = batch_buckets(max_batch)
+    assert len(buckets) <= torch._dynamo.config.recompile_limit
+    assert buckets[0] == 1 and buckets[-1] == max_batch and list(buckets) == sorted(set(buckets))
+    for rows in range(1, max_batch + 1):
+        bucket = batch_bucket(rows, max_batch)
+        assert bucket in buckets and bucket >= rows
+        assert bucket <= max(2 * rows, buckets[1] if len(buckets) > 1 else 1)  # at most double, or the first >1

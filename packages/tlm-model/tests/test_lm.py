@@ -325,6 +325,26 @@ def test_positions_with_a_cache_come_from_the_cache_and_explicit_ones_are_refuse
     torch.testing.assert_close(last, full[:, 4:], rtol=1e-4, atol=1e-5)
 
 
+def test_a_cache_list_whose_layers_hold_different_lengths_or_counts_is_refused():
+    model = TransformerLM(SMALL).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 7))
+    with torch.no_grad():
+        full = model(ids)
+        cache = model.new_kv_cache(2)
+        model(ids[:, :4], kv_cache=cache)
+        cache[-1].truncate(3)  # the last layer one token short: its keys would no longer match its positions
+        with pytest.raises(ValueError, match=rf"^kv_cache's layers must hold the same lengths: layer 0 holds "
+                           rf"\(4, 4\), layer {SMALL.num_layers - 1} \(3, 3\)$"):  # fmt: skip
+            model(ids[:, 4:], kv_cache=cache)
+        with pytest.raises(ValueError, match=rf"one KVCache per layer \({SMALL.num_layers}\), got 1$"):
+            model(ids[:, 4:], kv_cache=cache[:1])
+        assert [c.lengths for c in cache] == [(4, 4)] * (SMALL.num_layers - 1) + [(3, 3)]  # nothing written
+        for layer in cache:
+            layer.truncate(3)  # every layer at 3 again: accepted, and the same as one pass
+        last = model(ids[:, 3:], kv_cache=cache)
+    torch.testing.assert_close(last, full[:, 3:], rtol=1e-4, atol=1e-5)
+
+
 INTEGER_DTYPES = [torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.int8, torch.int16, torch.int32]
 
 

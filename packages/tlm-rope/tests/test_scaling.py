@@ -137,3 +137,28 @@ def test_bad_scaling(scaling, match):
 def test_a_scaling_factor_that_is_not_a_number_is_a_type_error(factor):
     with pytest.raises(TypeError, match=r"scaling\['factor'\] must be a number, got"):
         RotaryPositionalEmbedding(10_000.0, 16, 32, scaling={"rope_type": "linear", "factor": factor})
+
+
+def test_extension_scaling_completes_a_rule_against_the_contexts():
+    from tlm_rope import extension_scaling
+
+    assert extension_scaling("linear", 128, 512) == {"rope_type": "linear", "factor": 4.0}
+    assert extension_scaling("ntk", 128, 256) == {
+        "rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 128,
+    }  # fmt: skip
+    assert extension_scaling("llama3", 128, 256, factor=8.0) == {
+        "rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 128, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }  # fmt: skip
+    # Keys the caller gives are kept.
+    assert extension_scaling({"rope_type": "yarn", "beta_fast": 16}, 128, 512) == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 16,
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="rope_type must be one of"):
+        extension_scaling("longrope", 128, 512)
+    with pytest.raises(ValueError, match="needs target > original"):
+        extension_scaling("yarn", 128, 128)
+    with pytest.raises(ValueError, match="factor=2.0 disagrees with the scaling's own factor 4"):
+        extension_scaling({"rope_type": "linear", "factor": 4}, 128, 512, factor=2.0)
+    with pytest.raises(ValueError, match=r"scaling\['factor'\] must be"):
+        extension_scaling("linear", 128, 512, factor=0.5)

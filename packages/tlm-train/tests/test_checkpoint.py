@@ -77,7 +77,8 @@ def test_file_is_a_plain_weights_only_torch_file(tmp_path):
     model, opt = _trained()
     save_checkpoint(model, opt, 3, tmp_path / "ck.pt", rng=rng_state())
     payload = torch.load(tmp_path / "ck.pt", weights_only=True)
-    assert payload["step"] == 3 and payload["format"] == "tlm-train-state/1"
+    assert payload["step"] == 3 and payload["format"] == "tlm-train-state/2"
+    assert "digest" not in payload  # one hash per file: the trailer's SHA-256 of its bytes (issue 43)
     assert set(payload["model"]) == set(model.state_dict())
 
 
@@ -134,7 +135,7 @@ def test_truncated_file_refused_with_its_name(tmp_path):
     save_checkpoint(model, opt, 1, path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="ck.pt is not a tlm-train-state/1 file .truncated"):
+    with pytest.raises(ValueError, match="ck.pt is not a tlm-train-state/2 file .truncated"):
         load_checkpoint(path, model, opt)
 
 
@@ -164,7 +165,7 @@ def test_a_refusal_names_the_whole_path_given(tmp_path, kind):
     model, opt = _trained()
     with pytest.raises(ValueError) as raised:
         load_checkpoint(kind(path), model, opt)
-    assert str(raised.value).startswith(f"{path} is not a tlm-train-state/1 file")
+    assert str(raised.value).startswith(f"{path} is not a tlm-train-state/2 file")
 
 
 def _fresh(seed=9):
@@ -216,7 +217,7 @@ def test_restore_state_refuses_an_optimizer_with_other_groups():
 def test_foreign_file_refused(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     model, opt = _trained()
-    with pytest.raises(ValueError, match="other.pt is not a tlm-train-state/1 file"):
+    with pytest.raises(ValueError, match="other.pt is not a tlm-train-state/2 file"):
         load_checkpoint(tmp_path / "other.pt", model, opt)
 
 
@@ -593,6 +594,7 @@ if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's saves: a w
     saver, first = BackgroundSaver(), step + 1
     while True:
         step += 1
+        saver.wait_staged()  # as train_step does before the update: DCP's async staging has copied step - 1
         with torch.no_grad():  # the next step's weights, written over the live tensors while step - 1 is saved
             for p in model.parameters():
                 p.fill_(step)
@@ -778,6 +780,8 @@ def test_a_background_sharded_save_equals_the_inline_one_and_a_failed_one_leaves
     CheckpointManager(tmp_path / "b").save(model, state)
     saver = BackgroundSaver()
     folder = saver.submit(CheckpointManager(tmp_path / "a"), model, state)
+    assert saver._staging is not None  # DCP stages on its own thread (issue 42): the step goes on meanwhile
+    saver.wait_staged()  # what train_step calls before the update
     with torch.no_grad():  # training goes on: the save holds the snapshot
         for p in model.parameters():
             p.add_(1.0)

@@ -114,6 +114,22 @@ def test_lora_settings_are_checked_at_the_boundary(data: Path, base: Path, tmp_p
         lora_config(data, base, tmp_path / "run", lora_rank=-1)
 
 
+def test_a_lora_run_on_a_token_file_keeps_the_bases_vocabulary(data: Path, base: Path, tmp_path: Path):
+    # No tokenizer anywhere (the base trained on token ids): the ids are held to the base's vocabulary (48), not
+    # to --vocab-size's default, and nothing grows.
+    settings = {k: v for k, v in COMMON.items() if k != "vocab_size"}
+    lines: list[str] = []
+    config = TrainConfig(data=[str(data)], out_dir=str(tmp_path / "run"), init_from=str(base), steps=1,
+                         lora_rank=2, **settings)  # fmt: skip
+    train(config, log=lines.append)
+    assert artifacts.model_config(artifacts.resolve(tmp_path / "run")).vocab_size == 48
+    assert not [line for line in lines if "vocabulary grows" in line], lines
+    wide = tmp_path / "wide.npy"
+    np.save(wide, np.arange(60, dtype=np.uint16).repeat(20))
+    with pytest.raises(ValueError, match=r"token ids in \[0, 59\], outside \[0, 48\) \(the --init-from model's"):
+        train(config.replace(data=[str(wide)], out_dir=str(tmp_path / "wide")))
+
+
 TORCHRUN_SCRIPT = """
 import json, sys
 from tlm_train import TrainConfig, train
@@ -186,3 +202,17 @@ def test_a_lora_chat_fine_tune_of_a_run_without_the_markers_trains_resumes_and_o
     assert model.config.vocab_size == base_model.config.vocab_size + 2
     old = base_model.token_embeddings.weight
     torch.testing.assert_close(model.token_embeddings.weight[-2:], old.mean(0).expand(2, -1), rtol=0, atol=1e-6)
+
+
+def test_a_bfloat16_lora_run_holds_its_frozen_base_in_bfloat16(data: Path, base: Path, tmp_path: Path):
+    # Issue 42: autocast would cast every frozen float32 weight on each forward; held in bfloat16 they take half
+    # the memory and give the same products (tlm-lora's test_lora.py checks the bits). Adapters stay float32.
+    from tlm_train import init_distributed
+    from tlm_train.recipe import Recipe
+
+    with Recipe(lora_config(data, base, tmp_path / "run", dtype="bfloat16"), init_distributed("cpu")) as recipe:
+        recipe.setup()
+        dtypes = {n: (p.dtype, p.requires_grad) for n, p in recipe.model.named_parameters()}
+    frozen_matmuls = {d for n, (d, grad) in dtypes.items() if not grad and "proj" in n}
+    assert frozen_matmuls == {torch.bfloat16}
+    assert {d for d, grad in dtypes.values() if grad} == {torch.float32}

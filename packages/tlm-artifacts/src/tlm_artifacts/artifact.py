@@ -10,7 +10,7 @@
 | a folder holding ``model.safetensors`` | that file | ``tokenizer/`` or ``tokenizer.json`` beside it |
 | a ``.safetensors`` file | the file | as for its folder |
 | an HF Llama folder (``config.json``) | ``tlm_model.from_hf`` | its ``tokenizer.json`` when tlm can read it |
-| a PEFT LoRA adapter folder | its base (any of the above) with the adapter merged | the base's |
+| a PEFT LoRA adapter folder | its base (any of the above), adapter merged | its ``tokenizer.json``, else the base's |
 
 A LoRA run (``tlm train --lora-rank``), or a step folder of one, opens as its base with the adapters merged
 (:func:`load_lora_step`: the base is opened here, as any artifact, and :mod:`tlm_artifacts.lora` applies the
@@ -39,6 +39,7 @@ from tlm_artifacts.lora import (
 )
 from tlm_artifacts.steps import StepFolders, load_whole_step, read_sharded_tensors, read_step_config, step_of
 from tlm_artifacts.train_state import load_train_state
+from tlm_core.atomic import read_input
 from tlm_lora import weights_sha256
 from tlm_model import ModelConfig, TransformerLM
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config
@@ -83,7 +84,9 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
                 f"{path}: its base {base_path} is another PEFT adapter; tlm applies one adapter to a model"
             )
         base = resolve(base_path)
-        return Artifact("peft", path, path, base.tokenizer_path)
+        # tlm convert --to-peft writes the run's tokenizer (its chat template) beside the adapter: it wins.
+        own = path / HF_TOKENIZER
+        return Artifact("peft", path, path, own if own.is_file() else base.tokenizer_path)
     if (path / HF_CONFIG).is_file() and not _tlm_legacy_config(path / HF_CONFIG):
         return Artifact("hf", path, path, path if (path / HF_TOKENIZER).is_file() else None)
     if (path / WEIGHTS_NAME).is_file() or (path / STATE_NAME).is_file():  # a sharded step has no model file
@@ -102,7 +105,7 @@ def resolve(path: str | os.PathLike[str]) -> Artifact:
 def _tlm_legacy_config(path: Path) -> bool:
     """Whether a config.json is tlm-model 0.1.0's (it carries a "format" field), not an HF model's."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_input(path, "config"))
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "format" in data and "model_type" not in data
@@ -135,7 +138,7 @@ def model_config(artifact: Artifact) -> ModelConfig:
         from tlm_model.interop import config_from_hf
 
         try:
-            return config_from_hf(json.loads((artifact.path / HF_CONFIG).read_text(encoding="utf-8")))
+            return config_from_hf(json.loads(read_input(artifact.path / HF_CONFIG, "HF config")))
         except json.JSONDecodeError as err:
             raise ValueError(f"{artifact.path / HF_CONFIG} is not valid JSON ({err})") from None
     if artifact.kind == "peft":

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
+from tlm_core.atomic import read_input
 from tlm_lora import apply_lora, load_lora_state_dict, merge_lora
 from tlm_model import ModelConfig, TransformerLM
 
@@ -82,12 +83,21 @@ def adapter_bytes(adapters: dict[str, Tensor]) -> bytes:
 
 def read_adapter_file(path: Path, sha256: str) -> dict[str, Tensor]:
     """The adapters of a LoRA step folder, refused unless the file's bytes match the recorded SHA-256."""
-    from safetensors.torch import load
-
-    data = path.read_bytes()
+    data = read_input(path, "adapter file")
     if file_sha256(data) != sha256:
         raise ValueError(f"{path} is corrupt or from another step: its SHA-256 differs from the one recorded")
-    return load(data)
+    return tensors_of(data, path)
+
+
+def tensors_of(data: bytes, path: Path) -> dict[str, Tensor]:
+    """The tensors of safetensors bytes read from ``path``; a truncated or garbage file is a ValueError naming it
+    (safetensors raises its own ``SafetensorError``)."""
+    from safetensors.torch import load
+
+    try:
+        return load(data)
+    except Exception as err:  # SafetensorError, and whatever a header that parses but lies raises
+        raise ValueError(f"{path} is not a readable safetensors file ({str(err).splitlines()[0][:200]})") from None
 
 
 def with_adapters(
@@ -157,7 +167,7 @@ def peft_base_path(folder: Path) -> Path:
 
 def _peft_config(folder: Path) -> dict[str, Any]:
     try:
-        config = json.loads((folder / PEFT_CONFIG).read_text(encoding="utf-8"))
+        config = json.loads(read_input(folder / PEFT_CONFIG, "PEFT adapter config"))
     except (OSError, ValueError) as err:
         raise ValueError(f"{folder / PEFT_CONFIG} is not readable JSON ({err})") from None
     if not isinstance(config, dict):
@@ -215,14 +225,22 @@ def with_peft_adapter(
 ) -> TransformerLM:
     """``base`` with the PEFT LoRA adapter in ``folder`` applied (``lora``: its :func:`peft_settings`), merged unless
     ``merge`` is False. :func:`tlm_artifacts.artifact.load_peft` reads the base the adapter names."""
-    from safetensors.torch import load_file
-
     from tlm_model.interop import from_hf_lora_state_dict
 
+    # Checked before anything is allocated: an absurd r (10**9) would ask the allocator for terabytes. No LoRA
+    # update of a projection has a rank above its smaller side, which is at most d_model for every target.
+    if lora["rank"] > base.config.d_model:
+        raise ValueError(f"{folder / PEFT_CONFIG}: r {lora['rank']} is more than the base's d_model "
+                         f"{base.config.d_model}: no projection it adapts has a rank that high")  # fmt: skip
+    weights = tensors_of(read_input(folder / PEFT_WEIGHTS, "PEFT adapter weights"), folder / PEFT_WEIGHTS)
     model = TransformerLM(base.config, **{**options, "fused": False})
     model.load_state_dict(base.state_dict())
     adapt(model, lora)
-    load_lora_state_dict(model, from_hf_lora_state_dict(load_file(folder / PEFT_WEIGHTS), base.config))
+    try:
+        load_lora_state_dict(model, from_hf_lora_state_dict(weights, base.config))
+    except (KeyError, RuntimeError, ValueError) as err:  # names or shapes that the config's adapters lack
+        raise ValueError(f"{folder / PEFT_WEIGHTS}: its tensors do not fit the adapter {PEFT_CONFIG} describes "
+                         f"({str(err).splitlines()[0][:200]})") from None  # fmt: skip
     return _finished(model, merge, device, dtype, options)
 
 

@@ -37,6 +37,7 @@ from tlm_artifacts.layout import (
     step_name,
 )
 from tlm_artifacts.train_state import load_train_state
+from tlm_core.atomic import open_input, read_input
 from tlm_model import ModelConfig, TransformerLM, load_model_file
 from tlm_model.checkpoint import WEIGHTS_NAME, read_config, read_model_file
 
@@ -84,8 +85,9 @@ class StepFolders:
 
     def _pointer(self) -> int | None:
         try:
-            match = self.PATTERN.fullmatch((self.directory / LATEST_NAME).read_text(encoding="utf-8").strip())
-        except (OSError, UnicodeDecodeError):
+            pointer = read_input(self.directory / LATEST_NAME, "checkpoint pointer", limit=256).decode("utf-8")
+            match = self.PATTERN.fullmatch(pointer.strip())
+        except (OSError, ValueError):  # missing, not a regular file (a FIFO), too long or not UTF-8: no pointer
             return None
         return int(match.group(1)) if match else None
 
@@ -149,7 +151,7 @@ def file_digests(folder: Path) -> dict[str, str]:
         for name in files:
             path = Path(root) / name
             h = hashlib.sha256()
-            with open(path, "rb") as handle:
+            with open_input(path, "checkpoint file") as handle:  # a FIFO or device is refused, never waited on
                 while chunk := handle.read(1 << 20):
                     h.update(chunk)
             digests[path.relative_to(folder).as_posix()] = h.hexdigest()
@@ -197,7 +199,7 @@ def shard_reader(folder: str | os.PathLike[str]) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-            with open(Path(self.path) / SHARDS_METADATA, "rb") as handle:
+            with open_input(Path(self.path) / SHARDS_METADATA, "DCP metadata") as handle:
                 try:
                     metadata = _MetadataUnpickler(handle).load()
                 except Exception as error:  # a foreign or damaged pickle: several types

@@ -11,8 +11,10 @@ Everything here is computed on the device from the tokens (``cumsum``, ``cummax`
 is read back to the host, so a training step stays asynchronous.
 """
 
+from typing import Any
+
 import torch
-from jaxtyping import Bool, Integer
+from jaxtyping import Bool, Float, Integer
 from torch import Tensor
 
 
@@ -44,3 +46,76 @@ def document_mask(ids: Integer[Tensor, "*batch seq"]) -> Bool[Tensor, "*batch 1 
     seq = ids.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).tril()
     return ((ids.unsqueeze(-1) == ids.unsqueeze(-2)) & causal).unsqueeze(-3)
+
+
+#: FlexAttention's block size: the block mask says which (query block, key block) pairs to compute at all.
+FLEX_BLOCK = 128
+
+
+def document_block_mask(ids: Integer[Tensor, "batch seq"], block: int = FLEX_BLOCK) -> Any:
+    """FlexAttention's ``BlockMask`` of causal attention within documents, built from ``ids`` block by block
+    (never the (seq, seq) mask): a key block is skipped when its ids' range and the query block's do not
+    overlap (no id in common is then possible), and computed without the per-element mask when both blocks
+    hold one and the same id and the key block lies wholly before the query block. Correct for any ids (equal
+    within a document), and tight for :func:`document_ids`' non-decreasing ones. ``seq`` must be a multiple
+    of ``block``. Device operations only: nothing is read back to the host."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, seq = ids.shape
+    blocks = seq // block
+    grouped = ids.reshape(batch, blocks, block)
+    low, high = grouped.amin(-1), grouped.amax(-1)  # (batch, blocks) each
+    index = torch.arange(blocks, device=ids.device)
+    causal = index.unsqueeze(1) >= index.unsqueeze(0)  # (query block, key block)
+    overlap = (low.unsqueeze(2) <= high.unsqueeze(1)) & (low.unsqueeze(1) <= high.unsqueeze(2))
+    single = low == high
+    full = (index.unsqueeze(1) > index.unsqueeze(0)) & single.unsqueeze(2) & single.unsqueeze(1)
+    full = full & (low.unsqueeze(2) == low.unsqueeze(1))
+    partial = causal & overlap & ~full
+
+    def listed(chosen: Tensor) -> tuple[Tensor, Tensor]:
+        # (batch, 1, query blocks) counts, and the chosen key blocks first in each row (stable: ascending).
+        order = torch.sort((~chosen).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return chosen.sum(-1, dtype=torch.int32).unsqueeze(1), order.unsqueeze(1)
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (ids[b, q] == ids[b, kv]) & (q >= kv)
+
+    counts, indices = listed(partial)
+    full_counts, full_indices = listed(full)
+    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=block, mask_mod=mask_mod)
+
+
+_FLEX: Any = None
+
+
+def flex_document_attention(
+    q: Float[Tensor, "batch heads seq d_head"],
+    k: Float[Tensor, "batch kv_heads seq d_head"],
+    v: Float[Tensor, "batch kv_heads seq d_head"],
+    ids: Integer[Tensor, "batch seq"],
+) -> Float[Tensor, "batch heads seq d_head"]:
+    """Causal attention within documents through FlexAttention (compiled once per process): memory O(seq) and
+    the key blocks of other documents skipped, where the dense mask (:func:`document_mask`) costs (seq, seq)
+    per row and keeps torch's SDPA on its math kernel. Query head h reads key/value head
+    h // (heads / kv_heads). ``seq`` a multiple of :data:`FLEX_BLOCK`."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    block_mask = document_block_mask(ids)
+    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=q.shape[-3] != k.shape[-3])
+
+
+def flex_applies(q: Tensor, ids: Tensor | None) -> bool:
+    """Whether :func:`flex_document_attention` takes this call: CUDA (FlexAttention has no CPU backward, and
+    compiling it on a CPU costs more than the dense mask saves), a (batch, seq) window of whole blocks."""
+    return (
+        ids is not None
+        and q.device.type == "cuda"
+        and ids.ndim == 2
+        and q.ndim == 4
+        and q.shape[-2] == ids.shape[-1]
+        and ids.shape[-1] % FLEX_BLOCK == 0
+    )

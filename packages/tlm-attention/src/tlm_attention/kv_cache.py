@@ -244,6 +244,20 @@ class KVCache:
         lengths[row] = n
         self._set_lengths(lengths)
 
+    def copy_from(self, source: "KVCache") -> None:
+        """Hold exactly what ``source`` holds (its rows in use, their tokens and lengths); both caches must have
+        the same shape (an engine taking over another's rows keeps its own buffers, whose addresses a
+        compiled step may depend on)."""
+        if source.key_buffer.shape != self._key_buffer.shape:
+            raise ValueError(
+                f"source must have this cache's shape {tuple(self._key_buffer.shape)}, got "
+                f"{tuple(source.key_buffer.shape)}"
+            )
+        self._key_buffer.copy_(source.key_buffer)
+        self._value_buffer.copy_(source.value_buffer)
+        self._use_rows(source.batch_size)
+        self._set_lengths(list(source.lengths))
+
     def _use_rows(self, rows: int) -> None:
         self.keys = self._key_buffer[:rows, :, : self.capacity]
         self.values = self._value_buffer[:rows, :, : self.capacity]

@@ -9,7 +9,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
 from tlm_attention.backends import ATTENTION_BACKENDS, masked_attention_backend, resolve_attention_backend
-from tlm_attention.documents import document_mask
+from tlm_attention.documents import document_mask, flex_applies, flex_document_attention
 from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import CacheStep, KVCache
 from tlm_core.checks import check_bool
@@ -188,6 +188,9 @@ class CausalMultiHeadSelfAttention(nn.Module):
             k, v = kv_cache.update(k, v, slots)
             visible = torch.arange(k.shape[-2], device=k.device) <= slots.unsqueeze(-1)
             out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
+        elif document_ids is not None and self._backend == "torch" and flex_applies(q, document_ids):
+            # On CUDA, torch's attention within documents is FlexAttention's: a block mask, not a (seq, seq) one.
+            out = flex_document_attention(q, k, v, document_ids)
         elif document_ids is not None:
             # Causal within each document: every backend takes the mask in place of the causal one.
             out = masked_attention_backend(self._backend)(q, k, v, mask=document_mask(document_ids))

@@ -128,17 +128,45 @@ def dtype_choices() -> list[str]:
 
 
 def device(text: str) -> "torch.device":
-    """A torch device this process can use; a clear one-line error otherwise. Imports torch: call it in
-    ``run``, after parsing, not as an argparse ``type``."""
+    """A torch device this process can use ("auto": the first CUDA device when there is one, else the CPU); a
+    clear one-line error otherwise. Imports torch: call it in ``run``, after parsing, not as an argparse
+    ``type``."""
+    import torch
+
     from tlm_core.tensors import device_from_name
 
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return device_from_name(text, "--device")
 
 
+#: The dtype inference runs in on each device type when ``--dtype`` is not given (None: the checkpoint's).
+#: bf16 weights and KV cache on CUDA (as vLLM and litgpt do); a CPU keeps the checkpoint's float32, exact
+#: against HF.
+INFERENCE_DTYPE = {"cuda": "bfloat16"}
+
+
+def inference_device(args: argparse.Namespace) -> "torch.device":
+    """``--device`` read with :func:`device`, and ``args.dtype`` set to the device's default
+    (:data:`INFERENCE_DTYPE`) when ``--dtype`` was not given; on CUDA float32 matmuls may use TF32
+    (``torch.set_float32_matmul_precision("high")``)."""
+    import torch
+
+    chosen = device(args.device)
+    if getattr(args, "dtype", None) is None:
+        args.dtype = INFERENCE_DTYPE.get(chosen.type)
+    if chosen.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    return chosen
+
+
 def add_device_arguments(parser: argparse.ArgumentParser, dtype_help: str) -> None:
-    """``--device`` (read with :func:`device`) and ``--dtype`` (one of :func:`dtype_choices`, default None)."""
-    parser.add_argument("--device", default="cpu", help="torch device to run on")
-    parser.add_argument("--dtype", choices=dtype_choices(), default=None, help=dtype_help)
+    """``--device`` (read with :func:`inference_device`, default "auto") and ``--dtype`` (one of
+    :func:`dtype_choices`, default None: the device's, :data:`INFERENCE_DTYPE`)."""
+    parser.add_argument(
+        "--device", default="auto", help="torch device to run on; auto: CUDA when there is one, else cpu"
+    )
+    parser.add_argument("--dtype", choices=dtype_choices(), default=None, help=f"{dtype_help}; bfloat16 on CUDA")
 
 
 def check_output(out: str | os.PathLike[str], *inputs: str | os.PathLike[str] | None, flag: str = "--out") -> None:

@@ -10,6 +10,10 @@ that every tlm command and ``tlm train --init-from`` read.
 A LoRA run (``tlm train --lora-rank``): ``--to-peft RUN --out DIR`` writes its adapters as a PEFT adapter
 (``adapter_config.json``, ``adapter_model.safetensors``) for the HF export of its base (``--to-hf BASE``), which
 ``peft.PeftModel.from_pretrained`` loads; ``--to-hf RUN --merge`` writes the base with the adapters merged in.
+
+``--from-hf`` also reads Qwen2 (q/k/v biases; exported back as Qwen2) and Mistral folders; a sliding window
+shorter than the context needs ``--context-length N`` within it. ``--to-gguf X --out FILE.gguf`` (the ``gguf``
+extra) writes one GGUF file for llama.cpp and ollama, tokenizer and chat template included.
 """
 
 import argparse
@@ -20,7 +24,10 @@ from typing import Any
 from tlm_command.args import UserError, add_command, check_output, dtype_choices
 from tlm_command.loading import load_tokenizer
 from tlm_tokenizer.chat import IM_END
-from tlm_tokenizer.hf_json import EOS_TOKEN
+from tlm_tokenizer.hf_json import EOS_TOKEN, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON
+
+#: The tokenizer's files that --to-peft writes beside the adapter.
+TOKENIZER_FILES = (TOKENIZER_JSON, TOKENIZER_CONFIG_JSON)
 
 
 def add_parser(commands: Any) -> None:
@@ -33,6 +40,12 @@ def add_parser(commands: Any) -> None:
         "--to-hf", metavar="PATH", help="a run folder, step folder or model file (the run's newest checkpoint)"
     )
     direction.add_argument("--to-peft", metavar="RUN", help="a LoRA run (or step folder of one): its adapters for peft")
+    direction.add_argument(
+        "--to-gguf",
+        metavar="PATH",
+        help="a run folder, step folder, model file or HF folder: one GGUF file (--out FILE.gguf) for llama.cpp and "
+        "ollama, its tokenizer included (needs the gguf extra)",
+    )
     parser.add_argument(
         "--merge", action="store_true", help="with --to-hf of a LoRA run or PEFT adapter: merge the adapters in"
     )
@@ -42,7 +55,9 @@ def add_parser(commands: Any) -> None:
         help="with --to-peft: the base model the adapter names (base_model_name_or_path; default: the run's base)",
     )
     parser.add_argument("--out", required=True, metavar="DIR", help="the folder to write (replaced as a whole)")
-    parser.add_argument("--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own)")
+    parser.add_argument(
+        "--tokenizer", metavar="DIR", help="the tokenizer to export (default: the checkpoint's own; --to-peft too)"
+    )
     parser.add_argument(
         "--dtype", choices=dtype_choices(), default=None, help="convert the weights (default: as stored)"
     )
@@ -84,17 +99,19 @@ def run(args: argparse.Namespace) -> int:
     from tlm_model import save_hf, save_model_file
     from tlm_model.accounting import human
 
+    if args.context_length is not None and args.from_hf is None:
+        raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
+                        "--init-from RUN --context-length N)")  # fmt: skip
     if args.to_peft is not None:
         return _to_peft(args)
+    if args.to_gguf is not None:
+        return _to_gguf(args)
     if args.base is not None:
         raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
     source = args.from_hf if args.from_hf is not None else args.to_hf
     check_output(args.out, *read_paths(source), args.tokenizer)  # a LoRA run or PEFT adapter reads its base too
     if args.merge and args.to_hf is None:
         raise UserError("--merge goes with --to-hf (a LoRA run or PEFT adapter, merged into its base)")
-    if args.context_length is not None and args.from_hf is None:
-        raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
-                        "--init-from RUN --context-length N)")  # fmt: skip
     dtype = dtype_from_name(args.dtype) if args.dtype else None
     if args.from_hf is not None:
         artifact = tlm_artifacts.resolve(args.from_hf)
@@ -161,13 +178,12 @@ def _to_peft(args: argparse.Namespace) -> int:
     from tlm_lora import lora_state_dict
     from tlm_model.interop import to_hf_lora_state_dict
 
-    if args.merge or args.tokenizer is not None or args.dtype is not None:
-        raise UserError("--to-peft writes the adapters as trained: --merge, --tokenizer and --dtype do not apply")
-    check_output(args.out, *read_paths(args.to_peft), args.base)
+    if args.merge or args.dtype is not None:
+        raise UserError("--to-peft writes the adapters as trained: --merge and --dtype do not apply")
+    check_output(args.out, *read_paths(args.to_peft), args.base, args.tokenizer)
     out_dir = Path(args.out)
-    if out_dir.is_dir() and (
-        other := sorted(p.name for p in out_dir.iterdir() if p.name not in (PEFT_CONFIG, PEFT_WEIGHTS))
-    ):
+    ours = (PEFT_CONFIG, PEFT_WEIGHTS, *TOKENIZER_FILES)
+    if out_dir.is_dir() and (other := sorted(p.name for p in out_dir.iterdir() if p.name not in ours)):
         raise UserError(f"--out {args.out} holds other files ({', '.join(other[:3])}): choose an empty or new folder")
     artifact = tlm_artifacts.resolve(args.to_peft)
     found = tlm_artifacts.lora_step(artifact)
@@ -183,6 +199,14 @@ def _to_peft(args: argparse.Namespace) -> int:
             f"{state['model_config']['vocab_size']} ids (a chat template's markers), which a PEFT adapter of the "
             "base cannot carry; export the merged model with --to-hf --merge"
         )
+    # The run's tokenizer (its chat template included) beside the adapter: AutoTokenizer reads the folder as it is.
+    tokenizer = load_tokenizer(args.tokenizer, artifact)
+    tokenizer_files = {} if tokenizer is None else tokenizer.hf_files()
+    if tokenizer is not None and tokenizer.vocab_size > base_vocab:
+        raise UserError(
+            f"--to-peft: the tokenizer has {tokenizer.vocab_size} ids, more than the base's {base_vocab}; export the "
+            "merged model with --to-hf --merge"
+        )
     model = load_lora_step(folder, state, dtype=torch.float32, merge=False)
     adapters = to_hf_lora_state_dict(lora_state_dict(model), model.config)
     base = os.path.abspath(args.base if args.base is not None else state["lora"]["base"]["path"])
@@ -191,6 +215,8 @@ def _to_peft(args: argparse.Namespace) -> int:
     def fill(out: Path) -> None:
         (out / PEFT_CONFIG).write_bytes(config)
         (out / PEFT_WEIGHTS).write_bytes(adapter_bytes(adapters))
+        for name, data in tokenizer_files.items():
+            (out / name).write_bytes(data)
 
     replace_dir(out_dir, fill)
     report = {
@@ -199,11 +225,81 @@ def _to_peft(args: argparse.Namespace) -> int:
         "step": state["step"],
         "base": base,
         "parameters": sum(t.numel() for t in adapters.values()),
+        "tokenizer": tokenizer is not None,
         "lora": {k: v for k, v in state["lora"].items() if k != "base"},
     }
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out} for the base {base} "
-              f"({report['parameters']:,} adapter parameters)")  # fmt: skip
+        with_tokenizer = " with its tokenizer" if tokenizer is not None else ""
+        print(f"LoRA run {args.to_peft} (step {state['step']}) -> PEFT adapter {args.out}{with_tokenizer} for the "
+              f"base {base} ({report['parameters']:,} adapter parameters)")  # fmt: skip
+    return 0
+
+
+def gguf_vocabulary(tokenizer: Any) -> Any:
+    """``tokenizer`` (a tlm byte-level BPE) as a :class:`tlm_model.gguf.GGUFVocabulary`: the tokens and merges of
+    its ``tokenizer.json`` (GPT-2's byte-level text), its special tokens as control tokens, ``<|endoftext|>`` as
+    the end of a sequence, and its chat template."""
+    from tlm_model.gguf import GGUFVocabulary
+
+    document = json.loads(tokenizer.hf_files()["tokenizer.json"])
+    by_id = {index: text for text, index in document["model"]["vocab"].items()}
+    if sorted(by_id) != list(range(len(by_id))):
+        raise UserError("--to-gguf: the tokenizer's ids are not 0..n-1, which GGUF's token list needs")
+    special = frozenset(token["id"] for token in document["added_tokens"])
+    eos = tokenizer.encode(EOS_TOKEN)[0] if EOS_TOKEN in tokenizer.special_tokens else None
+    return GGUFVocabulary(
+        tokens=[by_id[i] for i in range(len(by_id))],
+        merges=document["model"]["merges"],
+        special=special,
+        eos_token_id=eos,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def _to_gguf(args: argparse.Namespace) -> int:
+    """A model as one GGUF file (llama.cpp's ``llama``, or ``qwen2`` with q/k/v biases), tokenizer included."""
+    import tlm_artifacts
+    from tlm_model.accounting import human
+
+    try:
+        from tlm_model.gguf import GGUF_DTYPES, save_gguf
+    except ModuleNotFoundError as err:
+        raise UserError(f"--to-gguf needs the gguf library ({err}): pip install 'tlm-command[gguf]'") from None
+    if args.base is not None:
+        raise UserError("--base names the base of a PEFT adapter: it goes with --to-peft")
+    if args.dtype is not None and args.dtype not in GGUF_DTYPES:
+        raise UserError(f"--dtype {args.dtype}: a GGUF export takes one of {', '.join(GGUF_DTYPES)}")
+    check_output(args.out, args.to_gguf, args.tokenizer)
+    artifact = tlm_artifacts.resolve(args.to_gguf)
+    adapted = artifact.kind == "peft" or tlm_artifacts.lora_step(artifact) is not None
+    if adapted and not args.merge:
+        raise UserError(
+            f"--to-gguf {args.to_gguf} holds LoRA adapters: add --merge to write its base with them merged in"
+        )
+    if args.merge and not adapted:
+        raise UserError(f"--merge: {args.to_gguf} is a {artifact.describe()} with no LoRA adapters to merge")
+    model, _ = tlm_artifacts.load_model(artifact)
+    tokenizer = load_tokenizer(args.tokenizer, artifact)
+    stored = str(model.lm_head.weight.dtype).removeprefix("torch.")
+    dtype = args.dtype if args.dtype is not None else stored if stored in GGUF_DTYPES else "float32"
+    vocabulary = None if tokenizer is None else gguf_vocabulary(tokenizer)
+    save_gguf(model, args.out, dtype=dtype, vocabulary=vocabulary, name=Path(args.to_gguf).resolve().name)
+    arch = "qwen2" if model.config.qkv_bias else "llama"
+    report = {
+        "from": args.to_gguf,
+        "out": args.out,
+        "architecture": arch,
+        "dtype": dtype,
+        "parameters": model.num_parameters(),
+        "tokenizer": tokenizer is not None,
+        "config": model.config.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        with_tokenizer = " with its tokenizer" if tokenizer is not None else " (no tokenizer)"
+        print(f"{artifact.describe()} {args.to_gguf} -> GGUF ({arch}, {dtype}) {args.out}{with_tokenizer} "
+              f"({human(report['parameters'])} parameters)")  # fmt: skip
     return 0

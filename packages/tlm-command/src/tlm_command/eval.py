@@ -15,8 +15,15 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tlm_command.args import UserError, add_command, add_device_arguments, fit_threads, positive_int, say
-from tlm_command.args import device as parse_device
+from tlm_command.args import (
+    UserError,
+    add_command,
+    add_device_arguments,
+    fit_threads,
+    inference_device,
+    positive_int,
+    say,
+)
 from tlm_command.loading import add_model_arguments, load_model
 
 if TYPE_CHECKING:
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_core.tensors import dtype_from_name
     from tlm_train import EvalBatches, evaluate
 
-    device = parse_device(args.device)
+    device = inference_device(args)
     fit_threads(device, quiet=args.quiet)
     check_input(args.data, "--data")  # the cheap checks before the model loads: a regular file
     model, tokenizer, artifact = load_model(args, device)

@@ -23,12 +23,12 @@ from tlm_command.args import (
     add_command,
     add_device_arguments,
     fit_threads,
+    inference_device,
     positive_int,
     say,
     temperature,
     top_p,
 )
-from tlm_command.args import device as parse_device
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_model.config import PRESETS
 from tlm_tokenizer.hf_json import EOS_TOKEN
@@ -223,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_core.progress import progress_bar
     from tlm_model import compile_for_inference, generate
 
-    device = parse_device(args.device)
+    device = inference_device(args)
     fit_threads(device, quiet=args.quiet)
     model, tokenizer = _model(args, device)
     vocab = model.config.vocab_size

@@ -177,6 +177,7 @@ def chat_prompt_ids(render: Callable[[list[dict[str, str]]], str], messages: lis
     return [token for _, ids in encode_pieces(tokenizer, text, [(a, b) for _, _, a, b in fields]) for token in ids]
 
 
+_TOKEN_ID = re.compile(r"[0-9]{1,19}")
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
 
 
@@ -300,7 +301,8 @@ def create_app(
     async def health() -> JSONResponse:
         if app.state.draining or scheduler.error is not None:
             return JSONResponse({"status": "unavailable"}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
-        counts = {"active": scheduler.active, "waiting": scheduler.waiting, "steps": scheduler.steps}
+        counts = {"active": scheduler.active, "waiting": scheduler.waiting, "steps": scheduler.steps,
+                  **scheduler.engine_status()}  # fmt: skip
         return JSONResponse({"status": "ok", **counts})
 
     @app.get("/v1/models")
@@ -386,7 +388,8 @@ def create_app(
             return None
         bias = {}
         for key, value in body.logit_bias.items():
-            if not (key.isdigit() and int(key) < vocab):
+            # ASCII digits only ("²" is a digit to str.isdigit, not to int), and few: int() of thousands is refused.
+            if not (_TOKEN_ID.fullmatch(key) and int(key) < vocab):
                 raise APIError(
                     400, f"logit_bias: keys must be token ids below {vocab}, got {key!r}", param="logit_bias"
                 )
@@ -481,6 +484,15 @@ def create_app(
         return {"prompt_tokens": sum(prompts.values()), "completion_tokens": done,
                 "total_tokens": sum(prompts.values()) + done}  # fmt: skip
 
+    def last_chunk(choices: list[_Choice], with_usage: bool) -> Callable[[Piece], bool]:
+        """Whether a stream's chunk for ``piece`` carries the usage: once per answer, on the last choice's last
+        chunk, unless ``stream_options.include_usage`` asks for a chunk of its own at the end (OpenAI's)."""
+
+        def here(piece: Piece) -> bool:
+            return not with_usage and piece.finish_reason is not None and all(c.reason is not None for c in choices)
+
+        return here
+
     def sse(data: Any) -> str:
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -553,6 +565,7 @@ def create_app(
         choices = [_Choice(i, job, texts[i // body.n]) for i, job in enumerate(jobs)]
         ident, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         with_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage_here = last_chunk(choices, with_usage)
 
         def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
             return {"id": ident, "object": "text_completion", "created": now, "model": model_name, "choices": items,
@@ -571,8 +584,7 @@ def create_app(
             if not text and logprobs is None and piece.finish_reason is None:
                 return []
             item = {"index": choice.index, "text": text, "finish_reason": piece.finish_reason, "logprobs": logprobs}
-            last = piece.finish_reason is not None and all(c.reason is not None for c in choices)
-            return [envelope([item], with_usage=last)]
+            return [envelope([item], with_usage=usage_here(piece))]
 
         def final() -> dict[str, Any]:
             items = []
@@ -618,6 +630,7 @@ def create_app(
         choices = [_Choice(i, job, "") for i, job in enumerate(jobs)]
         ident, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         with_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage_here = last_chunk(choices, with_usage)
         started: set[int] = set()
 
         def envelope(items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
@@ -635,8 +648,9 @@ def create_app(
                 out.append(envelope([{"index": choice.index, "delta": {"content": piece.text}, "finish_reason": None,
                                       "logprobs": logprobs}], False))  # fmt: skip
             if piece.finish_reason is not None:
+                choice.reason = piece.finish_reason
                 out.append(envelope([{"index": choice.index, "delta": {}, "finish_reason": piece.finish_reason,
-                                      "logprobs": None}], len(choices) == 1))  # fmt: skip
+                                      "logprobs": None}], usage_here(piece)))  # fmt: skip
             return out
 
         def final() -> dict[str, Any]:

@@ -7,8 +7,9 @@ prefilled with the other joining prompts: up to :data:`PREFILL_BUDGET` tokens be
 forwards of at most the batch's ``prefill_chunk`` tokens (shortest prompt first:
 :meth:`tlm_model.batching.DecodeBatch.prefill`), so a long prompt does not stall the decoding rows and a short one
 waits for one chunk of it; then every step feeds one token to every decoding row in one forward. A request that only
-scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token needs no cache: those that join together
-run as one padded prefill (:meth:`Scheduler._prefill_only`), and end there. Each row samples with its own parameters
+scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token keeps no row: those that join together
+are prefilled together with every position's logits, through the same prompt-chunk forward, and end there
+(:meth:`Scheduler._prefill_only`). Each row samples with its own parameters
 (:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
 its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
 --temperature 0``. Log-probabilities come from the forward that gave the token
@@ -36,10 +37,7 @@ import torch
 
 from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
-from tlm_model.inference import unwrap
-
-#: Padded tokens of one prefill-only forward at most (its logits are this many rows of the vocabulary).
-PREFILL_TOKENS = 4096
+from tlm_model.inference import InferenceModel, unwrap
 
 #: Prompt tokens in one prefill forward at most (DecodeBatch's ``prefill_chunk``): what a request that arrives
 #: while a long prompt is prefilled waits for before its own prompt runs. On a 2-core CPU (course shape, eager,
@@ -51,6 +49,16 @@ PREFILL_CHUNK = 32
 #: that join. Short prompts (a PREFILL_CHUNK at most) that fit it run in one forward (a burst of 16 in one or two
 #: iterations, not one forward and one step each); longer ones a PREFILL_CHUNK a forward.
 PREFILL_BUDGET = 128
+
+#: (prefill chunk, token budget) by device type when the caller gives none: :data:`PREFILL_CHUNK` and
+#: :data:`PREFILL_BUDGET` on a CPU (measured there); on an accelerator a forward of a few thousand tokens costs
+#: about what one of a few costs, so larger ones (vLLM's default token budget is 2048).
+PREFILL_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (PREFILL_CHUNK, PREFILL_BUDGET), "cuda": (512, 2048)}
+
+
+def prefill_defaults(device: torch.device) -> tuple[int, int]:
+    """(prefill chunk, token budget) for ``device``: :data:`PREFILL_DEFAULTS`, the CPU's for an unlisted type."""
+    return PREFILL_DEFAULTS.get(device.type, PREFILL_DEFAULTS["cpu"])
 
 
 class QueueFull(Exception):
@@ -179,22 +187,24 @@ class Scheduler:
         eos_ids: list[int],
         device: torch.device,
         warm_up: bool = False,
-        prefill_chunk: int = PREFILL_CHUNK,
-        token_budget: int = PREFILL_BUDGET,
+        prefill_chunk: int | None = None,
+        token_budget: int | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
         every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
         prompt tokens in one prefill forward at most; ``token_budget``: prompt tokens between two decoding
-        steps at most."""
+        steps at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
+        (:meth:`compile_in_background`) starts, ends or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
-        # Requests that only score a prompt run one padded forward of the model itself (a compiled model's
-        # shapes would vary with every request): the eager model inside any compiled wrapper.
+        # The eager model inside any compiled wrapper (what a background warm-up compiles).
         self._plain = unwrap(model)
         self.max_batch, self.max_queue = max_batch, max_queue
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
-        self.batch = DecodeBatch(model, max_batch, prefill_chunk=prefill_chunk)
-        self.prefill_budget = token_budget
+        chunk, budget = prefill_defaults(device)
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk)
+        self.prefill_budget = budget if token_budget is None else token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
         self._joining: list[Request] = []
@@ -209,12 +219,72 @@ class Scheduler:
         self.steps = 0  # batched forwards so far (the tests read it)
         self.error: BaseException | None = None
         self._warm_up = warm_up
+        self._log = log or (lambda line: None)
+        self.engine = "compiled" if isinstance(model, InferenceModel) else "eager"
+        self._warming: dict[str, Any] | None = None  # the background warm-up's progress
+        self._warmed: DecodeBatch | None = None  # the compiled batch, ready to take over
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tlm-scheduler", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
             raise self.error
+
+    def compile_in_background(self) -> None:
+        """Go on serving with the eager model while another thread compiles it
+        (:func:`~tlm_model.compile_for_inference`) and warms a batch of its own up; between two steps the
+        compiled batch then takes over every row (:meth:`DecodeBatch.take_over`), so no request is dropped or
+        waits for the compiler. :meth:`engine_status` says which engine serves and how far the warm-up is; a
+        failed warm-up leaves the eager engine serving."""
+        if self.engine != "eager" or self._warming is not None:
+            raise ValueError(f"compile_in_background needs an eager engine not yet compiling; this one is "
+                             f"{self.engine}{' and compiling' if self._warming is not None else ''}")  # fmt: skip
+        self._warming = {"done": 0, "total": None, "started": time.perf_counter(), "error": None}
+        threading.Thread(target=self._compile, name="tlm-compile", daemon=True).start()
+
+    def engine_status(self) -> dict[str, Any]:
+        """Which engine serves ("eager" or "compiled") and, while a background warm-up runs or after it failed,
+        its progress: ``{"engine": ..., "warm_up": {"done": forwards, "total": forwards, "seconds": s,
+        "error": None or what it raised}}``."""
+        status: dict[str, Any] = {"engine": self.engine}
+        warming = self._warming
+        if warming is not None and (self.engine == "eager" or warming["error"]):
+            seconds = round(time.perf_counter() - warming["started"], 1)
+            status["warm_up"] = {"done": warming["done"], "total": warming["total"], "seconds": seconds,
+                                 "error": warming["error"]}  # fmt: skip
+        return status
+
+    def _compile(self) -> None:
+        """The background warm-up (its own thread): compile the model, warm a batch of its own up, and hand it
+        to the scheduler thread, which switches to it between two steps."""
+        from tlm_model import compile_for_inference
+
+        warming = cast(dict[str, Any], self._warming)
+
+        def progress(done: int, total: int) -> None:
+            warming["done"], warming["total"] = done, total
+
+        self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
+        try:
+            with torch.inference_mode():  # the graphs are compiled under the mode the steps run in
+                batch = DecodeBatch(compile_for_inference(self._plain), self.max_batch,
+                                    prefill_chunk=self.batch.prefill_chunk)  # fmt: skip
+                batch.warm_up(progress)
+        except Exception as err:
+            warming["error"] = f"{type(err).__name__}: {err}"
+            self._log(f"the compiled engine's warm-up failed ({warming['error']}); the eager engine serves on")
+            return
+        with self._wake:
+            self._warmed = batch
+            self._wake.notify()
+
+    def _switch(self) -> None:
+        """The scheduler thread: the warmed compiled batch takes over every row of the eager one."""
+        warmed, self._warmed = cast(DecodeBatch, self._warmed), None
+        warmed.take_over(self.batch)
+        self.batch, self.engine = warmed, "compiled"
+        seconds = time.perf_counter() - cast(dict[str, Any], self._warming)["started"]
+        self._log(f"the compiled engine serves from now on (warm-up {seconds:.0f} s)")
 
     # ------------------------------------------------------------------ any thread
 
@@ -304,10 +374,12 @@ class Scheduler:
 
     def _next_step(self) -> bool:
         with self._wake:
-            while not self._rows and not self._waiting:
+            while not self._rows and not self._waiting and self._warmed is None:
                 if self._closing:
                     return False
                 self._wake.wait()
+        if self._warmed is not None:
+            self._switch()  # a failure here is the engine's: _loop ends it all
         self._admit()
         if not self._rows:
             return True
@@ -423,51 +495,38 @@ class Scheduler:
         self._rows.append(row)
 
     def _prefill_only(self, requests: list[Request]) -> None:
-        """Requests that need no cache (score the prompt, at most one new token): right-padded prompts in as few
-        forwards as fit :data:`PREFILL_TOKENS`. A padded token comes after every real one, so no real token
-        sees it (the attention is causal)."""
-        requests = sorted(requests, key=lambda r: len(r.prompt))
-        start = 0
-        while start < len(requests):
-            end = start + 1
-            while end < len(requests) and (end + 1 - start) * len(requests[end].prompt) <= PREFILL_TOKENS:
-                end += 1
-            group, start = requests[start:end], end
-            width = len(group[-1].prompt)
-            padded = torch.zeros(len(group), width, dtype=torch.long)
-            for b, request in enumerate(group):
-                padded[b, : len(request.prompt)] = torch.tensor(request.prompt)
-            padded = padded.to(self.device)
-            logits = self._plain(padded)  # the model's: a failure ends everything
-            lengths = torch.tensor([len(r.prompt) for r in group], device=self.device)
-            last = logits[torch.arange(len(group), device=self.device), lengths - 1]
-            rows: list[_Row | None] = []
-            for b, request in enumerate(group):
-                try:
-                    if request.echo:
-                        n = len(request.prompt)
-                        scores = self._score(logits[b, : n - 1], padded[b, 1:n], request.logprobs or 0)
-                        first = Scored(request.prompt[0], None, [])
-                        request.emit(Piece("", prompt_scored=[first, *scores]))
-                    row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
-                    if row is not None:
-                        row.logits = last[b]
-                    else:
-                        request.emit(Piece("", "length"))
-                        request.cancelled.set()
-                    rows.append(row)
-                except Exception as err:
-                    self._fail(request, err)
-                    rows.append(None)
-            generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
-            if generating:
-                saved, self._rows = self._rows, generating
-                try:
-                    self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
-                finally:
-                    self._rows = saved
-            self._left(len(group))
-            self._send_last()
+        """Requests that need no cache beyond their prompt (score it, at most one new token): their prompts run
+        together through the batch's own prompt-chunk forward (the compiled one once it serves) in forwards of
+        at most the token budget, with every position's logits, on rows that leave again at once."""
+        prompts = [torch.tensor(request.prompt, device=self.device) for request in requests]
+        every = self.batch.add_many(prompts, every_position=True, budget=self.prefill_budget)  # the model's
+        for _ in requests:
+            self.batch.remove(len(self.batch) - 1)
+        rows: list[_Row | None] = []
+        for request, prompt, logits in zip(requests, prompts, cast(list[torch.Tensor], every), strict=True):
+            try:
+                if request.echo:
+                    scores = self._score(logits[:-1], prompt[1:], request.logprobs or 0)
+                    request.emit(Piece("", prompt_scored=[Scored(request.prompt[0], None, []), *scores]))
+                row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
+                if row is not None:
+                    row.logits = logits[-1]
+                else:
+                    request.emit(Piece("", "length"))
+                    request.cancelled.set()
+                rows.append(row)
+            except Exception as err:
+                self._fail(request, err)
+                rows.append(None)
+        generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
+        if generating:
+            saved, self._rows = self._rows, generating
+            try:
+                self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
+            finally:
+                self._rows = saved
+        self._left(len(requests))
+        self._send_last()
 
     def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
         """``tokens`` scored under ``logits`` (one row each), read back to the host."""

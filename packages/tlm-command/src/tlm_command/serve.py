@@ -56,11 +56,20 @@ def add_parser(commands: Any) -> None:
         "--max-body", type=positive_int, default=None, metavar="BYTES",
         help="a request body's bytes at most; larger ones get 413 (default: 1 MiB)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefill-chunk", type=positive_int, default=None, metavar="N",
+        help="prompt tokens in one prefill forward at most: what a request arriving during a long prompt waits "
+        "for (default: 32 on a CPU, 512 on CUDA)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--token-budget", type=positive_int, default=None, metavar="N",
+        help="prompt tokens prefilled between two decoding steps at most (default: 128 on a CPU, 2048 on CUDA)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     parser.add_argument(
         "--no-compile", action="store_true",
-        help="decode with the eager model (default: compile the decode step once at start, warmed up for every "
-        "batch size before the server listens, so no request waits for it)",
+        help="decode with the eager model only (default: serve with it at once while the compiled engine warms "
+        "up in the background, then switch to it between two steps; /health says which engine serves)",
     )  # fmt: skip
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's)")
     parser.set_defaults(run=run)
@@ -143,12 +152,12 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from tlm_command.args import device as parse_device
+    from tlm_command.args import inference_device
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
     from tlm_command.scheduler import Scheduler
 
-    device = parse_device(args.device)
+    device = inference_device(args)
     model, tokenizer, artifact = load_model(args, device)
     if tokenizer is None:
         raise UserError(f"tlm serve needs a tokenizer: {args.checkpoint} has none; give --tokenizer DIR")
@@ -163,13 +172,13 @@ def run(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
     except OSError as err:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {err.strerror}") from None
-    if not args.no_compile:
-        from tlm_model import compile_for_inference
 
-        model = compile_for_inference(model)  # type: ignore[assignment]
+    def log(line: str) -> None:
+        print(f"tlm serve: {line}", file=sys.stderr, flush=True)
+
     scheduler = Scheduler(
         model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
-        warm_up=not args.no_compile,
+        prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, log=log,
     )  # fmt: skip
     app = create_app(
         scheduler,
@@ -193,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
     )
     server = Server(config)
     host, port = sock.getsockname()[:2]
-    print(f"tlm serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch})", file=sys.stderr, flush=True)
+    engine = "eager engine" if args.no_compile else "eager engine until the compiled one has warmed up"
+    weights = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"tlm serve: {name} on http://{host}:{port}/v1 (max batch {args.max_batch}, {device.type} {weights}, "
+          f"{engine})", file=sys.stderr, flush=True)  # fmt: skip
+    if not args.no_compile:
+        scheduler.compile_in_background()
     # uvicorn re-raises the signal that stopped it once it has drained, under the handler found before it
     # ran: for SIGTERM that handler is this no-op, so a drained server exits 0 (Ctrl-C still exits 130).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

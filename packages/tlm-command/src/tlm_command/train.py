@@ -5,11 +5,8 @@ too (``--num-kv-heads 2``). ``--init-from X`` fine-tunes X (a run, checkpoint, H
 folder); ``--lora-rank R`` trains only LoRA adapters on its frozen weights. ``--resume RUN`` continues from the
 newest checkpoint that verifies (or ``RUN/checkpoints/step_N``): flags apply from there on, and one that would
 change the model, data, tokenizer or seed is refused. Scale-out is torchrun's, rank 0 writing the files:
-``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU).
-
-Under SLURM, ``srun tlm train --distributed ddp --auto-resume ...`` takes its ranks from srun; SIGTERM, SIGUSR1
-or SIGUSR2 checkpoint and stop at the next step, and after SIGUSR1/SIGUSR2 (``sbatch --signal=USR1@120``) the job
-is requeued, to continue where it stopped (docs/slurm.sbatch).
+``torchrun --nproc-per-node 2 -m tlm train --distributed fsdp`` (one machine, gloo on CPU), or SLURM's
+``srun ... --auto-resume`` (docs/slurm.sbatch: SIGUSR1 checkpoints and requeues the job).
 
 Exit status: 0 done, 1 the loss diverged, 2 a user error, 130 stopped by a signal (checkpointed), 74 a
 logger failed (a full disk...; stopped, checkpointed when the disk took it; ``--logger-errors warn`` trains on).
@@ -62,6 +59,17 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
+def _json_object_or_name(names: tuple[str, ...]) -> Any:
+    def parse(text: str) -> dict[str, Any] | str:
+        if text in names:
+            return text
+        if text.isidentifier():  # a name, but not one of these
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)} or a JSON object, got {text!r}")
+        return _json_object(text)
+
+    return parse
+
+
 def shown(field: dataclasses.Field[Any], value: Any) -> str:
     """A field's value as ``--help`` shows it: the field's ``shown`` text for None or [], ``on``/``off``
     for a switch, a list space-separated."""
@@ -92,6 +100,10 @@ def _add(parser: Any, field: dataclasses.Field[Any], default: str, dest: str) ->
     common: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": help_text}
     if kind is bool:
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+    elif (kind is dict or typing.get_origin(kind) is dict) and "names" in field.metadata:
+        # A table, or one of the names that stand for one (a RoPE rule that --init-from's context completes).
+        names = field.metadata["names"]
+        parser.add_argument(flag, type=_json_object_or_name(names), metavar="|".join((*names, "JSON")), **common)
     elif kind is dict or typing.get_origin(kind) is dict:
         parser.add_argument(flag, type=_json_object, metavar="JSON", **common)
     else:
@@ -113,13 +125,13 @@ def add_parser(commands: Any) -> None:
     common.add_argument("--config", metavar="FILE.toml", help="settings file (flags override it)")
     common.add_argument("--resume", metavar="RUN", help="continue a run folder (or a step folder of one)")
     common.add_argument("--quiet", action="store_true", help="no progress bar and no log lines")
-    common.add_argument(
+    more = parser.more_group("training settings")
+    more.add_argument(
         "--auto-resume",
         action="store_true",
-        help="continue --out-dir from its newest checkpoint when it holds a run, else start it (for a job that "
-        "SLURM may requeue; implied in a requeued job)",
+        help="continue --out-dir from its newest checkpoint when it holds a run, else start it (a job that SLURM "
+        "may requeue: docs/slurm.sbatch; implied in a requeued job) (default: off)",
     )
-    more = parser.more_group("training settings")
     fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "model"}
     for name in (*COMMON, *(n for n in fields if n not in COMMON)):
         field = fields[name]

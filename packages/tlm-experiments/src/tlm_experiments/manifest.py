@@ -19,7 +19,8 @@ MANIFEST = "sweep.json"
 FORMAT = "tlm-sweep/1"
 SUMMARY_JSON, SUMMARY_MD, PLOT, LOCK = "summary.json", "summary.md", "sweep.png", ".lock"
 #: How a run may stand in the manifest (``stopped``: an ``interrupted`` run, as manifests before issue 36 say).
-STATUSES = ("pending", "running", "interrupted", "stopped", "failed", "done", "diverged")
+#: ``submitted`` and ``requeued``: a run whose SLURM task is queued, or was requeued at a checkpoint (issue 46).
+STATUSES = ("pending", "running", "interrupted", "stopped", "failed", "done", "diverged", "submitted", "requeued")
 #: The longest run name: a folder name most file systems take (255 bytes).
 MAX_NAME_BYTES = 255
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=,+-]*")

@@ -56,6 +56,10 @@ from tlm_experiments.results import add_result_arguments
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
+#: Where runs train: this machine's processes, or the tasks of a SLURM job array (tlm_experiments.slurm).
+LAUNCHERS = ("local", "slurm")
+#: The flags that only --launcher slurm takes.
+SLURM_FLAGS = ("partition", "time", "cpus_per_task", "gpus")
 #: The most runs a plan may hold unless --max-runs says otherwise: a grid's product grows fast.
 MAX_RUNS = 1000
 
@@ -86,6 +90,14 @@ def add_parser(commands: Any) -> None:
         "--max-runs", type=positive_int, default=MAX_RUNS, help="refuse a plan of more runs than this (its size said)"
     )
     parser.add_argument("--quiet", action="store_true", help="no log lines")
+    cluster = parser.add_argument_group("on a SLURM cluster (--launcher slurm: each run a task of one job array)")
+    cluster.add_argument(
+        "--launcher", choices=LAUNCHERS, default=None, help="where the runs train (default: local, or as the sweep was)"
+    )
+    cluster.add_argument("--partition", default=None, help="the SLURM partition (default: the cluster's default)")
+    cluster.add_argument("--time", type=positive_int, default=None, metavar="MINUTES", help="task time limit (60)")
+    cluster.add_argument("--cpus-per-task", type=positive_int, default=None, metavar="N", help="CPUs of each task (1)")
+    cluster.add_argument("--gpus", type=positive_int, default=None, metavar="N", help="GPUs of each task (none)")
     parser.set_defaults(run=run)
 
 
@@ -354,22 +366,16 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
     except Exception as err:  # one run's failure is recorded; the sweep goes on
         first = str(err).splitlines()[0] if str(err) else ""
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
+    if getattr(result, "requeued", False):  # a SLURM task stopped before its time limit and put back in the queue
+        return {"status": "interrupted", "requeued": True}
     return {"status": "interrupted" if result.interrupted else "done"}
 
 
 def resume_config(planned: Any) -> Any:
-    """What a run resumes with: its own ``train.toml`` with the planned settings that a resume may change over
-    it (steps, learning rate, intervals, ...), as ``tlm train --resume RUN --steps N`` does. The others (model,
-    data, tokenizer, seed: ``tlm_train.recipe.FIXED_ON_RESUME``) are the run's: re-applied, a vocabulary the
-    tokenizer filled to fewer tokens than --vocab-size would read as a changed one and refuse the resume."""
-    import dataclasses
+    """What a run resumes with (``tlm_train.run_dir.resume_config``): as ``tlm train --resume RUN --steps N``."""
+    from tlm_train.run_dir import resume_config as resumed
 
-    from tlm_train import RunDir, TrainConfig
-    from tlm_train.recipe import FIXED_ON_RESUME
-
-    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
-    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
-    return RunDir(planned.out_dir).read_config(out_dir=planned.out_dir, **changeable)
+    return resumed(planned)
 
 
 def _init_worker(threads: int) -> None:
@@ -555,11 +561,56 @@ def write_summary(
     return summaries
 
 
+def _launcher(args: argparse.Namespace, manifest: dict[str, Any]) -> str:
+    """``--launcher``, else the sweep's own (a resumed SLURM sweep stays on SLURM), else local; the cluster is
+    checked (SLURM there, the partition known) before anything is written."""
+    saved = manifest.get("launcher")
+    launcher = args.launcher or (saved.get("name") if isinstance(saved, dict) else None) or "local"
+    if launcher == "local":
+        given = [name for name in SLURM_FLAGS if getattr(args, name, None) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} is for --launcher slurm")
+        return launcher
+    from tlm_experiments import slurm
+
+    manifest["launcher"] = slurm.options(args, manifest)
+    slurm.check_cluster(manifest["launcher"]["partition"])
+    return launcher
+
+
+def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """Submit the runs not finished as one job array and wait for it; the manifest the tasks left."""
+    from tlm_experiments import slurm
+
+    slurm.check_writable(folder)
+    if queued := slurm.still_queued(manifest):
+        raise UserError(
+            f"{folder}: runs {queued} are still in SLURM's queue; wait for them (squeue) or scancel them, then --resume"
+        )
+    todo = [e for e in manifest["runs"] if e["status"] not in FINISHED]
+    for entry in todo:
+        entry.update(status="pending")
+        entry.pop("job", None)
+    _write_manifest(folder, manifest)
+    if not todo:
+        return manifest, True
+    array = slurm.submit(folder, manifest, todo, jobs=args.jobs)
+    if not args.quiet:
+        say(f"submitted {len(todo)} runs as SLURM job array {array} (logs in {folder / slurm.LOGS})")
+    try:
+        manifest = slurm.wait(folder, [e["name"] for e in todo], quiet=args.quiet)
+    except KeyboardInterrupt:  # the jobs go on without this process
+        say(f"the jobs of array {array} go on; once they end, tlm sweep --resume {folder} summarizes the sweep")
+        raise
+    return manifest, True
+
+
 def run(args: argparse.Namespace) -> int:
     if args.resume is not None:
         if args.out_dir is not None or args.grid or args.runs or args.config or args.set or args.seeds:
             raise UserError(
-                "--resume continues a sweep as planned; it takes only --jobs, --unstable-above, --baseline and --quiet"
+                "--resume continues a sweep as planned; it takes only --jobs, --unstable-above, --baseline, --quiet "
+                "and the launcher's flags"
             )
         folder = Path(args.resume)
         manifest = read_manifest(folder)
@@ -573,12 +624,17 @@ def run(args: argparse.Namespace) -> int:
         if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
             raise UserError(f"--out-dir {folder} exists and is not an empty folder; choose another")
         manifest = plan(args, folder)
+    on_slurm = _launcher(args, manifest) == "slurm"
     jobs = args.jobs or manifest.get("jobs") or default_jobs(manifest)
     folder.mkdir(parents=True, exist_ok=True)
     with _locked(folder):
         manifest["jobs"] = jobs
-        _write_manifest(folder, manifest)
-        completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
+        if on_slurm:
+            manifest, completed = _run_on_slurm(folder, manifest, args)
+        else:
+            manifest.pop("launcher", None)
+            _write_manifest(folder, manifest)
+            completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
         write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above, baseline=args.baseline)
     if not completed:
         say(f"sweep stopped: continue it with tlm sweep --resume {folder}")

@@ -1,5 +1,6 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -8,17 +9,33 @@ import torch
 from jaxtyping import Float, Integer
 from torch import Tensor
 
+from tlm_attention import KVCache
 from tlm_core.checks import check_int, check_positive_int
 from tlm_core.tensors import as_index_tensor
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
+#: The most batch buckets (:func:`batch_buckets`): dynamo's recompile limit, past which a function with
+#: more graphs silently runs eager (on CUDA every bucket is a graph of its own).
+MAX_BUCKETS = 8
+
+
+@functools.cache
+def batch_buckets(max_batch_size: int, limit: int = MAX_BUCKETS) -> tuple[int, ...]:
+    """The batch sizes a step runs at, ascending: 1, the powers of two below ``max_batch_size`` and
+    ``max_batch_size`` itself, at most ``limit`` of them (the smallest powers above 1 go first: a few rows
+    padded to a few more cost least). A compiled step has one graph per bucket on CUDA (on a CPU: one for a
+    single row, one for every other bucket), so rows joining and leaving reuse a handful of graphs."""
+    check_positive_int("max_batch_size", max_batch_size)
+    check_int("limit", limit, low=2)
+    powers = [1 << k for k in range(1, max_batch_size.bit_length()) if 1 << k < max_batch_size]
+    above = [*powers, max_batch_size] if max_batch_size > 1 else []
+    return (1, *above[len(above) - min(len(above), limit - 1) :])
+
 
 def batch_bucket(rows: int, max_batch_size: int) -> int:
-    """The batch size a step over ``rows`` rows runs at: the next power of two, at most ``max_batch_size``.
-    A compiled step has one graph per bucket (on a CPU: one for a single row, one for every other bucket), so
-    rows joining and leaving reuse a handful of graphs."""
-    return min(max_batch_size, 1 << max(0, rows - 1).bit_length())
+    """The batch size a step over ``rows`` rows runs at: the smallest of :func:`batch_buckets` that holds them."""
+    return next(size for size in batch_buckets(max_batch_size) if size >= rows)
 
 
 #: The fewest cache slots a compiled step reads (:func:`slot_bucket`).
@@ -130,6 +147,7 @@ class DecodeBatch:
         *,
         prefill_chunk: int = 512,
         min_slots: int = MIN_SLOTS,
+        caches: "list[KVCache] | None" = None,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
@@ -141,7 +159,17 @@ class DecodeBatch:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._lm = model.model if isinstance(model, InferenceModel) else model
-        self.caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        if caches is None:
+            caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        elif len(caches) != self._lm.config.num_layers or {(c.max_batch_size, c.capacity) for c in caches} != {
+            (max_batch_size, caches[0].capacity if capacity is None else capacity)
+        }:
+            raise ValueError(
+                f"caches must be the model's {self._lm.config.num_layers} layers' caches of {max_batch_size} rows"
+                + ("" if capacity is None else f" and {capacity} slots")
+                + f", got {len(caches)} of {[(c.max_batch_size, c.capacity) for c in caches][:2]}"
+            )
+        self.caches = list(caches)
         self.capacity = self.caches[0].capacity
         for cache in self.caches:
             cache.select_rows([])
@@ -178,21 +206,24 @@ class DecodeBatch:
         return tuple(r for r, ids in enumerate(self._pending) if ids is not None)
 
     @torch.no_grad()
-    def warm_up(self) -> None:
-        """Run one step at every batch bucket and prompt chunks of several shapes on an empty batch, so that
-        a compiled model compiles now (the step's graphs, and the chunks' graph with dynamic sizes) rather than
-        on the first requests; the batch is left empty. The number of slots a step reads is a dynamic size of
-        its graph, so one step per batch bucket covers every slot bucket: nothing recompiles later as rows grow
-        (CUDA graphs still record one graph per slot bucket, at its first use: no compilation).
+    def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Run one step at every batch bucket and two prompt chunks on an empty batch, so that a compiled model
+        compiles now (the step's graphs, and the chunks' one graph, whose sizes are dynamic and never 1:
+        :func:`pack_chunks`) rather than on the first requests; the batch is left empty. The number of slots a
+        step reads is a dynamic size of its graph, so one step per batch bucket covers every slot bucket:
+        nothing recompiles later as rows grow (CUDA graphs still record one graph per slot bucket, at its first
+        use: no compilation).
 
         Each graph with a dynamic size is first compiled at a size it will serve: inductor takes the first
         call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
         rows, and max-autotune times its candidates there). So the chunks run first one prompt and then
-        several of a full chunk's tokens, and the steps run from the largest bucket down: a 16-row step
-        compiled at 2 rows took 10.7 ms instead of 6.8-7.4."""
+        several of a full chunk's tokens, and the steps run from the largest bucket down: a step compiled at
+        fewer rows than it serves runs slower (``bench/decode.py`` times the compiled steps).
+
+        ``progress(done, total)`` is called after each of the ``total`` warm-up forwards."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
-        sizes = sorted({batch_bucket(n, self.max_batch_size) for n in range(1, self.max_batch_size + 1)}, reverse=True)
+        sizes = batch_buckets(self.max_batch_size)[::-1]
         zeros = [torch.zeros(min(n, self.capacity), dtype=torch.int64) for n in range(1, 3)]
         # The tokens a warm-up row may hold and still take a step at every bucket.
         room = max(1, self.capacity - len(sizes) - 1)
@@ -201,11 +232,15 @@ class DecodeBatch:
         chunks = [[torch.zeros(wide, dtype=torch.int64)]]
         if group > 1:
             chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
+        total, done = len(chunks) + len(sizes), 0
         try:
             for prompts in chunks:
                 self.add_many(prompts)
                 while len(self):
                     self.remove(len(self) - 1)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
             for rows in sizes:
                 while len(self) < rows:
                     self.add(zeros[min(len(self), 1)])
@@ -213,9 +248,28 @@ class DecodeBatch:
                     self.remove(len(self) - 1)
                 if all(n < self.capacity for n in self.lengths):
                     self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
+                done += 1
+                if progress is not None:
+                    progress(done, total)
         finally:
             while len(self):
                 self.remove(len(self) - 1)
+
+    def take_over(self, source: "DecodeBatch") -> None:
+        """Hold ``source``'s rows from now on, each where it was (its tokens, its prompt still to run): an
+        engine switching models between steps (``tlm serve``'s compiled engine once warmed up) without
+        dropping a row. This batch must be empty and of ``source``'s shape; ``source`` is left as it was."""
+        if len(self):
+            raise ValueError(f"take_over needs an empty batch, this one has {len(self)} rows")
+        if (self.max_batch_size, self.capacity) != (source.max_batch_size, source.capacity):
+            raise ValueError(
+                f"source must have {self.max_batch_size} rows of {self.capacity} slots, got "
+                f"{source.max_batch_size} of {source.capacity}"
+            )
+        for cache, theirs in zip(self.caches, source.caches, strict=True):
+            cache.copy_from(theirs)
+        self._pending, self._skipped = list(source._pending), list(source._skipped)
+        self._decoding.copy_(source._decoding)
 
     def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
         """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
@@ -277,11 +331,17 @@ class DecodeBatch:
 
     @torch.no_grad()
     def add_many(
-        self, prompts: Sequence[Integer[Tensor, " _prompt"]], *, every_position: bool = False
+        self,
+        prompts: Sequence[Integer[Tensor, " _prompt"]],
+        *,
+        every_position: bool = False,
+        budget: int | None = None,
     ) -> Float[Tensor, "n vocab"] | list[Float[Tensor, "_prompt vocab"]]:
-        """Prefill ``prompts`` together (chunks of ``prefill_chunk`` tokens) and append them as the last rows,
-        in order; returns their next-token logits (with ``every_position``: a list of each prompt's logits after
-        every token). Rows joined earlier and still prefilling are left as they are."""
+        """Prefill ``prompts`` together (forwards of ``budget`` tokens at most, default ``prefill_chunk``) and
+        append them as the last rows, in order; returns their next-token logits (with ``every_position``: a list
+        of each prompt's logits after every token). Rows joined earlier and still prefilling are left as they
+        are."""
+        budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
         if len(self) + len(prompts) > self.max_batch_size:
@@ -295,7 +355,7 @@ class DecodeBatch:
         try:
             while len(done) < len(rows):
                 todo = [r for r in rows if r not in done]
-                done.update(self._prefill_rows(todo, self.prefill_chunk, scores))
+                done.update(self._prefill_rows(todo, budget, scores, together=True))
         except BaseException:
             for row in reversed(rows):  # all or nothing: the new rows go again
                 self.remove(row)
@@ -361,11 +421,12 @@ class DecodeBatch:
         return last if row != last else None
 
     def _prefill_rows(
-        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None
+        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None, together: bool = False
     ) -> dict[int, Tensor]:
         # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
-        # The fewest remaining tokens first, and no prompt padded to more than twice the first one's chunk: a
-        # short prompt beside a long one runs in a forward of its own width, the long one at the next call.
+        # The fewest remaining tokens first, and (unless `together`: every row is wanted now) no prompt padded to
+        # more than twice the first one's chunk: a short prompt beside a long one runs in a forward of its own
+        # width, the long one at the next call.
         # A row passed over twice goes first, so that prompts joining every step never starve a long one.
         chunks: list[tuple[int, Tensor]] = []
         order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
@@ -373,7 +434,7 @@ class DecodeBatch:
             ids = self._pending[row]
             assert ids is not None
             take = ids[:budget]
-            if budget == 0 or (chunks and len(take) > 2 * len(chunks[0][1])):
+            if budget == 0 or (chunks and not together and len(take) > 2 * len(chunks[0][1])):
                 break
             chunks.append((row, take))
             budget -= len(take)

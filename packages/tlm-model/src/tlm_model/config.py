@@ -7,7 +7,7 @@ from typing import Any
 from tlm_attention.heads import head_layout
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
 from tlm_ffn.options import FFN_KINDS
-from tlm_rope.options import LAYOUTS, check_scaling
+from tlm_rope.options import LAYOUTS, RULE_NAMES, check_scaling
 
 #: Upper bounds on the sizes a config may claim: each is many times what any released model uses
 #: (Llama 3.1 405B: 126 layers, d_model 16,384, d_ff 53,248, 128K context), and together they keep a
@@ -83,7 +83,11 @@ class ModelConfig:
     )
     rope_scaling: dict[str, Any] | None = field(
         default=None,
-        metadata={"help": 'RoPE context extension, e.g. {"rope_type": "linear", "factor": 2.0}'},
+        metadata={
+            "help": 'RoPE context extension, e.g. {"rope_type": "linear", "factor": 2.0}; with --init-from and a '
+            "longer --context-length, a rule's name (its factor: the new context over the old, or --rope-factor)",
+            "names": RULE_NAMES,
+        },
     )
     rope_layout: str = _choice(
         "interleaved", LAYOUTS, "RoPE pairing: interleaved (the course's) or half (HF's rotate-half)"

@@ -189,6 +189,10 @@ def hf_config(config: ModelConfig) -> dict[str, Any]:
 
 def _shared_config_kwargs(config: ModelConfig) -> dict[str, Any]:
     check_llama_exportable(config)
+    context = config.context_length
+    if config.rope_scaling is not None and config.rope_scaling["rope_type"] == "dynamic":
+        # HF's dynamic NTK takes max_position_embeddings as the original context and grows past it by itself.
+        context = config.rope_scaling["original_max_position_embeddings"]
     return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.d_model,
@@ -197,7 +201,7 @@ def _shared_config_kwargs(config: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.kv_heads,
         "head_dim": config.d_head,
-        "max_position_embeddings": config.context_length,
+        "max_position_embeddings": context,
         "rms_norm_eps": config.norm_eps,
         "rope_parameters": {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
         "hidden_act": "silu",
@@ -274,7 +278,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME, context_len
     another activation...) and any value of the wrong type or out of range (``null`` heads, a float context
     length, 100,000 layers), before anything is built. ``source`` starts each error message (the file's path).
 
-    ``context_length`` (default ``max_position_embeddings``) imports the model for a shorter context. A
+    ``context_length`` (default ``max_position_embeddings``) imports the model for a shorter context (or, with
+    ``dynamic`` RoPE scaling, which grows past ``max_position_embeddings`` by itself, a longer one). A
     sliding window (Mistral's ``sliding_window``; Qwen2's with ``use_sliding_window``) is accepted when the
     context fits inside it, where sliding-window attention is full causal attention; a longer context is
     refused in one line that says what fits."""
@@ -315,13 +320,19 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME, context_len
         fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
     kind = rope.pop("rope_type", "default")
     if kind != "default":
-        if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings
-            rope.setdefault("original_max_position_embeddings", fields["context_length"])
+        if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings, its original context
+            original = rope.setdefault("original_max_position_embeddings", fields["context_length"])
+            if original != fields["context_length"]:
+                raise ValueError(
+                    f"{source}: rope_parameters.original_max_position_embeddings={short_repr(original)} differs from "
+                    f"max_position_embeddings={fields['context_length']}, which transformers' dynamic rule takes as "
+                    "the original context"
+                )
         fields["rope_scaling"] = {"rope_type": kind, **_scaling_values(rope, kind, source)}
     if context_length is not None:
         trained = fields["context_length"]
         fields["context_length"] = check_int("context_length", context_length, low=1)
-        if context_length > trained:
+        if context_length > trained and fields.get("rope_scaling", {}).get("rope_type") != "dynamic":
             raise ValueError(
                 f"context_length must be at most the checkpoint's max_position_embeddings={trained} (the context it "
                 f"was trained for; extend it with tlm train --init-from --context-length), got {context_length}"

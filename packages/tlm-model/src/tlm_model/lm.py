@@ -75,6 +75,19 @@ def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: st
     state_dict[head] = state_dict[embedding]
 
 
+def _check_caches(kv_cache: list[KVCache], layers: int) -> None:
+    """One cache per layer, every one holding the same lengths (host-side ints: no sync): positions come from the
+    first, so a layer whose cache holds another length would attend to the wrong tokens."""
+    if len(kv_cache) != layers:
+        raise ValueError(f"kv_cache must hold one KVCache per layer ({layers}), got {len(kv_cache)}")
+    lengths = kv_cache[0].lengths
+    for i, cache in enumerate(kv_cache[1:], start=1):
+        if cache.lengths != lengths:
+            raise ValueError(
+                f"kv_cache's layers must hold the same lengths: layer 0 holds {lengths}, layer {i} {cache.lengths}"
+            )
+
+
 class TransformerLM(nn.Module):
     """token embedding → ``num_layers`` (pre-norm) blocks → final RMSNorm → LM head.
 
@@ -224,6 +237,8 @@ class TransformerLM(nn.Module):
             if token_positions is None and self.rope is not None:
                 token_positions = document_positions(document_ids)
             return self._run_layers(in_indices, token_positions, None, document_ids)
+        if kv_cache is not None and not torch.compiler.is_compiling():
+            _check_caches(kv_cache, len(self.layers))
         if kv_cache is not None and kv_cache[0].ragged:
             # Rows of different lengths: each continues from its own length (host-side ints, no sync).
             token_positions = kv_cache[0].positions(in_indices.shape[-1])

@@ -12,18 +12,27 @@ from tlm_core.lazy import lazy_exports
 
 __version__ = "0.4.0"
 
-__all__ = ["LAYOUTS", "SCALINGS", "RotaryPositionalEmbedding", "__version__", "check_scaling", "inv_freq_and_factor"]
+__all__ = [
+    "LAYOUTS",
+    "SCALINGS",
+    "RotaryPositionalEmbedding",
+    "__version__",
+    "check_scaling",
+    "extension_scaling",
+    "inv_freq_and_factor",
+]
 
 _HOMES = {
     "LAYOUTS": "tlm_rope.options",
     "SCALINGS": "tlm_rope.options",
     "check_scaling": "tlm_rope.options",
+    "extension_scaling": "tlm_rope.options",
     "RotaryPositionalEmbedding": "tlm_rope.rope",
     "inv_freq_and_factor": "tlm_rope.scaling",
 }
 
 if TYPE_CHECKING:
-    from tlm_rope.options import LAYOUTS, SCALINGS, check_scaling
+    from tlm_rope.options import LAYOUTS, SCALINGS, check_scaling, extension_scaling
     from tlm_rope.rope import RotaryPositionalEmbedding
     from tlm_rope.scaling import inv_freq_and_factor
 

@@ -1,9 +1,9 @@
 """GPT-2 pre-tokenisation at the speed of the standard library's ``re`` wherever the text is ASCII.
 
 GPT-2's pattern needs Unicode classes (``\\p{L}``, ``\\p{N}``), which only the third-party ``regex``
-module has, and ``regex`` runs it about three times slower than ``re`` runs the same pattern written
-for ASCII. So ASCII text goes through ``re`` (``ASCII_PRETOKEN``), and in mixed text only the stretches
-around non-ASCII characters go through ``regex``, cut at points no pre-token crosses.
+module has, and ``regex`` runs it slower than ``re`` runs the same pattern written for ASCII. So ASCII text
+goes through ``re`` (``ASCII_PRETOKEN``), and in mixed text only the stretches around non-ASCII characters
+go through ``regex``, cut at points no pre-token crosses.
 
 A safe cut: just before an ASCII whitespace character whose predecessor is printable ASCII. GPT-2's
 pattern has no look-behind, no pre-token holds a non-space followed by a space (only the leading

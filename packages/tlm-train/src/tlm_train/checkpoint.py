@@ -1,10 +1,10 @@
 """Training checkpoints: one format for the training state, step folders for runs, the course's API on top.
 
 **The training state** (``train_state.pt``) is ``torch.save`` of plain containers and tensors only, so it
-loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and a
-SHA-256 over every tensor's bytes and every other value, and ends with a one-line trailer holding the
-SHA-256 of every byte before it (torch's zip reader ignores it): a flipped bit anywhere in the file, zip
-headers and padding included, is refused. :func:`save_train_state` writes it all-or-nothing.
+loads with ``torch.load(weights_only=True)`` (no code runs at load). It carries a format tag and ends with
+a one-line trailer holding the SHA-256 of every byte before it, the file's one hash (torch's zip reader
+ignores it): a flipped bit anywhere in the file, zip headers and padding included, is refused.
+:func:`save_train_state` writes it all-or-nothing.
 
 **A step folder** (``RUN/checkpoints/step_00000100/``) holds the model in tlm-model's own file
 (``model.safetensors``: weights, ``ModelConfig`` and their SHA-256, the same file ``tlm generate`` reads)
@@ -15,7 +15,7 @@ instead holds ``shards/``, written by torch.distributed.checkpoint with each ran
 built under a temporary name and renamed into place: it appears complete or not at all.
 :class:`CheckpointManager` lists, loads, prunes and cleans step folders.
 
-The read side of these formats (the training state's digest and reader, listing step folders, a step
+The read side of these formats (the training state's reader, listing step folders, a step
 folder's model in either layout, DCP's metadata read safely) is ``tlm_artifacts``'s, which inference
 opens models through without this package; this module imports it from there and adds the writing and
 the whole training state of a resume.
@@ -49,7 +49,7 @@ from tlm_artifacts.steps import shard_sizes as _shard_sizes
 from tlm_artifacts.steps import verify_shards as _verify_shards
 from tlm_artifacts.train_state import FORMAT, Source, load_train_state
 from tlm_artifacts.train_state import TRAILER as _TRAILER
-from tlm_artifacts.train_state import digest as _digest
+from tlm_artifacts.train_state import check_loadable as _check_loadable
 from tlm_artifacts.train_state import source_name as _name
 from tlm_core.atomic import atomic_file, atomic_write, remove_leftovers, replace_dir, temp_path
 from tlm_core.checks import check_int
@@ -68,13 +68,13 @@ __all__ = [  # the readers of these formats are tlm_artifacts's (its .train_stat
 
 def save_train_state(out: Source, state: dict[str, Any]) -> None:
     """Write ``state`` (plain containers, numbers, strings and tensors; ``step`` required) to ``out``, a
-    path (written all-or-nothing) or a binary file, with the format tag and a SHA-256 of everything."""
+    path (written all-or-nothing) or a binary file, with the format tag and the SHA-256 of its bytes."""
     if not isinstance(state, dict) or "step" not in state:
         raise ValueError(f"state must be a dict with a 'step', got {type(state).__name__}")
-    if {"format", "digest"} & set(state):
-        raise ValueError("state must not set 'format' or 'digest': the file's own fields")
+    if "format" in state:
+        raise ValueError("state must not set 'format': the file's own field")
     payload = {"format": FORMAT, **state}
-    payload["digest"] = _digest(payload)
+    _check_loadable(payload)
     if not isinstance(out, (str, os.PathLike)) and not hasattr(out, "write"):
         raise TypeError(f"out must be a path or a binary file object, got {type(out).__name__}")
     buffer = io.BytesIO()
@@ -456,6 +456,7 @@ class BackgroundSaver:
         self._buffers: list[Tensor] = []
         self._group: Any = None  # the sharded saves' own process group
         self._stager: Any = None  # DCP's stager, kept for an accelerator's pinned buffers
+        self._staging: Any = None  # the sharded save's staging future (DCP's async staging), until waited for
 
     def submit(self, manager: "CheckpointManager", model: nn.Module, state: dict[str, Any]) -> Path:
         """Stage ``state`` and start writing it; returns the step folder it will be (after waiting for the
@@ -463,13 +464,15 @@ class BackgroundSaver:
         self.wait()
         if state.get("sharded"):
             stager, own = self._shard_stager(state)
-            folder, finish = manager.start_shards(model, state, process_group=self._shard_group(), stager=stager)
+            folder, finish, self._staging = manager.start_shards(
+                model, state, process_group=self._shard_group(), stager=stager, asynchronous=True
+            )
 
             def work() -> None:
                 try:
                     finish()
                 finally:
-                    if own:
+                    if own and stager is not None:
                         stager.close()
 
         else:
@@ -499,20 +502,32 @@ class BackgroundSaver:
         return self._group
 
     def _shard_stager(self, state: dict[str, Any]) -> tuple[Any, bool]:
-        """DCP's stager for this save, and whether it is this save's own (closed once written). On an
-        accelerator one stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh
-        and the copy is freed once written."""
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        """DCP's stager for this save (None where this torch has no ``DefaultStager``: ``async_save`` then stages
+        before it returns), and whether it is this save's own (closed once written). On an accelerator one
+        stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh and the copy is
+        freed once written. Staging is asynchronous (DCP's thread, on an accelerator its own stream): the
+        training goes on, and :meth:`wait_staged` is called before the weights next change."""
+        try:  # a newer torch's (feature detection: the packages' torch floor may lack it)
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        except ImportError:
+            return None, False
 
         accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
-        # Staged here, on the training's stream (an accelerator's copy waited for: a save step syncs anyway).
         options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=False,
-                                 use_async_staging=False, use_non_blocking_copy=accelerator)  # fmt: skip
+                                 use_async_staging=True, use_non_blocking_copy=accelerator)  # fmt: skip
         if not accelerator:
             return DefaultStager(options), True
         if self._stager is None:
             self._stager = DefaultStager(options)
         return self._stager, False
+
+    def wait_staged(self) -> None:
+        """Block until the sharded save in flight has copied the state it saves (DCP's async staging): call it
+        before the weights or the optimizer state change. Its error, if any, is raised by :meth:`wait`."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            with contextlib.suppress(Exception):  # the writer's finish() raises it, once
+                staging.result()
 
     def idle(self) -> bool:
         """Whether no save is being written (a finished one's error is still raised by :meth:`wait`)."""
@@ -520,6 +535,7 @@ class BackgroundSaver:
 
     def wait(self) -> None:
         """Block until the save in flight is written; raise its error, if it had one."""
+        self.wait_staged()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -582,22 +598,31 @@ class CheckpointManager(StepFolders):
         """Each rank writes its own part of the model and optimizer into one temporary folder (DCP: no
         rank gathers either); then rank 0 records every file's SHA-256 in ``train_state.pt``, written
         last, and puts the folder in place, and every rank waits for that."""
-        folder, finish = self.start_shards(model, state)
+        folder, finish, _ = self.start_shards(model, state)
         finish()
         if _distributed():
             dist.barrier()
         return folder
 
     def start_shards(
-        self, model: nn.Module, state: dict[str, Any], *, process_group: Any = None, stager: Any = None
-    ) -> tuple[Path, Callable[[], None]]:
-        """Begin a sharded save on every rank; returns the step folder it will be and ``finish``, which
-        completes it (on rank 0: the shard files' SHA-256s, ``train_state.pt`` and the rename into place).
+        self,
+        model: nn.Module,
+        state: dict[str, Any],
+        *,
+        process_group: Any = None,
+        stager: Any = None,
+        asynchronous: bool = False,
+    ) -> tuple[Path, Callable[[], None], Any]:
+        """Begin a sharded save on every rank; returns the step folder it will be, ``finish``, which completes
+        it (on rank 0: the shard files' SHA-256s, ``train_state.pt`` and the rename into place), and the
+        staging future (None when the state was staged before this returned).
 
-        Without ``stager`` the shards are written here (``dcp.save``). With one (a DCP ``AsyncStager``), each
-        rank's part is staged to host memory here and written by ``dcp.async_save`` on DCP's thread over
-        ``process_group`` (a CPU group of the checkpoint's own); ``finish`` then waits for it, and raises its
-        error. On rank 0, DCP's future is done only once every rank's files and the metadata are written."""
+        Without ``stager`` or ``asynchronous`` the shards are written here (``dcp.save``). Otherwise each rank's
+        part is written by ``dcp.async_save`` on DCP's thread over ``process_group`` (a CPU group of the
+        checkpoint's own), staged to host memory by ``stager`` (a DCP ``AsyncStager``; with async staging the
+        copy runs on DCP's thread too, and the staging future says when it is done) or, without one, before
+        ``async_save`` returns; ``finish`` then waits for it, and raises its error. On rank 0, DCP's future is
+        done only once every rank's files and the metadata are written."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -615,16 +640,24 @@ class CheckpointManager(StepFolders):
         shards = Path(_share([None if staging is None else str(staging)])[0]) / SHARDS_DIR
         writer = FileSystemWriter(shards)
         future: Any = None
+        staged: Any = None
         try:
             with _one_process_is_meant(), _dcp_errors(step):
-                if stager is None:
+                if stager is None and not asynchronous:
                     dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
                 else:
                     rest = stage_state(rest)[0]  # what DCP does not stage: training goes on and changes it
-                    future = dcp.async_save(
+                    if any(t.device.type == "cuda" for t in tensors.values()):
+                        # DCP's staging stream does not wait for the training's: the last update must be done.
+                        torch.cuda.current_stream().synchronize()
+                    kwargs = {} if stager is None else {"async_stager": stager}
+                    response = dcp.async_save(
                         tensors, storage_writer=writer, no_dist=not _distributed(), process_group=process_group,
-                        async_stager=stager,
+                        **kwargs,
                     )  # fmt: skip
+                    # An AsyncSaveResponse with async staging (staging and upload futures), else one future.
+                    future = getattr(response, "upload_completion", response)
+                    staged = getattr(response, "staging_completion", None)
         except BaseException:
             if staging is not None:
                 _remove_tree(staging)
@@ -649,7 +682,7 @@ class CheckpointManager(StepFolders):
                 if staging is not None:
                     _remove_tree(staging)
 
-        return self.path(step), finish
+        return self.path(step), finish, staged
 
     def load(self, step: int) -> Checkpoint:
         """The verified contents of step ``step``'s folder; ``ValueError`` naming what is wrong. A sharded

@@ -15,7 +15,6 @@ turned into a checkpoint, an exit and a requeue.
   continues from the newest complete checkpoint: :func:`auto_resume_config`.
 """
 
-import dataclasses
 import os
 import re
 import shutil
@@ -170,16 +169,11 @@ def auto_resume_config(planned: Any) -> Any:
     """What ``planned`` (a TrainConfig) resumes with when its ``out_dir`` holds a run already: the run's own
     ``train.toml`` with the planned settings that a resume may change over it (steps, learning rate,
     intervals...); the model, data, tokenizer and seed stay the run's. None when the folder holds no run yet."""
-    from tlm_train.config import TrainConfig
-    from tlm_train.recipe import FIXED_ON_RESUME
-    from tlm_train.run_dir import RunDir
+    from tlm_train.run_dir import RunDir, resume_config
 
-    run = RunDir(planned.out_dir)
-    if not run.config_path.is_file():
+    if not RunDir(planned.out_dir).config_path.is_file():
         return None
-    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
-    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
-    return run.read_config(out_dir=planned.out_dir, **changeable)
+    return resume_config(planned)
 
 
 __all__ = [

@@ -33,6 +33,7 @@ from tlm_ffn.options import default_d_ff
 from tlm_lora.roles import check_targets
 from tlm_model.config import FIELDS as MODEL_FIELDS
 from tlm_model.config import PRESETS, ModelConfig
+from tlm_rope.options import RULE_NAMES, check_scaling
 from tlm_tokenizer.chat import TRAIN_ON
 
 DISTRIBUTED_MODES = ("none", "ddp", "fsdp")
@@ -43,6 +44,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 TOKEN_DTYPES = ("uint16", "uint32")
 CHAT_LAYOUTS = ("packed", "padded")
 LOGGER_ERRORS = ("stop", "warn")
+
+
+#: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
+FIXED_ON_RESUME = (
+    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
+    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets", "rope_factor",
+    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
+)  # fmt: skip
 
 
 @dataclass
@@ -146,6 +155,14 @@ class TrainConfig:
             "metavar": "PATH",
             "help": "fine-tune: start from this run, checkpoint or HF Llama folder (its weights, shape and tokenizer)",
             "shown": "random weights",
+        },
+    )
+    rope_factor: float | None = field(
+        default=None,
+        metadata={
+            "metavar": "F",
+            "help": "with --init-from and --rope-scaling RULE: the RoPE scaling factor (a longer context: extension)",
+            "shown": "the new context_length / the --init-from model's",
         },
     )
     lora_rank: int = field(
@@ -342,6 +359,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lora_targets: {err}") from None
         if self.lora_rank and self.init_from is None:
             raise ValueError("TrainConfig.lora_rank adapts a trained model: give it with TrainConfig.init_from")
+        self._check_extension()
         if not self.text_field:
             raise ValueError("TrainConfig.text_field must name a field of the JSON Lines records, got ''")
         if isinstance(self.data, str):
@@ -367,6 +385,26 @@ class TrainConfig:
             )
         _check_device(self.device)  # last: the one check that imports torch
 
+    def _check_extension(self) -> None:
+        # A context extension: a RoPE rule by name (or a partial table) is completed against the --init-from
+        # model's context (tlm_rope.extension_scaling, in the recipe); without one, only a full table will do.
+        scaling = self.model.get("rope_scaling") if isinstance(self.model, dict) else None
+        if self.rope_factor is not None:
+            check_number("TrainConfig.rope_factor", self.rope_factor, low=1.0)
+            if scaling is None or self.init_from is None:
+                raise ValueError(
+                    "TrainConfig.rope_factor goes with TrainConfig.init_from and a rope_scaling rule (--init-from RUN "
+                    "--context-length N --rope-scaling RULE --rope-factor F)"
+                )
+        if isinstance(scaling, str):
+            check_choice("TrainConfig.model.rope_scaling", scaling, RULE_NAMES)
+            if self.init_from is None:
+                raise ValueError(
+                    f"TrainConfig.model.rope_scaling {scaling!r} names a rule, which extends the context of an "
+                    "--init-from model; a new model takes the full table (e.g. "
+                    '{"rope_type": "linear", "factor": 2.0})'
+                )
+
     @property
     def final_min_lr(self) -> float:
         """The schedule's floor: ``min_lr``, or ``lr / 10`` when it is None."""
@@ -384,6 +422,13 @@ class TrainConfig:
         ``d_ff`` takes the course's width for the new kind (the module docstring)."""
         preset = PRESETS[self.preset]
         fields = {**preset.to_dict(), **self.model}
+        if self.init_from is not None and fields["rope_scaling"] is not None:
+            try:
+                check_scaling(fields["rope_scaling"])
+            except (TypeError, ValueError):
+                # A rule by name, or part of a table: completed against the --init-from model's context when the
+                # run starts (tlm_train.recipe.extended_config); train.toml then records the whole table.
+                fields.pop("rope_scaling")
         if vocab_size is not None:
             if "vocab_size" in self.model and self.model["vocab_size"] != vocab_size:
                 raise ValueError(

@@ -99,6 +99,7 @@ def prepare_data(
     is_main: bool = True,
     resume: bool = False,
     context_length: int | None = None,
+    vocab_size: int | None = None,
 ) -> Dataset:
     """The run's tokens. ``tokenizer`` is the one the run must use (from ``--init-from`` or ``--tokenizer``),
     None to train one on text data. On the main rank this may train a tokenizer and encode text into the
@@ -108,9 +109,10 @@ def prepare_data(
     at the start and checked on ``resume``: a file changed since is refused (ValueError).
 
     Chat data (:mod:`tlm_train.chat_data`) is encoded with the run's chat template into signed arrays that
-    carry the target mask; padded examples take rows of ``context_length + 1`` tokens."""
+    carry the target mask; padded examples take rows of ``context_length + 1`` tokens. ``vocab_size`` is the
+    ``--init-from`` model's: a token file with no tokenizer is held to it, not to ``--vocab-size``."""
     if config.data and is_token_file(config.data[0]):
-        data = _token_file(config, tokenizer)
+        data = _token_file(config, tokenizer, vocab_size)
         if is_main:
             val = Path(config.val_data[0]) if config.val_data else None
             _check_token_file(Path(config.data[0]), run, resume=resume, val_path=val)
@@ -310,13 +312,15 @@ def _check_token_file(path: Path, run: RunFolder, *, resume: bool, val_path: Pat
     replace_dir(run.data_dir, fill)
 
 
-def _token_file(config: DataSettings, tokenizer: Any) -> Dataset:
+def _token_file(config: DataSettings, tokenizer: Any, model_vocab: int | None) -> Dataset:
     path = Path(config.data[0])
     tokens = read_token_file(path, config.token_dtype)
-    vocab = tokenizer.vocab_size if tokenizer is not None else config.vocab_size
+    # The ids' range: the tokenizer's, else the --init-from model's (a fine-tune keeps its vocabulary), else the flag.
+    vocab = tokenizer.vocab_size if tokenizer is not None else model_vocab or config.vocab_size
     low, top = (int(tokens.min()), int(tokens.max())) if len(tokens) else (0, 0)
     if low < 0 or top >= vocab:
-        source = "the tokenizer's vocabulary" if tokenizer is not None else "--vocab-size"
+        source = ("the tokenizer's vocabulary" if tokenizer is not None else
+                  "the --init-from model's vocabulary" if model_vocab else "--vocab-size")  # fmt: skip
         raise ValueError(f"--data {path} holds token ids in [{low}, {top}], outside [0, {vocab}) ({source})")
     if config.val_data:  # --val-data: a token file of its own, held to the same vocabulary
         val = read_token_file(config.val_data[0], config.token_dtype)

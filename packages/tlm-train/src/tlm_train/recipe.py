@@ -36,11 +36,20 @@ from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
 from tlm_optim import AdamW, CosineSchedule
+from tlm_rope.options import extension_scaling
 from tlm_train.batch import BatchSampler, EvalBatches
 from tlm_train.checkpoint import BackgroundSaver, Checkpoint, capture_state, restore_state
 from tlm_train.cluster import StopPoll, StopSignals, requeue_job
-from tlm_train.config import TrainConfig
-from tlm_train.data import SEPARATOR, Dataset, DataSettings, check_data_paths, is_token_file, prepare_data
+from tlm_train.config import FIXED_ON_RESUME, TrainConfig
+from tlm_train.data import (
+    SEPARATOR,
+    Dataset,
+    DataSettings,
+    chat_files,
+    check_data_paths,
+    is_token_file,
+    prepare_data,
+)
 from tlm_train.determinism import apply, describe, determinism_for, refusal, set_cublas_workspace
 from tlm_train.distributed import DistInfo, barrier, build_model, init_distributed, parameter_groups, wrap_model
 from tlm_train.evaluate import evaluate, token_byte_lengths
@@ -50,12 +59,33 @@ from tlm_train.rng import seed_everything
 from tlm_train.run_dir import RunDir, check_apart
 from tlm_train.step import NonFiniteGuard, NonFiniteLossError, StepStats, train_step
 
-#: Settings a resumed run cannot change: they decide what the checkpoint's weights and optimizer state mean.
-FIXED_ON_RESUME = (
-    "data", "text_field", "token_dtype", "val_fraction", "tokenizer", "vocab_size", "special_tokens", "init_from",
-    "seed", "decay_norms", "lora_rank", "lora_alpha", "lora_targets",
-    "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
-)  # fmt: skip
+#: The model fields a fine-tune may change: the context is no weight shape (RoPE's tables follow it).
+EXTENSION_FIELDS = ("context_length", "rope_scaling")
+
+
+def extended_config(shape: ModelConfig, config: TrainConfig) -> ModelConfig:
+    """The ``--init-from`` model's config ``shape`` at the context ``config`` asks for: its ``context_length``
+    and a ``rope_scaling`` rule completed against ``shape``'s context (:func:`tlm_rope.extension_scaling`: the
+    factor is the new context over the old unless ``rope_factor`` says). A model whose RoPE is already scaled
+    keeps its scaling (one rule cannot be stacked on another), and a model without RoPE has none to scale."""
+    target = config.model.get("context_length", shape.context_length)
+    rule = config.model.get("rope_scaling", shape.rope_scaling)
+    if "rope_scaling" not in config.model or rule == shape.rope_scaling:
+        return dataclasses.replace(shape, context_length=target)
+    if shape.positions != "rope":
+        raise ValueError(f"{flag('rope_scaling')}: the --init-from model has no RoPE to scale (positions='none')")
+    if shape.rope_scaling is not None:
+        raise ValueError(
+            f"{flag('rope_scaling')} {rule!r}: the --init-from model's RoPE is already scaled ({shape.rope_scaling}); "
+            "one scaling cannot be stacked on another"
+        )
+    if rule is None:
+        return dataclasses.replace(shape, context_length=target)
+    try:
+        scaling = extension_scaling(rule, shape.context_length, target, config.rope_factor)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{flag('rope_scaling')}: {err}") from None
+    return dataclasses.replace(shape, context_length=target, rope_scaling=scaling)
 
 
 class ResumeError(ValueError):
@@ -190,13 +220,14 @@ class Recipe:
         if info.is_main:
             data = prepare_data(
                 data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
-                context_length=context,
+                context_length=context, vocab_size=source.config.vocab_size if source is not None else None,
             )  # fmt: skip
         barrier()
         if not info.is_main:
             data = prepare_data(
-                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context
-            )
+                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context,
+                vocab_size=source.config.vocab_size if source is not None else None,
+            )  # fmt: skip
         self.data = data
         # A resumed run builds the model its train.toml records (checked against the request above).
         self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
@@ -316,6 +347,11 @@ class Recipe:
         have = saved.model_config()
         base = have.to_dict() if self.config.init_from is not None else PRESETS[self.config.preset].to_dict()
         want = {**base, "vocab_size": have.vocab_size, **self.config.model}
+        if self.config.init_from is not None and set(EXTENSION_FIELDS) & set(self.config.model):
+            # A context extension is what it resolves to against the --init-from model (a rule by name included).
+            shape = tlm_artifacts.model_config(tlm_artifacts.resolve(self.config.init_from))
+            extended = extended_config(shape, self.config)
+            want.update({name: getattr(extended, name) for name in EXTENSION_FIELDS})
         for name, value in want.items():
             if value != getattr(have, name):
                 self._refuse("preset" if saved.preset != self.config.preset else name, getattr(have, name), value)
@@ -386,7 +422,9 @@ class Recipe:
         # what a reader loads again and grows the same way (tlm_artifacts.artifact.load_lora_step).
         sha256 = weights_sha256(base.state_dict())
         adapt(self.model, lora, seed=config.seed)
-        if config.dtype != "float32":  # the frozen base in the training dtype: what autocast multiplies with anyway
+        # The frozen base in the training dtype: what autocast multiplies with anyway. Not under FSDP2, whose
+        # MixedPrecisionPolicy gathers every parameter in that dtype already (and wants one dtype per group).
+        if config.dtype != "float32" and config.distributed != "fsdp":
             from tlm_lora import cast_frozen_weights
 
             cast_frozen_weights(self.model, getattr(torch, config.dtype))
@@ -399,16 +437,24 @@ class Recipe:
         # A fine-tune keeps the model's shape, vocabulary included (an HF model's may exceed its tokenizer's).
         shape = cast(TransformerLM, source).config
         for name, value in config.model.items():
-            if getattr(shape, name) != value:
+            if name not in EXTENSION_FIELDS and getattr(shape, name) != value:
                 raise ValueError(
                     f"{flag(name)} {value!r} differs from the --init-from model's {getattr(shape, name)!r}; a "
-                    "fine-tune keeps the model's shape"
+                    "fine-tune keeps the model's shape (only the context may grow: --context-length, --rope-scaling)"
                 )
+        extended = extended_config(shape, config)
+        if extended.context_length != shape.context_length or extended.rope_scaling != shape.rope_scaling:
+            self.say(
+                f"the context grows from {shape.context_length} to {extended.context_length} tokens"
+                + (f" (RoPE scaling {extended.rope_scaling})" if extended.rope_scaling != shape.rope_scaling else "")
+            )
         # Only the vocabulary may grow: special tokens that chat data adds (the template's markers).
         vocab = max(shape.vocab_size, data.vocab_size)
         if vocab > shape.vocab_size:
-            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids for the chat template's markers")
-        return dataclasses.replace(shape, rope_layout="interleaved", vocab_size=vocab)
+            chat = chat_files(config.data, config.text_field)
+            why = "for the chat template's markers" if chat else "for the data's tokenizer"
+            self.say(f"the vocabulary grows from {shape.vocab_size} to {vocab} ids {why}")
+        return dataclasses.replace(extended, rope_layout="interleaved", vocab_size=vocab)
 
     def _restore(self) -> int:
         manager = self.run_dir.checkpoints(self.config.keep_checkpoints)
@@ -568,6 +614,7 @@ class Recipe:
                 autocast_dtype=self.autocast,
                 scaler=self.scaler,
                 guard=self.guard,
+                before_update=self.saver.wait_staged,  # a sharded save's async staging: done before the update
             )
         except RuntimeError as err:  # an op without a deterministic kernel on this device: refused in one line
             refused = refusal(err) if self.config.deterministic else None

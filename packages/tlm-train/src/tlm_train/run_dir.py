@@ -13,6 +13,7 @@ from a killed run never blocks the next one).
 """
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any
 from tlm_artifacts.layout import CHECKPOINT_DIR, DATA_DIR, METRICS_NAME, TOKENIZER_DIR, RunFolder
 from tlm_core.atomic import atomic_write
 from tlm_train.checkpoint import CheckpointManager
-from tlm_train.config import CONFIG_NAME, TrainConfig
+from tlm_train.config import CONFIG_NAME, FIXED_ON_RESUME, TrainConfig
 
 __all__ = [
     "CHECKPOINT_DIR", "DATA_DIR", "LOCK_NAME", "METRICS_NAME", "PLOT_NAME", "TENSORBOARD_DIR", "TOKENIZER_DIR",
@@ -177,3 +178,13 @@ def _read_holder(fd: int) -> str:
         return f"pid {data['pid']} on {data['host']}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not recorded itself yet"
+
+
+def resume_config(planned: TrainConfig) -> TrainConfig:
+    """What the run in ``planned.out_dir`` resumes with: its own ``train.toml`` with the planned settings that a
+    resume may change over it (steps, learning rate, intervals, ...), as ``tlm train --resume RUN --steps N``
+    does. The others (model, data, tokenizer, seed: :data:`FIXED_ON_RESUME`) stay the run's: re-applied, a
+    vocabulary the tokenizer filled to fewer tokens than --vocab-size would read as a changed one."""
+    fixed = {*FIXED_ON_RESUME, "model", "preset", "out_dir"}
+    changeable = {f.name: getattr(planned, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in fixed}
+    return RunDir(planned.out_dir).read_config(out_dir=planned.out_dir, **changeable)

@@ -18,7 +18,7 @@ context, after which nothing (not even a last save) can run.
 import contextlib
 import inspect
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -205,6 +205,7 @@ def train_step(
     autocast_dtype: torch.dtype | None = None,
     scaler: "torch.amp.GradScaler | None" = None,
     guard: NonFiniteGuard | None = None,
+    before_update: Callable[[], None] | None = None,
 ) -> StepStats:
     """One optimizer step over ``micro_batches`` (gradient accumulation): forward, backward, the loss
     averaged over ranks, clipping, the optimizer and scheduler steps.
@@ -216,7 +217,8 @@ def train_step(
     Without one, the step checks at its end (one device read) and raises :class:`NonFiniteLossError`
     (on every rank alike) with the weights and optimizer state untouched. The optimizer's ``step``
     must take ``found_inf`` (``tlm_optim.AdamW`` does); another optimizer's update is skipped
-    through one device read.
+    through one device read. ``before_update`` is called just before the optimizer changes the weights (a
+    checkpoint still copying them, asynchronously, waits there: the forward and backward ran meanwhile).
     """
     if not micro_batches:
         raise ValueError("micro_batches must hold at least one (inputs, targets) pair, got none")
@@ -246,6 +248,8 @@ def train_step(
             optimizer.zero_grad(set_to_none=True)
             raise guard.error()
         found_inf_kw = {}
+    if before_update is not None:
+        before_update()
     if scaler is not None:
         scaler.step(optimizer, **found_inf_kw)
         scaler.update()
