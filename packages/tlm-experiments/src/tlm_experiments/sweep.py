@@ -539,12 +539,19 @@ def write_summary(
 ) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
     from tlm_core.atomic import atomic_write
-    from tlm_experiments.compare import full_markdown, plot, report
+    from tlm_experiments.compare import NATS, full_markdown, harmonize, plot, report
 
     summaries = summarize(folder, manifest, unstable_above=unstable_above)
-    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline)}
+    try:  # a sweep over the tokenizer (vocab_size) compares in bits per byte
+        unit = harmonize(summaries)
+    except UserError as err:  # runs validated on other text: the summary says so, in nats
+        unit, note = NATS, f"**Not comparable:** {err}\n\n"
+    else:
+        note = ""
+    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline, unit=unit)}
     atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries, baseline=baseline))
+    text = full_markdown(summaries, baseline=baseline, unit=unit)
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n{note}" + text)
     if summaries:
         try:
             plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
