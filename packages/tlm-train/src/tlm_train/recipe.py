@@ -79,6 +79,9 @@ class RunResult:
     interrupted: bool  # stopped by a signal (SIGINT, SIGTERM, SIGUSR1/2) after writing a checkpoint
     checkpoint: Path | None  # the newest checkpoint written
     requeued: bool = False  # stopped by SIGUSR1/SIGUSR2 in a SLURM job, which rank 0 put back in the queue
+    #: A stop signal came while training, also one too late to stop it (during the last step's checkpoint): a run
+    #: that finished anyway says so, for whoever runs it (a sweep) to stop there.
+    stop_requested: bool = False
 
 
 def flag(name: str) -> str:
@@ -541,6 +544,7 @@ class Recipe:
                     break
         bar.close()
         result = self.finish(step, interrupted or self.logger_error is not None)
+        result.stop_requested = signals.requested
         if self.requeue and info.is_main:  # SIGUSR1/SIGUSR2: time is running out; the checkpoint is written
             result.requeued = requeue_job(self.say)
         if self.logger_error is not None:
