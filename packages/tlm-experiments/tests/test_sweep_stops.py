@@ -64,3 +64,13 @@ def test_a_stop_during_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monke
     runs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
     assert [r["status"] for r in runs] == ["done", "pending"]  # the first finished; the second never started
     assert not (tmp_path / "sweep" / "lr=2e-3").exists()
+
+
+def test_a_sweep_folder_that_overlaps_what_a_run_reads_is_refused_before_anything_is_written(tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    for out in (base / "sweeps", base):
+        args = parse("--out-dir", str(out), "--grid", "lr=1e-3,2e-3", "--set", f"init_from={base}")
+        with pytest.raises(ValueError, match=rf"^run lr=1e-3: --out-dir {out} (lies inside|is) --init-from {base}"):
+            sweep.run(args)
+    assert sorted(base.iterdir()) == []

@@ -239,9 +239,14 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         check_name(name, "run name")
         if names.count(name) > 1:
             raise UserError(f"run name {name!r} is given twice")
+    from tlm_train.recipe import input_paths
+    from tlm_train.run_dir import check_apart
+
     for name, settings in runs:
         try:
-            TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            config = TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            # The sweep's folder (its manifest, summary and every run) overlaps nothing a run reads.
+            check_apart(out, input_paths(config))
         except (TypeError, ValueError) as err:
             raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
