@@ -173,9 +173,9 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+def expand_grid(grid: list[str], *, max_runs: int | None = None, seeds: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
-    of more than ``max_runs`` combinations is refused with its size before any is made."""
+    that, run ``seeds`` times each, makes more than ``max_runs`` runs is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []
     for item in grid:
         key, values = _split(item, "--grid")
@@ -186,9 +186,9 @@ def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[s
         if any(not t for t in texts):
             raise UserError(f"--grid {item!r}: an empty value")
         axes.append((flat, [(t, _value(t)) for t in texts]))
-    size = math.prod(len(values) for _, values in axes)
+    size = math.prod(len(values) for _, values in axes) * seeds
     if max_runs is not None and size > max_runs:
-        sizes = " x ".join(str(len(values)) for _, values in axes)
+        sizes = " x ".join([*(str(len(values)) for _, values in axes), *([f"{seeds} seeds"] if seeds > 1 else [])])
         raise UserError(
             f"--grid: {sizes} = {size:,} runs, more than --max-runs {max_runs:,}; split the sweep or raise it"
         )
@@ -232,12 +232,14 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     base = TrainConfig() if args.config is None else _base_config(args.config)
     flat_base: dict[str, Any] = {}
     max_runs = getattr(args, "max_runs", MAX_RUNS)
+    seeds = getattr(args, "seeds", None) or 1  # counted before any run is made: --seeds multiplies the plan
     if args.runs:
         flat_base, runs = _read_runs_file(args.runs)
-        if len(runs) > max_runs:
-            raise UserError(f"--runs {args.runs}: {len(runs):,} runs, more than --max-runs {max_runs:,}")
+        if len(runs) * seeds > max_runs:
+            times = f" x {seeds} seeds = {len(runs) * seeds:,} runs" if seeds > 1 else " runs"
+            raise UserError(f"--runs {args.runs}: {len(runs):,}{times}, more than --max-runs {max_runs:,}")
     else:
-        runs = expand_grid(args.grid, max_runs=max_runs)
+        runs = expand_grid(args.grid, max_runs=max_runs, seeds=seeds)
     for item in args.set:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
@@ -249,9 +251,14 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         check_name(name, "run name")
         if names.count(name) > 1:
             raise UserError(f"run name {name!r} is given twice")
+    from tlm_train.recipe import input_paths
+    from tlm_train.run_dir import check_apart
+
     for name, settings in runs:
         try:
-            TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            config = TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            # The sweep's folder (its manifest, summary and every run) overlaps nothing a run reads.
+            check_apart(out, input_paths(config))
         except (TypeError, ValueError) as err:
             raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
@@ -368,7 +375,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
     if getattr(result, "requeued", False):  # a SLURM task stopped before its time limit and put back in the queue
         return {"status": "interrupted", "requeued": True}
-    return {"status": "interrupted" if result.interrupted else "done"}
+    # A stop that came too late to stop the run (during its last step) still stops the sweep after it.
+    return {"status": "interrupted" if result.interrupted else "done", "stop": result.stop_requested}
 
 
 def resume_config(planned: Any) -> Any:
@@ -418,12 +426,15 @@ class Sweep:
             runs = self.manifest["runs"]
             say(f"run {entry['name']} ({runs.index(entry) + 1} of {len(runs)})")
 
-    def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> None:
+    def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> bool:
+        """Record a run's outcome; whether the sweep must stop (the run was stopped, or a stop came as it ended)."""
+        stop = bool(outcome.pop("stop", False)) or outcome["status"] == "interrupted"
         entry.update(outcome)
         _write_manifest(self.folder, self.manifest)
         if not self.quiet:
             detail = f" ({outcome['message']})" if "message" in outcome else ""
             say(f"run {entry['name']}: {outcome['status']}{detail}")
+        return stop
 
     def run(self) -> bool:
         """Train every run not finished; False when stopped by Ctrl-C/SIGTERM (each run checkpointed)."""
@@ -440,9 +451,7 @@ class Sweep:
         try:
             for entry in todo:
                 self._started(entry)
-                outcome = train_run(self.job(entry))
-                self._ended(entry, outcome)
-                if outcome["status"] == "interrupted":
+                if self._ended(entry, train_run(self.job(entry))):
                     return False
         finally:
             torch.set_num_threads(previous)
@@ -480,9 +489,7 @@ class Sweep:
                     continue
                 for future in finished:
                     entry = running.pop(future)
-                    outcome = _outcome(future)
-                    self._ended(entry, outcome)
-                    stopping = stopping or outcome["status"] == "interrupted"
+                    stopping = self._ended(entry, _outcome(future)) or stopping
         return not stopping
 
 
