@@ -51,7 +51,17 @@ else:  # pragma: no cover - Python 3.10
 
 from tlm_core.cli import UserError, add_command, positive_int, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
-from tlm_experiments.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
+from tlm_experiments.manifest import (
+    FORMAT,
+    LOCK,
+    MANIFEST,
+    PLOT,
+    SUMMARY_JSON,
+    SUMMARY_MD,
+    check_name,
+    read_manifest,
+    write_manifest,
+)
 from tlm_experiments.results import add_result_arguments
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
@@ -306,12 +316,6 @@ def _check_resumable(folder: Path, manifest: dict[str, Any]) -> None:
             raise UserError(f"{folder / MANIFEST}: runs[{i}] ({entry['name']}): {_setting_names(str(err))}") from None
 
 
-def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    from tlm_core.atomic import atomic_write
-
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2, allow_nan=False) + "\n")
-
-
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     """One process runs a sweep at a time: ``SWEEP/.lock`` held as a run folder's lock is (``flock``, freed by
@@ -421,7 +425,7 @@ class Sweep:
     def _started(self, entry: dict[str, Any]) -> None:
         entry["status"] = "running"
         entry.pop("message", None)
-        _write_manifest(self.folder, self.manifest)
+        write_manifest(self.folder, self.manifest)
         if not self.quiet:
             runs = self.manifest["runs"]
             say(f"run {entry['name']} ({runs.index(entry) + 1} of {len(runs)})")
@@ -430,7 +434,7 @@ class Sweep:
         """Record a run's outcome; whether the sweep must stop (the run was stopped, or a stop came as it ended)."""
         stop = bool(outcome.pop("stop", False)) or outcome["status"] == "interrupted"
         entry.update(outcome)
-        _write_manifest(self.folder, self.manifest)
+        write_manifest(self.folder, self.manifest)
         if not self.quiet:
             detail = f" ({outcome['message']})" if "message" in outcome else ""
             say(f"run {entry['name']}: {outcome['status']}{detail}")
@@ -598,10 +602,10 @@ def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespa
     for entry in todo:
         entry.update(status="pending")
         entry.pop("job", None)
-    _write_manifest(folder, manifest)
+    write_manifest(folder, manifest)
     if not todo:
         return manifest, True
-    array = slurm.submit(folder, manifest, todo, jobs=args.jobs)
+    array = slurm.submit(folder, manifest, todo, jobs=args.jobs, run=run_task)
     if not args.quiet:
         say(f"submitted {len(todo)} runs as SLURM job array {array} (logs in {folder / slurm.LOGS})")
     try:
@@ -640,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
             manifest, completed = _run_on_slurm(folder, manifest, args)
         else:
             manifest.pop("launcher", None)
-            _write_manifest(folder, manifest)
+            write_manifest(folder, manifest)
             completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
         write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above, baseline=args.baseline)
     if not completed:
@@ -653,3 +657,23 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         sys.stdout.write((folder / SUMMARY_MD).read_text(encoding="utf-8"))
     return 0
+
+
+def run_task(folder: str, name: str) -> dict[str, Any]:
+    """One SLURM task: train run ``name`` of the sweep in ``folder`` and record how it ended. After a requeue
+    the process ends without a result (SLURM runs the task again, which resumes the run)."""
+    from tlm_experiments.slurm import update
+    from tlm_train.cluster import job_id
+
+    sweep = Path(folder)
+    manifest = read_manifest(sweep)
+    entry = next(e for e in manifest["runs"] if e["name"] == name)
+    job = Sweep(sweep, manifest, jobs=1, quiet=False).job(entry)
+    update(sweep, name, {"status": "running", "job": job_id()})
+    outcome = train_run(job)
+    outcome.pop("stop", None)  # SLURM stops the task itself: nothing else to stop
+    if outcome.pop("requeued", False):
+        update(sweep, name, {"status": "requeued", "message": f"SLURM job {job_id()} requeued at a checkpoint"})
+        os._exit(0)  # no result: the task runs again, and its result is that run's
+    update(sweep, name, outcome)
+    return outcome
