@@ -335,7 +335,8 @@ def slurm(session: nox.Session) -> None:
         for line in log.read_text().splitlines() if log.is_file() else []:
             fields = dict(re.findall(r"(\w+)=(\S*)", line))
             when = f"{fields.get('StartTime')} .. {fields.get('EndTime')}, exit {fields.get('ExitCode')}"
-            session.log(f"job {fields.get('JobId')} {fields.get('Name')}: {fields.get('JobState')} ({when})")
+            state = "requeued (PENDING)" if fields.get("JobState") == "PENDING" else fields.get("JobState")
+            session.log(f"job {fields.get('JobId')} {fields.get('Name')}: {state} ({when})")
         shutil.rmtree(folder, ignore_errors=True)
         session.log(f"slurm session: {time.monotonic() - began:.0f} s wall")
 

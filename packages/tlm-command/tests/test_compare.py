@@ -127,3 +127,43 @@ def test_the_plot_is_written_whole_whatever_the_users_default_format(tmp_path, m
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "a"), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_of_other_tokenizers_compare_in_bits_per_byte_and_runs_of_other_data_are_refused(
+    tmp_path, capsys, fails
+) -> None:
+    from tlm_train import default_corpus, train
+
+    text, other = tmp_path / "text.txt", tmp_path / "other.txt"
+    text.write_text(default_corpus()[:30_000], encoding="utf-8")
+    other.write_text(default_corpus()[40_000:70_000], encoding="utf-8")
+    common = dict(steps=2, batch_size=2, eval_batches=1, eval_interval=2, warmup_steps=1, peak_flops=1e9,
+                  sample_tokens=0, model=TINY)  # fmt: skip
+    for name, data, vocab, lr in [("a", text, 300, 3e-3), ("a2", text, 300, 1e-3), ("b", text, 270, 3e-3),
+                                  ("c", other, 300, 3e-3)]:  # fmt: skip
+        train(TrainConfig(out_dir=str(tmp_path / name), data=[str(data)], vocab_size=vocab, lr=lr, **common))
+
+    def last(name):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if "val_loss" in line][-1]
+
+    # One tokenizer: losses in nats per token, as before.
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "a2"), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["loss_unit"] == "nats/token" and captured.err == ""
+    assert report["runs"][0]["final_val_loss"] == last("a")["val_loss"]
+    # Two tokenizers, one data set: bits per byte, each run's own (what its validation measured), said on stderr.
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["loss_unit"] == "bits/byte" and "tokenizers differ" in captured.err
+    for run in report["runs"]:
+        assert run["final_val_loss"] == pytest.approx(last(run["name"])["val_bpb"], rel=1e-12)
+        assert run["final_val_loss"] != pytest.approx(last(run["name"])["val_loss"], rel=1e-3)
+    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out
+    assert "final val bits/byte" in table and "the runs' tokenizers differ" in table
+    # Other data: refused in one line naming both runs.
+    fails(["compare", str(tmp_path / "a"), str(tmp_path / "c")], str(tmp_path / "a"), str(tmp_path / "c"),
+          "different data")  # fmt: skip

@@ -91,3 +91,16 @@ def test_a_fine_tune_still_keeps_every_other_field_and_a_scaled_rope_is_not_stac
            "--d-model", "64"], "a fine-tune keeps the model's shape")  # fmt: skip
     fails(["train", "--init-from", str(extended), "--data", str(corpus), "--out-dir", str(tmp_path / "b"),
            "--context-length", "256", "--rope-scaling", "linear"], "already scaled")  # fmt: skip
+
+
+def test_a_lora_run_at_a_longer_context_exports_merged_not_as_a_peft_adapter(run, corpus, tmp_path, fails):
+    out = tmp_path / "lora"
+    argv = ["train", "--init-from", str(run), "--data", str(corpus), "--out-dir", str(out), "--lora-rank", "2",
+            "--context-length", "64", "--rope-scaling", "linear", *TUNE]  # fmt: skip
+    assert main(argv) == 0
+    # The adapter would be read onto the base's HF export, at the base's context and RoPE: refused.
+    fails(["convert", "--to-peft", str(out), "--out", str(tmp_path / "peft")],
+          "it extended the base's context (32 tokens", "--to-hf --merge")  # fmt: skip
+    assert main(["convert", "--to-hf", str(out), "--merge", "--out", str(tmp_path / "merged")]) == 0
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64 and config["rope_parameters"]["rope_type"] == "linear"

@@ -35,6 +35,8 @@ def test_qwen2_round_trip_through_the_command(tmp_path, capsys):
         torch.testing.assert_close(model(ids), ref, rtol=1e-5, atol=1e-5)
     assert main(["convert", "--to-hf", str(tmp_path / "tlm"), "--out", str(tmp_path / "back")]) == 0
     assert "-> HF Qwen2 folder" in capsys.readouterr().out
+    card = (tmp_path / "back" / "README.md").read_text()
+    assert "tags: [tlm, qwen2]" in card and "A Qwen2-architecture language model" in card
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         torch.testing.assert_close(back(ids).logits, ref, rtol=0, atol=0)

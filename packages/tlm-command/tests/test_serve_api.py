@@ -741,3 +741,31 @@ def test_a_stream_sends_its_usage_once(served, tokenizer, path, extra, include_u
     with_usage = [c for c in chunks if c["usage"] is not None]
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1]["usage"] == whole["usage"]
     assert (chunks[-1]["choices"] == []) is include_usage  # OpenAI's own chunk for it, when asked for
+
+
+def test_the_access_log_records_the_status_of_requests_that_failed_early(parts, capfd, monkeypatch):
+    import tlm_command.scheduler as module
+
+    class Faulty(module.TextStream):
+        """Raises at a request's first token when its stop texts hold "FAULT": before any byte is sent."""
+
+        def add(self, token):
+            if "FAULT" in self.stops:
+                raise RuntimeError("injected")
+            return super().add(token)
+
+    monkeypatch.setattr(module, "TextStream", Faulty)
+    scheduler, app = make_app(*parts, access_log=True, max_body=1000)
+    with Client(app) as client:
+        assert post(client, "/v1/completions", {"prompt": "ab", "max_tokens": 3, "stop": "FAULT"})[0] == 500
+        assert post(client, "/v1/completions", {"prompt": "x" * 2000})[0] == 413
+        conn, response = client.request("POST", "/v1/nowhere", "{}")
+        assert response.status == 404
+        conn.close()
+        assert post(client, "/v1/chat/completions", {"messages": [{"role": "narrator", "content": "x"}]})[0] == 400
+    scheduler.close(timeout=5)
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("tlm serve: ")]
+    assert [line.split(" ")[2:5] for line in lines] == [
+        ["POST", "/v1/completions", "500"], ["POST", "/v1/completions", "413"], ["POST", "/v1/nowhere", "404"],
+        ["POST", "/v1/chat/completions", "400"]]  # fmt: skip
+    assert all("completion_tokens=- ttft=-" in line for line in lines[1:]), lines

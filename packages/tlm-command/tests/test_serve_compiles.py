@@ -271,7 +271,7 @@ def test_the_real_server_logs_no_recompile_once_the_compiled_engine_serves(tmp_p
         assert health.get("engine") == "compiled", json.dumps(health)
         seen = len(log)
         assert any("GUARDS" in line for line in log[:seen])  # the log is on: each graph's guards as it compiles
-        long = "Once upon a time " * 8
+        long = "Once upon a time " * 3  # 36 tokens: with its 4 new ones within the 48 of the context
         bodies = [
             {"prompt": "x", "max_tokens": 5, "temperature": 0},
             {"prompt": ["x", "y"], "max_tokens": 3, "temperature": 0.7, "n": 2, "seed": 1},

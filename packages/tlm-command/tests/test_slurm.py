@@ -130,7 +130,9 @@ def test_a_job_sent_usr1_before_its_time_limit_requeues_itself_resumes_and_finis
     assert steps[-1] == STEPS, steps
 
 
-def test_a_four_run_sweep_runs_as_one_job_array_one_task_requeued_that_tlm_compare_reads(work: Path) -> None:
+def test_a_four_run_sweep_runs_as_one_job_array_one_task_requeued_that_tlm_compare_reads(
+    work: Path, monkeypatch, capsys
+) -> None:
     settings = ["data=tokens.npy", "vocab_size=48", "steps=60", "batch_size=8", "eval_interval=30",
                 "checkpoint_interval=10", "sample_tokens=0", "peak_flops=1e9", "eval_batches=1",
                 "model.context_length=16", "model.d_model=32", "model.num_layers=2", "model.num_heads=2",
@@ -155,13 +157,12 @@ def test_a_four_run_sweep_runs_as_one_job_array_one_task_requeued_that_tlm_compa
     assert [e["status"] for e in manifest["runs"]] == ["done"] * 4
     arrays = {e["job"].split("_")[0] for e in manifest["runs"]}
     assert len(arrays) == 1 and sorted(e["job"].split("_")[1] for e in manifest["runs"]) == ["0", "1", "2", "3"]
-    compared = subprocess.run([sys.executable, "-m", "tlm", "compare", "sweep", "--json"], cwd=work, env=_env(),
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert compared.returncode == 0, compared.stderr[-3000:]
-    runs = json.loads(compared.stdout)["runs"]
+    from tlm_command.main import main
+
+    monkeypatch.chdir(work)  # in this process: an interpreter start less each
+    assert main(["compare", "sweep", "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
     assert sorted(r["name"] for r in runs) == sorted(e["name"] for e in manifest["runs"])
     assert all(r["status"] == "done" and r["steps"] == 60 for r in runs)
-    resumed = subprocess.run([sys.executable, "-m", "tlm", "sweep", "--resume", "sweep", "--quiet"], cwd=work,
-                             env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]  # every run finished: nothing submitted again
+    assert main(["sweep", "--resume", "sweep", "--quiet"]) == 0  # every run finished: nothing submitted again
     assert json.loads((work / "sweep" / "sweep.json").read_text())["runs"] == manifest["runs"]

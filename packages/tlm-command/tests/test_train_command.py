@@ -284,3 +284,26 @@ def test_val_tokens_spread_over_the_validation_data_and_tlm_eval_scores_the_same
     with torch.no_grad():
         expected = torch.nn.functional.cross_entropy(model(inputs).double().flatten(0, 1), targets.flatten()).item()
     assert final["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.slow  # three short trainings
+def test_auto_resume_starts_a_new_run_continues_one_and_is_implied_in_a_requeued_slurm_job(
+    tmp_path, monkeypatch, fails
+) -> None:
+    tokens = tmp_path / "tokens.npy"
+    np.save(tokens, np.tile(np.arange(48, dtype=np.uint16), 30))
+    run = tmp_path / "run"
+    argv = ["train", "--out-dir", str(run), "--data", str(tokens), "--vocab-size", "48", "--batch-size", "4",
+            "--context-length", "16", "--d-model", "32", "--num-layers", "1", "--num-heads", "2", "--d-ff", "64",
+            "--sample-tokens", "0", "--peak-flops", "1e9", "--eval-batches", "1", "--quiet"]  # fmt: skip
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    assert main([*argv, "--steps", "2", "--auto-resume"]) == 0  # nothing there yet: a new run
+    assert RunDir(run).checkpoints().steps() == [2]
+    fails([*argv, "--steps", "4"], "already holds a run")  # without it, as before
+    assert main([*argv, "--steps", "4", "--auto-resume"]) == 0  # the same command, more steps: continued
+    assert RunDir(run).checkpoints().steps()[-1] == 4
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # a requeued job runs its script again
+    assert main([*argv, "--steps", "6"]) == 0
+    assert RunDir(run).checkpoints().steps()[-1] == 6
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 6  # one history, resumed twice

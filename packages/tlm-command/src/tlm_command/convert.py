@@ -192,7 +192,15 @@ def _to_peft(args: argparse.Namespace) -> int:
             f"--to-peft {args.to_peft} is a tlm {artifact.describe()} with no LoRA adapters (see --lora-rank)"
         )
     folder, state = found
-    base_vocab = tlm_artifacts.model_config(tlm_artifacts.resolve(state["lora"]["base"]["path"])).vocab_size
+    base_config = tlm_artifacts.model_config(tlm_artifacts.resolve(state["lora"]["base"]["path"]))
+    base_vocab = base_config.vocab_size
+    tuned = state["model_config"]
+    if (tuned["context_length"], tuned.get("rope_scaling")) != (base_config.context_length, base_config.rope_scaling):
+        raise UserError(
+            f"--to-peft {args.to_peft}: it extended the base's context ({base_config.context_length} tokens, RoPE "
+            f"scaling {base_config.rope_scaling}) to {tuned['context_length']} ({tuned.get('rope_scaling')}), which a "
+            "PEFT adapter of the base cannot carry; export the merged model with --to-hf --merge"
+        )
     if state["model_config"]["vocab_size"] != base_vocab:
         raise UserError(
             f"--to-peft {args.to_peft}: its vocabulary grew from the base's {base_vocab} to "

@@ -266,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
         # A stop text that is one special token ends generation at that token: no need to decode it.
         special = [tokenizer.encode(s)[0] for s in stops if s in tokenizer.special_tokens]
         eos = (eos or []) + [i for i in special if i < vocab] or None
-    removed, allowed, last = b"", [], -1
+    removed, last = b"", -1
+    allowed: list[int] = []
     if args.token_healing:
         if tokenizer is None:
             raise UserError("--token-healing needs a tokenizer to see the prompt's text; give --tokenizer DIR")

@@ -81,17 +81,18 @@ def model_card(model: Any, tokenizer: Any, artifact: Any, step: int | None) -> b
     config = model.config.to_dict(drop_none=True)
     run = getattr(artifact, "run", None)
     name = (run.path if run is not None else artifact.path).resolve().name
+    family = ("qwen2", "Qwen2") if model.config.qkv_bias else ("llama", "Llama")  # what save_hf writes it as
     out = [
         "---",
         "library_name: transformers",
         "pipeline_tag: text-generation",
-        "tags: [tlm, llama]",
+        f"tags: [tlm, {family[0]}]",
         "license: null  # set the license of these weights (and of the data they learned from) here",
         "---",
         "",
         f"# {name}",
         "",
-        f"A Llama-architecture language model trained with tlm, exported by `tlm convert --to-hf` from the tlm "
+        f"A {family[1]}-architecture language model trained with tlm, exported by `tlm convert --to-hf` from the tlm "
         f"{artifact.describe()} `{artifact.path}`.",
         "",
         "## Model",

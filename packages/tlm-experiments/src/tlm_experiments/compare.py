@@ -17,15 +17,16 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tlm_core.cli import UserError, add_command
 from tlm_experiments.manifest import MANIFEST, read_manifest
 from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
 
-__all__ = ["STATUSES", "UNSTABLE_ABOVE", "RunSummary", "collect", "full_markdown", "markdown", "plot", "report",
-           "status_text", "summarize"]  # fmt: skip
+__all__ = ["BITS_PER_BYTE", "NATS", "STATUSES", "UNSTABLE_ABOVE", "RunData", "RunSummary", "collect", "full_markdown",
+           "harmonize", "markdown", "plot", "report", "run_data", "status_text", "summarize"]  # fmt: skip
 
 #: Summary fields that measure the machine, not the run: a resumed run's differ from an uninterrupted one's.
 TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
@@ -115,6 +116,104 @@ def summarize(path: Path, *, name: str | None = None, settings: dict[str, Any] |
     )
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What a run's losses are measured against: SHA-256 digests of its tokenizer's files and of its data (the
+    ``--data`` and ``--val-data`` files' contents, or the built-in corpus, with ``val_fraction`` and ``text_field``,
+    as its ``train.toml`` names them), and the bits per byte per nat per token of its validation (``val_bpb /
+    val_loss`` of its metrics, else estimated over the whole validation file). None where the folder cannot say
+    (no tokenizer; a data file since moved)."""
+
+    tokenizer: str | None
+    data: str | None
+    bpb_per_nat: float | None
+
+
+def _file_digest(path: Path) -> str | None:
+    import hashlib
+
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData:
+    """The :class:`RunData` of the run folder ``path`` (``records``: its metrics, when read already)."""
+    import hashlib
+
+    from tlm_train import RunDir
+
+    run = RunDir(path)
+    if not (run.path / "train.toml").is_file():  # a run that failed before it started: nothing to say
+        return RunData(None, None, None)
+    config = run.read_config()
+    records = read_metrics(run.path / "metrics.jsonl") if records is None else records
+    scored = [r for r in records if _finite(r.get("val_loss")) and _finite(r.get("val_bpb")) and r["val_loss"] > 0]
+    ratio = scored[0]["val_bpb"] / scored[0]["val_loss"] if scored else None
+    files = [_file_digest(Path(name)) for name in [*config.data, *config.val_data]]
+    sources = {"data": files[: len(config.data)] if config.data else "the built-in corpus",
+               "val_data": files[len(config.data) :], "val_fraction": config.val_fraction,
+               "text_field": config.text_field}  # fmt: skip
+    data = None if None in files else hashlib.sha256(json.dumps(sources, sort_keys=True).encode()).hexdigest()
+    if not run.has_tokenizer():
+        return RunData(None, data, ratio)
+    digest = hashlib.sha256()
+    for file in sorted(f for f in run.tokenizer_dir.iterdir() if f.is_file()):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    val = run.data_dir / "val.npy"
+    if ratio is None and val.is_file():  # the whole validation file's bytes per token, special tokens counting none
+        import numpy as np
+
+        tokenizer = run.tokenizer()
+        ids = np.load(val, mmap_mode="r").astype(np.int64)
+        ids = np.where(ids < 0, -1 - ids, ids).tolist()  # chat data keeps a masked target as -1 - id
+        specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
+        size = sum(0 if i in specials else len(tokenizer.vocab.get(i, b"")) for i in ids)
+        ratio = len(ids) / (math.log(2) * size) if size else None
+    return RunData(digest.hexdigest(), data, ratio)
+
+
+#: The unit of the losses ``tlm compare`` reports: nats per token, or bits per byte where the tokenizers differ.
+NATS, BITS_PER_BYTE = "nats/token", "bits/byte"
+
+
+def harmonize(summaries: list[RunSummary]) -> str:
+    """Make the runs' losses comparable, or refuse: runs of different data (:class:`RunData`'s digest) are a
+    ``UserError`` naming two of them; runs whose tokenizers differ get their losses (final, best, the curve) in
+    bits per byte of the validation text, and :data:`BITS_PER_BYTE` is returned (else :data:`NATS`, unchanged).
+    Where a folder cannot say (a data file since moved), its run is compared as it is. Without ``--val-data``
+    each run validates on the last ``val_fraction`` of its own tokens: across tokenizers, nearly the same text."""
+    started = [s for s in summaries if (Path(s.path) / "train.toml").is_file()]  # a failed run may have none
+    data = [run_data(Path(s.path)) for s in started]
+    known = [(s, d) for s, d in zip(started, data, strict=True) if d.data is not None]
+    if len({d.data for _, d in known}) > 1:
+        (first, one), (second, other) = known[0], next((s, d) for s, d in known if d.data != known[0][1].data)
+        raise UserError(
+            f"{first.path} and {second.path} were trained and validated on different data (digests "
+            f"{str(one.data)[:12]}… and {str(other.data)[:12]}…): their losses do not compare; compare runs of one "
+            "data set"
+        )
+    tokenizers = {d.tokenizer for d in data}
+    if len(tokenizers) < 2:
+        return NATS
+    if lacking := [s for s, d in zip(started, data, strict=True) if d.tokenizer is None or d.bpb_per_nat is None]:
+        raise UserError(
+            f"the runs' tokenizers differ, and {lacking[0].path} gives no bits per byte (no tokenizer or validation "
+            "tokens in its folder): their losses do not compare"
+        )
+    known = list(zip(started, data, strict=True))
+    for s, d in known:
+        f = cast(float, d.bpb_per_nat)
+        s.final_val_loss = None if s.final_val_loss is None else s.final_val_loss * f
+        s.best_val_loss = None if s.best_val_loss is None else s.best_val_loss * f
+        s.curve = [(step, time, value * f) for step, time, value in s.curve]
+    return BITS_PER_BYTE
+
+
 def _unstable_at(curve: list[tuple[int, float | None, float]], above: float) -> int | None:
     """The step of the first evaluation above ``above`` × the first one (the starting loss), else None."""
     if not curve:
@@ -163,9 +262,10 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def markdown(summaries: list[RunSummary]) -> str:
-    """The comparison as a Markdown table, one row per run."""
-    head = ["run", "settings", "status", "steps", "parameters", "final val loss", "best val loss", "tokens",
+def markdown(summaries: list[RunSummary], unit: str = NATS) -> str:
+    """The comparison as a Markdown table, one row per run (the losses in ``unit``: :func:`harmonize`)."""
+    what = "loss" if unit == NATS else "bits/byte"
+    head = ["run", "settings", "status", "steps", "parameters", f"final val {what}", f"best val {what}", "tokens",
             "wall time (s)", "tokens/s"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
@@ -271,7 +371,7 @@ def _baseline(groups: list[Any], baseline: str | None) -> str:
 
 
 def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOVE,
-           baseline: str | None = None) -> dict[str, Any]:  # fmt: skip
+           baseline: str | None = None, unit: str = NATS) -> dict[str, Any]:  # fmt: skip
     """The runs and each setting's statistics, as ``tlm compare --json`` prints them and ``summary.json`` holds."""
     from tlm_experiments.results import group_runs, statistics
 
@@ -279,29 +379,38 @@ def report(summaries: list[RunSummary], *, unstable_above: float = UNSTABLE_ABOV
     label = _baseline(groups, baseline)
     return {
         "unstable_above": unstable_above,
+        "loss_unit": unit,
         "baseline": label if groups else None,
         "runs": [s.to_dict() for s in summaries],
         "settings": [st.to_dict() for st in statistics(groups, baseline=label)],
     }
 
 
-def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None) -> str:
-    """The run table, then the table of each setting's statistics against the baseline."""
+def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None, unit: str = NATS) -> str:
+    """The run table, then the table of each setting's statistics against the baseline (losses in ``unit``)."""
     from tlm_experiments.results import group_runs, statistics, stats_markdown
 
     groups = group_runs(summaries)
-    return markdown(summaries) + "\n" + stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))
+    table = stats_markdown(statistics(groups, baseline=_baseline(groups, baseline)))
+    if unit != NATS:
+        table = table.replace("val loss", f"val {unit}")
+        note = "Losses in bits per byte of the same validation text: the runs' tokenizers differ.\n\n"
+        return note + markdown(summaries, unit) + "\n" + table
+    return markdown(summaries, unit) + "\n" + table
 
 
 def run(args: argparse.Namespace) -> int:
     summaries = collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")
-    text = full_markdown(summaries, baseline=args.baseline)  # checks --baseline before anything is written
+    unit = harmonize(summaries)  # refuses runs validated on other text; bits per byte across tokenizers
+    if unit != NATS:
+        print("tlm: the runs' tokenizers differ: their losses are compared in bits per byte", file=sys.stderr)
+    text = full_markdown(summaries, baseline=args.baseline, unit=unit)  # checks --baseline before anything is written
     if args.out is not None:
-        plot(summaries, args.out)
+        plot(summaries, args.out, title=None if unit == NATS else "validation loss in bits per byte")
     if args.json:
-        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline)
+        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline, unit=unit)
         print(json.dumps(data, indent=2, allow_nan=False))
     else:
         sys.stdout.write(text)

@@ -61,6 +61,13 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    """``folder``'s ``sweep.json``, written all or nothing."""
+    from tlm_core.atomic import atomic_write
+
+    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2, allow_nan=False) + "\n")
+
+
 def check_manifest(manifest: dict[str, Any], where: str) -> None:
     """Refuse a manifest whose fields are not what ``tlm sweep`` writes, in one line naming the field: ``base``
     a table, ``runs`` a list of {name, settings, status[, message]} with distinct plain names, ``jobs`` a

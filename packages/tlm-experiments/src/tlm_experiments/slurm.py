@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +85,8 @@ def manifest_lock(folder: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _update(folder: Path, name: str, change: dict[str, Any]) -> None:
-    from tlm_experiments.manifest import MANIFEST
-    from tlm_experiments.sweep import _write_manifest
+def update(folder: Path, name: str, change: dict[str, Any]) -> None:
+    from tlm_experiments.manifest import MANIFEST, write_manifest
 
     with manifest_lock(folder):
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
@@ -95,30 +94,10 @@ def _update(folder: Path, name: str, change: dict[str, Any]) -> None:
             if entry["name"] == name:
                 entry.pop("message", None)
                 entry.update(change)
-        _write_manifest(folder, manifest)
+        write_manifest(folder, manifest)
 
 
-def run_task(folder: str, name: str) -> dict[str, Any]:
-    """One SLURM task: train run ``name`` of the sweep in ``folder`` and record how it ended. After a requeue
-    the process ends without a result (SLURM runs the task again, which resumes the run)."""
-    from tlm_experiments.manifest import read_manifest
-    from tlm_experiments.sweep import Sweep, train_run
-    from tlm_train.cluster import job_id
-
-    sweep = Path(folder)
-    manifest = read_manifest(sweep)
-    entry = next(e for e in manifest["runs"] if e["name"] == name)
-    job = Sweep(sweep, manifest, jobs=1, quiet=False).job(entry)
-    _update(sweep, name, {"status": "running", "job": job_id()})
-    outcome = train_run(job)
-    if outcome.pop("requeued", False):
-        _update(sweep, name, {"status": "requeued", "message": f"SLURM job {job_id()} requeued at a checkpoint"})
-        os._exit(0)  # no result: the task runs again, and its result is that run's
-    _update(sweep, name, outcome)
-    return outcome
-
-
-def _task_class() -> Any:
+def _task_class(run: Callable[[str, str], dict[str, Any]]) -> Any:
     import submitit
 
     class RunTask(submitit.helpers.Checkpointable):
@@ -126,17 +105,24 @@ def _task_class() -> Any:
         preempted (outside the training loop, whose own handler checkpoints) is requeued as it is."""
 
         def __call__(self, folder: str, name: str) -> dict[str, Any]:
-            return run_task(folder, name)
+            return run(folder, name)
 
     return RunTask
 
 
-def submit(folder: Path, manifest: dict[str, Any], todo: list[dict[str, Any]], *, jobs: int | None) -> str:
+def submit(
+    folder: Path,
+    manifest: dict[str, Any],
+    todo: list[dict[str, Any]],
+    *,
+    jobs: int | None,
+    run: Callable[[str, str], dict[str, Any]],
+) -> str:
     """Submit ``todo`` as one job array; returns the array's job id. The manifest records it (status
-    ``submitted``, each run's ``job``)."""
+    ``submitted``, each run's ``job``). Each task calls ``run(folder, name)`` (``tlm_experiments.sweep.run_task``)."""
     import submitit
 
-    from tlm_experiments.sweep import _write_manifest
+    from tlm_experiments.manifest import write_manifest
 
     launcher = manifest["launcher"]
     executor = submitit.SlurmExecutor(folder=folder / LOGS / "%j")
@@ -155,7 +141,7 @@ def submit(folder: Path, manifest: dict[str, Any], todo: list[dict[str, Any]], *
     if launcher.get("gpus"):
         parameters["gpus_per_node"] = int(launcher["gpus"])
     executor.update_parameters(**parameters)
-    task = _task_class()()
+    task = _task_class(run)()
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal too: said once, below
             submitted = executor.map_array(task, [str(folder)] * len(todo), [e["name"] for e in todo])
@@ -167,7 +153,7 @@ def submit(folder: Path, manifest: dict[str, Any], todo: list[dict[str, Any]], *
         for entry, job in zip(todo, submitted, strict=True):
             entry.update(status="submitted", job=job.job_id)
             entry.pop("message", None)
-        _write_manifest(folder, manifest)
+        write_manifest(folder, manifest)
     return str(submitted[0].job_id).split("_")[0]
 
 
@@ -195,8 +181,7 @@ def still_queued(manifest: dict[str, Any]) -> list[str]:
 def wait(folder: Path, names: list[str], *, quiet: bool, poll: float = 1.0) -> dict[str, Any]:
     """Wait until no task of ``names`` is in SLURM's queue; the manifest then, every run of ``names`` that did
     not record a final outcome marked failed with its log's path."""
-    from tlm_experiments.manifest import read_manifest
-    from tlm_experiments.sweep import _write_manifest
+    from tlm_experiments.manifest import read_manifest, write_manifest
 
     said: dict[str, str] = {}
     while True:
@@ -217,5 +202,5 @@ def wait(folder: Path, names: list[str], *, quiet: bool, poll: float = 1.0) -> d
             if entry["name"] in names and entry["status"] not in FINAL:
                 log = folder / LOGS / str(entry.get("job")) / f"{entry.get('job')}_0_log.err"
                 entry.update(status="failed", message=f"its SLURM job ended without an outcome (see {log})")
-        _write_manifest(folder, manifest)
+        write_manifest(folder, manifest)
     return manifest

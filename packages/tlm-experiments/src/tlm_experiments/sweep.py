@@ -51,7 +51,17 @@ else:  # pragma: no cover - Python 3.10
 
 from tlm_core.cli import UserError, add_command, positive_int, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
-from tlm_experiments.manifest import FORMAT, LOCK, MANIFEST, PLOT, SUMMARY_JSON, SUMMARY_MD, check_name, read_manifest
+from tlm_experiments.manifest import (
+    FORMAT,
+    LOCK,
+    MANIFEST,
+    PLOT,
+    SUMMARY_JSON,
+    SUMMARY_MD,
+    check_name,
+    read_manifest,
+    write_manifest,
+)
 from tlm_experiments.results import add_result_arguments
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
@@ -173,9 +183,9 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+def expand_grid(grid: list[str], *, max_runs: int | None = None, seeds: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
-    of more than ``max_runs`` combinations is refused with its size before any is made."""
+    that, run ``seeds`` times each, makes more than ``max_runs`` runs is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []
     for item in grid:
         key, values = _split(item, "--grid")
@@ -186,9 +196,9 @@ def expand_grid(grid: list[str], *, max_runs: int | None = None) -> list[tuple[s
         if any(not t for t in texts):
             raise UserError(f"--grid {item!r}: an empty value")
         axes.append((flat, [(t, _value(t)) for t in texts]))
-    size = math.prod(len(values) for _, values in axes)
+    size = math.prod(len(values) for _, values in axes) * seeds
     if max_runs is not None and size > max_runs:
-        sizes = " x ".join(str(len(values)) for _, values in axes)
+        sizes = " x ".join([*(str(len(values)) for _, values in axes), *([f"{seeds} seeds"] if seeds > 1 else [])])
         raise UserError(
             f"--grid: {sizes} = {size:,} runs, more than --max-runs {max_runs:,}; split the sweep or raise it"
         )
@@ -232,12 +242,14 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     base = TrainConfig() if args.config is None else _base_config(args.config)
     flat_base: dict[str, Any] = {}
     max_runs = getattr(args, "max_runs", MAX_RUNS)
+    seeds = getattr(args, "seeds", None) or 1  # counted before any run is made: --seeds multiplies the plan
     if args.runs:
         flat_base, runs = _read_runs_file(args.runs)
-        if len(runs) > max_runs:
-            raise UserError(f"--runs {args.runs}: {len(runs):,} runs, more than --max-runs {max_runs:,}")
+        if len(runs) * seeds > max_runs:
+            times = f" x {seeds} seeds = {len(runs) * seeds:,} runs" if seeds > 1 else " runs"
+            raise UserError(f"--runs {args.runs}: {len(runs):,}{times}, more than --max-runs {max_runs:,}")
     else:
-        runs = expand_grid(args.grid, max_runs=max_runs)
+        runs = expand_grid(args.grid, max_runs=max_runs, seeds=seeds)
     for item in args.set:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
@@ -249,9 +261,14 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         check_name(name, "run name")
         if names.count(name) > 1:
             raise UserError(f"run name {name!r} is given twice")
+    from tlm_train.recipe import input_paths
+    from tlm_train.run_dir import check_apart
+
     for name, settings in runs:
         try:
-            TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            config = TrainConfig.from_dict({**apply(base_dict, settings), "out_dir": str(out / name)})
+            # The sweep's folder (its manifest, summary and every run) overlaps nothing a run reads.
+            check_apart(out, input_paths(config))
         except (TypeError, ValueError) as err:
             raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
@@ -297,12 +314,6 @@ def _check_resumable(folder: Path, manifest: dict[str, Any]) -> None:
             TrainConfig.from_dict({**apply(manifest["base"], entry["settings"]), "out_dir": str(path)})
         except (TypeError, ValueError) as err:
             raise UserError(f"{folder / MANIFEST}: runs[{i}] ({entry['name']}): {_setting_names(str(err))}") from None
-
-
-def _write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
-    from tlm_core.atomic import atomic_write
-
-    atomic_write(folder / MANIFEST, json.dumps(manifest, indent=2, allow_nan=False) + "\n")
 
 
 @contextlib.contextmanager
@@ -368,7 +379,8 @@ def train_run(job: dict[str, Any]) -> dict[str, Any]:
         return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
     if getattr(result, "requeued", False):  # a SLURM task stopped before its time limit and put back in the queue
         return {"status": "interrupted", "requeued": True}
-    return {"status": "interrupted" if result.interrupted else "done"}
+    # A stop that came too late to stop the run (during its last step) still stops the sweep after it.
+    return {"status": "interrupted" if result.interrupted else "done", "stop": result.stop_requested}
 
 
 def resume_config(planned: Any) -> Any:
@@ -413,17 +425,20 @@ class Sweep:
     def _started(self, entry: dict[str, Any]) -> None:
         entry["status"] = "running"
         entry.pop("message", None)
-        _write_manifest(self.folder, self.manifest)
+        write_manifest(self.folder, self.manifest)
         if not self.quiet:
             runs = self.manifest["runs"]
             say(f"run {entry['name']} ({runs.index(entry) + 1} of {len(runs)})")
 
-    def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> None:
+    def _ended(self, entry: dict[str, Any], outcome: dict[str, Any]) -> bool:
+        """Record a run's outcome; whether the sweep must stop (the run was stopped, or a stop came as it ended)."""
+        stop = bool(outcome.pop("stop", False)) or outcome["status"] == "interrupted"
         entry.update(outcome)
-        _write_manifest(self.folder, self.manifest)
+        write_manifest(self.folder, self.manifest)
         if not self.quiet:
             detail = f" ({outcome['message']})" if "message" in outcome else ""
             say(f"run {entry['name']}: {outcome['status']}{detail}")
+        return stop
 
     def run(self) -> bool:
         """Train every run not finished; False when stopped by Ctrl-C/SIGTERM (each run checkpointed)."""
@@ -440,9 +455,7 @@ class Sweep:
         try:
             for entry in todo:
                 self._started(entry)
-                outcome = train_run(self.job(entry))
-                self._ended(entry, outcome)
-                if outcome["status"] == "interrupted":
+                if self._ended(entry, train_run(self.job(entry))):
                     return False
         finally:
             torch.set_num_threads(previous)
@@ -480,9 +493,7 @@ class Sweep:
                     continue
                 for future in finished:
                     entry = running.pop(future)
-                    outcome = _outcome(future)
-                    self._ended(entry, outcome)
-                    stopping = stopping or outcome["status"] == "interrupted"
+                    stopping = self._ended(entry, _outcome(future)) or stopping
         return not stopping
 
 
@@ -539,12 +550,19 @@ def write_summary(
 ) -> list[Any]:
     """summary.json, summary.md and sweep.png (when matplotlib is installed), each written whole."""
     from tlm_core.atomic import atomic_write
-    from tlm_experiments.compare import full_markdown, plot, report
+    from tlm_experiments.compare import NATS, full_markdown, harmonize, plot, report
 
     summaries = summarize(folder, manifest, unstable_above=unstable_above)
-    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline)}
+    try:  # a sweep over the tokenizer (vocab_size) compares in bits per byte
+        unit = harmonize(summaries)
+    except UserError as err:  # runs validated on other text: the summary says so, in nats
+        unit, note = NATS, f"**Not comparable:** {err}\n\n"
+    else:
+        note = ""
+    data = {"format": FORMAT, **report(summaries, unstable_above=unstable_above, baseline=baseline, unit=unit)}
     atomic_write(folder / SUMMARY_JSON, json.dumps(data, indent=2, allow_nan=False) + "\n")
-    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n" + full_markdown(summaries, baseline=baseline))
+    text = full_markdown(summaries, baseline=baseline, unit=unit)
+    atomic_write(folder / SUMMARY_MD, f"# Sweep {folder.name}\n\n{note}" + text)
     if summaries:
         try:
             plot(summaries, folder / PLOT, title=f"sweep {folder.name}")
@@ -584,10 +602,10 @@ def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespa
     for entry in todo:
         entry.update(status="pending")
         entry.pop("job", None)
-    _write_manifest(folder, manifest)
+    write_manifest(folder, manifest)
     if not todo:
         return manifest, True
-    array = slurm.submit(folder, manifest, todo, jobs=args.jobs)
+    array = slurm.submit(folder, manifest, todo, jobs=args.jobs, run=run_task)
     if not args.quiet:
         say(f"submitted {len(todo)} runs as SLURM job array {array} (logs in {folder / slurm.LOGS})")
     try:
@@ -626,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
             manifest, completed = _run_on_slurm(folder, manifest, args)
         else:
             manifest.pop("launcher", None)
-            _write_manifest(folder, manifest)
+            write_manifest(folder, manifest)
             completed = Sweep(folder, manifest, jobs=jobs, quiet=args.quiet).run()
         write_summary(folder, manifest, quiet=args.quiet, unstable_above=args.unstable_above, baseline=args.baseline)
     if not completed:
@@ -639,3 +657,23 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         sys.stdout.write((folder / SUMMARY_MD).read_text(encoding="utf-8"))
     return 0
+
+
+def run_task(folder: str, name: str) -> dict[str, Any]:
+    """One SLURM task: train run ``name`` of the sweep in ``folder`` and record how it ended. After a requeue
+    the process ends without a result (SLURM runs the task again, which resumes the run)."""
+    from tlm_experiments.slurm import update
+    from tlm_train.cluster import job_id
+
+    sweep = Path(folder)
+    manifest = read_manifest(sweep)
+    entry = next(e for e in manifest["runs"] if e["name"] == name)
+    job = Sweep(sweep, manifest, jobs=1, quiet=False).job(entry)
+    update(sweep, name, {"status": "running", "job": job_id()})
+    outcome = train_run(job)
+    outcome.pop("stop", None)  # SLURM stops the task itself: nothing else to stop
+    if outcome.pop("requeued", False):
+        update(sweep, name, {"status": "requeued", "message": f"SLURM job {job_id()} requeued at a checkpoint"})
+        os._exit(0)  # no result: the task runs again, and its result is that run's
+    update(sweep, name, outcome)
+    return outcome

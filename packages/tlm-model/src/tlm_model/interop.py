@@ -1,4 +1,6 @@
-"""Convert between tlm's ``TransformerLM`` and HF transformers' ``LlamaForCausalLM``.
+"""Convert between tlm's ``TransformerLM`` and HF transformers' ``LlamaForCausalLM`` (and read
+``MistralForCausalLM`` within its sliding window, and ``Qwen2ForCausalLM``, whose q/k/v biases are
+``ModelConfig.qkv_bias``: such a model is written back as a Qwen2).
 
 The architectures are the same except for RoPE's pairing: tlm rotates interleaved pairs
 (x[2k], x[2k+1]) as in the RoPE paper and Meta's LLaMA code, HF rotates (x[k], x[k + d/2])

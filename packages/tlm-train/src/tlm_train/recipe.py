@@ -101,6 +101,9 @@ class RunResult:
     interrupted: bool  # stopped by a signal (SIGINT, SIGTERM, SIGUSR1/2) after writing a checkpoint
     checkpoint: Path | None  # the newest checkpoint written
     requeued: bool = False  # stopped by SIGUSR1/SIGUSR2 in a SLURM job, which rank 0 put back in the queue
+    #: A stop signal came while training, also one too late to stop it (during the last step's checkpoint): a run
+    #: that finished anyway says so, for whoever runs it (a sweep) to stop there.
+    stop_requested: bool = False
 
 
 def flag(name: str) -> str:
@@ -582,6 +585,7 @@ class Recipe:
                     break
         bar.close()
         result = self.finish(step, interrupted or self.logger_error is not None)
+        result.stop_requested = signals.requested
         if self.requeue and info.is_main:  # SIGUSR1/SIGUSR2: time is running out; the checkpoint is written
             result.requeued = requeue_job(self.say)
         if self.logger_error is not None:
@@ -832,6 +836,13 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         raise FileNotFoundError(f"--tokenizer {config.tokenizer}: no such folder")
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
+    check_apart(config.out_dir, input_paths(config))
+    if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
+        raise ValueError(f"--token-dtype {config.token_dtype}")
+
+
+def input_paths(config: TrainConfig) -> dict[str, list[str]]:
+    """What a run reads, by flag: its run folder (or a sweep's folder of runs) must not overlap any of them."""
     inputs: dict[str, Sequence[str | None]] = {
         # A LoRA run or PEFT adapter reads its base model too: that is an input as well.
         "--init-from": [] if config.init_from is None else [str(p) for p in read_paths(config.init_from)],
@@ -840,9 +851,7 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
         "--val-data": config.val_data,
         "--chat-template": [config.chat_template],
     }
-    check_apart(config.out_dir, {name: [p for p in paths if p is not None] for name, paths in inputs.items()})
-    if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
-        raise ValueError(f"--token-dtype {config.token_dtype}")
+    return {name: [p for p in paths if p is not None] for name, paths in inputs.items()}
 
 
 def _check_chat_template(path: str) -> None:
