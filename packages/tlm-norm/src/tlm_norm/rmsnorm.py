@@ -3,8 +3,8 @@
 import torch
 from jaxtyping import Float
 from torch import Tensor, nn
-from torch.nn import functional as F
 from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
 
 from tlm_core.checks import check_number, check_positive_int
 
