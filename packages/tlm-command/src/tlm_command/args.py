@@ -182,7 +182,7 @@ def add_device_arguments(parser: argparse.ArgumentParser, dtype_help: str) -> No
     """``--device`` (read with :func:`inference_device`, default "auto") and ``--dtype`` (one of
     :func:`dtype_choices`, default None: the device's, :data:`INFERENCE_DTYPE`)."""
     parser.add_argument(
-        "--device", default="auto", help="torch device to run on (default auto: CUDA when there is one, else cpu)"
+        "--device", default="auto", help="torch device to run on (default: auto, CUDA when there is one, else cpu)"
     )
     parser.add_argument("--dtype", choices=dtype_choices(), default=None, help=f"{dtype_help}; bfloat16 on CUDA")
 
