@@ -68,7 +68,13 @@ def _model_folder(out: pathlib.Path, context: int | None = None) -> pathlib.Path
 
 class _Server:
     def __init__(
-        self, folder: pathlib.Path, max_batch: int, *extra: str, threads: int | None = None, python: str | None = None
+        self,
+        folder: pathlib.Path,
+        max_batch: int,
+        *extra: str,
+        threads: int | None = None,
+        python: str | None = None,
+        wait_compiled: bool = True,
     ) -> None:
         # The first stderr line comes once the server listens.
         start = time.perf_counter()
@@ -100,7 +106,7 @@ class _Server:
                 self.listen_s = time.perf_counter() - start  # loading: the server answers from here on
             # A server that compiles serves with its eager engine until the compiled one has warmed up (issue
             # 41; an older one answers once warmed up, with no "engine"): the rounds time the compiled one.
-            if health.get("engine", "compiled") == "compiled" or "--no-compile" in extra:
+            if not wait_compiled or health.get("engine", "compiled") == "compiled" or "--no-compile" in extra:
                 self.startup_s = time.perf_counter() - start  # loading, compiling and warming up
                 return
             time.sleep(1.0)
@@ -366,6 +372,11 @@ def main() -> None:
         "caches hold this many positions, and its compiled step attends over all of them",
     )
     parser.add_argument("--against-hf-only", action="store_true", help="only the rounds against HF (no doc written)")
+    parser.add_argument(
+        "--first-burst",
+        action="store_true",
+        help="only HF's batched generate, then 16 clients sent the moment the server answers (no doc written)",
+    )
     args = parser.parse_args()
     import torch
 
@@ -382,6 +393,18 @@ def main() -> None:
                 folder, max(counts), *extra, threads=args.threads, python=args.before)))  # fmt: skip
             servers: dict[str, _Server] = {}
             before.start()
+        if args.first_burst:  # HF first, on a quiet machine; then the burst while the server may still compile
+            per_client = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+            hf_row, _ = _HF(folder, out).run([p for _ in range(16) for p in per_client], max_tokens, 16)
+            burst_server = _Server(folder, 16, *extra, threads=args.threads, wait_compiled=False)
+            try:
+                burst = _clients(burst_server, 16, per_client, max_tokens)
+            finally:
+                burst_server.stop()
+            print(json.dumps({"answered_s": burst_server.listen_s, "burst_tok_s": burst["tok_s"],
+                              "hf_tok_s": hf_row["tok_s"], "ratio": burst["tok_s"] / hf_row["tok_s"],
+                              "load": load_average()}))  # fmt: skip
+            return
         server = _Server(folder, max(counts), *extra, threads=args.threads)
         print(f"the server answered {server.listen_s:.0f} s after it started, its compiled engine "
               f"{server.startup_s:.0f} s after", file=sys.stderr)  # fmt: skip
