@@ -241,3 +241,14 @@ def test_a_compiled_write_stores_the_new_entries_only_never_a_copy_of_the_buffer
     assert torch.equal(cache.key_buffer[0, :, 3], keys[0, :, 0])
     assert torch.equal(cache.value_buffer[1, :, 7], values[1, :, 0])
     assert cache.key_buffer[0, :, 4:].abs().sum() == 0
+
+
+def test_several_empty_rows_join_at_once():
+    # Issue 41: generate's batch of thousands of rows joins in one go, not one host-side copy per row.
+    cache = KVCache(5, 2, 8, 4)
+    cache.select_rows([0])
+    cache.advance([3])
+    assert cache.append_empty_row(3) == 1 and cache.lengths == (3, 0, 0, 0)
+    assert cache.device_lengths[:4].tolist() == [3, 0, 0, 0]
+    with pytest.raises(ValueError, match=r"room for 5 rows; 4 in use \+ 2 new is too many"):
+        cache.append_empty_row(2)

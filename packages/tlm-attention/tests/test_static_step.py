@@ -72,3 +72,28 @@ def test_an_unmasked_query_sees_the_whole_cache_and_square_inputs_are_causal():
     q3 = q5[:, :, :3]
     offset = torch.ones(3, 5, dtype=torch.bool).tril(diagonal=2)
     torch.testing.assert_close(backends.torch_attention(q3, k, v).double(), reference(q3, k, v, offset))
+
+
+def test_the_one_query_path_is_for_the_cpu_only():
+    # Elsewhere (here the meta device, which computes shapes only) torch's kernel takes it, as on an accelerator.
+    calls = []
+    one = backends._one_query_attention
+    q, k = torch.randn(1, 2, 1, 8, device="meta"), torch.randn(1, 2, 5, 8, device="meta")
+    mask = torch.ones(1, 1, 1, 5, dtype=torch.bool, device="meta")
+    try:
+        backends._one_query_attention = lambda *a: calls.append(1) or one(*a)
+        assert backends.torch_attention(q, k, k, mask).shape == (1, 2, 1, 8)
+    finally:
+        backends._one_query_attention = one
+    assert calls == []
+
+
+def test_blockwise_without_a_mask_is_causal_and_kv_of_too_few_dims_are_refused():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 6, 8, generator=g) for _ in range(3))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    got = backends.blockwise_causal_attention(q, k[:, :2], v[:, :2])  # grouped: 2 kv heads for 4 query heads
+    torch.testing.assert_close(got.double(), reference(q, k[:, :2], v[:, :2], causal), rtol=1e-5, atol=1e-6)
+    for bad in (k[0, 0], k[0, 0, 0]):  # (keys, d) and (d,): no heads axis
+        with pytest.raises(ValueError, match="q must have shape"):
+            backends.torch_attention(q, bad, bad)

@@ -59,3 +59,14 @@ def test_the_error_raised_may_be_another_kind():
     with pytest.raises(ValueError, match="^a template looped$"), time_limit(0.05, "a template looped", ValueError):
         while True:
             pass
+
+
+def test_a_timer_that_fires_just_after_the_block_does_nothing_and_is_stopped():
+    limit = time_limit(10, "late")
+    with limit:
+        pass
+    limit._fire()  # the timer's call, as if it came between the block's end and its cancel: nothing must happen
+    sum(range(100_000))  # bytecode runs here: an interruption requested after the block would raise
+    assert not limit._fired
+    limit._timer.join(2)  # cancelled at the block's end: the timer thread ends now, not in 10 s
+    assert not limit._timer.is_alive()

@@ -119,8 +119,9 @@ class KVCache:
         batch = keys.shape[0]
         index = torch.arange(batch, device=keys.device) if rows is None else rows
         # Advanced indices around a slice put their axes first: (batch, new, heads, d_head).
-        self._key_buffer[index[:, None], :, positions] = keys.transpose(1, 2)
-        self._value_buffer[index[:, None], :, positions] = values.transpose(1, 2)
+        # In the buffers' dtype (a no-op unless autocast computed the keys in another).
+        self._key_buffer[index[:, None], :, positions] = keys.transpose(1, 2).to(self._key_buffer.dtype)
+        self._value_buffer[index[:, None], :, positions] = values.transpose(1, 2).to(self._value_buffer.dtype)
         if rows is None:
             return self._key_buffer[:batch], self._value_buffer[:batch]
         return self._key_buffer[rows], self._value_buffer[rows]
@@ -217,14 +218,20 @@ class KVCache:
         self.set_row(self.batch_size - 1, source, row)
         return self.batch_size - 1
 
-    def append_empty_row(self) -> int:
-        """Add an empty row (length 0) as the new last row; returns its index."""
+    def append_empty_row(self, count: int = 1) -> int:
+        """Add ``count`` empty rows (length 0) as the new last rows; returns the first one's index."""
+        check_positive_int("count", count)
         if self.batch_size == self.max_batch_size:
             raise ValueError(f"the KV cache has room for {self.max_batch_size} rows, all in use")
+        if self.batch_size + count > self.max_batch_size:
+            raise ValueError(
+                f"the KV cache has room for {self.max_batch_size} rows; {self.batch_size} in use + {count} new is "
+                "too many"
+            )
         lengths = self.lengths
-        self._use_rows(self.batch_size + 1)
-        self._set_lengths([*lengths, 0])
-        return self.batch_size - 1
+        self._use_rows(self.batch_size + count)
+        self._set_lengths([*lengths, *[0] * count])
+        return self.batch_size - count
 
     def set_row(self, row: int, source: "KVCache", source_row: int = 0) -> None:
         """Replace row ``row`` by a copy of ``source``'s row ``source_row`` (its tokens and length)."""

@@ -91,8 +91,10 @@ def _tokens(path: Path, tokenizer: Any, token_dtype: str) -> "np.ndarray":
         return read_token_file(path, token_dtype)
     if tokenizer is None:
         raise UserError(f"--data {path} is text, and the checkpoint has no tokenizer: give --tokenizer DIR")
+    from tlm_core.atomic import read_input
+
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_input(path, "--data").decode("utf-8")  # the handle checked a regular file is the one read
     except UnicodeDecodeError as err:
         raise UserError(f"--data {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     return np.asarray(tokenizer.encode(text), dtype=np.int64)

@@ -267,7 +267,7 @@ class Scheduler:
         self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
         try:
             with torch.inference_mode():  # the graphs are compiled under the mode the steps run in
-                batch = DecodeBatch(compile_for_inference(self._plain), self.max_batch,
+                batch = DecodeBatch(compile_for_inference(cast(Any, self._plain)), self.max_batch,
                                     prefill_chunk=self.batch.prefill_chunk)  # fmt: skip
                 batch.warm_up(progress)
         except Exception as err:

@@ -275,14 +275,18 @@ class DecodeBatch:
         """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
-        ids = self._checked(prompt_ids, least=1)
-        rows = len(self)
+        return self._join_many([prompt_ids])[0]
+
+    def _join_many(self, prompts: Sequence[Tensor]) -> list[int]:
+        # One append per cache for all of them (a batch of thousands of rows joins in one go).
+        ids = [self._checked(prompt, least=1).to(self._device) for prompt in prompts]
+        first = len(self)
         for cache in self.caches:
-            cache.append_empty_row()
-        self._pending.append(ids.to(self._device))
-        self._skipped.append(0)
-        self._decoding[rows] = 0
-        return rows
+            cache.append_empty_row(len(ids))
+        self._pending.extend(ids)
+        self._skipped.extend([0] * len(ids))
+        self._decoding[first : first + len(ids)] = 0
+        return list(range(first, first + len(ids)))
 
     @torch.no_grad()
     def refill(self, row: int, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"] | None:
@@ -349,7 +353,7 @@ class DecodeBatch:
                 f"the batch has room for {self.max_batch_size} rows; {len(self)} in use + {len(prompts)} new is "
                 "too many"
             )
-        rows = [self.join(ids) for ids in prompts]
+        rows = self._join_many(prompts)
         done: dict[int, Tensor] = {}
         scores: dict[int, list[Tensor]] | None = {row: [] for row in rows} if every_position else None
         try:
@@ -403,6 +407,14 @@ class DecodeBatch:
         if slots is None:
             slots = self._slot_buckets[n] = self._slot_ids[:n].clone()
         return slots
+
+    def clear(self) -> None:
+        """Every row leaves (at once, however many)."""
+        for cache in self.caches:
+            cache.select_rows([])
+        self._pending.clear()
+        self._skipped.clear()
+        self._decoding.zero_()
 
     def remove(self, row: int) -> int | None:
         """Drop row ``row``; the last row moves into its place. Returns the index the moved row had, or None."""

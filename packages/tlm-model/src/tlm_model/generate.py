@@ -1,7 +1,8 @@
 """Autoregressive generation with a KV cache: the prompt is processed once, then one token a step."""
 
+import weakref
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from jaxtyping import Float, Int, Integer
@@ -11,6 +12,10 @@ from tlm_core.checks import check_int, check_number, check_positive_int
 from tlm_core.tensors import as_index_tensor
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
+
+if TYPE_CHECKING:
+    from tlm_attention import KVCache
+    from tlm_model.batching import DecodeBatch
 
 
 def _filter_logits(logits: Tensor, top_k: int | Tensor | None, top_p: float | Tensor | None) -> Tensor:
@@ -83,10 +88,11 @@ def generate(
     positions in the KV cache, so row ``b`` gets the tokens its prompt gets alone (up to float rounding of
     a batched matmul), and slides its own window when it alone fills the context.
 
-    ``model`` may be the result of :func:`compile_for_inference`, the fast way to decode: it then decodes
-    through a :class:`~tlm_model.batching.DecodeBatch` over static caches sized to the request, one compiled
-    graph of one shape for every step (a window that slides rebuilds a full row alone; the tokens are those
-    of the eager model, up to float rounding).
+    Every model decodes through a :class:`~tlm_model.batching.DecodeBatch` over static caches, allocated
+    once per model and kept for the next call (new ones only for more rows, longer sequences, or weights
+    moved to another dtype or device). ``model`` may be the result of :func:`compile_for_inference`, the fast
+    way to decode: one compiled graph of one shape then serves every step (a window that slides rebuilds a
+    full row alone; the tokens are those of the eager model, up to float rounding).
 
     **Host syncs.** A step reads nothing back unless ``on_token`` is given (it gets each token) or
     ``eos_token_id`` is: then whether every row has ended is read every step with ``on_token``, else every
@@ -112,73 +118,43 @@ def generate(
     lengths = _prompt_lengths(prompt_lengths, ids.shape)
     if max_new_tokens == 0:
         return (ids.squeeze(0) if squeeze else ids).clone()
-    keep, _ = sliding_window(context)
-    width = ids.shape[1]
     capacity = min(max(lengths) + max_new_tokens, context)
-
-    def prefill(tokens: Tensor) -> tuple[list, Tensor]:
-        cache = model.new_kv_cache(tokens.shape[0], capacity=capacity)
-        return cache, model(tokens, kv_cache=cache)[:, -1]
-
-    def prefill_rows(rows: list[Tensor]) -> tuple[list, Tensor]:
-        # Right-padded for the prefill (a padded token comes after every real one, so no real token
-        # sees it); then each row's cache is cut back to its own length and its last real token's
-        # logits kept. The slots of the padding are overwritten by the row's next tokens.
-        sizes = [len(row) for row in rows]
-        padded = torch.zeros(len(rows), max(sizes), dtype=ids.dtype, device=ids.device)
-        for b, row in enumerate(rows):
-            padded[b, : len(row)] = row
-        cache = model.new_kv_cache(len(rows), capacity=capacity)
-        all_logits = model(padded, kv_cache=cache)
-        for layer in cache:
-            layer.truncate(sizes)
-        return cache, all_logits[torch.arange(len(rows), device=ids.device), torch.tensor(sizes, device=ids.device) - 1]
-
     eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
     check_every = 1 if on_token is not None else EOS_CHECK_EVERY
-    if _uses_static_cache(model):
-        static = _generate_static(
-            model, ids, lengths, capacity, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
-            dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator),
-        )  # fmt: skip
-        return static.squeeze(0) if squeeze else static
-    ragged = any(n != width for n in lengths)
-    if not ragged:
-        cache, logits = prefill(ids if width <= capacity else ids[:, -keep:])
-    else:
-        # A prompt longer than the context keeps its newest tokens, as a lone prompt does.
-        rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
-        cache, logits = prefill_rows([row if len(row) <= capacity else row[-keep:] for row in rows])
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    all_done_at = torch.full((), -1, device=ids.device)  # the first step after which every row had ended
-    out = [ids]
-    for step in range(max_new_tokens):
-        token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-        if eos_tensor is not None:
-            token, all_done_at = _track_end(token, finished, eos_tensor, all_done_at, step)
-        out.append(token.unsqueeze(1))
-        stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
-        ended = eos_tensor is not None and (step + 1) % check_every == 0 and bool(finished.all())
-        if stop or step + 1 == max_new_tokens or ended:
-            break
-        if not ragged and cache[0].length == capacity:  # the window is full: rebuild it from its newest tokens
-            cache, logits = prefill(torch.cat(out, dim=1)[:, -keep:])
-            continue
-        if ragged and cache[0].length == capacity:
-            # Each full row alone is rebuilt from its newest tokens but the one it is about to take.
-            before = torch.cat(out[:-1], dim=1)
-            for b, n in enumerate(cache[0].lengths):
-                if n == capacity:
-                    row = before[b, width - lengths[b] :]
-                    _rebuild_row(model, cache, b, row[len(row) - (keep - 1) :])
-        logits = model(token.unsqueeze(1), kv_cache=cache)[:, -1]
-    result = _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos_tensor, check_every)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    batch = _batch_for(model, ids.shape[0], capacity)
+    try:
+        result = _decode(batch, context, ids, lengths, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
+                         sampling)  # fmt: skip
+    finally:
+        batch.clear()
+        _CACHES[model] = batch.caches  # kept for the next call
     return result.squeeze(0) if squeeze else result
 
 
-def _uses_static_cache(model: object) -> bool:
-    """Whether :func:`generate` decodes ``model`` over static caches (a compiled model's one step shape)."""
-    return isinstance(model, InferenceModel)
+#: Each model's static caches, kept between calls of :func:`generate` (they hold no reference to the model).
+_CACHES: "weakref.WeakKeyDictionary[Any, list[KVCache]]" = weakref.WeakKeyDictionary()
+
+
+def _batch_for(model: TransformerLM | InferenceModel, rows: int, capacity: int) -> "DecodeBatch":
+    """A :class:`DecodeBatch` of ``model`` for ``rows`` rows of ``capacity`` tokens, over the caches kept from
+    an earlier call when they have room (allocated once and reused), else over new ones, kept instead. For a
+    compiled model the capacity is rounded up to a power of two (at least 64, at most the context): requests of
+    similar lengths share caches and one compiled step. Kept caches leave the table while they are in use
+    (another thread decoding the same model meanwhile gets caches of its own)."""
+    from tlm_model.batching import DecodeBatch
+
+    if isinstance(model, InferenceModel):  # the capacity is a compiled step's shape
+        capacity = min(model.config.context_length, max(64, 1 << (capacity - 1).bit_length()))
+    caches = _CACHES.pop(model, None)
+    weight = model.lm_head.weight if isinstance(model, TransformerLM) else model.model.lm_head.weight
+    if caches is not None and (
+        caches[0].max_batch_size >= rows
+        and caches[0].capacity >= capacity
+        and (caches[0].key_buffer.dtype, caches[0].key_buffer.device) == (weight.dtype, weight.device)
+    ):
+        return DecodeBatch(model, caches[0].max_batch_size, caches=caches)
+    return DecodeBatch(model, rows, capacity=capacity)
 
 
 def _cut_after_the_end(result: Tensor, all_done_at: Tensor, width: int, eos: Tensor | None, check_every: int) -> Tensor:
@@ -189,11 +165,11 @@ def _cut_after_the_end(result: Tensor, all_done_at: Tensor, width: int, eos: Ten
     return result if done < 0 else result[:, : width + done + 1]
 
 
-def _generate_static(
-    model: InferenceModel | TransformerLM,
+def _decode(
+    batch: "DecodeBatch",
+    context: int,
     ids: Tensor,
     lengths: list[int],
-    capacity: int,
     max_new_tokens: int,
     eos: Tensor | None,
     on_token: Callable[[Tensor], bool | None] | None,
@@ -201,20 +177,16 @@ def _generate_static(
     squeeze: bool,
     sampling: dict,
 ) -> Tensor:
-    """:func:`generate`'s loop over a :class:`DecodeBatch` (static caches, one step shape): what an
-    :class:`InferenceModel` decodes with. A full row (only at the context: ``capacity`` is then the context)
-    is refilled alone from its newest tokens but the one it is about to take, then takes it with the others."""
-    from tlm_model.batching import DecodeBatch
-
+    """:func:`generate`'s loop over an empty :class:`DecodeBatch` (static caches, one step shape, eager or
+    compiled). A row that fills the caches (only at the context: the capacity is then the context) is refilled
+    alone from its newest tokens but the one it is about to take, then takes it with the others."""
     width = ids.shape[1]
-    context = model.config.context_length
     keep, _ = sliding_window(context)
-    # The caches' capacity is a step's shape: rounded up to a power of two (at least 64, at most the context),
-    # requests of similar lengths share one compiled step. A window still slides only at the context.
-    capacity = min(context, max(64, 1 << (capacity - 1).bit_length()))
-    batch = DecodeBatch(model, ids.shape[0], capacity=capacity)
+    capacity = batch.capacity
     rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
-    logits = cast(Tensor, batch.add_many([row if len(row) <= capacity else row[-keep:] for row in rows]))
+    prompts = [row if len(row) <= capacity else row[-keep:] for row in rows]
+    # Every prompt in one forward (as a full forward over the padded prompts would), however many rows.
+    logits = cast(Tensor, batch.add_many(prompts, budget=max(batch.prefill_chunk, sum(map(len, prompts)))))
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     all_done_at = torch.full((), -1, device=ids.device)
     out = [ids]
@@ -307,20 +279,6 @@ def sample_tokens(
     # A draw of exactly 0 would make 0/0 of a dropped token: the smallest normal float instead.
     drawn = (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
     return torch.where(temperatures > 0, drawn, logits.argmax(-1))
-
-
-def _rebuild_row(model: TransformerLM | InferenceModel, cache: list, row: int, tokens: Tensor) -> None:
-    """Row ``row`` of every layer's cache holds exactly ``tokens``'s keys and values (a slid window)."""
-    if len(tokens) == 0:
-        lengths = list(cache[0].lengths)
-        lengths[row] = 0
-        for layer in cache:
-            layer.truncate(lengths)
-        return
-    alone = model.new_kv_cache(1, capacity=len(tokens))
-    model(tokens.unsqueeze(0), kv_cache=alone)
-    for layer, source in zip(cache, alone, strict=True):
-        layer.set_row(row, source)
 
 
 def _prompt_lengths(prompt_lengths: Sequence[int] | None, shape: torch.Size) -> list[int]:
