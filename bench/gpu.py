@@ -543,8 +543,8 @@ def _settings(device: torch.device, tokens: pathlib.Path, out: pathlib.Path, **c
 
 
 def part_resume(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
+    from tlm_artifacts.steps import read_model_state
     from tlm_train import RunDir, TrainConfig, train
-    from tlm_train.checkpoint import read_model_state
     from tlm_train.metrics import TIMING_FIELDS
 
     rows = {}

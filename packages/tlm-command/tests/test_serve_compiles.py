@@ -28,6 +28,10 @@ class Letters:
         return bytes(97 + i % 26 for i in ids)
 
 
+def _unset(piece) -> None:  # each request's emit until the test gives it its own
+    raise AssertionError("emit was not set")
+
+
 def _workload(rng, count):
     """(requests to submit together, the pause before them) in arrival order: ``count`` requests in all."""
     from tlm_command.scheduler import Request
@@ -44,7 +48,7 @@ def _workload(rng, count):
         wave = []
         for choice in range(n):
             wave.append(Request(
-                prompt=prompt, max_tokens=max_tokens, emit=None, temperature=rng.choice([0.0, 0.0, 0.8]),
+                prompt=prompt, max_tokens=max_tokens, emit=_unset, temperature=rng.choice([0.0, 0.0, 0.8]),
                 seed=rng.randrange(1000) + choice, stop=rng.choice([[], [], ["q"], ["ab", "z"]]),
                 logprobs=rng.choice([None, None, 0, 3]), echo=echo,
             ))  # fmt: skip

@@ -410,7 +410,7 @@ def test_a_run_resumes_with_its_own_train_toml_in_its_current_folder_and_the_cha
     planned = sweep.Sweep(folder, sweep.read_manifest(folder), jobs=1, quiet=True)
     for name in ("a", "b"):
         entry = _entry(name, settings={"steps": 5, "seed": 7, "lr": 1e-4, "model.d_model": 64})
-        assert sweep.train_run(planned.job(entry)) == {"status": "done"}
+        assert sweep.train_run(planned.job(entry)) == {"status": "done", "stop": False}
     (resumed, resume), (fresh, new) = calls
     assert resume and not new
     assert resumed.out_dir == str(folder / "a") and fresh.out_dir == str(folder / "b")
@@ -421,3 +421,4 @@ def test_a_run_resumes_with_its_own_train_toml_in_its_current_folder_and_the_cha
 
 class _Done:
     interrupted = False
+    stop_requested = False

@@ -38,7 +38,8 @@ out["decode_matches_generate"] = greedy == generate(model, torch.tensor([1, 2, 3
 
 from tlm_optim import AdamW
 from tlm_train import CheckpointManager, TrainConfig, capture_state, train
-from tlm_train.checkpoint import BackgroundSaver, read_sharded_tensors
+from tlm_artifacts.steps import read_sharded_tensors
+from tlm_train.checkpoint import BackgroundSaver
 tmp = Path(tempfile.mkdtemp())
 opt = AdamW(model.parameters())
 model.loss(torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))).backward()

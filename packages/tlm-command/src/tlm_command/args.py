@@ -8,10 +8,16 @@ import argparse
 import math
 import os
 import shutil
-import sys
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from tlm_core.cli import UserError as UserError
+from tlm_core.cli import add_command as add_command
+from tlm_core.cli import description as description
+from tlm_core.cli import positive_float as positive_float
+from tlm_core.cli import positive_int as positive_int
+from tlm_core.cli import say as say
 
 if TYPE_CHECKING:
     import torch
@@ -19,10 +25,6 @@ if TYPE_CHECKING:
 #: The dtype names ``--dtype`` takes: ``tlm_core.tensors.DTYPES``'s keys (a test holds them equal), named
 #: here so that parsing needs no torch.
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
-
-
-class UserError(Exception):
-    """A mistake in the command line or its inputs: printed as one line, exit status 2."""
 
 
 class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -98,26 +100,6 @@ class _HelpAll(argparse.Action):
         parser.full_help = True  # type: ignore[attr-defined]
         parser.print_help()
         parser.exit()
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
 
 
 def _number(text: str) -> float:
@@ -198,22 +180,22 @@ def check_output(out: str | os.PathLike[str], *inputs: str | os.PathLike[str] | 
             raise UserError(f"{flag} {out} would overwrite the input {source}; choose another {flag}")
 
 
-def say(line: str) -> None:
-    """A status line on stderr (above a progress bar, when one is drawn)."""
-    print(f"tlm: {line}", file=sys.stderr)
+def fit_threads(device: "str | torch.device", *, quiet: bool = False) -> int:
+    """Keep torch's CPU threads to the cores other processes leave free (``tlm_core.threads.fit_threads``),
+    for a command computing on the CPU; says so in one line unless ``quiet``. Returns the threads used."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return int(torch.get_num_threads())
+    from tlm_core.threads import fit_threads as choose
+
+    choice = choose(torch.get_num_threads())
+    if choice.threads != torch.get_num_threads():
+        torch.set_num_threads(choice.threads)
+    if choice.note is not None and not quiet:
+        say(choice.note)
+    return choice.threads
 
 
 def damaged(step: int, error: Exception) -> None:
     say(f"checkpoint of step {step} is damaged ({str(error).splitlines()[0][:160]}); using the one before")
-
-
-def add_command(commands: Any, name: str, help: str, doc: str | None, **options: Any) -> "Parser":
-    """The parser of subcommand ``name``: ``help`` is its line in the list of commands, ``doc`` (a module
-    docstring, or a sentence) its ``--help`` text, read with :func:`description`."""
-    parser: Parser = commands.add_parser(name, help=help, description=description(doc), **options)
-    return parser
-
-
-def description(doc: str | None) -> str:
-    """A module docstring as ``--help`` text: its body after the summary line, without reST markup."""
-    return (doc or "").split("\n\n", 1)[-1].replace("``", "")

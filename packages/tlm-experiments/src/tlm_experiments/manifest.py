@@ -7,8 +7,12 @@ digits and ``. _ = , + -``, not starting with a dot, at most :data:`MAX_NAME_BYT
 sweep's own file names), wherever it comes from: a grid, a runs file or the manifest.
 """
 
+import contextlib
+import fcntl
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +109,29 @@ def check_manifest(manifest: dict[str, Any], where: str) -> None:
 def _short(value: object) -> str:
     text = json.dumps(value) if isinstance(value, (dict, list, str, int, float, bool, type(None))) else repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+#: The lock a SLURM task takes to rewrite ``sweep.json``.
+MANIFEST_LOCK = ".manifest.lock"
+
+
+@contextlib.contextmanager
+def manifest_lock(folder: Path) -> Iterator[None]:
+    """The lock every task takes to rewrite ``sweep.json`` (blocking ``flock``; the kernel frees it on death)."""
+    fd = os.open(folder / MANIFEST_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def update_entry(folder: Path, name: str, change: dict[str, Any]) -> None:
+    """Run ``name``'s entry of ``folder``'s ``sweep.json`` with ``change`` over it, under :func:`manifest_lock`."""
+    with manifest_lock(folder):
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        for entry in manifest["runs"]:
+            if entry["name"] == name:
+                entry.pop("message", None)
+                entry.update(change)
+        write_manifest(folder, manifest)

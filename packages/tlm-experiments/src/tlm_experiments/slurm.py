@@ -1,7 +1,7 @@
 """``tlm sweep --launcher slurm``: every run of a sweep (each seed too) one task of one SLURM job array,
 submitted with submitit (the ``slurm`` extra: ``pip install tlm-experiments[slurm]``).
 
-Each task trains its run as the local launcher does (:func:`tlm_experiments.sweep.train_run`: an ordinary
+Each task trains its run as the local launcher does (:func:`tlm_experiments.runs.train_run`: an ordinary
 run folder, resumed when it holds one) and records how it ended in ``SWEEP/sweep.json`` itself, under a lock
 (``SWEEP/.manifest.lock``), so ``tlm sweep --resume`` and ``tlm compare`` read a SLURM sweep as they read a
 local one. A task stopped by SIGUSR2 (submitit asks for it ``signal_delay_s`` before the time limit) or SIGUSR1
@@ -12,22 +12,19 @@ of its log. Job logs go to ``SWEEP/.slurm/``.
 """
 
 import contextlib
-import fcntl
 import io
-import json
 import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from tlm_core.cli import UserError, say
+from tlm_experiments.manifest import manifest_lock
 
 #: Where submitit keeps each task's pickled call and its logs, inside the sweep folder.
 LOGS = ".slurm"
-MANIFEST_LOCK = ".manifest.lock"
 #: The statuses a task leaves when its run has ended for good (the others: it was killed, or runs again).
 FINAL = ("done", "diverged", "failed", "interrupted")
 
@@ -74,52 +71,15 @@ def options(args: Any, manifest: dict[str, Any]) -> dict[str, Any]:
     return {"name": "slurm", **chosen}
 
 
-@contextlib.contextmanager
-def manifest_lock(folder: Path) -> Iterator[None]:
-    """The lock every task takes to rewrite ``sweep.json`` (blocking ``flock``; the kernel frees it on death)."""
-    fd = os.open(folder / MANIFEST_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def update(folder: Path, name: str, change: dict[str, Any]) -> None:
-    from tlm_experiments.manifest import MANIFEST, write_manifest
-
-    with manifest_lock(folder):
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        for entry in manifest["runs"]:
-            if entry["name"] == name:
-                entry.pop("message", None)
-                entry.update(change)
-        write_manifest(folder, manifest)
-
-
-def _task_class(run: Callable[[str, str], dict[str, Any]]) -> Any:
-    import submitit
-
-    class RunTask(submitit.helpers.Checkpointable):
-        """A sweep's run as submitit calls it; checkpointable, so a task that submitit itself catches being
-        preempted (outside the training loop, whose own handler checkpoints) is requeued as it is."""
-
-        def __call__(self, folder: str, name: str) -> dict[str, Any]:
-            return run(folder, name)
-
-    return RunTask
-
-
 def submit(
     folder: Path,
     manifest: dict[str, Any],
     todo: list[dict[str, Any]],
     *,
     jobs: int | None,
-    run: Callable[[str, str], dict[str, Any]],
 ) -> str:
     """Submit ``todo`` as one job array; returns the array's job id. The manifest records it (status
-    ``submitted``, each run's ``job``). Each task calls ``run(folder, name)`` (``tlm_experiments.sweep.run_task``)."""
+    ``submitted``, each run's ``job``). Each task is :class:`tlm_experiments.slurm_task.RunTask`."""
     import submitit
 
     from tlm_experiments.manifest import write_manifest
@@ -141,7 +101,9 @@ def submit(
     if launcher.get("gpus"):
         parameters["gpus_per_node"] = int(launcher["gpus"])
     executor.update_parameters(**parameters)
-    task = _task_class(run)()
+    from tlm_experiments.slurm_task import RunTask
+
+    task = RunTask()
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit prints sbatch's refusal too: said once, below
             submitted = executor.map_array(task, [str(folder)] * len(todo), [e["name"] for e in todo])

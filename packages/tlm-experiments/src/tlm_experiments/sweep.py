@@ -63,6 +63,7 @@ from tlm_experiments.manifest import (
     write_manifest,
 )
 from tlm_experiments.results import add_result_arguments
+from tlm_experiments.runs import apply, train_run
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
 FINISHED = ("done", "diverged")
@@ -162,21 +163,6 @@ def _flatten(settings: dict[str, Any], where: str) -> dict[str, Any]:
         else:
             flat[_key(name, where)] = value
     return flat
-
-
-def apply(base: dict[str, Any], flat: dict[str, Any]) -> dict[str, Any]:
-    """``base`` (a TrainConfig dict) with the flat settings over it, ``model.X`` into its model table."""
-    out = {**base, "model": dict(base.get("model", {}))}
-    for key, value in flat.items():
-        if key.startswith("model."):
-            out["model"][key[6:]] = value
-        else:
-            out[key] = [value] if key in _LIST_SETTINGS and not isinstance(value, list) else value
-    return out
-
-
-#: TrainConfig's list settings: one value given for them (``--set data=corpus.txt``) is a list of one.
-_LIST_SETTINGS = ("data", "special_tokens")
 
 
 def _label(key: str, text: str) -> str:
@@ -355,39 +341,6 @@ def default_jobs(manifest: dict[str, Any]) -> int:
     if str(manifest["base"].get("device", "cpu")) != "cpu":
         return 1
     return cpu_threads()
-
-
-def train_run(job: dict[str, Any]) -> dict[str, Any]:
-    """Train one run of a sweep to its end (resuming its folder when it holds a run): the outcome for the
-    manifest. Runs in the sweep's process, or in a worker process of ``--jobs``."""
-    from tlm_train import NonFiniteLossError, RunDir, TrainConfig, train
-
-    config = TrainConfig.from_dict(job["config"])
-    name = job["name"]
-    if Path(config.out_dir).is_symlink():  # planted since the sweep checked its folders: nothing is written there
-        return {"status": "failed", "message": f"{config.out_dir} is a symbolic link: tlm sweep never trains into one"}
-    resume = RunDir(config.out_dir).config_path.is_file()
-    if resume:
-        config = resume_config(config)
-    log = None if job["quiet"] else (lambda line: say(f"[{name}] {line}"))
-    try:
-        result = train(config, resume=resume, log=log, progress=False)
-    except NonFiniteLossError as err:
-        return {"status": "diverged", "message": str(err).splitlines()[0]}
-    except Exception as err:  # one run's failure is recorded; the sweep goes on
-        first = str(err).splitlines()[0] if str(err) else ""
-        return {"status": "failed", "message": f"{type(err).__name__}: {first}"}
-    if getattr(result, "requeued", False):  # a SLURM task stopped before its time limit and put back in the queue
-        return {"status": "interrupted", "requeued": True}
-    # A stop that came too late to stop the run (during its last step) still stops the sweep after it.
-    return {"status": "interrupted" if result.interrupted else "done", "stop": result.stop_requested}
-
-
-def resume_config(planned: Any) -> Any:
-    """What a run resumes with (``tlm_train.run_dir.resume_config``): as ``tlm train --resume RUN --steps N``."""
-    from tlm_train.run_dir import resume_config as resumed
-
-    return resumed(planned)
 
 
 def _init_worker(threads: int) -> None:
@@ -605,7 +558,7 @@ def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespa
     write_manifest(folder, manifest)
     if not todo:
         return manifest, True
-    array = slurm.submit(folder, manifest, todo, jobs=args.jobs, run=run_task)
+    array = slurm.submit(folder, manifest, todo, jobs=args.jobs)
     if not args.quiet:
         say(f"submitted {len(todo)} runs as SLURM job array {array} (logs in {folder / slurm.LOGS})")
     try:
@@ -657,23 +610,3 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         sys.stdout.write((folder / SUMMARY_MD).read_text(encoding="utf-8"))
     return 0
-
-
-def run_task(folder: str, name: str) -> dict[str, Any]:
-    """One SLURM task: train run ``name`` of the sweep in ``folder`` and record how it ended. After a requeue
-    the process ends without a result (SLURM runs the task again, which resumes the run)."""
-    from tlm_experiments.slurm import update
-    from tlm_train.cluster import job_id
-
-    sweep = Path(folder)
-    manifest = read_manifest(sweep)
-    entry = next(e for e in manifest["runs"] if e["name"] == name)
-    job = Sweep(sweep, manifest, jobs=1, quiet=False).job(entry)
-    update(sweep, name, {"status": "running", "job": job_id()})
-    outcome = train_run(job)
-    outcome.pop("stop", None)  # SLURM stops the task itself: nothing else to stop
-    if outcome.pop("requeued", False):
-        update(sweep, name, {"status": "requeued", "message": f"SLURM job {job_id()} requeued at a checkpoint"})
-        os._exit(0)  # no result: the task runs again, and its result is that run's
-    update(sweep, name, outcome)
-    return outcome
