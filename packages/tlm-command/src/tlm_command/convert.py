@@ -97,7 +97,6 @@ def run(args: argparse.Namespace) -> int:
     from tlm_artifacts.inputs import read_paths
     from tlm_core.tensors import dtype_from_name
     from tlm_model import save_hf, save_model_file
-    from tlm_model.accounting import human
 
     if args.context_length is not None and args.from_hf is None:
         raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
@@ -153,13 +152,7 @@ def run(args: argparse.Namespace) -> int:
         "tokenizer": tokenizer is not None,
         "config": model.config.to_dict(),
     }
-    if args.json:
-        print(json.dumps(report))
-    else:
-        with_tokenizer = " with its tokenizer" if tokenizer is not None else " (no tokenizer)"
-        print(
-            f"{source_kind} {source} -> {target} {args.out}{with_tokenizer} ({human(report['parameters'])} parameters)"
-        )
+    _done(args, report, f"{source_kind} {source} -> {target} {args.out}")
     return 0
 
 
@@ -269,7 +262,6 @@ def gguf_vocabulary(tokenizer: Any) -> Any:
 def _to_gguf(args: argparse.Namespace) -> int:
     """A model as one GGUF file (llama.cpp's ``llama``, or ``qwen2`` with q/k/v biases), tokenizer included."""
     import tlm_artifacts
-    from tlm_model.accounting import human
 
     try:
         from tlm_model.gguf import GGUF_DTYPES, save_gguf
@@ -304,10 +296,16 @@ def _to_gguf(args: argparse.Namespace) -> int:
         "tokenizer": tokenizer is not None,
         "config": model.config.to_dict(),
     }
+    _done(args, report, f"{artifact.describe()} {args.to_gguf} -> GGUF ({arch}, {dtype}) {args.out}")
+    return 0
+
+
+def _done(args: argparse.Namespace, report: dict[str, Any], what: str) -> None:
+    """A conversion's report: JSON with ``--json``, else one line, ``what`` then its tokenizer and size."""
     if args.json:
         print(json.dumps(report))
-    else:
-        with_tokenizer = " with its tokenizer" if tokenizer is not None else " (no tokenizer)"
-        print(f"{artifact.describe()} {args.to_gguf} -> GGUF ({arch}, {dtype}) {args.out}{with_tokenizer} "
-              f"({human(report['parameters'])} parameters)")  # fmt: skip
-    return 0
+        return
+    from tlm_model.accounting import human
+
+    with_tokenizer = " with its tokenizer" if report["tokenizer"] else " (no tokenizer)"
+    print(f"{what}{with_tokenizer} ({human(report['parameters'])} parameters)")
