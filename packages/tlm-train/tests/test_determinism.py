@@ -22,14 +22,13 @@ def test_a_cuda_run_uses_deterministic_algorithms_without_warn_only_and_flash_or
     # memory-efficient and cuDNN attention backward are not deterministic; cuBLAS needs its workspace setting.
     assert determinism_for("cuda", True) == Determinism(
         algorithms=True,
-        warn_only=False,
         cublas_workspace=":4096:8",
         cudnn_deterministic=True,
         cudnn_benchmark=False,
         sdpa_kernels=("flash", "math"),
     )
-    assert determinism_for("cpu", True) == Determinism(True, False, None, None, None, None)
-    assert determinism_for("cuda", False) == Determinism(False, False, None, None, None, None)
+    assert determinism_for("cpu", True) == Determinism(True, None, None, None, None)
+    assert determinism_for("cuda", False) == Determinism(False, None, None, None, None)
 
 
 @pytest.mark.parametrize("device_type", ["mps", "xpu"])

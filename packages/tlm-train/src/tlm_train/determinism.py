@@ -33,8 +33,7 @@ class DeterminismError(ValueError):
 class Determinism:
     """The settings of one run on one device type (:func:`determinism_for`); None: left as torch has it."""
 
-    algorithms: bool  # torch.use_deterministic_algorithms
-    warn_only: bool  # its warn_only (False: an op without a deterministic kernel raises)
+    algorithms: bool  # torch.use_deterministic_algorithms, never warn_only: an op without a deterministic kernel raises
     cublas_workspace: str | None  # CUBLAS_WORKSPACE_CONFIG
     cudnn_deterministic: bool | None
     cudnn_benchmark: bool | None
@@ -45,17 +44,16 @@ def determinism_for(device_type: str, deterministic: bool) -> Determinism:
     """The settings a run on ``device_type`` uses; raises :class:`DeterminismError` for ``deterministic`` on
     a device type not in :data:`DETERMINISTIC_DEVICES`."""
     if not deterministic:
-        return Determinism(False, False, None, None, None, None)
+        return Determinism(False, None, None, None, None)
     if device_type not in DETERMINISTIC_DEVICES:
         raise DeterminismError(
             f"--deterministic on {device_type}: tlm knows no deterministic kernel set for this device "
             "(bit-exact resume is promised on cpu and cuda); pass --no-deterministic"
         )
     if device_type != "cuda":
-        return Determinism(True, False, None, None, None, None)
+        return Determinism(True, None, None, None, None)
     return Determinism(
         algorithms=True,
-        warn_only=False,
         cublas_workspace=CUBLAS_WORKSPACE,
         cudnn_deterministic=True,
         cudnn_benchmark=False,
@@ -96,7 +94,7 @@ def apply(settings: Determinism) -> Callable[[], None]:
     if settings.algorithms:
         before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
         restore.callback(torch.use_deterministic_algorithms, before[0], warn_only=before[1])
-        torch.use_deterministic_algorithms(True, warn_only=settings.warn_only)
+        torch.use_deterministic_algorithms(True, warn_only=False)
     if settings.cudnn_deterministic is not None:
         restore.callback(setattr, torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
         torch.backends.cudnn.deterministic = settings.cudnn_deterministic
