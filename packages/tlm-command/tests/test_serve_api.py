@@ -487,7 +487,7 @@ def test_chat_template_errors_are_the_requests_400_and_a_broken_template_stops_t
 
 
 @pytest.mark.slow
-def test_a_compiled_model_compiles_every_batch_size_at_start_and_never_for_a_request(parts, served, monkeypatch):
+def test_a_compiled_model_compiles_every_batch_size_at_start_and_never_for_a_request(parts, served, recorded_graphs):
     # Issue 34: tlm serve compiles by default; the scheduler warms the step up for every batch bucket (and the
     # prompt chunks' dynamic sizes) before it takes requests. A counting backend (dynamo's graphs, no C++
     # build, ~15 s of tracing) shows nothing compiles for 6 concurrent requests on 2 rows (joining and
@@ -496,18 +496,9 @@ def test_a_compiled_model_compiles_every_batch_size_at_start_and_never_for_a_req
 
     from tlm_command.openai_api import create_app
     from tlm_command.scheduler import Scheduler
-    from tlm_model import compile_for_inference, inference
+    from tlm_model import compile_for_inference
 
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    monkeypatch.setitem(inference.DECODE_COMPILE_KWARGS, "cpu", {"backend": backend, "fullgraph": True,
-                                                                  "dynamic": False})  # fmt: skip
-    monkeypatch.setattr(inference, "PREFILL_COMPILE_KWARGS", {"backend": backend, "fullgraph": True})
-    torch._dynamo.reset()
+    graphs = recorded_graphs
     model, tokenizer = parts
     scheduler = Scheduler(compile_for_inference(model), tokenizer, max_batch=2, max_queue=8, warm_up=True,
                           eos_ids=[tokenizer.encode("<|endoftext|>")[0]], device=torch.device("cpu"))  # fmt: skip

@@ -58,23 +58,14 @@ def _workload(rng, count):
 
 
 @pytest.mark.slow
-def test_a_random_workload_compiles_nothing_after_the_warm_up(monkeypatch):
+def test_a_random_workload_compiles_nothing_after_the_warm_up(recorded_graphs):
     # ~20 s: dynamo traces the 1-layer model three times (steps of 1 row and of more, prompt chunks).
     from torch._dynamo.utils import counters
 
     from tlm_command.scheduler import Scheduler
-    from tlm_model import compile_for_inference, inference
+    from tlm_model import compile_for_inference
 
-    graphs = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    monkeypatch.setitem(inference.DECODE_COMPILE_KWARGS, "cpu", {"backend": backend, "fullgraph": True,
-                                                                  "dynamic": False})  # fmt: skip
-    monkeypatch.setattr(inference, "PREFILL_COMPILE_KWARGS", {"backend": backend, "fullgraph": True})
-    torch._dynamo.reset()
+    graphs = recorded_graphs
     counters.clear()
     torch.manual_seed(0)
     model = TransformerLM(CFG).eval()
