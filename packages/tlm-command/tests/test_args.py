@@ -8,7 +8,16 @@ import argparse
 
 import pytest
 
-from tlm_command.args import UserError, check_output, positive_int, temperature, top_p
+from tlm_command.args import (
+    UserError,
+    add_command,
+    check_output,
+    description,
+    positive_float,
+    positive_int,
+    temperature,
+    top_p,
+)
 
 
 @pytest.mark.parametrize(("parse", "text", "value"), [
@@ -57,3 +66,33 @@ def test_every_subcommand_has_its_line_in_the_list_and_its_own_help_text():
     assert set(lines) == set(commands.choices) and all(lines.values()), lines
     # The --help text of a command declared with a module docstring is that docstring's body.
     assert commands.choices["eval"].description == description(tlm_command.eval.__doc__)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "1.5", "x", ""])
+def test_positive_int_refuses_what_is_not_a_positive_integer(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a positive integer"):
+        positive_int(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-1e-3", "nan", "inf", "x"])
+def test_positive_float_refuses_what_is_not_a_positive_finite_number(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a positive number"):
+        positive_float(text)
+
+
+def test_the_types_read_positive_values_as_argparse_does():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=positive_int)
+    parser.add_argument("--x", type=positive_float)
+    args = parser.parse_args(["--n", "7", "--x", "2.5e-3"])
+    assert (args.n, args.x) == (7, 2.5e-3)
+
+
+def test_a_subcommand_takes_its_help_from_the_docstring_body():
+    doc = """``tlm thing``: the summary line.
+
+    The body, with ``markup`` dropped."""
+    commands = argparse.ArgumentParser(prog="tlm").add_subparsers()
+    parser = add_command(commands, "thing", "one line", doc)
+    assert parser.description == description(doc) == "    The body, with markup dropped."
+    assert parser.prog == "tlm thing"

@@ -101,3 +101,17 @@ def test_adapter_files_and_experiments_import_nothing_above_them() -> None:
     assert "tlm_experiments.manifest" in edges["tlm_experiments.compare"] & edges["tlm_experiments.sweep"]
     experiments = {n: e for n, e in edges.items() if n.startswith("tlm_experiments")}
     assert not {m for e in experiments.values() for m in e if m.startswith("tlm_command")}
+
+
+def test_only_tlm_command_parses_a_command_line() -> None:
+    """The libraries take plain values (a notebook calls ``tlm_experiments.sweep.run(SweepOptions(...))``);
+    every flag, its parser and its help live in tlm-command."""
+    parsing = sorted(
+        name
+        for name, path in modules(ROOT).items()
+        if not name.startswith(("tlm_command", "tlm."))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        and "argparse" in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
+    )
+    assert parsing == []

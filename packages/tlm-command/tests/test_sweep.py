@@ -1,7 +1,6 @@
 """``tlm sweep``: a grid's product and a runs file as ordinary run folders; settings checked before anything runs;
 a sweep killed mid-run resumes to the summary and the weights of an uninterrupted one, a divergent run included."""
 
-import argparse
 import fcntl
 import json
 import os
@@ -129,7 +128,7 @@ def test_a_runs_file_names_its_runs_over_a_shared_base(tmp_path) -> None:
     runs = tmp_path / "runs.toml"
     runs.write_text('[base]\nsteps = 7\n[base.model]\nd_model = 64\n[runs.baseline]\n'
                     '[runs.small-lr]\nlr = 1e-4\n[runs.wide]\nmodel = { d_ff = 256 }\n')  # fmt: skip
-    args = argparse.Namespace(grid=[], runs=str(runs), config=None, set=["batch_size=8"])
+    args = sweep.SweepOptions(runs=str(runs), set=["batch_size=8"])
     manifest = sweep.plan(args, tmp_path / "sweep")
     assert [(r["name"], r["settings"]) for r in manifest["runs"]] == [
         ("baseline", {}), ("small-lr", {"lr": 1e-4}), ("wide", {"model.d_ff": 256})

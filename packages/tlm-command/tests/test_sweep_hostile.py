@@ -2,7 +2,6 @@
 one folder name, symlinks planted where a sweep writes, metrics records of the wrong shape, plans too big to
 make. Each is refused in one line naming the file or field, and nothing outside the sweep folder changes."""
 
-import argparse
 import json
 import os
 
@@ -162,9 +161,9 @@ def test_a_plan_over_max_runs_is_refused_with_its_size_before_anything_is_made(
     fails(["sweep", "--out-dir", str(out), "--runs", str(runs), "--max-runs", "3"], f"--runs {runs}: 4 runs, more")
     assert sorted(os.listdir(tmp_path)) == ["runs.toml"]
     # At the limit, the plan is made.
-    grid = argparse.Namespace(grid=["lr=1e-3,2e-3,3e-3", "seed=1,2"], runs=None, config=None, set=[], max_runs=6)
+    grid = sweep.SweepOptions(grid=["lr=1e-3,2e-3,3e-3", "seed=1,2"], max_runs=6)
     assert len(sweep.plan(grid, out)["runs"]) == 6
-    by_file = argparse.Namespace(grid=[], runs=str(runs), config=None, set=[], max_runs=4)
+    by_file = sweep.SweepOptions(runs=str(runs), max_runs=4)
     assert [r["name"] for r in sweep.plan(by_file, out)["runs"]] == ["r0", "r1", "r2", "r3"]
     assert sweep.MAX_RUNS == 1000 and not out.exists()
     from tlm_command.main import main

@@ -1,7 +1,6 @@
 """A sweep's bounds and stops: ``--seeds`` is counted in the plan's size before any run is made, and a stop
 signal that comes too late to stop a run (during its last step) still stops the sweep after that run."""
 
-import argparse
 import json
 import os
 import signal
@@ -11,38 +10,33 @@ import pytest
 
 from tlm_core.cli import UserError
 from tlm_experiments import sweep
+from tlm_experiments.sweep import SweepOptions
 
 SETTINGS = {"vocab_size": 32, "batch_size": 4, "eval_batches": 1, "peak_flops": 1e9, "warmup_steps": 0,
             "sample_tokens": 0, "eval_interval": 10, "checkpoint_interval": 10, "steps": 2,
             "context_length": 16, "d_model": 16, "num_layers": 1, "num_heads": 2, "d_ff": 32}  # fmt: skip
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    sweep.add_parser(parser.add_subparsers())
-    return parser.parse_args(["sweep", *argv])
-
-
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("options", "message"),
     [
-        (["--grid", "lr=1,2", "--seeds", "600"], "--grid: 2 x 600 seeds = 1,200 runs, more than --max-runs 1,000"),
-        (["--grid", "lr=1,2", "--seeds", "3", "--max-runs", "5"], "--grid: 2 x 3 seeds = 6 runs, more than --max-runs"),
-        (["--grid", "lr=1", "--seeds", str(10**9)], "--grid: 1 x 1000000000 seeds = 1,000,000,000 runs, more than"),
-        (["--grid", "lr=1", "--seeds", "2", "--max-runs", "1"], "--grid: 1 x 2 seeds = 2 runs, more than --max-runs"),
+        ({"grid": ["lr=1,2"], "seeds": 600}, "--grid: 2 x 600 seeds = 1,200 runs, more than --max-runs 1,000"),
+        ({"grid": ["lr=1,2"], "seeds": 3, "max_runs": 5}, "--grid: 2 x 3 seeds = 6 runs, more than --max-runs"),
+        ({"grid": ["lr=1"], "seeds": 10**9}, "--grid: 1 x 1000000000 seeds = 1,000,000,000 runs, more than"),
+        ({"grid": ["lr=1"], "seeds": 2, "max_runs": 1}, "--grid: 1 x 2 seeds = 2 runs, more than --max-runs"),
     ],
 )  # fmt: skip
-def test_seeds_count_before_the_max_runs_check(tmp_path, argv, message):
+def test_seeds_count_before_the_max_runs_check(tmp_path, options, message):
     with pytest.raises(UserError, match=f"^{message}"):
-        sweep.plan(parse("--out-dir", str(tmp_path / "s"), *argv), tmp_path / "s")
-    assert len(sweep.plan(parse("--out-dir", "x", "--grid", "lr=1,2", "--seeds", "3"), tmp_path)["runs"]) == 6
+        sweep.plan(SweepOptions(out_dir=str(tmp_path / "s"), **options), tmp_path / "s")
+    assert len(sweep.plan(SweepOptions(out_dir="x", grid=["lr=1,2"], seeds=3), tmp_path)["runs"]) == 6
 
 
 def test_a_runs_file_times_its_seeds_is_bounded_too(tmp_path):
     runs = tmp_path / "runs.toml"
     runs.write_text("[runs.a]\nlr = 1e-3\n[runs.b]\nlr = 2e-3\n")
     with pytest.raises(UserError, match=r"^--runs \S+: 2 x 3 seeds = 6 runs, more than --max-runs 5$"):
-        sweep.plan(parse("--out-dir", "x", "--runs", str(runs), "--seeds", "3", "--max-runs", "5"), tmp_path)
+        sweep.plan(SweepOptions(out_dir="x", runs=str(runs), seeds=3, max_runs=5), tmp_path)
 
 
 def test_a_stop_during_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monkeypatch):
@@ -58,8 +52,8 @@ def test_a_stop_during_a_runs_last_step_stops_the_sweep_after_it(tmp_path, monke
             os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(Recipe, "maybe_checkpoint", checkpoint_then_signal)
-    sets = [a for k, v in {**SETTINGS, "data": tokens}.items() for a in ("--set", f"{k}={v}")]
-    args = parse("--out-dir", str(tmp_path / "sweep"), "--grid", "lr=1e-3,2e-3", *sets, "--jobs", "1", "--quiet")
+    sets = [f"{k}={v}" for k, v in {**SETTINGS, "data": tokens}.items()]
+    args = SweepOptions(out_dir=str(tmp_path / "sweep"), grid=["lr=1e-3,2e-3"], set=sets, jobs=1, quiet=True)
     assert sweep.run(args) == 130
     runs = json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]
     assert [r["status"] for r in runs] == ["done", "pending"]  # the first finished; the second never started
@@ -70,7 +64,7 @@ def test_a_sweep_folder_that_overlaps_what_a_run_reads_is_refused_before_anythin
     base = tmp_path / "base"
     base.mkdir()
     for out in (base / "sweeps", base):
-        args = parse("--out-dir", str(out), "--grid", "lr=1e-3,2e-3", "--set", f"init_from={base}")
+        args = SweepOptions(out_dir=str(out), grid=["lr=1e-3,2e-3"], set=[f"init_from={base}"])
         with pytest.raises(ValueError, match=rf"^run lr=1e-3: --out-dir {out} (lies inside|is) --init-from {base}"):
             sweep.run(args)
     assert sorted(base.iterdir()) == []

@@ -13,10 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from tlm_core.cli import UserError as UserError
-from tlm_core.cli import add_command as add_command
-from tlm_core.cli import description as description
-from tlm_core.cli import positive_float as positive_float
-from tlm_core.cli import positive_int as positive_int
 from tlm_core.cli import say as say
 
 if TYPE_CHECKING:
@@ -100,6 +96,35 @@ class _HelpAll(argparse.Action):
         parser.full_help = True  # type: ignore[attr-defined]
         parser.print_help()
         parser.exit()
+
+
+def add_command(commands: Any, name: str, help: str, doc: str | None, **options: Any) -> Any:
+    """The parser of subcommand ``name`` (of the subparsers ``commands``' own parser class): ``help`` is its
+    line in the list of commands, ``doc`` (a module docstring, or a sentence) its ``--help`` text, read with
+    :func:`description`."""
+    return commands.add_parser(name, help=help, description=description(doc), **options)
+
+
+def description(doc: str | None) -> str:
+    """A module docstring as ``--help`` text: its body after the summary line, without reST markup."""
+    return (doc or "").split("\n\n", 1)[-1].replace("``", "")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def _number(text: str) -> float:

@@ -1,7 +1,7 @@
 """``tlm``: the parser of every subcommand, and the one place user errors become one line and exit 2.
 
-Each subcommand is a module with ``add_parser(commands)`` (which sets ``run=fn`` on its parser) and
-``run(args) -> int``: one of this package, or of tlm-experiments for ``sweep`` and ``compare``. A command's
+Each subcommand is a module of this package, ``tlm_command.<name>``, with ``add_parser(commands)`` (which sets
+``run=fn`` on its parser) and ``run(args) -> int``; ``sweep`` and ``compare`` call tlm-experiments. A command's
 ``UserError``, ``ValueError``, ``TypeError`` or ``OSError`` prints ``tlm: error: <first line>`` (at most 2,000
 characters of it) and exits 2; Ctrl-C exits 130.
 """
@@ -14,11 +14,8 @@ from collections.abc import Sequence
 
 from tlm_command.args import Parser, UserError
 
-#: The subcommands, in the order ``tlm --help`` lists them; each is the module ``tlm_command.<name>`` unless
-#: :data:`MODULES` names another.
+#: The subcommands, in the order ``tlm --help`` lists them; each is the module ``tlm_command.<name>``.
 COMMANDS = ("train", "sweep", "compare", "generate", "eval", "convert", "tokenizer", "info", "accounting", "serve")
-#: The subcommands whose module lives in another package: the experiment tooling is tlm-experiments'.
-MODULES = {"sweep": "tlm_experiments.sweep", "compare": "tlm_experiments.compare"}
 
 
 def _version() -> str:
@@ -40,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        importlib.import_module(MODULES.get(name, f"tlm_command.{name}")).add_parser(commands)
+        importlib.import_module(f"tlm_command.{name}").add_parser(commands)
     return parser
 
 

@@ -1,7 +1,7 @@
 """Training experiments as a library: sweep plans and their runner (:mod:`tlm_experiments.sweep`), a run's
 results read back (:mod:`.compare`), grouped by setting with statistics and plots (:mod:`.results`), and the
-intervals behind them (:mod:`.stats`). ``tlm sweep`` and ``tlm compare`` (tlm-command) wire these to the
-command line; a notebook or another tool imports them without it.
+intervals behind them (:mod:`.stats`). Every function takes plain values (a sweep: ``sweep.run(SweepOptions(...))``);
+``tlm sweep`` and ``tlm compare`` (tlm-command) parse the command line and call them.
 
 Names load on first use (PEP 562): ``tlm_experiments.stats`` imports neither torch nor a training package.
 """
@@ -26,6 +26,7 @@ _HOMES = {
     "describe": "tlm_experiments.stats",
     "difference": "tlm_experiments.stats",
     "verdict": "tlm_experiments.stats",
+    "SweepOptions": "tlm_experiments.sweep",
     "expand_grid": "tlm_experiments.sweep",
 }
 
@@ -33,6 +34,7 @@ __all__ = [
     "Difference",
     "RunSummary",
     "Sample",
+    "SweepOptions",
     "__version__",
     "collect",
     "describe",
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from tlm_experiments.manifest import read_manifest
     from tlm_experiments.results import RunSummary, group_runs, statistics
     from tlm_experiments.stats import Difference, Sample, describe, difference, verdict
-    from tlm_experiments.sweep import expand_grid
+    from tlm_experiments.sweep import SweepOptions, expand_grid
 
 
 lazy_exports(__name__, _HOMES)

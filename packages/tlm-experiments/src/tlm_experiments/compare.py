@@ -12,18 +12,16 @@ and by wall-clock time and the final loss per setting (:mod:`tlm_experiments.res
     tlm compare sweeps/lr --json
 """
 
-import argparse
 import json
 import math
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tlm_core.cli import UserError, add_command
+from tlm_core.cli import UserError
 from tlm_experiments.manifest import MANIFEST, read_manifest
-from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
+from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary
 
 __all__ = ["BITS_PER_BYTE", "NATS", "STATUSES", "UNSTABLE_ABOVE", "RunData", "RunSummary", "collect", "full_markdown",
            "harmonize", "markdown", "plot", "report", "run_data", "status_text", "summarize"]  # fmt: skip
@@ -314,20 +312,6 @@ def _messages(folder: Path) -> dict[str, str]:
     return {r["name"]: str(r["message"]) for r in read_manifest(folder)["runs"] if r.get("message")}
 
 
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "compare",
-        "put runs (or a sweep's runs) side by side: a table, and validation loss by step and by time",
-        __doc__,
-    )
-    parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders, or sweep folders")
-    parser.add_argument("--out", metavar="FILE.png", help="draw the comparison into this PNG")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
-    add_result_arguments(parser)
-    parser.set_defaults(run=run)
-
-
 def collect(paths: list[str], *, unstable_above: float = UNSTABLE_ABOVE) -> list[RunSummary]:
     """The summaries of the named runs and of every run of the named sweeps, in order."""
     summaries: list[RunSummary] = []
@@ -397,21 +381,3 @@ def full_markdown(summaries: list[RunSummary], *, baseline: str | None = None, u
         note = "Losses in bits per byte of the same validation text: the runs' tokenizers differ.\n\n"
         return note + markdown(summaries, unit) + "\n" + table
     return markdown(summaries, unit) + "\n" + table
-
-
-def run(args: argparse.Namespace) -> int:
-    summaries = collect(args.paths, unstable_above=args.unstable_above)
-    if not summaries:
-        raise UserError("no run to compare: the sweep folders hold no run that has started")
-    unit = harmonize(summaries)  # refuses runs validated on other text; bits per byte across tokenizers
-    if unit != NATS:
-        print("tlm: the runs' tokenizers differ: their losses are compared in bits per byte", file=sys.stderr)
-    text = full_markdown(summaries, baseline=args.baseline, unit=unit)  # checks --baseline before anything is written
-    if args.out is not None:
-        plot(summaries, args.out, title=None if unit == NATS else "validation loss in bits per byte")
-    if args.json:
-        data = report(summaries, unstable_above=args.unstable_above, baseline=args.baseline, unit=unit)
-        print(json.dumps(data, indent=2, allow_nan=False))
-    else:
-        sys.stdout.write(text)
-    return 0

@@ -15,7 +15,6 @@ interrupted run is drawn dashed and never marked as diverged.
 The caption names the runs, their seeds and steps.
 """
 
-import argparse
 import json
 import math
 import re
@@ -23,7 +22,6 @@ import textwrap
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tlm_core.cli import positive_float
 from tlm_experiments.stats import Difference, Sample, describe, difference
 
 _SEED = re.compile(r"(^|,)seed=[^,]*")
@@ -37,20 +35,6 @@ UNSTABLE_ABOVE = 1.5
 #: starting loss, first at ``unstable_at``); ``interrupted`` (stopped before its last step, resumable: not a
 #: result); ``failed`` (an error, in ``message``).
 STATUSES = ("done", "diverged", "unstable", "interrupted", "failed")
-
-
-def add_result_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags that read runs as results, shared by ``tlm sweep`` and ``tlm compare``: ``--unstable-above``
-    and ``--baseline``."""
-    parser.add_argument(
-        "--unstable-above", type=positive_float, default=UNSTABLE_ABOVE, metavar="X",
-        help=f"a finished run is unstable when an evaluation exceeded X × its first (default: {UNSTABLE_ABOVE})",
-    )  # fmt: skip
-    parser.add_argument(
-        "--baseline",
-        metavar="SETTING",
-        help="the setting compared against (default: baseline, else the first)",
-    )
 
 
 #: A matplotlib colour: a name, or the RGB(A) tuple a colormap gives.

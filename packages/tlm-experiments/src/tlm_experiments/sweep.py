@@ -31,7 +31,6 @@ How each run ended: done, diverged (at step S), unstable (finished, but an evalu
 --unstable-above × its first: 1.5 by default), interrupted (resumable; not a result) or failed.
 """
 
-import argparse
 import contextlib
 import itertools
 import json
@@ -40,7 +39,8 @@ import os
 import re
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from tlm_core.cli import UserError, add_command, positive_int, say
+from tlm_core.cli import UserError, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
 from tlm_experiments.manifest import (
     FORMAT,
@@ -62,7 +62,6 @@ from tlm_experiments.manifest import (
     read_manifest,
     write_manifest,
 )
-from tlm_experiments.results import add_result_arguments
 from tlm_experiments.runs import apply, train_run
 
 #: How a run ended: these are kept by --resume; the others (pending, running, interrupted, failed) run again.
@@ -75,41 +74,28 @@ SLURM_FLAGS = ("partition", "time", "cpus_per_task", "gpus")
 MAX_RUNS = 1000
 
 
-def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "sweep",
-        "train a grid or a list of runs into one folder (resumable), with a summary and plots",
-        __doc__,
-    )
-    parser.add_argument("--out-dir", metavar="SWEEP", help="the sweep folder (new, or empty)")
-    parser.add_argument("--resume", metavar="SWEEP", help="continue a sweep: finished runs are kept")
-    parser.add_argument(
-        "--grid", action="append", default=[], metavar="KEY=V1,V2,...", help="one setting's values (several: product)"
-    )
-    parser.add_argument("--runs", metavar="FILE.toml", help="named runs: [base] and one [runs.NAME] table per run")
-    parser.add_argument("--config", metavar="FILE.toml", help="base settings, as tlm train --config reads them")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a base setting for every run")
-    parser.add_argument(
-        "--seeds", type=positive_int, default=None, metavar="N", help="run every setting N times, seeds SEED..SEED+N-1"
-    )
-    add_result_arguments(parser)
-    parser.add_argument(
-        "--jobs", type=positive_int, default=None, help="runs at once (default: one per CPU thread on the CPU, else 1)"
-    )
-    parser.add_argument(
-        "--max-runs", type=positive_int, default=MAX_RUNS, help="refuse a plan of more runs than this (its size said)"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no log lines")
-    cluster = parser.add_argument_group("on a SLURM cluster (--launcher slurm: each run a task of one job array)")
-    cluster.add_argument(
-        "--launcher", choices=LAUNCHERS, default=None, help="where the runs train (default: local, or as the sweep was)"
-    )
-    cluster.add_argument("--partition", default=None, help="the SLURM partition (default: the cluster's default)")
-    cluster.add_argument("--time", type=positive_int, default=None, metavar="MINUTES", help="task time limit (60)")
-    cluster.add_argument("--cpus-per-task", type=positive_int, default=None, metavar="N", help="CPUs of each task (1)")
-    cluster.add_argument("--gpus", type=positive_int, default=None, metavar="N", help="GPUs of each task (none)")
-    parser.set_defaults(run=run)
+@dataclass(frozen=True)
+class SweepOptions:
+    """One sweep, as :func:`run` takes it: a new one (``out_dir`` with ``grid`` or ``runs``) or ``resume`` of
+    one. Each field is the ``tlm sweep`` flag of its name (``set``: ``--set``), with its default."""
+
+    out_dir: str | None = None
+    resume: str | None = None
+    grid: Sequence[str] = ()
+    runs: str | None = None
+    config: str | None = None
+    set: Sequence[str] = ()
+    seeds: int | None = None
+    max_runs: int = MAX_RUNS
+    jobs: int | None = None
+    quiet: bool = False
+    unstable_above: float = UNSTABLE_ABOVE
+    baseline: str | None = None
+    launcher: str | None = None  # one of LAUNCHERS; None: local, or as the sweep was
+    partition: str | None = None
+    time: int | None = None
+    cpus_per_task: int | None = None
+    gpus: int | None = None
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -169,7 +155,7 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: list[str], *, max_runs: int | None = None, seeds: int = 1) -> list[tuple[str, dict[str, Any]]]:
+def expand_grid(grid: Sequence[str], *, max_runs: int | None = None, seeds: int = 1) -> list[tuple[str, dict[str, Any]]]:
     """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
     that, run ``seeds`` times each, makes more than ``max_runs`` runs is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []
@@ -219,7 +205,7 @@ def _read_runs_file(path: str) -> tuple[dict[str, Any], list[tuple[str, dict[str
     return base, [(name, _flatten(table, f"--runs {path} [runs.{name}]")) for name, table in runs.items()]
 
 
-def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def plan(args: SweepOptions, out: Path) -> dict[str, Any]:
     """The manifest of a new sweep: every run's settings, each checked as a TrainConfig before anything runs."""
     from tlm_train.config import TrainConfig
 
@@ -227,8 +213,8 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         raise UserError("give --grid KEY=V1,V2,... (one or more) or --runs FILE.toml")
     base = TrainConfig() if args.config is None else _base_config(args.config)
     flat_base: dict[str, Any] = {}
-    max_runs = getattr(args, "max_runs", MAX_RUNS)
-    seeds = getattr(args, "seeds", None) or 1  # counted before any run is made: --seeds multiplies the plan
+    max_runs = args.max_runs
+    seeds = args.seeds or 1  # counted before any run is made: --seeds multiplies the plan
     if args.runs:
         flat_base, runs = _read_runs_file(args.runs)
         if len(runs) * seeds > max_runs:
@@ -240,7 +226,7 @@ def plan(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         key, text = _split(item, "--set")
         flat_base[_key(key, "--set")] = _value(text)
     base_dict = apply({k: v for k, v in base.to_dict().items() if k != "out_dir"}, flat_base)
-    if getattr(args, "seeds", None) is not None:
+    if args.seeds is not None:
         runs = with_seeds(runs, args.seeds, int(base_dict.get("seed", 0)))
     names = [name for name, _ in runs]
     for name in names:
@@ -525,13 +511,13 @@ def write_summary(
     return summaries
 
 
-def _launcher(args: argparse.Namespace, manifest: dict[str, Any]) -> str:
+def _launcher(args: SweepOptions, manifest: dict[str, Any]) -> str:
     """``--launcher``, else the sweep's own (a resumed SLURM sweep stays on SLURM), else local; the cluster is
     checked (SLURM there, the partition known) before anything is written."""
     saved = manifest.get("launcher")
     launcher = args.launcher or (saved.get("name") if isinstance(saved, dict) else None) or "local"
     if launcher == "local":
-        given = [name for name in SLURM_FLAGS if getattr(args, name, None) is not None]
+        given = [name for name in SLURM_FLAGS if getattr(args, name) is not None]
         if given:
             raise UserError(f"--{given[0].replace('_', '-')} is for --launcher slurm")
         return launcher
@@ -542,7 +528,7 @@ def _launcher(args: argparse.Namespace, manifest: dict[str, Any]) -> str:
     return launcher
 
 
-def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: SweepOptions) -> tuple[dict[str, Any], bool]:
     """Submit the runs not finished as one job array and wait for it; the manifest the tasks left."""
     from tlm_experiments import slurm
 
@@ -569,7 +555,10 @@ def _run_on_slurm(folder: Path, manifest: dict[str, Any], args: argparse.Namespa
     return manifest, True
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: SweepOptions) -> int:
+    """Plan a new sweep (or read one to resume), train its runs not finished, write its summary; the exit
+    status of ``tlm sweep``: 0 when every run finished (the summary printed unless ``quiet``), 1 when some
+    failed, 130 when stopped (resumable)."""
     if args.resume is not None:
         if args.out_dir is not None or args.grid or args.runs or args.config or args.set or args.seeds:
             raise UserError(
