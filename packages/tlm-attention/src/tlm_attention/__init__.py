@@ -11,12 +11,12 @@ from tlm_core.lazy import lazy_exports
 __version__ = "0.4.0"
 
 __all__ = [
-    "ATTENTION_BACKENDS",
     "BACKENDS",
     "CacheStep",
     "CausalMultiHeadSelfAttention",
     "KVCache",
     "__version__",
+    "attention_function",
     "blockwise_attention",
     "cache_mask",
     "causal_attention",
@@ -24,16 +24,15 @@ __all__ = [
     "document_mask",
     "document_positions",
     "head_layout",
-    "masked_attention_backend",
-    "register_attention_backend",
     "resolve_attention_backend",
     "scaled_dot_product_attention",
     "softmax",
 ]
 
-_BACKENDS = ("ATTENTION_BACKENDS", "BACKENDS", "causal_attention", "register_attention_backend")
 _HOMES = {
-    **dict.fromkeys((*_BACKENDS, "masked_attention_backend", "resolve_attention_backend"), "tlm_attention.backends"),
+    **dict.fromkeys(
+        ("BACKENDS", "attention_function", "causal_attention", "resolve_attention_backend"), "tlm_attention.backends"
+    ),
     "blockwise_attention": "tlm_attention.blockwise",
     **dict.fromkeys(("document_ids", "document_mask", "document_positions"), "tlm_attention.documents"),
     "head_layout": "tlm_attention.heads",
@@ -44,14 +43,7 @@ _HOMES = {
 }
 
 if TYPE_CHECKING:
-    from tlm_attention.backends import (
-        ATTENTION_BACKENDS,
-        BACKENDS,
-        causal_attention,
-        masked_attention_backend,
-        register_attention_backend,
-        resolve_attention_backend,
-    )
+    from tlm_attention.backends import BACKENDS, attention_function, causal_attention, resolve_attention_backend
     from tlm_attention.blockwise import blockwise_attention
     from tlm_attention.documents import document_ids, document_mask, document_positions
     from tlm_attention.heads import head_layout

@@ -1,18 +1,18 @@
-"""Attention implementations by name: a registry resolved once, when a module is built.
+"""The three attention implementations, by name: ``attention_function(name)``, looked up once when a module
+is built.
 
-Every entry computes the same causal attention of (..., heads, queries, d_head) over
+Each computes the same causal attention of (..., heads, queries, d_head) over
 (..., kv_heads, keys, d_head), bottom-right aligned: query i sees keys j <= i + (keys - queries).
 That is ordinary causal attention when queries == keys, and new tokens attending to themselves and
 a KV cache otherwise. ``kv_heads`` divides ``heads`` (grouped-query attention, Ainslie et al. 2023):
 query head h reads key/value head h // (heads / kv_heads), as in HF's ``repeat_kv``.
-``"auto"`` is not an entry: :func:`resolve_attention_backend` turns it into ``"torch"``.
+``"auto"`` names none of them: :func:`resolve_attention_backend` turns it into ``"torch"``.
 
-Rows of different lengths in a KV cache need more than one causal offset: then an entry is called with
+Rows of different lengths in a KV cache need more than one causal offset: then one is called with
 ``mask=`` a boolean (..., 1, queries, keys) tensor (True = may attend) that replaces the causal mask.
 """
 
-from collections.abc import Callable, Mapping
-from types import MappingProxyType
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +90,8 @@ def _one_query_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tenso
 
 def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """``torch.nn.functional.scaled_dot_product_attention``: torch's fused kernels. On a CPU, one masked query
-    a row (a decode step over rows of different lengths) is two matmuls instead: torch's fused CPU kernel took
-    0.68 ms a layer for 16 rows of the course model (compiled), and the matmuls cut that step from 7.8-9.0 ms
-    to 6.0-7.0 ms (CPU time, 4 layers)."""
+    a row (a decode step over rows of different lengths) is :func:`_one_query_attention`'s two matmuls instead
+    (docs/benchmarks.md has the timing)."""
     gqa = _kv_groups(q, k, v) > 1
     if mask is not None and q.shape[-2] == 1 and q.device.type == "cpu" and (mask.ndim < 3 or mask.shape[-3] == 1):
         return _one_query_attention(q, k, v, mask)
@@ -108,70 +107,34 @@ def torch_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-class _RepeatKV:
-    """Wraps a backend registered without ``grouped_kv``: it sees as many kv heads as query heads."""
-
-    def __init__(self, fn: "AttentionFn") -> None:
-        self.fn = fn
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
-        groups = _kv_groups(q, k, v)
-        masked = {} if mask is None else {"mask": mask}
-        return self.fn(q, repeat_kv(k, groups), repeat_kv(v, groups), **masked)
-
-
-_REGISTRY: dict[str, AttentionFn] = {
-    "reference": reference_attention,
-    "blockwise": blockwise_causal_attention,
-    "torch": torch_attention,
-}
-
-#: name -> implementation ``fn(q, k, v)``; read-only view (add entries with
-#: :func:`register_attention_backend`).
-ATTENTION_BACKENDS: Mapping[str, AttentionFn] = MappingProxyType(_REGISTRY)
-
-#: The names tlm ships, plus "auto". In causal self-attention no row is ever fully masked, so
-#: torch's NaN for such rows cannot occur and "auto" may pick torch's fused kernels.
+#: The names ``attention_backend`` takes: tlm's three implementations, and "auto". In causal self-attention no
+#: row is ever fully masked, so torch's NaN for such rows cannot occur and "auto" may pick torch's fused kernels.
 BACKENDS = ("auto", "reference", "blockwise", "torch")
 
 
-def register_attention_backend(name: str, fn: AttentionFn, *, grouped_kv: bool = False) -> None:
-    """Make ``fn(q, k, v)`` (causal, bottom-right aligned) available as ``attention_backend=name``.
-
-    Decoding rows of different lengths calls ``fn(q, k, v, mask=mask)`` with a boolean mask that replaces
-    the causal one; a backend without a ``mask`` argument serves every other use.
-
-    ``fn`` should be a module-level function so that modules using it still pickle. With
-    ``grouped_kv=False`` (the default) ``fn`` always gets as many key/value heads as query heads
-    (grouped ones are repeated for it); with ``grouped_kv=True`` it gets k and v with ``kv_heads``
-    heads as they are, and must handle the grouping itself.
-    """
-    if not isinstance(name, str) or not name or name == "auto":
-        raise ValueError(f"name must be a non-empty str other than 'auto', got {name!r}")
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if name in _REGISTRY:
-        raise ValueError(f"attention backend {name!r} is already registered")
-    _REGISTRY[name] = fn if grouped_kv else _RepeatKV(fn)
+def resolve_attention_backend(name: object) -> str:
+    """The implementation ``name`` stands for: ``"auto"`` is ``"torch"`` on every device (torch's fused SDPA
+    picks its own kernel per device); any other name must be one of :data:`BACKENDS`, else ``ValueError``."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {name!r}")
+    return "torch" if name == "auto" else name
 
 
 def _blockwise_within_causal(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     return blockwise_causal_attention(q, k, v, mask, causal_mask=True)
 
 
-def masked_attention_backend(name: str) -> AttentionFn:
-    """The implementation of registered backend ``name`` for a ``mask`` known to lie within the causal one (a
-    document mask): the registered entry itself, except tlm's blockwise, which can then skip future blocks."""
-    return _blockwise_within_causal if name == "blockwise" else _REGISTRY[name]
-
-
-def resolve_attention_backend(name: object, device: torch.device | str | None = None) -> str:
-    """The registered name that ``name`` stands for: ``"auto"`` becomes ``"torch"`` on every ``device``
-    (torch's fused SDPA picks its own kernel per device); any other name must be registered. Raises
-    ``ValueError`` for unknown names."""
-    if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
-        raise ValueError(f"attention_backend must be one of {('auto', *_REGISTRY)}, got {name!r}")
-    return "torch" if name == "auto" else name
+def attention_function(name: str, *, within_causal: bool = False) -> AttentionFn:
+    """The implementation ``fn(q, k, v, mask=None)`` of backend ``name`` (resolved: not "auto"). With
+    ``within_causal``, for a ``mask`` known to lie within the causal one (a document mask): the same function,
+    except that blockwise then skips future blocks."""
+    match resolve_attention_backend(name):
+        case "reference":
+            return reference_attention
+        case "blockwise":
+            return _blockwise_within_causal if within_causal else blockwise_causal_attention
+        case _:
+            return torch_attention
 
 
 def causal_attention(
@@ -181,6 +144,6 @@ def causal_attention(
     attention_backend: str = "auto",
 ) -> Float[Tensor, "... heads queries d_head"]:
     """Causal attention of (..., heads, queries, d_head) over (..., kv_heads, keys, d_head),
-    bottom-right aligned, computed by the named backend ("auto": resolved for ``q``'s device).
+    bottom-right aligned, computed by the named backend (one of :data:`BACKENDS`).
     ``kv_heads`` must divide ``heads``; query head h reads kv head h // (heads / kv_heads)."""
-    return _REGISTRY[resolve_attention_backend(attention_backend, q.device)](q, k, v)
+    return attention_function(attention_backend)(q, k, v)

@@ -8,7 +8,7 @@ from einops import rearrange
 from jaxtyping import Float, Integer
 from torch import Tensor, nn
 
-from tlm_attention.backends import ATTENTION_BACKENDS, masked_attention_backend, resolve_attention_backend
+from tlm_attention.backends import attention_function, resolve_attention_backend
 from tlm_attention.documents import document_mask, flex_applies, flex_document_attention
 from tlm_attention.heads import head_layout
 from tlm_attention.kv_cache import CacheStep, KVCache
@@ -31,9 +31,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
     no positional signal (NoPE), where only the causal mask tells tokens apart by position
     (Haviv et al. 2022; Kazemnejad et al. 2023), and ``token_positions`` has nothing to act on.
 
-    ``attention_backend`` names the attention implementation (a key of
-    :data:`~tlm_attention.ATTENTION_BACKENDS`, or ``"auto"``); it is resolved once, here, for
-    ``device``, and an unknown name is refused here. ``fused=True`` (the default) computes q, k
+    ``attention_backend`` names the attention implementation (one of :data:`~tlm_attention.BACKENDS`); it is
+    resolved once, here, and an unknown name is refused here. ``fused=True`` (the default) computes q, k
     and v with one matmul against a stacked (3·d_model, d_model) weight ``qkv_proj``; state
     dicts keep (and accept) the separate q/k/v keys either way. A :class:`KVCache` for this
     module holds ``num_kv_heads`` heads, so its memory is ∝ ``num_kv_heads``.
@@ -75,8 +74,8 @@ class CausalMultiHeadSelfAttention(nn.Module):
         q_size, kv_size = num_heads * d_head, num_kv_heads * d_head
         self._split_sizes = (q_size, kv_size, kv_size)
         self._requested_backend = attention_backend
-        self._backend = resolve_attention_backend(attention_backend, device)
-        self._attention_fn = ATTENTION_BACKENDS[self._backend]  # chosen once, not on every call
+        self._backend = resolve_attention_backend(attention_backend)
+        self._attention_fn = attention_function(self._backend)  # chosen once, not on every call
         self.fused = bool(fused)
         if self.fused:
             # The stack keeps q's σ² = 2 / (d_model + heads·d_head) (k's and v's too without GQA).
@@ -125,14 +124,13 @@ class CausalMultiHeadSelfAttention(nn.Module):
 
     @attention_backend.setter
     def attention_backend(self, name: str) -> None:
-        # Re-resolved for the device the weights are on now.
-        self._backend = resolve_attention_backend(name, self.output_proj.weight.device)
-        self._attention_fn = ATTENTION_BACKENDS[self._backend]
+        self._backend = resolve_attention_backend(name)
+        self._attention_fn = attention_function(self._backend)
         self._requested_backend = name
 
     @property
     def resolved_attention_backend(self) -> str:
-        """The registered implementation that runs (what "auto" resolved to)."""
+        """The implementation that runs (what "auto" resolved to)."""
         return self._backend
 
     def forward(
@@ -193,7 +191,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
             out = flex_document_attention(q, k, v, document_ids)
         elif document_ids is not None:
             # Causal within each document: every backend takes the mask in place of the causal one.
-            out = masked_attention_backend(self._backend)(q, k, v, mask=document_mask(document_ids))
+            out = attention_function(self._backend, within_causal=True)(q, k, v, mask=document_mask(document_ids))
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(k, v)

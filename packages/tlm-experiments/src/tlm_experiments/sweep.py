@@ -155,7 +155,9 @@ def _label(key: str, text: str) -> str:
     return f"{key.removeprefix('model.')}={text}"
 
 
-def expand_grid(grid: Sequence[str], *, max_runs: int | None = None, seeds: int = 1) -> list[tuple[str, dict[str, Any]]]:
+def expand_grid(
+    grid: Sequence[str], *, max_runs: int | None = None, seeds: int = 1
+) -> list[tuple[str, dict[str, Any]]]:
     """(name, settings) of every combination of the ``--grid KEY=V1,V2`` values, the first key slowest. A product
     that, run ``seeds`` times each, makes more than ``max_runs`` runs is refused with its size before any is made."""
     axes: list[tuple[str, list[tuple[str, Any]]]] = []

@@ -65,7 +65,7 @@ class TransformerBlock(nn.Module):
     (and ``attn.{q,k,v}_proj.bias`` with ``qkv_bias``),
     whether or not ``fused`` (the default) stacks q/k/v and w1/w3 into single matmuls; no
     ``ln*.weight`` without norms, no ``ffn.w3.weight`` with ``ffn="silu"``.
-    ``attention_backend`` is ``"auto"`` or a key of ``tlm_attention.ATTENTION_BACKENDS``.
+    ``attention_backend`` is one of ``tlm_attention.BACKENDS``.
     """
 
     def __init__(

@@ -124,7 +124,7 @@ class TransformerLM(nn.Module):
     ) -> None:
         super().__init__()
         check_config(config, " (TransformerLM(ModelConfig(vocab_size=..., ...)), or TransformerLM.from_preset(name))")
-        resolve_attention_backend(attention_backend, device)  # refuse an unknown name before allocating
+        resolve_attention_backend(attention_backend)  # refuse an unknown name before allocating
         self.config = config
         # A tied table is also the LM head: logit_v = h·e_v with the final RMSNorm's h of norm ~sqrt(d_model),
         # so σ = 1/sqrt(d_model) gives logits of unit variance and a first loss near ln(vocab_size) (+0.5).
@@ -175,7 +175,7 @@ class TransformerLM(nn.Module):
     def attention_backend(self, name: str) -> None:
         resolve_attention_backend(name)  # refuse an unknown name before touching any layer
         for attn in self._attentions():
-            attn.attention_backend = name  # re-resolved per layer, for its device
+            attn.attention_backend = name
 
     def _attentions(self) -> list[CausalMultiHeadSelfAttention]:
         return [cast(TransformerBlock, layer).attn for layer in self.layers]
