@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--merge: {args.to_hf} is a tlm {artifact.describe()} with no LoRA adapters to merge")
         model, step = tlm_artifacts.load_model(artifact, dtype=dtype)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
-        from tlm_command.model_card import model_card
+        from tlm_train.model_card import model_card
 
         card = {"README.md": model_card(model, tokenizer, artifact, step)}
         save_hf(model, args.out, extra_files={**hf_files(tokenizer), **card})

@@ -17,13 +17,11 @@ __all__ = ["HEAP_MIN", "ID_MASK", "NO_RANK", "RANK_ORDER_MIN", "merge", "merge_h
 
 ID_MASK = (1 << 32) - 1
 NO_RANK = 1 << 62  # above every packed value: ranks stay below 2**30
-# Pre-tokens of at least this many bytes take the heap. With GPT-2's merges the two cross between 128
-# and 192 bytes (random letters, random digits, one repeated letter); below, the scan is up to four
-# times faster, and every word is far below.
+# Pre-tokens of at least this many bytes take the heap; below, the scan (every word is far below). Where the
+# two cross: docs/benchmarks.md.
 HEAP_MIN = 160
 # Pre-tokens of at least this many bytes take whole-array steps, one per rank (tlm_tokenizer._rank_order,
-# numpy), where the table allows it; the heap is faster below (the two cross between about 15 KB of random
-# digits and 50 KB of random letters with GPT-2's merges).
+# numpy), where the table allows it; the heap below (docs/benchmarks.md).
 RANK_ORDER_MIN = 1 << 16
 
 

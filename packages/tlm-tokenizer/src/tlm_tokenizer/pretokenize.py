@@ -35,8 +35,7 @@ _CUT = re.compile(rf"[\x21-\x7e](?=[{_SPACE}])")
 _LAST_CUT = re.compile(rf".*[\x21-\x7e](?=[{_SPACE}])", re.DOTALL)
 _LOOK_BACK = 1 << 12  # how far before a non-ASCII character to look for a cut (else: from the last one)
 # Past _DENSE_MIN stretches, more than one per _DENSE_SPACING characters sends the rest of the text to
-# regex: with a stretch every ~70 characters (English with one word in eight accented), cutting them
-# out cost 13% more than regex over everything; with one every ~150, it saved 10%.
+# regex, where cutting the stretches out costs more than it saves (docs/benchmarks.md).
 _DENSE_MIN = 64
 _DENSE_SPACING = 100
 # Last position p <= endpos-1 with text[p-1] non-whitespace and text[p] ASCII whitespace: where

@@ -15,7 +15,7 @@ from tlm_tokenizer.chat import CHAT_ROLES
 #: How long a client is told to wait before retrying a full or closing server (the Retry-After header).
 RETRY_AFTER_S = 1
 #: The request body's bytes at most (``tlm serve --max-body``). JSON parsing holds the GIL, so it bounds how long a
-#: request can keep /health waiting: 1 MiB of token ids (~400k) parses in about 40 ms; a 128k-token prompt fits.
+#: request can keep /health waiting (docs/benchmarks.md); a 128k-token prompt fits.
 MAX_BODY = 1 << 20
 #: ``torch.Generator.manual_seed``'s range: a seed outside it is refused (400), never raised in the scheduler.
 SEED_RANGE = (-(2**63), 2**64 - 1)

@@ -1,4 +1,5 @@
-"""The ``README.md`` model card of an HF export: what the model is and how it was trained, as far as tlm knows.
+"""The ``README.md`` model card of an HF export (``tlm convert --to-hf``): what the model is and how it was
+trained, as far as its run folder tells.
 
 The Hub's model card format: YAML metadata between ``---`` lines (``library_name``, ``tags``, ``license``), then
 Markdown. The license is left for the user to set: tlm cannot know the terms of the data a model learned from.
@@ -24,7 +25,7 @@ def _training(artifact: Any, step: int | None) -> list[str]:
     if run is None:
         return ["Not known: this export was not made from a tlm run folder."]
     lines = []
-    from tlm_train.run_dir import RunDir  # train.toml's meaning (planned steps, data) is the training package's
+    from tlm_train.run_dir import RunDir
 
     try:
         config = RunDir(run.path).read_config()
