@@ -23,12 +23,8 @@ def add_result_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "compare",
-        "put runs (or a sweep's runs) side by side: a table, and validation loss by step and by time",
-        compare.__doc__,
-    )
+    what = "put runs (or a sweep's runs) side by side: a table, and validation loss by step and by time"
+    parser = add_command(commands, "compare", what, compare.__doc__)
     parser.add_argument("paths", nargs="+", metavar="RUN_OR_SWEEP", help="run folders, or sweep folders")
     parser.add_argument("--out", metavar="FILE.png", help="draw the comparison into this PNG")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")

@@ -10,12 +10,8 @@ from tlm_experiments import sweep
 
 
 def add_parser(commands: Any) -> None:
-    parser = add_command(
-        commands,
-        "sweep",
-        "train a grid or a list of runs into one folder (resumable), with a summary and plots",
-        sweep.__doc__,
-    )
+    what = "train a grid or a list of runs into one folder (resumable), with a summary and plots"
+    parser = add_command(commands, "sweep", what, sweep.__doc__)
     parser.add_argument("--out-dir", metavar="SWEEP", help="the sweep folder (new, or empty)")
     parser.add_argument("--resume", metavar="SWEEP", help="continue a sweep: finished runs are kept")
     parser.add_argument(
