@@ -115,3 +115,40 @@ def test_only_tlm_command_parses_a_command_line() -> None:
         and "argparse" in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module])
     )
     assert parsing == []
+
+
+def _declared(package_dir: pathlib.Path) -> set[str]:
+    """The tlm packages a ``pyproject.toml`` lists under ``dependencies`` (not its extras), by short name."""
+    import re
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    project = tomllib.loads((package_dir / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    names = (re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in project.get("dependencies", []))  # type: ignore[union-attr]
+    return {n.removeprefix("tlm-") for n in names if n.startswith("tlm-")}
+
+
+def test_the_package_table_is_the_import_graph() -> None:
+    """ARCHITECTURE.md's table of who imports whom is what the sources import and what each pyproject declares."""
+    text = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    table = text.split("<!-- package-table -->")[1].split("<!-- /package-table -->")[0]
+    drawn = {}
+    for row in table.strip().splitlines()[2:]:
+        package, uses = (cell.strip() for cell in row.strip("|").split("|"))
+        drawn[package.removeprefix("tlm-")] = set() if uses == "(none)" else {u.strip() for u in uses.split(",")}
+    imported: dict[str, set[str]] = {}
+    for module, targets in graph(ROOT).items():
+        home = module.split(".")[0].removeprefix("tlm_").replace("_", "-")
+        if home == "tlm":  # the ``tlm`` entry point package of tlm-command
+            home = "command"
+        imported.setdefault(home, set()).update(
+            t.split(".")[0].removeprefix("tlm_").replace("_", "-") for t in targets if t.split(".")[0] != "tlm"
+        )
+    imported = {package: uses - {package} for package, uses in imported.items()}
+    packages = {p.parent.name.removeprefix("tlm-") for p in ROOT.glob("packages/*/pyproject.toml")}
+    assert set(drawn) == packages == set(imported)
+    assert imported == drawn
+    assert {p: _declared(ROOT / "packages" / f"tlm-{p}") for p in packages} == drawn
