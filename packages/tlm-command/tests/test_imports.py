@@ -120,12 +120,8 @@ def test_only_tlm_command_parses_a_command_line() -> None:
 def _declared(package_dir: pathlib.Path) -> set[str]:
     """The tlm packages a ``pyproject.toml`` lists under ``dependencies`` (not its extras), by short name."""
     import re
-    import sys
 
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
+    tomllib = pytest.importorskip("tomllib", reason="reads pyproject.toml with Python 3.11's tomllib")
     project = tomllib.loads((package_dir / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     names = (re.match(r"[A-Za-z0-9_.-]+", d).group(0) for d in project.get("dependencies", []))  # type: ignore[union-attr]
     return {n.removeprefix("tlm-") for n in names if n.startswith("tlm-")}
