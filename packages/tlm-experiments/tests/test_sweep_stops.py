@@ -68,3 +68,23 @@ def test_a_sweep_folder_that_overlaps_what_a_run_reads_is_refused_before_anythin
         with pytest.raises(ValueError, match=rf"^run lr=1e-3: --out-dir {out} (lies inside|is) --init-from {base}"):
             sweep.run(args)
     assert sorted(base.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"grid": "lr=1,2"}, TypeError, r"^SweepOptions.grid must be a list of 'KEY=...' strings, got 'lr=1,2'$"),
+        ({"set": ["steps=2", 3]}, TypeError, r"^SweepOptions.set must be a list of 'KEY=...' strings"),
+        ({"seeds": 0}, ValueError, r"^SweepOptions.seeds must be positive, got 0$"),
+        ({"jobs": 1.5}, TypeError, r"^SweepOptions.jobs must be an int, got float"),
+        ({"unstable_above": 0.0}, ValueError, r"^SweepOptions.unstable_above must be a finite number > 0"),
+        ({"quiet": 1}, TypeError, r"^SweepOptions.quiet must be a bool"),
+        ({"launcher": "cloud"}, ValueError, r"^SweepOptions.launcher must be one of \['local', 'slurm'\]"),
+    ],
+)  # fmt: skip
+def test_sweep_options_refuse_what_a_notebook_could_pass_wrong(fields, error, message):
+    """The library's own boundary: a value the command line could never produce is refused when the options are
+    made, naming the field, before any folder is touched."""
+    with pytest.raises(error, match=message):
+        SweepOptions(out_dir="x", **fields)
+    assert SweepOptions(out_dir="x", grid=("lr=1,2",), seeds=2, jobs=1, quiet=True).grid == ("lr=1,2",)

@@ -49,6 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int, short_repr
 from tlm_core.cli import UserError, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
 from tlm_experiments.manifest import (
@@ -96,6 +97,19 @@ class SweepOptions:
     time: int | None = None
     cpus_per_task: int | None = None
     gpus: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("grid", "set"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple)) or not all(isinstance(item, str) for item in value):
+                raise TypeError(f"SweepOptions.{name} must be a list of 'KEY=...' strings, got {short_repr(value)}")
+        for name in ("seeds", "max_runs", "jobs", "time", "cpus_per_task", "gpus"):
+            if getattr(self, name) is not None:
+                check_positive_int(f"SweepOptions.{name}", getattr(self, name))
+        check_number("SweepOptions.unstable_above", self.unstable_above, low=0, low_open=True)
+        check_bool("SweepOptions.quiet", self.quiet)
+        if self.launcher is not None:
+            check_choice("SweepOptions.launcher", self.launcher, LAUNCHERS)
 
 
 # ------------------------------------------------------------------------------------------ settings
