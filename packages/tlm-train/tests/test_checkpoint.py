@@ -901,7 +901,8 @@ def test_staged_accelerator_tensors_reuse_the_buffers_whose_shape_and_dtype_agre
 def test_the_writer_process_is_chosen_only_where_spawn_can_import_the_main_module(tmp_path, monkeypatch):
     """DCP's writer process starts with ``spawn``, which imports ``__main__`` again: "auto" takes it for ``-c``, a
     package's ``__main__`` (``torchrun -m tlm``) and a script with an ``if __name__ == "__main__":`` block, and
-    the thread for a script that would train again in the writer; one process never gets a writer process."""
+    the thread for a script that would train again in the writer; only for an accelerator's state (on CPU ranks
+    the thread stalls less, docs/benchmarks.md); one process never gets a writer process."""
     import sys
     import types
 
@@ -934,5 +935,6 @@ def test_the_writer_process_is_chosen_only_where_spawn_can_import_the_main_modul
         monkeypatch.setitem(sys.modules, "__main__", module)
         assert checkpoint._main_is_spawn_safe() is safe, getattr(module, "__file__", module.__spec__)
         assert checkpoint.process_writer("auto") is (AsyncCheckpointerType.PROCESS if safe else None)
-        assert checkpoint.process_writer("process") is AsyncCheckpointerType.PROCESS
+        assert checkpoint.process_writer("auto", accelerator=False) is None
+        assert checkpoint.process_writer("process", accelerator=False) is AsyncCheckpointerType.PROCESS
         assert checkpoint.process_writer("thread") is None

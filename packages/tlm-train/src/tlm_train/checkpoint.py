@@ -442,7 +442,7 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
     return staged, event
 
 
-def process_writer(writer: str = "auto") -> Any:
+def process_writer(writer: str = "auto", *, accelerator: bool = True) -> Any:
     """DCP's ``AsyncCheckpointerType.PROCESS`` when a sharded save's files should be written by DCP's writer
     process, else None (DCP's writer thread).
 
@@ -452,7 +452,9 @@ def process_writer(writer: str = "auto") -> Any:
     ``async_checkpointer_type`` (feature-detected: None otherwise, whatever ``writer`` says). DCP starts it with
     ``spawn``, which imports the program's main script again in the new process: a script whose training is
     not under ``if __name__ == "__main__":`` would train again in it and hang. ``"auto"`` therefore takes the
-    process only where that import is harmless (:func:`_main_is_spawn_safe`), and the thread otherwise."""
+    process only where that import is harmless (:func:`_main_is_spawn_safe`), and only for a state on an
+    ``accelerator``: a CPU run's cores are the training's, which a writer process takes as a thread would, plus
+    the copy into it (docs/benchmarks.md: slower than the thread on 2 CPU ranks)."""
     if writer not in ("auto", "process", "thread"):
         raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
     if writer == "thread" or not _distributed():
@@ -466,7 +468,7 @@ def process_writer(writer: str = "auto") -> Any:
     kind = getattr(AsyncCheckpointerType, "PROCESS", None)
     if kind is None or "async_checkpointer_type" not in inspect.signature(async_save).parameters:
         return None
-    if writer == "auto" and not _main_is_spawn_safe():
+    if writer == "auto" and not (accelerator and _main_is_spawn_safe()):
         return None
     return kind
 
@@ -524,7 +526,8 @@ class BackgroundSaver:
     (:func:`stage_state`) and :meth:`CheckpointManager.save` runs unchanged on a writer thread. A sharded one
     (every rank calls :meth:`submit`) goes through ``dcp.async_save`` (:meth:`CheckpointManager.start_shards`),
     over a gloo group made for checkpoints on the first such save: staged on DCP's staging thread, written by
-    DCP's writer process where :func:`process_writer` (``writer``) picks one, else by DCP's thread, and finished
+    DCP's writer process where :func:`process_writer` (``writer``; by default for an accelerator's state) picks
+    one, else by DCP's thread, and finished
     (hashes, ``train_state.pt``, the rename into place) by the writer thread here. Either way the step folder
     appears complete or not at all, and only this process puts it in place: a writer process left behind by a
     killed run finishes the save in flight into its temporary folder (which ``remove_leftovers`` takes) and
@@ -547,7 +550,8 @@ class BackgroundSaver:
         previous save)."""
         self.wait()
         if state.get("sharded"):
-            writer = process_writer(self.writer)
+            accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
+            writer = process_writer(self.writer, accelerator=accelerator)
             stager, own = self._shard_stager(state, shared=writer is not None)
             folder, finish, self._staging = manager.start_shards(
                 model, state, process_group=self._shard_group(), stager=stager, asynchronous=True, checkpointer=writer
