@@ -218,8 +218,11 @@ def main() -> None:
     parser.add_argument("--print-only", action="store_true")
     parser.add_argument("--device", default="cpu", help="cuda: the GPU check's part (bench/gpu.py)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
-    parser.add_argument("--sharded", action="store_true",
-                        help="two FSDP2 ranks: DCP inline vs dcp.async_save (thread and process writers)")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="two FSDP2 ranks: DCP inline vs dcp.async_save (thread and process writers)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="--sharded: fresh runs per mode")
     args = parser.parse_args()
     if args.sharded:

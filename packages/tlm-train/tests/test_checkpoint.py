@@ -938,3 +938,10 @@ def test_the_writer_process_is_chosen_only_where_spawn_can_import_the_main_modul
         assert checkpoint.process_writer("auto", accelerator=False) is None
         assert checkpoint.process_writer("process", accelerator=False) is AsyncCheckpointerType.PROCESS
         assert checkpoint.process_writer("thread") is None
+    # A torch whose AsyncCheckpointerType has no PROCESS (feature detection): DCP's thread, whatever is asked.
+    import enum
+
+    from torch.distributed.checkpoint import state_dict_saver
+
+    monkeypatch.setattr(state_dict_saver, "AsyncCheckpointerType", enum.Enum("Old", {"THREAD": "thread"}))
+    assert checkpoint.process_writer("process") is None
