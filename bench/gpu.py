@@ -819,12 +819,22 @@ def _features() -> dict[str, bool]:
     """Which of the newer torch APIs tlm detects this torch has (each has a fallback; see ARCHITECTURE.md)."""
     import importlib.util
 
+    from tlm_attention.documents import flex_kernel_options
+
     staging = importlib.util.find_spec("torch.distributed.checkpoint.staging")
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        process = hasattr(AsyncCheckpointerType, "PROCESS")
+    except ImportError:
+        process = False
     return {
         "torch.compiler.skip_guard_on_all_nn_modules_unsafe": hasattr(torch.compiler,
                                                                       "skip_guard_on_all_nn_modules_unsafe"),
         "torch.distributed.checkpoint.staging.DefaultStager": staging is not None and hasattr(
             importlib.import_module("torch.distributed.checkpoint.staging"), "DefaultStager"),
+        "AsyncCheckpointerType.PROCESS": process,
+        "FlexKernelOptions BACKEND": bool(flex_kernel_options()),
     }  # fmt: skip
 
 
@@ -882,13 +892,17 @@ def main() -> int:
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     chosen = [p for p in (args.only.split(",") if args.only else PARTS) if p and p not in args.skip.split(",")]
-    import transformers
+    try:  # the parts that compare with HF need it (and fail alone without it); the rest do not
+        import transformers
 
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = "not installed"
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)",
         "driver": f"CUDA {torch.version.cuda}" if device.type == "cuda" else "no CUDA",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "transformers": hf_version,
         "python": sys.version.split()[0], "newer_torch_features": _features(),
     }  # fmt: skip
     report: dict[str, Any] = {"meta": {**meta, "seconds": 0.0}, "parts": {}}
