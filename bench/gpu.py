@@ -888,7 +888,10 @@ def main() -> int:
     out = args.out or pathlib.Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     out.mkdir(parents=True, exist_ok=True)
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device (torch.cuda.is_available() is False); --dry-run checks the script")
+        message = "no CUDA device (torch.cuda.is_available() is False); --dry-run checks the script"
+        (out / "gpu.json").write_text(json.dumps({"error": message, "torch": torch.__version__,
+                                                  "cuda_build": torch.version.cuda}, indent=1))  # fmt: skip
+        print(f"bench/gpu.py: {message}")
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     chosen = [p for p in (args.only.split(",") if args.only else PARTS) if p and p not in args.skip.split(",")]

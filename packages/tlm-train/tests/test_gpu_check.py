@@ -99,3 +99,15 @@ def test_at_the_deadline_the_part_in_flight_is_recorded_as_killed_and_the_check_
     assert written["parts"]["tests"]["ok"] and written["meta"]["deadline_hit"] and "running" not in written
     assert "| syncs | error: killed at the 470 s deadline" in (tmp_path / "gpu.md").read_text()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu.json", "gpu.md"]  # no temporary file left
+
+
+def test_without_cuda_the_check_says_so_in_its_json_and_exits_2(tmp_path, monkeypatch) -> None:
+    # A lent machine whose torch sees no GPU (a CPU build, a driver mismatch) still leaves a gpu.json saying why.
+    import torch
+
+    module = _load()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["gpu.py", "--out", str(tmp_path)])
+    assert module.main() == 2
+    written = json.loads((tmp_path / "gpu.json").read_text())
+    assert written["error"].startswith("no CUDA device") and written["torch"] == torch.__version__
