@@ -496,8 +496,10 @@ def gpu(session: nox.Session) -> None:
     CUDA test leg (TLM_TEST_DEVICE=cuda), ``set_sync_debug_mode("error")`` around ``train_step`` and
     ``DecodeBatch.step``, a bf16 training step tlm vs HF (both compiled) with MFU against the device's published
     peak, bit-exact resume, the NaN stop, compiled decoding in bf16 and float32 with zero recompiles and zero
-    cudagraph skips after warm-up; a part that would end past the budget is skipped, not begun. One JSON of
-    results ($OUT/gpu.json, else bench/out/gpu.json); writes the GPU section of docs/benchmarks.md.
+    cudagraph skips after warm-up; a part that would end past the budget is skipped, not begun, and one still
+    running at 470 s is recorded as killed and ends the check. One JSON of results ($OUT/gpu.json, else
+    bench/out/gpu.json), rewritten before and after each part; writes the GPU section of docs/benchmarks.md.
+    What each GPU claim rests on, and what has never run on a GPU: docs/gpu.md.
 
     On the machine's own python (TLM_GPU_PYTHON, else python3), nothing installed: the packages come from
     packages/*/src on the path, so a GPU box with no network and its own torch (at least the packages' floor,

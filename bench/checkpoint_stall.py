@@ -12,7 +12,8 @@ of the next, minus the median of the steps that follow no save. Peak memory is t
 once that save is on disk.
 
 ``--sharded``: the same on two FSDP2 ranks (``torchrun``, gloo, one thread a rank), a small model, the sharded
-(DCP) save inline (``--no-async-checkpoint``) against ``dcp.async_save`` (the default), the two alternating,
+(DCP) save inline (``--no-async-checkpoint``) against ``dcp.async_save`` (the default) written by DCP's thread
+and by DCP's writer process (``BackgroundSaver``'s ``writer``), the three alternating,
 ``--repeats`` fresh runs each. Saves follow steps 4 and 8 of 10: the first one's memory is measured (each rank's
 high-water RSS above its RSS before, waiting for the save to be on disk), the second one's stall (the two steps
 after it, which a background save overlaps, against twice the median of the steps after no save), so the first
@@ -33,9 +34,9 @@ import tempfile
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+# Guarded by __main__: DCP's writer process starts with spawn, which imports this script again (issue 42).
 CHILD = r"""
-import json, os, sys, time, numpy as np, torch
-torch.set_num_threads(1)  # training on one core; a background writer may use the other
+import functools, json, os, sys, time, numpy as np, torch
 from tlm_train import TrainConfig, train
 import tlm_train.recipe as recipe
 
@@ -47,11 +48,9 @@ def status():
             fields[key] = int(value.split()[0]) * 1024
     return fields
 
-settings = json.loads(sys.argv[1])
-wait = settings.pop("measure_memory", False)
-memory_out = settings.pop("memory_out", None)  # sharded: each rank writes its figures to memory_out.RANK
 memory = {}
 original = recipe.Recipe.maybe_checkpoint
+wait = False
 
 def measured(self, step, sampler_state, *, force=False):
     saving = force or step % self.config.checkpoint_interval == 0 or step == self.steps
@@ -73,13 +72,20 @@ def measured(self, step, sampler_state, *, force=False):
     if saving:  # the time the loop spends in the save call itself (the later saves)
         memory.setdefault("call_s", {})[str(step)] = time.perf_counter() - began
 
-recipe.Recipe.maybe_checkpoint = measured
-train(TrainConfig(**settings))
-if memory_out is None:
-    print(json.dumps(memory))
-else:
-    with open(f"{memory_out}.{os.environ.get('RANK', '0')}", "w") as out:
-        json.dump(memory, out)
+if __name__ == "__main__":
+    torch.set_num_threads(1)  # training on one core; a background writer may use the other
+    settings = json.loads(sys.argv[1])
+    wait = settings.pop("measure_memory", False)
+    memory_out = settings.pop("memory_out", None)  # sharded: each rank writes its figures to memory_out.RANK
+    # sharded: the async save's writer, DCP's process or its thread (BackgroundSaver's writer)
+    recipe.BackgroundSaver = functools.partial(recipe.BackgroundSaver, settings.pop("writer", "auto"))
+    recipe.Recipe.maybe_checkpoint = measured
+    train(TrainConfig(**settings))
+    if memory_out is None:
+        print(json.dumps(memory))
+    else:
+        with open(f"{memory_out}.{os.environ.get('RANK', '0')}", "w") as out:
+            json.dump(memory, out)
 """
 
 
@@ -129,7 +135,8 @@ def main_sharded(args: argparse.Namespace) -> None:
             settings = {"data": [str(tokens)], "vocab_size": 10_000, "model": model, "batch_size": 4, "steps": 10,
                         "warmup_steps": 1, "log_interval": 1, "eval_interval": 10_000, "eval_batches": 1,
                         "checkpoint_interval": 4, "keep_checkpoints": 5, "sample_tokens": 0, "peak_flops": 1e12,
-                        "async_checkpoint": mode == "async", "distributed": "fsdp", "measure_memory": True,
+                        "async_checkpoint": mode != "inline", "distributed": "fsdp", "measure_memory": True,
+                        "writer": "process" if mode == "async, process" else "thread",
                         "out_dir": str(tmp / f"{mode}-{repeat}"),
                         "memory_out": str(tmp / f"{mode}-{repeat}.memory")}  # fmt: skip
             intervals, memory = run_sharded(settings, tmp)
@@ -152,7 +159,8 @@ def main_sharded(args: argparse.Namespace) -> None:
     count = sum(p.numel() for p in TransformerLM(shape, device="meta").parameters())
     params = f"{count / 1e6:.1f}M parameters (d_model 256, 4 layers, vocabulary 10,000)"
     lines = [
-        "## Checkpoint stall, sharded: DCP inline vs `dcp.async_save` (2 FSDP2 ranks)",
+        "## Checkpoint stall, sharded: DCP inline vs `dcp.async_save`, its writer a thread or a process (2 FSDP2 "
+        "ranks)",
         "",
         f"Measured {meta['date']} on {meta['cpu']}, two gloo ranks of one thread each (`torchrun`); **the machine "
         f"was shared and busy** (1-minute load average {meta['load'][0]:.1f} before, {meta['load'][1]:.1f} after). "
@@ -174,16 +182,22 @@ def main_sharded(args: argparse.Namespace) -> None:
             f"| {mode} | {cell(r['step_s'])} | {cell(r['call_s'])} | {cell(r['stall_s'], '+')} | "
             f"{statistics.median(peak):,.0f} [{min(peak):,.0f}, {max(peak):,.0f}] |"
         )
-    ratio = statistics.median(rows["async"]["stall_s"]) / statistics.median(rows["inline"]["stall_s"])
+    inline = statistics.median(rows["inline"]["stall_s"])
+    ratios = "; ".join(f"{mode}: {statistics.median(rows[mode]['stall_s']) / inline:.2f}×" for mode in MODES[1:])
     lines += [
         "",
         "The save call is what the loop waits for: inline, DCP's whole write and rank 0's hashing and rename; async, "
-        "the copy of each rank's part to host memory and DCP's start. The stall is the whole bill, the call "
-        "included: here two ranks train on the machine's two cores, so the background writers take their CPU time "
-        f"from the steps they overlap: async's total is {ratio:.2f}× inline's (medians). On a host with idle cores "
-        "(a GPU host) that CPU time would be free and the call the stall (not measured here). An async save holds "
-        "each rank's snapshot (its part of the state) until it is written; the RSS peak shows less where the "
-        "allocator reuses memory the step had freed.",
+        "the start of the copy of each rank's part to host memory (DCP's staging thread, `DefaultStager` with "
+        "`use_async_staging=True`; the step waits for the copy only just before its optimizer update) and DCP's "
+        "start. The writer is DCP's thread in this process, or DCP's writer process "
+        "(`AsyncCheckpointerType.PROCESS`, one a rank, spawned at the first save and reading the staged copy from "
+        "shared memory), which `tlm train` takes for an accelerator's state (forced here on the CPU). The "
+        "stall is the whole bill, the call included: here two ranks train on the machine's two cores, so the "
+        "background writers take their CPU time from the steps they overlap whether they are threads or "
+        f"processes: the totals against inline's are {ratios} (medians). On a host with idle cores (a GPU host) "
+        "that CPU time would be free and the call the stall (not measured here). An async save holds each rank's "
+        "snapshot (its part of the state) until it is written; the RSS peak is this process's (a writer process's "
+        "own memory is not in it) and shows less where the allocator reuses memory the step had freed.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
@@ -193,7 +207,7 @@ def main_sharded(args: argparse.Namespace) -> None:
         write_section("checkpoint_stall_sharded", text, args.out)
 
 
-MODES = ("inline", "async")
+MODES = ("inline", "async, thread", "async, process")  # --sharded: async_save's writer, DCP's thread or process
 
 
 def main() -> None:
@@ -204,7 +218,11 @@ def main() -> None:
     parser.add_argument("--print-only", action="store_true")
     parser.add_argument("--device", default="cpu", help="cuda: the GPU check's part (bench/gpu.py)")
     parser.add_argument("--json", type=pathlib.Path, help="also write the rows here")
-    parser.add_argument("--sharded", action="store_true", help="two FSDP2 ranks: DCP inline vs dcp.async_save")
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="two FSDP2 ranks: DCP inline vs dcp.async_save (thread and process writers)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="--sharded: fresh runs per mode")
     args = parser.parse_args()
     if args.sharded:

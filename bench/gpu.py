@@ -26,10 +26,14 @@ one not begun when ``--budget`` seconds have passed is reported as skipped, so t
   chunked head's chunk size), ``stall`` (bench/checkpoint_stall.py), ``decode_hf`` (greedy decode tokens/s, tlm
   ``generate`` against HF's static-cache ``generate``, float32).
 
-Results go to ``DIR/gpu.json`` and ``DIR/gpu.md`` (DIR: --out, else $OUT, else bench/out), and the GPU
-section of docs/benchmarks.md is rewritten. Runs from a checkout with ``packages/*/src`` on PYTHONPATH (no
-install needed; torch, transformers, pytest and numpy must be there). ``--dry-run`` runs every part on the
-CPU at toy sizes (to check this script itself on a machine without a GPU; writes nothing to docs/).
+Results go to ``DIR/gpu.json`` and ``DIR/gpu.md`` (DIR: --out, else $OUT, else bench/out), rewritten whole before
+and after each part (``running`` names the part in flight, so a killed check still says where it stopped), and
+the GPU section of docs/benchmarks.md is rewritten at the end. At ``--deadline`` seconds (470 on CUDA) a watchdog
+records the part still running as killed, writes the results and ends the check. Runs from a checkout with
+``packages/*/src`` on PYTHONPATH (no install needed; torch, transformers, pytest and numpy must be there).
+``--dry-run`` runs every part on the CPU at toy sizes (to check this script itself on a machine without a GPU;
+writes nothing to docs/): the sync check raises on a value read there (its stand-in for CUDA's sync-debug
+error), and the decode part compiles with dynamo's eager backend, so its zero-recompile count is real there too.
 """
 
 import argparse
@@ -155,9 +159,21 @@ def part_tests(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, 
 
 @contextlib.contextmanager
 def _sync_errors(device: torch.device) -> Any:
-    """On CUDA, any synchronising call (a device read, a copy from pageable host memory) raises inside."""
+    """On CUDA, any synchronising call (a device read, a copy from pageable host memory) raises inside. On a CPU
+    (the dry run) the nearest stand-in: reading a tensor's value (``aten._local_scalar_dense``: ``.item()``,
+    ``bool(t)``, ``int(t)``) raises the same way, so the dry run takes the same paths as a CUDA run that finds one
+    (a CPU has no copies to catch, and ``tolist`` reads CPU memory without dispatching)."""
     if device.type != "cuda":
-        yield
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Reads(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    raise RuntimeError(f"called a synchronizing operation (dry run: {func} reads a value)")
+                return func(*args, **(kwargs or {}))
+
+        with Reads():
+            yield
         return
     torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("error")
@@ -405,7 +421,9 @@ def _bench_shape(device: torch.device, dry: bool, label: str, cfg: Any, batch: i
 
 
 def _compile_counts() -> dict[str, int]:
-    """dynamo's compiled frames and inductor's cudagraph skips so far (this process)."""
+    """dynamo's graphs and frames and inductor's cudagraph skips so far (this process). ``unique_graphs`` counts
+    every graph dynamo compiles, a recompile included; ``frames`` only frames compiled without ``fullgraph``
+    (torch 2.13's ``ConvertFrame``; the decode steps are fullgraph, so it stays 0 there)."""
     from torch._dynamo.utils import counters
 
     return {"frames": int(counters["frames"]["total"]), "unique_graphs": int(counters["stats"]["unique_graphs"]),
@@ -417,45 +435,75 @@ def part_decode(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str,
     """``DecodeBatch`` on ``compile_for_inference`` (on CUDA the step runs under CUDA graphs) in bfloat16 and
     float32: ``warm_up``, then rows join (prompts of several lengths), decode, leave and join again; after the
     warm-up no new dynamo frame and no cudagraph skip. Steps per second of the busy batch."""
-    from tlm_model import ModelConfig, TransformerLM, compile_for_inference
-    from tlm_model.batching import DecodeBatch
+    from tlm_model import ModelConfig, compile_for_inference
 
     cfg = ModelConfig.from_preset("course-tinystories") if not dry else ModelConfig(512, 64, 64, 2, 4, 128)
     rows: dict[str, Any] = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = TransformerLM(cfg).eval().to(device=device, dtype=dtype)
-        fast = compile_for_inference(model) if not dry else model  # a CPU dry run: eager (compiling takes minutes)
-        batch = DecodeBatch(fast, 2, prefill_chunk=32)
-        start = time.perf_counter()
-        batch.warm_up()
-        _sync(device)
-        warm_s = time.perf_counter() - start
-        before = _compile_counts()
-        gen = torch.Generator().manual_seed(1)
-        steps, start = 0, time.perf_counter()
-        with torch.no_grad():
-            for length in (3, 29, 1, 17, 60):
-                while len(batch) >= 2:
-                    batch.remove(0)
-                batch.add(torch.randint(1, cfg.vocab_size, (length,), generator=gen))
-                tokens = torch.zeros(len(batch), dtype=torch.int64, device=device)
-                for _ in range(min(24, batch.capacity - max(batch.lengths) - 1)):
-                    tokens = batch.step(tokens).argmax(-1)
-                    steps += 1
-        _sync(device)
-        seconds = time.perf_counter() - start
-        after = _compile_counts()
-        rows[str(dtype).removeprefix("torch.")] = {
-            "warm_up_s": warm_s, "steps": steps, "steps_per_s": steps / seconds,
-            "new_frames": after["frames"] - before["frames"],
-            "new_graphs": after["unique_graphs"] - before["unique_graphs"],
-            "new_cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
-        }  # fmt: skip
+    with _dry_compile(dry):
+        for dtype in (torch.bfloat16, torch.float32):
+            rows[str(dtype).removeprefix("torch.")] = _decode_rows(device, cfg, dtype, compile_for_inference)
     torch._dynamo.reset()
-    ok = all(r["new_frames"] == r["new_graphs"] == r["new_cudagraph_skips"] == 0 for r in rows.values())
-    return {"ok": ok, "rows": rows}
+    # warm_up_graphs > 0: the counters do see this torch's compiles (else "no new graph" would prove nothing).
+    ok = all(r["warm_up_graphs"] > 0 and r["new_frames"] == r["new_graphs"] == r["new_cudagraph_skips"] == 0
+             for r in rows.values())  # fmt: skip
+    return {"ok": ok, "rows": rows, "compiled_by": "dynamo, eager backend (dry run)" if dry else "inductor"}
+
+
+@contextlib.contextmanager
+def _dry_compile(dry: bool) -> Any:
+    """In a dry run, ``compile_for_inference``'s steps compile with dynamo's ``eager`` backend (inductor takes
+    minutes on a small CPU): the same dynamo frames, guards and recompiles as on CUDA, without CUDA graphs."""
+    if not dry:
+        yield
+        return
+    from tlm_model import inference
+
+    saved = (dict(inference.DECODE_COMPILE_KWARGS), inference.PREFILL_COMPILE_KWARGS)
+    inference.DECODE_COMPILE_KWARGS["cpu"] = {"backend": "eager", "fullgraph": True, "dynamic": False}
+    inference.PREFILL_COMPILE_KWARGS = {"backend": "eager", "fullgraph": True, "dynamic": None}
+    try:
+        yield
+    finally:
+        inference.DECODE_COMPILE_KWARGS.clear()
+        inference.DECODE_COMPILE_KWARGS.update(saved[0])
+        inference.PREFILL_COMPILE_KWARGS = saved[1]
+
+
+def _decode_rows(device: torch.device, cfg: Any, dtype: torch.dtype, compile_for_inference: Any) -> dict[str, Any]:
+    from tlm_model import TransformerLM
+    from tlm_model.batching import DecodeBatch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).eval().to(device=device, dtype=dtype)
+    fast = compile_for_inference(model)
+    batch = DecodeBatch(fast, 2, prefill_chunk=32)
+    start, initial = time.perf_counter(), _compile_counts()
+    batch.warm_up()
+    _sync(device)
+    warm_s = time.perf_counter() - start
+    before = _compile_counts()
+    gen = torch.Generator().manual_seed(1)
+    steps, start = 0, time.perf_counter()
+    with torch.no_grad():
+        for length in (3, 29, 1, 17, 60):
+            while len(batch) >= 2:
+                batch.remove(0)
+            batch.add(torch.randint(1, cfg.vocab_size, (length,), generator=gen))
+            tokens = torch.zeros(len(batch), dtype=torch.int64, device=device)
+            for _ in range(min(24, batch.capacity - max(batch.lengths) - 1)):
+                tokens = batch.step(tokens).argmax(-1)
+                steps += 1
+    _sync(device)
+    seconds = time.perf_counter() - start
+    after = _compile_counts()
+    return {
+        "warm_up_s": warm_s, "steps": steps, "steps_per_s": steps / seconds,
+        "warm_up_graphs": before["unique_graphs"] - initial["unique_graphs"],
+        "new_frames": after["frames"] - before["frames"],
+        "new_graphs": after["unique_graphs"] - before["unique_graphs"],
+        "new_cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
+    }  # fmt: skip
 
 
 def part_decode_hf(device: torch.device, dry: bool, out: pathlib.Path) -> dict[str, Any]:
@@ -655,7 +703,8 @@ def render(report: dict[str, Any]) -> str:
         "## GPU check (`bench/gpu.py`, `nox -s gpu`)",
         "",
         f"Measured {meta['date']} on {meta['device']} ({meta['driver']}); torch {meta['torch']}, "
-        f"transformers {meta['transformers']}, python {meta['python']}. Total {meta['seconds']:.0f} s.",
+        f"transformers {meta['transformers']}, python {meta['python']}. Total {meta['seconds']:.0f} s. What each "
+        "GPU claim rests on, and what has not run here: [gpu.md](gpu.md).",
         "",
     ]
     parts = report["parts"]
@@ -735,8 +784,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             "- `DecodeBatch` on `compile_for_inference` after `warm_up` (rows joining, decoding, leaving): "
             + "; ".join(
-                f"{dtype}: {r['steps_per_s']:,.0f} steps/s, {r['new_frames']} new frames, {r['new_cudagraph_skips']} "
-                f"cudagraph skips (warm-up {r['warm_up_s']:.0f} s)"
+                f"{dtype}: {r['steps_per_s']:,.0f} steps/s, {r['new_graphs']} new graphs and {r['new_frames']} new "
+                f"frames, {r['new_cudagraph_skips']} cudagraph skips (warm-up {r['warm_up_s']:.0f} s, "
+                f"{r.get('warm_up_graphs', '?')} graphs)"
                 for dtype, r in compiled["rows"].items()
             )
         )
@@ -769,13 +819,50 @@ def _features() -> dict[str, bool]:
     """Which of the newer torch APIs tlm detects this torch has (each has a fallback; see ARCHITECTURE.md)."""
     import importlib.util
 
+    from tlm_attention.documents import flex_kernel_options
+
     staging = importlib.util.find_spec("torch.distributed.checkpoint.staging")
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        process = hasattr(AsyncCheckpointerType, "PROCESS")
+    except ImportError:
+        process = False
     return {
         "torch.compiler.skip_guard_on_all_nn_modules_unsafe": hasattr(torch.compiler,
                                                                       "skip_guard_on_all_nn_modules_unsafe"),
         "torch.distributed.checkpoint.staging.DefaultStager": staging is not None and hasattr(
             importlib.import_module("torch.distributed.checkpoint.staging"), "DefaultStager"),
+        "AsyncCheckpointerType.PROCESS": process,
+        "FlexKernelOptions BACKEND": bool(flex_kernel_options()),
     }  # fmt: skip
+
+
+def _write(out: pathlib.Path, report: dict[str, Any]) -> None:
+    """``gpu.json`` and ``gpu.md`` as they stand, each replaced whole (a kill mid-write leaves the previous one)."""
+    for name, text in (("gpu.json", json.dumps(report, indent=1, default=str)), ("gpu.md", render(report))):
+        temporary = out / f".{name}.tmp"
+        temporary.write_text(text)
+        os.replace(temporary, out / name)
+
+
+def on_deadline(report: dict[str, Any], out: pathlib.Path, deadline: float, exit: Callable[[int], Any]) -> None:
+    """The watchdog's end (a timer thread calls it at ``deadline`` seconds): the part still running is recorded
+    as killed there (a hang, or a part far past its estimate), the results so far are written, and ``exit(3)``
+    (``os._exit``: the hung part's thread cannot be interrupted) ends the check within its 8 minutes."""
+    name = report.get("running")
+    try:
+        if name is not None:
+            since = report.pop("running_since", 0.0)
+            error = f"killed at the {deadline:.0f} s deadline, still running"
+            report["parts"][name] = {"ok": False, "error": error, "part_seconds": time.perf_counter() - since}
+            report.pop("running", None)
+        report["meta"]["deadline_hit"] = True
+        _write(out, report)
+        print(f"bench/gpu.py: the {deadline:.0f} s deadline passed during {name}; results so far in "
+              f"{out / 'gpu.json'}", flush=True)  # fmt: skip
+    finally:
+        exit(3)
 
 
 def main() -> int:
@@ -790,30 +877,53 @@ def main() -> int:
         default=450.0,
         help="a part that would end (by its estimate) after this many seconds is skipped (default 450: within 8 min)",
     )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="at this many seconds the part still running is recorded as killed and the check ends "
+        "(default 470 on CUDA: within 8 min; none in a dry run)",
+    )
     args = parser.parse_args()
     out = args.out or pathlib.Path(os.environ.get("OUT") or ROOT / "bench" / "out")
     out.mkdir(parents=True, exist_ok=True)
     if not args.dry_run and not torch.cuda.is_available():
-        print("bench/gpu.py: no CUDA device (torch.cuda.is_available() is False); --dry-run checks the script")
+        message = "no CUDA device (torch.cuda.is_available() is False); --dry-run checks the script"
+        (out / "gpu.json").write_text(json.dumps({"error": message, "torch": torch.__version__,
+                                                  "cuda_build": torch.version.cuda}, indent=1))  # fmt: skip
+        print(f"bench/gpu.py: {message}")
         return 2
     device = torch.device("cpu" if args.dry_run else "cuda")
     chosen = [p for p in (args.only.split(",") if args.only else PARTS) if p and p not in args.skip.split(",")]
-    import transformers
+    try:  # the parts that compare with HF need it (and fail alone without it); the rest do not
+        import transformers
 
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = "not installed"
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "CPU (dry run)",
         "driver": f"CUDA {torch.version.cuda}" if device.type == "cuda" else "no CUDA",
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "transformers": hf_version,
         "python": sys.version.split()[0], "newer_torch_features": _features(),
     }  # fmt: skip
-    report: dict[str, Any] = {"meta": meta, "parts": {}}
+    report: dict[str, Any] = {"meta": {**meta, "seconds": 0.0}, "parts": {}}
+    meta = report["meta"]
     began = time.perf_counter()
     functions: dict[str, Callable[..., dict[str, Any]]] = {
         "tests": part_tests, "syncs": part_syncs, "census": part_census, "chunk": part_chunk, "bench": part_bench,
         "resume": part_resume, "nan": part_nan, "stall": part_stall, "decode": part_decode,
         "decode_hf": part_decode_hf,
     }  # fmt: skip
+    deadline = args.deadline if args.deadline is not None else (None if args.dry_run else 470.0)
+    if deadline is not None:
+        import threading
+
+        watchdog = threading.Timer(deadline - (time.perf_counter() - began), on_deadline,
+                                   (report, out, deadline, os._exit))  # fmt: skip
+        watchdog.daemon = True
+        watchdog.start()
     for name in chosen:
         start = time.perf_counter()
         if start - began + (0 if args.dry_run else ESTIMATE_S[name]) > args.budget:
@@ -821,20 +931,22 @@ def main() -> int:
                                      f"about {ESTIMATE_S[name]} s (--budget {args.budget:.0f})"}  # fmt: skip
             continue
         print(f"== {name} ...", flush=True)
+        report["running"], report["running_since"] = name, start  # what a kill or the deadline interrupted
+        _write(out, report)
         try:
             result = functions[name](device, args.dry_run, out)
         except Exception as err:
             result = {"ok": False, "error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()}
         result["part_seconds"] = time.perf_counter() - start
+        report.pop("running", None)
+        report.pop("running_since", None)
         report["parts"][name] = result
         print(json.dumps({name: result}, default=str)[:3000], flush=True)
         meta["seconds"] = time.perf_counter() - began
-        (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str))
-        (out / "gpu.md").write_text(render(report))
+        _write(out, report)
     meta["seconds"] = time.perf_counter() - began
-    (out / "gpu.json").write_text(json.dumps(report, indent=1, default=str))
+    _write(out, report)
     text = render(report)
-    (out / "gpu.md").write_text(text)
     if not args.dry_run:
         from _common import write_section
 

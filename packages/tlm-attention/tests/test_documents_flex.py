@@ -95,3 +95,51 @@ def test_building_the_block_mask_reads_nothing_back_to_the_host(host_reads) -> N
     with host_reads() as reads:
         document_block_mask(ids, block=8)
     assert reads == []
+
+
+def test_flex_document_attention_names_the_triton_kernels_whose_backward_is_deterministic(monkeypatch) -> None:
+    """``deterministic=True`` keeps FlexAttention for document masks on CUDA (issue 42): inductor's Triton backward
+    writes every dQ/dK/dV block from one program in a fixed order (no atomics without a score_mod), while
+    BACKEND="FLASH" has a deterministic block-sparse backward only on SM100+, and "AUTO" may change its pick. So
+    the call names TRITON wherever this torch takes a BACKEND; pinned here on the CPU with the call recorded, and
+    the option is one torch's own FlexAttention accepts, with the default kernel's result."""
+    import warnings
+
+    import torch.nn.attention.flex_attention as flex
+
+    import tlm_attention.documents as documents
+
+    calls = []
+    monkeypatch.setattr(documents, "_FLEX", lambda *args, **kwargs: calls.append(kwargs) or args[0])
+    ids = _ids(128, [100, 28])
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(0))
+    flex_document_attention(q, q, q, ids)
+    assert "BACKEND" in flex.FlexKernelOptions.__annotations__  # torch 2.13 has the choice
+    assert calls[0]["kernel_options"] == {"BACKEND": "TRITON"}
+    block_mask = document_block_mask(ids)
+    with warnings.catch_warnings():  # the eager forward (the CPU's) warns, once a process, that it is not compiled
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+        named = flex.flex_attention(q, q, q, block_mask=block_mask, kernel_options=calls[0]["kernel_options"])
+        torch.testing.assert_close(named, flex.flex_attention(q, q, q, block_mask=block_mask), rtol=0, atol=0)
+    monkeypatch.delattr(flex.FlexKernelOptions, "__annotations__")  # an older torch: nothing to choose
+    assert documents.flex_kernel_options() == {}
+
+
+def test_on_the_device_flex_backward_is_bit_identical_under_deterministic_algorithms(device) -> None:
+    if device.type != "cuda":
+        pytest.skip("FlexAttention has no CPU backward")
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.cat([_ids(512, [100, 300, 112]), _ids(512, [512])]).to(device)
+    q = torch.randn(2, 4, 512, 64, generator=generator).to(device, torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(2, 2, 512, 64, generator=generator).to(device, torch.bfloat16).requires_grad_() for _ in "kv")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=False)  # what deterministic=True sets on CUDA
+    try:
+        runs = []
+        for _ in range(3):
+            out = flex_document_attention(q, k, v, ids)
+            runs.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run, strict=True))

@@ -589,9 +589,9 @@ if len(sys.argv) > 3 and sys.argv[3] == "stalled":  # rank 0's writer stops afte
         threading.Event().wait()
     tlm_train.checkpoint._file_digests = stalled
     sys.argv[3] = "background"
-if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's saves: a writer thread (sharded: DCP's too)
-    from tlm_train.checkpoint import BackgroundSaver
-    saver, first = BackgroundSaver(), step + 1
+if len(sys.argv) > 3 and sys.argv[3] in ("background", "process"):  # the recipe's saves: a writer thread
+    from tlm_train.checkpoint import BackgroundSaver  # (sharded: DCP's thread, or "process": DCP's writer process)
+    saver, first = BackgroundSaver("process" if sys.argv[3] == "process" else "thread"), step + 1
     while True:
         step += 1
         saver.wait_staged()  # as train_step does before the update: DCP's async staging has copied step - 1
@@ -599,6 +599,9 @@ if len(sys.argv) > 3 and sys.argv[3] == "background":  # the recipe's saves: a w
             for p in model.parameters():
                 p.fill_(step)
         saver.wait()
+        if step == first + 1 and sys.argv[3] == "process":  # each rank names its writer process
+            from torch.distributed.checkpoint import _async_process_executor
+            print("writer", _async_process_executor._CHECKPOINT_PROCESS._save_process.pid, flush=True)
         if step > first and info.is_main:
             print(step - 1, flush=True)
         if info.is_main:
@@ -677,6 +680,61 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
         assert CheckpointManager(tmp_path).load_latest().step == done
     CheckpointManager(tmp_path, keep=2).remove_leftovers()
     assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))
+
+
+@pytest.mark.slow  # two ranks, each with DCP's writer process (an interpreter start), killed mid-save
+def test_sigkill_of_both_ranks_while_dcp_writer_processes_save_leaves_the_previous_complete_step(tmp_path, forked):
+    """The sharded background save with DCP's writer process (``AsyncCheckpointerType.PROCESS``, torchtitan's):
+    both ranks die by SIGKILL at a random moment after their writers have saved twice. The step folder is put in
+    place by the rank, never by its writer, so what is left is the newest complete step or the one before it,
+    each holding its own step's values (the weights change while a save is in flight); the orphaned writers
+    exit by themselves (their parent's pipe closed), and what they leave is a leftover that is cleaned away."""
+    import random
+    import signal
+    import socket
+    import time
+    from pathlib import Path
+
+    from tlm_artifacts.steps import read_model_state
+    from tlm_train import CheckpointManager
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    ranks = [forked(SAVER, str(tmp_path), "0", "process", wait=False,
+                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]  # fmt: skip
+    try:
+        writers = []
+        for rank in ranks:
+            line = rank.stdout.readline()
+            assert line.startswith("writer "), rank.communicate()[1][-3000:]
+            writers.append(int(line.split()[1]))
+        done = int(ranks[0].stdout.readline())
+        time.sleep(random.Random(5).uniform(0.0, 0.3))
+    finally:
+        for rank in ranks:
+            rank.send_signal(signal.SIGKILL)
+        rest = ranks[0].communicate()[0]
+        ranks[1].communicate()
+    done = max([done, *map(int, rest.split())])
+    latest = CheckpointManager(tmp_path).load_latest()  # verifies every shard file's SHA-256
+    assert latest is not None and latest.step in (done, done + 1)
+    assert all(bool((t == latest.step).all()) for t in read_model_state(latest.path)[1].values())
+
+    def running(pid: int) -> bool:  # a zombie (an orphan its new parent has not reaped) has ended
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 120
+    while any(map(running, writers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(map(running, writers)), "a writer process outlived its killed rank"
+    CheckpointManager(tmp_path, keep=2).remove_leftovers()
+    assert all(name.startswith("step_") or name == "latest" for name in os.listdir(tmp_path))
+    assert CheckpointManager(tmp_path).load_latest().step == latest.step
 
 
 @pytest.mark.slow  # real processes killed mid-save
@@ -838,3 +896,52 @@ def test_staged_accelerator_tensors_reuse_the_buffers_whose_shape_and_dtype_agre
     assert [id(t) for t in buffers] == [id(staged["w"]), id(staged["b"])]
     staged, _ = stage_state(state(torch.zeros(3, 2), torch.ones(3, dtype=torch.float64)), buffers)
     assert staged["w"] is not kept[0] and staged["w"].shape == (3, 2) and staged["b"] is buffers[1]  # a shape
+
+
+def test_the_writer_process_is_chosen_only_where_spawn_can_import_the_main_module(tmp_path, monkeypatch):
+    """DCP's writer process starts with ``spawn``, which imports ``__main__`` again: "auto" takes it for ``-c``, a
+    package's ``__main__`` (``torchrun -m tlm``) and a script with an ``if __name__ == "__main__":`` block, and
+    the thread for a script that would train again in the writer; only for an accelerator's state (on CPU ranks
+    the thread stalls less, docs/benchmarks.md); one process never gets a writer process."""
+    import sys
+    import types
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    import tlm_train.checkpoint as checkpoint
+
+    def main(source: str | None = None, spec: str | None = None) -> types.ModuleType:
+        module = types.ModuleType("__main__")
+        if source is not None:
+            path = tmp_path / f"script{len(list(tmp_path.iterdir()))}.py"
+            path.write_text(source)
+            module.__file__ = str(path)
+        module.__spec__ = None if spec is None else types.SimpleNamespace(name=spec, origin=None)
+        return module
+
+    guarded = "import sys\nfrom tlm_train import train\n\nif __name__ == '__main__':\n    train(...)\n"
+    reversed_guard = "if '__main__' == __name__:\n    pass\n"
+    unguarded = "from tlm_train import train\ntrain(...)\n"
+    nested = "def f():\n    if __name__ == '__main__':\n        pass\ntrain(...)\n"
+    with pytest.raises(ValueError, match="writer must be 'auto', 'process' or 'thread', got 'fork'"):
+        checkpoint.process_writer("fork")
+    with pytest.raises(ValueError, match="writer must be"):
+        checkpoint.BackgroundSaver("fork")
+    assert checkpoint.process_writer("process") is None  # one process: DCP's thread
+    monkeypatch.setattr(checkpoint, "_distributed", lambda: True)
+    cases = {main(): True, main(spec="tlm.__main__"): True, main(guarded): True, main(reversed_guard): True,
+             main(unguarded): False, main(nested): False, main("this is not python ("): False}  # fmt: skip
+    for module, safe in cases.items():
+        monkeypatch.setitem(sys.modules, "__main__", module)
+        assert checkpoint._main_is_spawn_safe() is safe, getattr(module, "__file__", module.__spec__)
+        assert checkpoint.process_writer("auto") is (AsyncCheckpointerType.PROCESS if safe else None)
+        assert checkpoint.process_writer("auto", accelerator=False) is None
+        assert checkpoint.process_writer("process", accelerator=False) is AsyncCheckpointerType.PROCESS
+        assert checkpoint.process_writer("thread") is None
+    # A torch whose AsyncCheckpointerType has no PROCESS (feature detection): DCP's thread, whatever is asked.
+    import enum
+
+    from torch.distributed.checkpoint import state_dict_saver
+
+    monkeypatch.setattr(state_dict_saver, "AsyncCheckpointerType", enum.Enum("Old", {"THREAD": "thread"}))
+    assert checkpoint.process_writer("process") is None

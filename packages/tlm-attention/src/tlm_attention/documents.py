@@ -89,6 +89,22 @@ def document_block_mask(ids: Integer[Tensor, "batch seq"], block: int = FLEX_BLO
 _FLEX: Any = None
 
 
+def flex_kernel_options() -> dict[str, str]:
+    """The ``kernel_options`` every FlexAttention call here passes: its Triton kernels, named where this torch
+    lets a call choose (``FlexKernelOptions``'s ``BACKEND``; feature-detected, older ones have no other).
+
+    This is what keeps ``deterministic=True`` true with document masks on CUDA. The Triton backward
+    (inductor's ``flex_backwards`` template) writes each block of dQ, and each block of dK and dV, from one
+    program that loops over the other side's blocks in a fixed order: no atomic adds (inductor's only ones there
+    scatter gradients into tensors a ``score_mod`` captures; a ``mask_mod`` alone has none). ``"FLASH"``
+    (flash-attn 4) has a deterministic block-sparse backward only on SM100+ with extra block-mask metadata, and
+    ``"AUTO"`` is free to change what it picks."""
+    from torch.nn.attention import flex_attention as flex
+
+    options = getattr(flex, "FlexKernelOptions", None)
+    return {"BACKEND": "TRITON"} if "BACKEND" in getattr(options, "__annotations__", {}) else {}
+
+
 def flex_document_attention(
     q: Float[Tensor, "batch heads seq d_head"],
     k: Float[Tensor, "batch kv_heads seq d_head"],
@@ -98,14 +114,17 @@ def flex_document_attention(
     """Causal attention within documents through FlexAttention (compiled once per process): memory O(seq) and
     the key blocks of other documents skipped, where the dense mask (:func:`document_mask`) costs (seq, seq)
     per row and keeps torch's SDPA on its math kernel. Query head h reads key/value head
-    h // (heads / kv_heads). ``seq`` a multiple of :data:`FLEX_BLOCK`."""
+    h // (heads / kv_heads). ``seq`` a multiple of :data:`FLEX_BLOCK`. The kernels are FlexAttention's Triton
+    ones, whose backward is deterministic (:func:`flex_kernel_options`)."""
     global _FLEX
     if _FLEX is None:
         from torch.nn.attention.flex_attention import flex_attention
 
         _FLEX = torch.compile(flex_attention, dynamic=False)
     block_mask = document_block_mask(ids)
-    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=q.shape[-3] != k.shape[-3])
+    options = flex_kernel_options()
+    kwargs = {"kernel_options": options} if options else {}
+    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=q.shape[-3] != k.shape[-3], **kwargs)
 
 
 def flex_applies(q: Tensor, ids: Tensor | None) -> bool:

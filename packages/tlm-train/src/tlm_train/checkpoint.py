@@ -58,8 +58,8 @@ from tlm_model.checkpoint import read_digest, read_model_file
 from tlm_train.rng import rng_state, set_rng_state
 
 __all__ = [  # the readers of these formats are tlm_artifacts's (its .train_state and .steps): import them there
-    "BackgroundSaver", "Checkpoint", "CheckpointManager", "capture_state", "load_checkpoint", "read_checkpoint",
-    "restore_state", "save_checkpoint", "save_train_state", "stage_state",
+    "BackgroundSaver", "Checkpoint", "CheckpointManager", "capture_state", "load_checkpoint", "process_writer",
+    "read_checkpoint", "restore_state", "save_checkpoint", "save_train_state", "stage_state",
 ]  # fmt: skip
 
 # ---------------------------------------------------------------------------------------------
@@ -442,15 +442,102 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
     return staged, event
 
 
+def process_writer(writer: str = "auto", *, accelerator: bool = True) -> Any:
+    """DCP's ``AsyncCheckpointerType.PROCESS`` when a sharded save's files should be written by DCP's writer
+    process, else None (DCP's writer thread).
+
+    ``writer`` is ``"process"``, ``"thread"`` or ``"auto"``. A writer process (torchtitan's choice) serialises and
+    writes in its own interpreter, so the training's threads never wait for it on the GIL; it needs a process
+    group (DCP starts it with one gloo group of its own) and a torch whose ``async_save`` takes
+    ``async_checkpointer_type`` (feature-detected: None otherwise, whatever ``writer`` says). DCP starts it with
+    ``spawn``, which imports the program's main script again in the new process: a script whose training is
+    not under ``if __name__ == "__main__":`` would train again in it and hang. ``"auto"`` therefore takes the
+    process only where that import is harmless (:func:`_main_is_spawn_safe`), and only for a state on an
+    ``accelerator``: a CPU run's cores are the training's, which a writer process takes as a thread would, plus
+    the copy into it (docs/benchmarks.md: slower than the thread on 2 CPU ranks)."""
+    if writer not in ("auto", "process", "thread"):
+        raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
+    if writer == "thread" or not _distributed():
+        return None
+    try:  # feature detection: the packages' torch floor may lack it
+        import inspect
+
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, async_save
+    except ImportError:
+        return None
+    kind = getattr(AsyncCheckpointerType, "PROCESS", None)
+    if kind is None or "async_checkpointer_type" not in inspect.signature(async_save).parameters:
+        return None
+    if writer == "auto" and not (accelerator and _main_is_spawn_safe()):
+        return None
+    return kind
+
+
+def _main_is_spawn_safe() -> bool:
+    """Whether multiprocessing's ``spawn`` can import this program's ``__main__`` in a new process without running
+    its work: ``python -c``/a REPL (no file), ``python -m pkg``/``torchrun -m tlm`` (a ``__main__`` module, which
+    spawn skips), or a script (the ``tlm`` console script included) whose top level holds an
+    ``if __name__ == "__main__":`` block."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    name = getattr(spec, "name", None)
+    if name is not None and (name == "__main__" or name.endswith(".__main__")):
+        return True
+    path = getattr(main, "__file__", None) if name is None else getattr(spec, "origin", None)
+    if path is None:
+        return name is None  # -c or a REPL: nothing to import; a module without a file: unknown
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return False
+
+    def guard(node: ast.stmt) -> bool:
+        test = getattr(node, "test", None)
+        if not isinstance(node, ast.If) or not isinstance(test, ast.Compare) or len(test.comparators) != 1:
+            return False
+        sides = {ast.dump(test.left), ast.dump(test.comparators[0])}
+        return sides == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}
+
+    return any(guard(node) for node in tree.body)
+
+
+def _stop_writer_process() -> None:
+    """End DCP's writer process, which torch keeps in a module global for the interpreter's life: the next
+    run of this interpreter, perhaps over another process group, starts its own. (Feature-detected: a torch
+    without it has nothing to end.)"""
+    try:
+        from torch.distributed.checkpoint import _async_process_executor as executor
+    except ImportError:
+        return
+    process = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if process is None:
+        return
+    executor._CHECKPOINT_PROCESS = None
+    with contextlib.suppress(Exception):
+        process.__del__()  # sends TERMINATE, joins, and SIGTERMs a process that lingers
+
+
 class BackgroundSaver:
     """Writes checkpoints in the background, one at a time, so a save costs the training loop a copy of the
     state to host memory instead of serialising and hashing everything. A one-process state is staged here
     (:func:`stage_state`) and :meth:`CheckpointManager.save` runs unchanged on a writer thread. A sharded one
     (every rank calls :meth:`submit`) goes through ``dcp.async_save`` (:meth:`CheckpointManager.start_shards`),
-    over a gloo group made for checkpoints on the first such save, and the writer thread finishes it. Either
-    way the step folder appears complete or not at all; a writer's error is raised by the next :meth:`wait`."""
+    over a gloo group made for checkpoints on the first such save: staged on DCP's staging thread, written by
+    DCP's writer process where :func:`process_writer` (``writer``; by default for an accelerator's state) picks
+    one, else by DCP's thread, and finished
+    (hashes, ``train_state.pt``, the rename into place) by the writer thread here. Either way the step folder
+    appears complete or not at all, and only this process puts it in place: a writer process left behind by a
+    killed run finishes the save in flight into its temporary folder (which ``remove_leftovers`` takes) and
+    exits when it finds its parent gone. A writer's error is raised by the next :meth:`wait`."""
 
-    def __init__(self) -> None:
+    def __init__(self, writer: str = "auto") -> None:
+        if writer not in ("auto", "process", "thread"):
+            raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
+        self.writer = writer
+        self._spawned = False  # whether a save of ours went to DCP's writer process (ended by close())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list[Tensor] = []
@@ -463,10 +550,13 @@ class BackgroundSaver:
         previous save)."""
         self.wait()
         if state.get("sharded"):
-            stager, own = self._shard_stager(state)
+            accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
+            writer = process_writer(self.writer, accelerator=accelerator)
+            stager, own = self._shard_stager(state, shared=writer is not None)
             folder, finish, self._staging = manager.start_shards(
-                model, state, process_group=self._shard_group(), stager=stager, asynchronous=True
+                model, state, process_group=self._shard_group(), stager=stager, asynchronous=True, checkpointer=writer
             )
+            self._spawned = self._spawned or writer is not None
 
             def work() -> None:
                 try:
@@ -501,19 +591,20 @@ class BackgroundSaver:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _shard_stager(self, state: dict[str, Any]) -> tuple[Any, bool]:
+    def _shard_stager(self, state: dict[str, Any], *, shared: bool = False) -> tuple[Any, bool]:
         """DCP's stager for this save (None where this torch has no ``DefaultStager``: ``async_save`` then stages
         before it returns), and whether it is this save's own (closed once written). On an accelerator one
         stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh and the copy is
         freed once written. Staging is asynchronous (DCP's thread, on an accelerator its own stream): the
-        training goes on, and :meth:`wait_staged` is called before the weights next change."""
+        training goes on, and :meth:`wait_staged` is called before the weights next change. ``shared``: the copy
+        goes to shared memory, which DCP's writer process reads without another copy."""
         try:  # a newer torch's (feature detection: the packages' torch floor may lack it)
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:
             return None, False
 
         accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
-        options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=False,
+        options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=shared,
                                  use_async_staging=True, use_non_blocking_copy=accelerator)  # fmt: skip
         if not accelerator:
             return DefaultStager(options), True
@@ -552,6 +643,9 @@ class BackgroundSaver:
                 self._stager.close()
                 self._stager = None
             self._buffers = []
+            if self._spawned:
+                self._spawned = False
+                _stop_writer_process()
 
 
 class CheckpointManager(StepFolders):
@@ -612,6 +706,7 @@ class CheckpointManager(StepFolders):
         process_group: Any = None,
         stager: Any = None,
         asynchronous: bool = False,
+        checkpointer: Any = None,
     ) -> tuple[Path, Callable[[], None], Any]:
         """Begin a sharded save on every rank; returns the step folder it will be, ``finish``, which completes
         it (on rank 0: the shard files' SHA-256s, ``train_state.pt`` and the rename into place), and the
@@ -621,8 +716,10 @@ class CheckpointManager(StepFolders):
         part is written by ``dcp.async_save`` on DCP's thread over ``process_group`` (a CPU group of the
         checkpoint's own), staged to host memory by ``stager`` (a DCP ``AsyncStager``; with async staging the
         copy runs on DCP's thread too, and the staging future says when it is done) or, without one, before
-        ``async_save`` returns; ``finish`` then waits for it, and raises its error. On rank 0, DCP's future is
-        done only once every rank's files and the metadata are written."""
+        ``async_save`` returns; ``finish`` then waits for it, and raises its error. ``checkpointer`` is DCP's
+        ``AsyncCheckpointerType`` for ``async_save`` (None: its default, a thread; ``PROCESS``: DCP's writer process,
+        see :func:`process_writer`). On rank 0, DCP's future is done only once every rank's files and the metadata
+        are written."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
@@ -650,7 +747,9 @@ class CheckpointManager(StepFolders):
                     if any(t.device.type == "cuda" for t in tensors.values()):
                         # DCP's staging stream does not wait for the training's: the last update must be done.
                         torch.cuda.current_stream().synchronize()
-                    kwargs = {} if stager is None else {"async_stager": stager}
+                    kwargs: dict[str, Any] = {} if stager is None else {"async_stager": stager}
+                    if checkpointer is not None:
+                        kwargs["async_checkpointer_type"] = checkpointer
                     response = dcp.async_save(
                         tensors, storage_writer=writer, no_dist=not _distributed(), process_group=process_group,
                         **kwargs,

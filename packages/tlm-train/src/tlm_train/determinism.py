@@ -6,7 +6,9 @@ backward picks its deterministic algorithm only when ``warn_only`` is False; wit
 runs the non-deterministic one), ``CUBLAS_WORKSPACE_CONFIG`` set before cuBLAS makes its first handle, cuDNN in
 deterministic mode without autotuning, and scaled-dot-product attention limited to the flash and math kernels
 (the memory-efficient and cuDNN kernels' backward are not deterministic). An op with no deterministic kernel then
-raises instead of running, and :func:`refusal` turns that error into one line naming the op. A device type
+raises instead of running, and :func:`refusal` turns that error into one line naming the op. Document masks
+keep FlexAttention: its Triton backward has no atomic adds (``tlm_attention.documents.flex_kernel_options``
+names those kernels). A device type
 that tlm has no such list for (``mps``, ``xpu``, ...) is refused before the run starts.
 """
 
