@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tlm_core.atomic import check_input, open_input, read_input
 from tlm_core.cli import UserError, add_command
 from tlm_experiments.manifest import MANIFEST, read_manifest
 from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary, add_result_arguments
@@ -38,7 +39,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_input(path, "metrics log").decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     records = []
@@ -135,7 +136,7 @@ def _file_digest(path: Path) -> str | None:
     if not path.is_file():
         return None
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    with open_input(path, "data file") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -163,12 +164,13 @@ def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData
         return RunData(None, data, ratio)
     digest = hashlib.sha256()
     for file in sorted(f for f in run.tokenizer_dir.iterdir() if f.is_file()):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        digest.update(file.name.encode() + b"\0" + read_input(file, "tokenizer file") + b"\0")
     val = run.data_dir / "val.npy"
     if ratio is None and val.is_file():  # the whole validation file's bytes per token, special tokens counting none
         import numpy as np
 
         tokenizer = run.tokenizer()
+        check_input(val, "run token file")  # a FIFO or device in its place is one line, not a hang
         ids = np.load(val, mmap_mode="r").astype(np.int64)
         ids = np.where(ids < 0, -1 - ids, ids).tolist()  # chat data keeps a masked target as -1 - id
         specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}
