@@ -36,7 +36,7 @@ TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``; a last line cut short by a kill is dropped. A record that is not an
     object with an integer ``step`` >= 0 (a file edited by hand, or not tlm's) is one line naming the file."""
-    if not path.is_file():
+    if not path.exists():  # a FIFO, device or folder in its place is refused by the checked read, never waited on
         return []
     try:
         text = read_input(path, "metrics log").decode("utf-8")
@@ -133,7 +133,7 @@ class RunData:
 def _file_digest(path: Path) -> str | None:
     import hashlib
 
-    if not path.is_file():
+    if not path.exists():
         return None
     digest = hashlib.sha256()
     with open_input(path, "data file") as file:
@@ -166,7 +166,7 @@ def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData
     for file in sorted(f for f in run.tokenizer_dir.iterdir() if f.is_file()):
         digest.update(file.name.encode() + b"\0" + read_input(file, "tokenizer file") + b"\0")
     val = run.data_dir / "val.npy"
-    if ratio is None and val.is_file():  # the whole validation file's bytes per token, special tokens counting none
+    if ratio is None and val.exists():  # the whole validation file's bytes per token, special tokens counting none
         import numpy as np
 
         tokenizer = run.tokenizer()

@@ -54,7 +54,7 @@ def check_name(name: object, where: str) -> str:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """``folder``'s manifest, checked field by field (see :func:`check_manifest`)."""
     path = folder / MANIFEST
-    if not path.is_file():
+    if not path.exists():  # a FIFO or folder in its place: the checked read says so
         raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
     try:
         manifest = json.loads(read_input(path, "sweep manifest"))  # a FIFO planted as sweep.json: one line

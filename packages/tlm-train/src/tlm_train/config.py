@@ -470,7 +470,7 @@ class TrainConfig:
         ``overrides`` (e.g. from command-line flags) win over the file, ``model`` key by key."""
         path = Path(path)
         try:
-            data = tomllib.loads(read_input(path, "training config").decode("utf-8"))  # a FIFO is refused, not waited on
+            data = tomllib.loads(read_input(path, "training config").decode("utf-8"))  # a FIFO: refused
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"{path} is not valid TOML: {err}") from None
         except UnicodeDecodeError as err:
