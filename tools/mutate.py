@@ -5,6 +5,8 @@ Usage (from the repository root, in a venv where the packages are installed edit
     python tools/mutate.py                                  # the default targets (see DEFAULT_TARGETS)
     python tools/mutate.py --files packages/tlm-norm/src/tlm_norm/rmsnorm.py --max-per-file 40
     python tools/mutate.py --equivalent tools/mutation_equivalent.json --out mutation-report
+    # the owning-package measure (issue 44): a sample of the lines changed since a commit, each package's own tests
+    python tools/mutate.py --changed-since 72c85d5 --per-package 20 --owning --fast
 
 Each mutant changes one AST node of one source file: a comparison or boolean operator flipped, an
 integer constant or slice bound moved by one, ``+``/``-`` or ``*``/``/`` swapped, the operands of a
@@ -22,6 +24,11 @@ workspace that imports the module or a name it defines; ``--tests`` adds more), 
 unmutated (the baseline, which must pass and sets the timeout), then once per mutant with
 ``pytest -x -q -p no:cacheprovider``. A mutant is *killed* when the tests fail, *timeout* when they
 run past the limit, *survived* when they pass.
+
+``--changed-since REV`` mutates only the lines of ``packages/*/src`` that ``git diff REV`` adds or changes (the
+files follow from it); ``--per-package N`` samples N of a package's mutants (seeded) across its files;
+``--owning`` keeps only the owning package's tests (code that only another package's tests exercise counts as
+uncovered); ``--fast`` leaves out the tests marked ``slow``.
 
 The report (``<out>.json`` and ``<out>.md``, written atomically) gives killed/survived/timeout per
 package and the diff of every survivor. ``--equivalent`` names a JSON file of mutant ids judged
@@ -303,14 +310,15 @@ def _defined_names(path: pathlib.Path) -> set[str]:
     return names
 
 
-def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = ()) -> list[str]:
-    """The tests that exercise ``path``, most specific first, less those matching ``exclude``."""
+def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = (), *, owning: bool = False) -> list[str]:
+    """The tests that exercise ``path``, most specific first, less those matching ``exclude`` (with ``owning``,
+    only the tests of ``path``'s own package)."""
     _, dotted, tests_dir = _module_name(path)
     top = dotted.split(".")[0]
     stem = path.stem
     chosen = sorted(tests_dir.glob(f"test_{stem}*.py")) if stem != "__init__" else []
     names = _defined_names(path)
-    for test in sorted(PACKAGES.glob("*/tests/test_*.py")):
+    for test in sorted((tests_dir if owning else PACKAGES).glob("test_*.py" if owning else "*/tests/test_*.py")):
         if test in chosen:
             continue
         tree = ast.parse(test.read_text())
@@ -326,6 +334,10 @@ def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = ()) 
             if hit:
                 chosen.append(test)
                 break
+    if owning and not chosen:  # a module no test imports: the tests that name it, else all of its package's
+        words = {stem, dotted, dotted.rsplit(".", 1)[0]} - {top}
+        chosen = [t for t in sorted(tests_dir.glob("test_*.py")) if any(w in t.read_text() for w in words)]
+        chosen = chosen or sorted(tests_dir.glob("test_*.py"))
     chosen += [pathlib.Path(p).resolve() for p in extra if pathlib.Path(p).resolve() not in chosen]
     chosen = [p for p in chosen if not any(p.match(pattern) for pattern in exclude)]
     return [str(p.relative_to(ROOT)) for p in chosen]
@@ -460,6 +472,25 @@ def _diff(mutant: Mutant) -> str:
     return "\n".join(lines)
 
 
+def changed_lines(rev: str) -> dict[pathlib.Path, set[int]]:
+    """The lines of each ``packages/*/src/**.py`` file that ``git diff rev`` adds or changes (numbered as now)."""
+    diff = subprocess.run(
+        ["git", "diff", "-U0", "--no-color", rev, "--", "packages/*/src/**.py"],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    lines: dict[pathlib.Path, set[int]] = {}
+    current: set[int] | None = None
+    for line in diff.splitlines():
+        if line.startswith("+++ "):
+            name = line[4:]
+            current = None if name == "/dev/null" else lines.setdefault((ROOT / name[2:]).resolve(), set())
+        elif line.startswith("@@") and current is not None:
+            added = line.split(" ")[2]  # +start[,count]
+            start, _, count = added[1:].partition(",")
+            current.update(range(int(start), int(start) + int(count or 1)))
+    return {path: found for path, found in lines.items() if found and path.exists()}
+
+
 def _package(rel: str) -> str:
     return pathlib.Path(rel).parts[1]
 
@@ -529,6 +560,10 @@ def main(argv: list[str] | None = None) -> int:
         default=ROOT / "build" / "mutation" / "report",
         help="report path stem (.json and .md are added)",
     )
+    parser.add_argument("--changed-since", metavar="REV", help="mutate only the src lines changed since REV (git diff)")
+    parser.add_argument("--per-package", type=int, help="sample at most this many mutants per package (seeded)")
+    parser.add_argument("--owning", action="store_true", help="run only the owning package's tests")
+    parser.add_argument("--fast", action="store_true", help="leave out the tests marked slow (-m 'not slow')")
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     parser.add_argument(
@@ -537,22 +572,47 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     files = [pathlib.Path(f).resolve() for f in args.files] if args.files else []
+    changed = changed_lines(args.changed_since) if args.changed_since else None
     if not files:
-        files = [p.resolve() for pattern in DEFAULT_TARGETS for p in sorted(ROOT.glob(pattern))]
+        files = sorted(changed) if changed is not None else []
+        files = files or [p.resolve() for pattern in DEFAULT_TARGETS for p in sorted(ROOT.glob(pattern))]
     files = [f for f in files if f.name != "__init__.py"]  # re-exports only
     equivalent = json.loads(args.equivalent.read_text()) if args.equivalent else {}
     rng = random.Random(args.seed)
+    if args.fast:
+        PYTEST.extend(["-m", "not slow"])
 
-    plan: list[tuple[pathlib.Path, list[str], list[Mutant], int]] = []
+    generated_in: dict[pathlib.Path, list[Mutant]] = {}
     for path in files:
         mutants = generate_mutants(path)
+        if changed is not None:
+            mutants = [m for m in mutants if m.line in changed.get(path, set())]
+        generated_in[path] = mutants
+    if args.per_package is not None and not args.only:  # one seeded sample per package, across its files
+        by_package: dict[str, list[Mutant]] = {}
+        for mutants in generated_in.values():
+            for m in mutants:
+                by_package.setdefault(_package(m.path), []).append(m)
+        kept = {
+            m.id + m.path
+            for name in sorted(by_package)
+            # A generator per package: a package's sample is the same whichever other packages run with it.
+            for m in random.Random(f"{args.seed}:{name}").sample(
+                by_package[name], min(args.per_package, len(by_package[name]))
+            )
+        }
+    plan: list[tuple[pathlib.Path, list[str], list[Mutant], int]] = []
+    for path in files:
+        mutants = generated_in[path]
         generated = len(mutants)
         if args.only:
             mutants = [m for m in mutants if m.id in args.only]
+        elif args.per_package is not None:
+            mutants = [m for m in mutants if m.id + m.path in kept]
         elif args.max_per_file is not None and len(mutants) > args.max_per_file:
             mutants = sorted(rng.sample(mutants, args.max_per_file), key=lambda m: m.start)
         if mutants:
-            plan.append((path, select_tests(path, args.tests, args.exclude), mutants, generated))
+            plan.append((path, select_tests(path, args.tests, args.exclude, owning=args.owning), mutants, generated))
     if args.list:
         for path, tests, mutants, generated in plan:
             print(f"{path.relative_to(ROOT)}: {len(mutants)} of {generated} mutants; tests: {' '.join(tests)}")
@@ -622,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
         "mutants run": len(done),
         "sampled": args.max_per_file is not None and any(len(m) < g for _, _, m, g in plan),
         "max per file": args.max_per_file,
+        "per package": args.per_package,
+        "changed since": args.changed_since,
+        "owning package's tests only": args.owning,
+        "slow tests left out": args.fast,
         "seed": args.seed,
         "minutes": round((time.time() - started) / 60, 1),
     }

@@ -258,3 +258,19 @@ def test_a_bfloat16_frozen_base_gives_bfloat16_autocasts_exact_loss_and_adapter_
     grads = [[p.grad for p in m.parameters() if p.requires_grad] for m in models]
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_cast_frozen_weights_keeps_a_head_tied_to_the_embedding_and_returns_what_it_cast():
+    # A tied head's weight is the embedding's table too: a lookup that autocast never casts, so it stays float32.
+    from dataclasses import replace
+
+    from tlm_lora import cast_frozen_weights
+
+    model = base_model(config=replace(CONFIG, tie_word_embeddings=True))
+    apply_lora(model, ("q", "v"), rank=2, alpha=4)
+    assert model.lm_head.weight is model.token_embeddings.weight
+    names = cast_frozen_weights(model, torch.bfloat16)
+    assert "lm_head.weight" not in names and model.lm_head.weight.dtype == torch.float32
+    cast = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
+    assert set(names) == cast and {"layers.0.attn.qkv_proj.weight", "layers.1.ffn.w2.weight"} <= cast
+    assert cast_frozen_weights(model, torch.bfloat16) == []  # already in the dtype: nothing more to cast

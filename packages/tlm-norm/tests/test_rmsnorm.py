@@ -323,3 +323,16 @@ def test_float16_inference_through_torchs_kernel_is_float32_math_rounded_once(pa
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     expected = float64_rmsnorm(x, norm.weight, norm.eps).to(torch.float16)
     assert ulp_distance(out, expected).max().item() <= 1
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e30), (torch.bfloat16, 1e30), (torch.float64, 1e300)])
+def test_inference_of_wide_types_stays_finite_where_float32_squares_overflow(dtype, scale):
+    # Only float16 may take torch's float32 kernel: the square of 1e30 overflows float32 (F.rms_norm gives 0 there),
+    # so a float32, bfloat16 or float64 row under no_grad must still take the float64-summed path.
+    norm = RMSNorm(8, dtype=dtype)
+    x = torch.full((2, 8), scale, dtype=torch.float64)
+    x[1] *= -1
+    with torch.no_grad():
+        out = norm(x.to(dtype))
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), torch.tensor([[1.0] * 8, [-1.0] * 8], dtype=torch.float64))

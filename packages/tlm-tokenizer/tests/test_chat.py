@@ -183,3 +183,75 @@ def test_many_messages_take_linear_work(gpt2_chat):
         timings.append(time.perf_counter() - start)
         assert encoded.ids.count(ours.encode(IM_END)[0]) == count + 1 and sum(encoded.assistant) == 3
     assert timings[1] < 30 * timings[0] + 0.5  # 10x the messages: ~10x the time (quadratic work would be ~100x)
+
+
+def _counting(template):
+    """``template`` with its renders counted: ``calls`` and ``messages`` (how many messages they rendered in all,
+    the work a render does)."""
+    counts = {"calls": 0, "messages": 0}
+    render = template._render
+
+    def counted(**context):
+        counts["calls"] += 1
+        counts["messages"] += len(context["messages"])
+        return render(**context)
+
+    template._render = counted
+    return counts
+
+
+def test_a_conversation_is_encoded_in_a_fixed_number_of_renders(gpt2_chat):
+    ours = gpt2_chat[0]
+    template = ChatTemplate(ours)
+    counts = _counting(template)
+    template.encode(CONVERSATIONS[0])  # the first encode probes the template once: a fixed, small conversation
+    probe = dict(counts)
+    assert probe["messages"] < 40
+    for turns in (10, 400):
+        counts.update(calls=0, messages=0)
+        messages = [{"role": r, "content": f"{r} {k}"} for k in range(turns) for r in ("user", "assistant")]
+        encoded = template.encode(messages)
+        # Two renders of the whole conversation (locate_contents): 2 x 2 x turns messages, not ~2 x turns^2.
+        assert counts == {"calls": 2, "messages": 2 * 2 * turns}
+        # Each assistant turn: its content's ids, the end marker and the newline after it.
+        assert sum(encoded.assistant) == sum(len(ours.encode(f"assistant {k}")) + 2 for k in range(turns))
+
+
+#: Templates for which the spans found from the probe's edges must equal those of the prefix renders, with the
+#: edges each has: ChatML, one that writes names, a Llama-3-like header template with a default system message,
+#: one whose last turn has no newline after it, and one whose first assistant turn alone ends in "!" (its probe
+#: turns differ, so every conversation takes the prefix renders).
+EDGES = [("", "<|im_end|>\n"), ("", "<|im_end|>\n"), ("", "<|endoftext|>"), ("", "<|im_end|>"), None]
+EDGE_TEMPLATES = [
+    CHATML_TEMPLATE,
+    NAMED,
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}<|im_end|>\n\n{{ m['content'] }}<|endoftext|>{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant<|im_end|>\n\n{% endif %}",
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>{% if not loop.last %}\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}\n<|im_start|>assistant\n{% endif %}",
+    CHATML_TEMPLATE.replace("'<|im_end|>'", "('!' if loop.index == 2 else '') + '<|im_end|>'"),
+]
+
+
+@pytest.mark.parametrize("source", range(len(EDGE_TEMPLATES)))
+def test_the_spans_from_the_edges_equal_the_prefix_renders(gpt2_chat, source):
+    ours = gpt2_chat[0]
+    fast, slow = ChatTemplate(ours, EDGE_TEMPLATES[source]), ChatTemplate(ours, EDGE_TEMPLATES[source])
+    slow._probed = True  # no edges: every prefix is rendered, the definition of a turn
+    named = [{**m, "name": "bo"} if m["role"] == "user" else m for m in CONVERSATIONS[1]]
+    for messages in [*CONVERSATIONS, named, [CONVERSATIONS[1][0], *CONVERSATIONS[1][2:]]]:
+        assert fast.encode(messages) == slow.encode(messages)
+    assert fast._edges == EDGES[source]
+
+
+def test_a_conversation_without_the_edges_takes_the_prefix_renders(gpt2_chat):
+    ours = gpt2_chat[0]
+    # Assistant turns after the second end with "!" in front of the marker: the probe sees two alike turns only.
+    source = CHATML_TEMPLATE.replace("'<|im_end|>'", "('!' if loop.index > 4 else '') + '<|im_end|>'")
+    fast, slow = ChatTemplate(ours, source), ChatTemplate(ours, source)
+    slow._probed = True  # no edges: every prefix is rendered
+    messages = [{"role": r, "content": f"{r} {k}"} for k in range(3) for r in ("user", "assistant")]
+    counts = _counting(fast)
+    assert fast.encode(messages) == slow.encode(messages) and fast._edges == ("", "<|im_end|>\n")
+    assert counts["calls"] > 2 + 8  # the probe's renders, the conversation's two, then its prefixes

@@ -72,3 +72,33 @@ def test_a_validation_token_file_changed_before_a_resume_is_refused(tmp_path, ma
     np.save(held, np.arange(200, dtype=np.uint16) % 31)
     with pytest.raises(ValueError, match=r"--val-data .*held.npy changed since the run started"):
         train(config.replace(steps=2), resume=True)
+
+
+@pytest.mark.parametrize("kind", ["token file", "text"])
+def test_a_validation_file_added_on_resume_is_refused_and_the_run_left_as_it_was(tmp_path, make_config, kind):
+    """--val-data is one of FIXED_ON_RESUME: a run validates on what it started with, so a file given only when
+    it resumes is refused in one line naming the flag, before the run's data or checkpoints change (the token
+    file's identity check, which takes a validation file only once recorded, is never reached)."""
+    from tlm_train.recipe import ResumeError
+
+    if kind == "token file":
+        held = tmp_path / "held.npy"
+        np.save(held, np.arange(200, dtype=np.uint16) % 32)
+        config = make_config(steps=1)
+    else:
+        text, held = tmp_path / "train.txt", tmp_path / "held.txt"
+        text.write_text(default_corpus()[:20_000], encoding="utf-8")
+        held.write_text(default_corpus()[30_000:31_000], encoding="utf-8")
+        config = make_config(data=[str(text)], vocab_size=300, steps=1)
+    train(config)
+    run = RunDir(tmp_path / "run")
+    before = {p.relative_to(run.path): p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    with pytest.raises(ResumeError) as info:
+        train(config.replace(val_data=[str(held)], steps=2), resume=True)
+    assert str(info.value) == (
+        f"--resume {run.path}: --val-data {[str(held)]!r} differs from the run's []; a run keeps its model, data, "
+        "tokenizer and seed (start a new run with --init-from to fine-tune it)"
+    )
+    after = {p.relative_to(run.path): p.read_bytes() for p in run.path.rglob("*") if p.is_file()}
+    assert after == before
+    assert "val_token_file" not in json.loads((run.data_dir / "info.json").read_text())

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from tlm_core.atomic import check_input, open_input, read_input
 from tlm_core.cli import UserError
 from tlm_experiments.manifest import MANIFEST, read_manifest
 from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary
@@ -33,10 +34,10 @@ TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``; a last line cut short by a kill is dropped. A record that is not an
     object with an integer ``step`` >= 0 (a file edited by hand, or not tlm's) is one line naming the file."""
-    if not path.is_file():
+    if not path.exists():  # a FIFO, device or folder in its place is refused by the checked read, never waited on
         return []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_input(path, "metrics log").decode("utf-8")
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     records = []
@@ -130,10 +131,10 @@ class RunData:
 def _file_digest(path: Path) -> str | None:
     import hashlib
 
-    if not path.is_file():
+    if not path.exists():
         return None
     digest = hashlib.sha256()
-    with path.open("rb") as file:
+    with open_input(path, "data file") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
@@ -161,12 +162,13 @@ def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData
         return RunData(None, data, ratio)
     digest = hashlib.sha256()
     for file in sorted(f for f in run.tokenizer_dir.iterdir() if f.is_file()):
-        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+        digest.update(file.name.encode() + b"\0" + read_input(file, "tokenizer file") + b"\0")
     val = run.data_dir / "val.npy"
-    if ratio is None and val.is_file():  # the whole validation file's bytes per token, special tokens counting none
+    if ratio is None and val.exists():  # the whole validation file's bytes per token, special tokens counting none
         import numpy as np
 
         tokenizer = run.tokenizer()
+        check_input(val, "run token file")  # a FIFO or device in its place is one line, not a hang
         ids = np.load(val, mmap_mode="r").astype(np.int64)
         ids = np.where(ids < 0, -1 - ids, ids).tolist()  # chat data keeps a masked target as -1 - id
         specials = {tokenizer.encode(s)[0] for s in tokenizer.special_tokens}

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tlm_core.atomic import read_input
 from tlm_core.cli import UserError
 
 #: The file that makes a folder a sweep (``tlm sweep`` writes it).
@@ -53,10 +54,10 @@ def check_name(name: object, where: str) -> str:
 def read_manifest(folder: Path) -> dict[str, Any]:
     """``folder``'s manifest, checked field by field (see :func:`check_manifest`)."""
     path = folder / MANIFEST
-    if not path.is_file():
+    if not path.exists():  # a FIFO or folder in its place: the checked read says so
         raise UserError(f"{folder}: not a sweep folder (no {MANIFEST} in it)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_input(path, "sweep manifest"))  # a FIFO planted as sweep.json: one line
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not a sweep manifest: {err}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -129,7 +130,7 @@ def manifest_lock(folder: Path) -> Iterator[None]:
 def update_entry(folder: Path, name: str, change: dict[str, Any]) -> None:
     """Run ``name``'s entry of ``folder``'s ``sweep.json`` with ``change`` over it, under :func:`manifest_lock`."""
     with manifest_lock(folder):
-        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads(read_input(folder / MANIFEST, "sweep manifest"))
         for entry in manifest["runs"]:
             if entry["name"] == name:
                 entry.pop("message", None)

@@ -49,6 +49,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from tlm_core.atomic import check_input, read_input
 from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int, short_repr
 from tlm_core.cli import UserError, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
@@ -198,20 +199,20 @@ def expand_grid(
     return runs
 
 
-def _parsed(file: Path, loads: Callable[[str], Any], error: type[Exception], what: str) -> Any:
+def _parsed(file: Path, loads: Callable[[str], Any], error: type[Exception], what: str, flag: str) -> Any:
     """``file``'s UTF-8 text through ``loads``; text that is not UTF-8 or that ``loads`` refuses is one
-    line, ``what: the parser's words``."""
+    line, ``what: the parser's words``. The file is read through the checked open: missing, a FIFO, a device or
+    a folder is one line naming ``flag`` and the path, never waited on."""
+    data = read_input(file, flag)
     try:
-        return loads(file.read_text(encoding="utf-8"))
+        return loads(data.decode("utf-8"))
     except (error, UnicodeDecodeError) as err:
         raise UserError(f"{what}: {err}") from None
 
 
 def _read_runs_file(path: str) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
     file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--runs {path}: no such file")
-    data = _parsed(file, tomllib.loads, tomllib.TOMLDecodeError, f"--runs {path} is not valid TOML")
+    data = _parsed(file, tomllib.loads, tomllib.TOMLDecodeError, f"--runs {path} is not valid TOML", "--runs")
     if unknown := sorted(set(data) - {"base", "runs"}):
         raise UserError(f"--runs {path}: unknown tables {unknown}; expected [base] and [runs.NAME]")
     runs = data.get("runs", {})
@@ -279,8 +280,7 @@ def _setting_names(message: str) -> str:
 def _base_config(path: str) -> Any:
     from tlm_train.config import TrainConfig
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--config {path}: no such file")
+    check_input(path, "--config")  # missing, a FIFO, a device or a folder: one line naming --config
     return TrainConfig.from_toml(path)
 
 
@@ -613,5 +613,5 @@ def run(args: SweepOptions) -> int:
         print(f"tlm: error: runs {failed} failed (see {folder / MANIFEST}); retry them with --resume", file=sys.stderr)
         return 1
     if not args.quiet:
-        sys.stdout.write((folder / SUMMARY_MD).read_text(encoding="utf-8"))
+        sys.stdout.write(read_input(folder / SUMMARY_MD, "sweep summary").decode("utf-8"))
     return 0

@@ -13,6 +13,8 @@ import os
 import re
 from typing import BinaryIO
 
+from tlm_core.atomic import open_input
+
 _CUT = re.compile(rb"[\x21-\x7e](?=[ \t\n\r\x0b\x0c])")
 _WINDOW = 1 << 16
 
@@ -48,7 +50,7 @@ def split_file(path: str | os.PathLike[str], parts: int, special_tokens: list[st
     size = os.path.getsize(path)
     specials = sorted({token.encode("utf-8") for token in special_tokens})
     cuts = [0]
-    with open(path, "rb") as handle:
+    with open_input(path, "input file") as handle:
         for part in range(1, parts):
             cut = _cut_at_or_after(handle, max(size * part // parts, cuts[-1]), size, specials)
             if cut > cuts[-1]:
@@ -60,6 +62,6 @@ def split_file(path: str | os.PathLike[str], parts: int, special_tokens: list[st
 
 def read_range(path: str | os.PathLike[str], start: int, end: int) -> str:
     """The text of bytes ``[start, end)`` of a UTF-8 file, newlines untouched (``\\r\\n`` survives)."""
-    with open(path, "rb") as handle:
+    with open_input(path, "input file") as handle:
         handle.seek(start)
         return handle.read(end - start).decode("utf-8")

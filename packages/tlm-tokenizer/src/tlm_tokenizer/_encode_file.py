@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from typing import BinaryIO
 
-from tlm_core.atomic import atomic_file, remove_leftovers, temp_path
+from tlm_core.atomic import atomic_file, check_input, open_input, remove_leftovers, temp_path
 from tlm_core.checks import check_positive_int
 from tlm_core.progress import progress_bar
 from tlm_tokenizer._chunks import split_file
@@ -34,7 +34,7 @@ def _init_worker(tokenizer: Tokenizer) -> None:
 
 def _text_blocks(path: str, start: int, end: int) -> Iterator[str]:
     decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as handle:
+    with open_input(path, "path") as handle:
         handle.seek(start)
         left = end - start
         while left > 0:
@@ -92,7 +92,8 @@ def encode_file(
         raise TypeError(f"tokenizer must be a Tokenizer, got {type(tokenizer).__name__}")
     check_positive_int("num_workers", num_workers)
     source = os.fspath(path)
-    size = os.path.getsize(source)  # FileNotFoundError names the path
+    check_input(source, "path")  # missing: FileNotFoundError; a FIFO, device or folder: ValueError, never waited on
+    size = os.path.getsize(source)
     target = pathlib.Path(out_path)
     if target.is_dir():
         raise IsADirectoryError(f"out_path must be a file path, got the folder {target}")

@@ -11,7 +11,11 @@ matched only in the template's own text, and the contents are encoded as the ord
 The assistant's tokens are found by rendering prefixes: the text of assistant message ``i`` runs from the
 end of ``render(messages[:i], add_generation_prompt=True)`` to the end of ``render(messages[:i + 1])``
 (its content, the end marker and what the template writes after it). A template for which these are not
-prefixes of the whole conversation is refused.
+prefixes of the whole conversation is refused. Rendering every prefix is quadratic in the messages, so it is
+done once per template, on a probe conversation of two assistant turns: when both show the same text around
+their content (``head``: after the generation prompt, ``tail``: to the turn's end), a conversation's turns are
+found from where its contents lie, in two renders; a conversation whose text does not hold those edges around
+each assistant content, or a template whose probe turns differ, takes the prefix renders.
 
 Needs jinja2 (``pip install 'tlm-tokenizer[chat]'``), imported when a template is first compiled.
 """
@@ -168,6 +172,8 @@ class ChatTemplate:
         self._render = compile_template(self.source)
         eos = "<|endoftext|>" if "<|endoftext|>" in tokenizer.special_tokens else ""
         self._specials = {"bos_token": "", "eos_token": eos}
+        self._edges: tuple[str, str] | None = None  # found by _assistant_edges, once _probed
+        self._probed = False
 
     def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages``, as transformers renders it."""
@@ -180,16 +186,10 @@ class ChatTemplate:
             text, fields = locate_contents(self.render, messages)
             if fields is None:
                 raise ValueError(f"{where}: the chat template does not write the messages' contents as they are")
-            starts_of = {i: start for i, key, start, _ in fields if key == "content"}
-            # The assistant's spans, from the renders of each prefix.
-            spans = []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
-                if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > starts_of[i]:
-                    raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
-                spans.append((len(prompt), len(turn)))
+            contents = {i: (start, end) for i, key, start, end in fields if key == "content"}
+            spans = self._spans_from_edges(text, messages, contents)
+            if spans is None:  # a template whose assistant turns differ: every prefix rendered, quadratic work
+                spans = self._spans_from_prefixes(text, messages, contents, where)
         ids: list[int] = []
         starts: list[int] = []  # each id's first character
         offsets = _char_offsets(text)
@@ -202,6 +202,65 @@ class ChatTemplate:
             ids += piece_ids
         begins = [a for a, _ in spans]  # in order, not overlapping
         return ChatEncoding(ids, [(k := bisect.bisect_right(begins, s) - 1) >= 0 and s < spans[k][1] for s in starts])
+
+    def _spans_from_prefixes(
+        self, text: str, messages: list[dict[str, str]], contents: dict[int, tuple[int, int]], where: str
+    ) -> list[tuple[int, int]]:
+        """Each assistant turn's ``(start, end)`` in ``text``, from the renders of each prefix (the definition:
+        the end of ``render(messages[:i], add_generation_prompt=True)`` to the end of ``render(messages[:i + 1])``).
+        Two renders per assistant message, each as long as the prefix: quadratic in the messages."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt, turn = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+            if not (text.startswith(prompt) and text.startswith(turn)) or len(prompt) > contents[i][0]:
+                raise ValueError(f"{where}: the chat template does not render each turn as a prefix of the next")
+            spans.append((len(prompt), len(turn)))
+        return spans
+
+    def _assistant_edges(self) -> tuple[str, str] | None:
+        """``(head, tail)``: what the template writes between the end of the generation prompt and an assistant's
+        content, and after the content to the end of its turn, when that is the same for every assistant turn of
+        a probe conversation (two assistant turns, one in the middle and one last), measured once per template
+        by :meth:`_spans_from_prefixes`; None when the turns differ (or the template refuses the probe)."""
+        if not self._probed:
+            nonce = uuid.uuid4().hex[:12]
+            probe = [{"role": role, "content": f"{role[0]}{k}{nonce}"} for k, role in
+                     enumerate(("user", "assistant", "user", "assistant"))]  # fmt: skip
+            edges = None
+            try:
+                text, fields = locate_contents(self.render, probe)
+                if fields is not None:
+                    contents = {i: (start, end) for i, key, start, end in fields if key == "content"}
+                    spans = self._spans_from_prefixes(text, probe, contents, "the probe")
+                    found = {(text[a : contents[i][0]], text[contents[i][1] : b])
+                             for i, (a, b) in zip((1, 3), spans, strict=True)}  # fmt: skip
+                    edges = found.pop() if len(found) == 1 else None
+            except ValueError:  # the template refuses the probe: every conversation takes the prefix renders
+                edges = None
+            self._edges, self._probed = edges, True
+        return self._edges
+
+    def _spans_from_edges(
+        self, text: str, messages: list[dict[str, str]], contents: dict[int, tuple[int, int]]
+    ) -> list[tuple[int, int]] | None:
+        """Each assistant turn's ``(start, end)`` in ``text`` from where its content lies and the template's
+        :meth:`_assistant_edges` (no render: linear work); None when the template has no such edges or ``text``
+        does not hold them around some assistant content (then the prefixes decide)."""
+        edges = self._assistant_edges()
+        if edges is None:
+            return None
+        head, tail = edges
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start, end = contents[i]
+            if start < len(head) or text[start - len(head) : start] != head or text[end : end + len(tail)] != tail:
+                return None
+            spans.append((start - len(head), end + len(tail)))
+        return spans
 
 
 def locate_contents(

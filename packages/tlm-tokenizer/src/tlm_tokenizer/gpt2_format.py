@@ -11,6 +11,7 @@ import json
 import os
 from functools import cache
 
+from tlm_core.atomic import read_input
 from tlm_core.checks import short_repr
 
 __all__ = [
@@ -103,10 +104,8 @@ def read_gpt2_files(
     vocab_filepath: str | os.PathLike[str], merges_filepath: str | os.PathLike[str]
 ) -> tuple[dict[int, bytes], list[tuple[bytes, bytes]]]:
     """Read GPT-2-format ``vocab.json`` and ``merges.txt`` into ``(vocab, merges)`` of bytes."""
-    with open(vocab_filepath, "rb") as handle:
-        vocab = parse_vocab_json(handle.read(), os.fspath(vocab_filepath))
-    with open(merges_filepath, "rb") as handle:
-        merges = parse_merges_txt(handle.read(), os.fspath(merges_filepath))
+    vocab = parse_vocab_json(read_input(vocab_filepath, "vocab_filepath"), os.fspath(vocab_filepath))
+    merges = parse_merges_txt(read_input(merges_filepath, "merges_filepath"), os.fspath(merges_filepath))
     return vocab, merges
 
 

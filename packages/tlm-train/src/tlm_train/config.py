@@ -28,6 +28,7 @@ else:  # pragma: no cover - Python 3.10
 import tomli_w
 
 from tlm_artifacts.layout import CONFIG_NAME as CONFIG_NAME  # a run's settings file (the layout's name)
+from tlm_core.atomic import read_input
 from tlm_core.checks import check_bool, check_choice, check_int, check_number
 from tlm_ffn.options import default_d_ff
 from tlm_lora.roles import check_targets
@@ -469,7 +470,7 @@ class TrainConfig:
         ``overrides`` (e.g. from command-line flags) win over the file, ``model`` key by key."""
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(read_input(path, "training config").decode("utf-8"))  # a FIFO: refused
         except tomllib.TOMLDecodeError as err:
             raise ValueError(f"{path} is not valid TOML: {err}") from None
         except UnicodeDecodeError as err:

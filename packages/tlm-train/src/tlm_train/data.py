@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tlm_artifacts.layout import RunFolder
-from tlm_core.atomic import check_input, create_new, remove_leftovers, replace_dir, temp_path
+from tlm_core.atomic import check_input, create_new, open_input, read_input, remove_leftovers, replace_dir, temp_path
 from tlm_train.sources import write_corpus
 
 SEPARATOR = "<|endoftext|>"
@@ -134,6 +134,8 @@ def prepare_data(
                 "space there, or bound the text with --max-data-bytes"
             ) from None
     tokenizer = run.tokenizer()
+    for name in (TRAIN_TOKENS, VAL_TOKENS):  # a FIFO or device planted in the run folder is refused, not waited on
+        check_input(run.data_dir / name, "run token file")
     train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
     val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
@@ -160,7 +162,7 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
         source, markers = CHATML_TEMPLATE, list(CHAT_MARKERS)
     else:
         try:
-            source, markers = Path(config.chat_template).read_text(encoding="utf-8"), []
+            source, markers = read_input(config.chat_template, "--chat-template").decode("utf-8"), []
         except (OSError, UnicodeDecodeError) as err:
             raise ValueError(f"--chat-template {config.chat_template}: cannot read it ({err})") from None
         compile_template(source)  # a template that does not compile is refused before any work
@@ -268,10 +270,11 @@ def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -
     return tokens
 
 
-def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB chunks."""
+def file_identity(path: str | os.PathLike[str], what: str = "--data") -> dict[str, Any]:
+    """``{"bytes": size, "sha256": hex digest}`` of a file, read in 1 MiB chunks (a FIFO, device or folder is a
+    ``ValueError`` naming ``what`` and the path, never waited on)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as file:
+    with open_input(path, what) as file:
         size = 0
         while chunk := file.read(1 << 20):
             digest.update(chunk)
@@ -281,11 +284,11 @@ def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _check_token_file(path: Path, run: RunFolder, *, resume: bool, val_path: Path | None = None) -> None:
     files = {"token_file": ("--data", path), **({"val_token_file": ("--val-data", val_path)} if val_path else {})}
-    identities = {key: {"path": str(p), **file_identity(p)} for key, (_, p) in files.items()}
+    identities = {key: {"path": str(p), **file_identity(p, flag)} for key, (flag, p) in files.items()}
     info = run.data_dir / INFO
     if resume and info.is_file():
         try:
-            document = json.loads(info.read_text(encoding="utf-8"))
+            document = json.loads(read_input(info, "run data record"))
             recorded = {
                 key: (int(document[key]["bytes"]), str(document[key]["sha256"]))
                 for key in identities

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tlm_core.atomic import atomic_write
+from tlm_core.atomic import atomic_write, read_input
 from tlm_model import ModelConfig
 from tlm_model.accounting import account
 
@@ -37,7 +37,7 @@ class MetricsLog:
         if not self.path.exists():
             return []
         records = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+        for line in read_input(self.path, "metrics log").decode("utf-8").splitlines():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:

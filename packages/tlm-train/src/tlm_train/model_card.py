@@ -12,6 +12,8 @@ import json
 from importlib import metadata
 from typing import Any
 
+from tlm_core.atomic import read_input
+
 
 def _version(package: str) -> str:
     try:
@@ -33,7 +35,7 @@ def _training(artifact: Any, step: int | None) -> list[str]:
         config = None
     info: dict[str, Any] = {}
     try:
-        info = json.loads((run.data_dir / "info.json").read_text(encoding="utf-8"))
+        info = json.loads(read_input(run.data_dir / "info.json", "run data record"))  # a FIFO: skipped, no hang
     except (OSError, ValueError):
         pass
     sources = info.get("sources", config.data if config is not None else [])
@@ -63,8 +65,8 @@ def _training(artifact: Any, step: int | None) -> list[str]:
 
 def _records(run: Any) -> list[dict[str, Any]]:
     try:
-        lines = run.metrics_path.read_text(encoding="utf-8").splitlines()
-    except OSError:
+        lines = read_input(run.metrics_path, "metrics log").decode("utf-8").splitlines()
+    except (OSError, ValueError):  # missing, a FIFO or device, or not UTF-8: no losses to report
         return []
     records = []
     for line in lines:

@@ -32,6 +32,7 @@ import tlm_artifacts
 from tlm_artifacts.artifact import load_step_model
 from tlm_artifacts.inputs import read_paths
 from tlm_artifacts.lora import grown
+from tlm_core.atomic import read_input
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
@@ -858,11 +859,10 @@ def _check_chat_template(path: str) -> None:
     """A ``--chat-template`` file that exists, reads and compiles, before anything is written."""
     from tlm_tokenizer.chat import compile_template
 
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--chat-template {path}: no such file")
+    source = read_input(path, "--chat-template")  # missing, a FIFO, a device or a folder: one line naming it
     try:
-        compile_template(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+        compile_template(source.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
         raise ValueError(f"--chat-template {path}: {err}") from None
 
 

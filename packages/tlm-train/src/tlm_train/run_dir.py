@@ -103,7 +103,7 @@ class RunDir(RunFolder):
         return CheckpointManager(self.checkpoints_dir, keep=keep)
 
     def read_config(self, **overrides: Any) -> TrainConfig:
-        if not self.config_path.is_file():
+        if not self.config_path.exists():  # a FIFO or folder there: from_toml says which
             raise FileNotFoundError(
                 errno.ENOENT, f"no {CONFIG_NAME} here, so it is not a tlm train run", str(self.path)
             )
