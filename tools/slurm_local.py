@@ -1,14 +1,23 @@
-"""A one-node SLURM on 127.0.0.1 for the tests: ``python tools/slurm_local.py start DIR`` / ``stop DIR``.
+"""A one-node SLURM on 127.0.0.1 for the tests: ``python tools/slurm_local.py start DIR`` / ``stop DIR`` /
+``run DIR [PYTEST ARGS]``.
 
 ``start`` installs Debian's ``slurm-wlm`` and ``munge`` with apt-get when ``slurmctld`` is absent (root only),
 writes ``DIR/slurm.conf`` (this host, by ``hostname -s``, with ``NodeAddr=127.0.0.1``; every spool, state, log
 and pid file under DIR), starts ``munged`` (as the ``munge`` user), ``slurmctld`` and ``slurmd``, and waits until
 the node is idle. It prints ``SLURM_CONF=DIR/slurm.conf``: the variable every SLURM command run then needs.
-``stop`` ends the three daemons by their pid files (and nothing else). ``nox -s slurm`` calls both, ``stop``
-always.
+``stop`` ends the three daemons by their pid files (and nothing else). ``run`` is start, the tests marked
+``slurm`` (``tests/test_slurm.py`` of tlm-command, with this interpreter's pytest and ``TLM_SLURM_REQUIRED=1``:
+a SLURM that does not answer fails them instead of skipping them), then, however they end (a failure, a
+SIGTERM, SIGHUP or Ctrl-C), stop and each job's end state; its exit status is pytest's, else 1. ``nox -s tests``
+runs ``run`` in the background beside its own pytest run; ``nox -s slurm`` runs it alone.
+
+SLURM cannot be had when ``slurmctld`` is absent and apt-get cannot install it (not root, or no apt-get):
+``unavailable()`` says why, and ``run`` then exits 1 with that line (``nox -s tests`` skips the leg, saying so,
+only outside CI).
 """
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -56,11 +65,24 @@ PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
 DAEMONS = ("slurmd", "slurmctld", "munged")
 
 
+def unavailable() -> str | None:
+    """Why no SLURM can be started here (``None``: it is installed, or apt-get can install it now)."""
+    if shutil.which("slurmctld") and shutil.which("munged"):
+        return None
+    if os.geteuid() != 0:
+        return "slurmctld is not installed, and only root can apt-get install slurm-wlm munge (and run its daemons)"
+    if shutil.which("apt-get") is None:
+        return "slurmctld is not installed, and there is no apt-get here to install slurm-wlm and munge"
+    return None
+
+
 def _install() -> None:
     if shutil.which("slurmctld") and shutil.which("munged"):
         return
-    if os.geteuid() != 0:
-        sys.exit("slurm_local: slurmctld is not installed, and only root can apt-get install slurm-wlm munge")
+    reason = unavailable()
+    if reason is not None:
+        sys.exit(f"slurm_local: {reason}")
+    print("slurm_local: apt-get install slurm-wlm munge", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
     subprocess.run(
@@ -101,7 +123,7 @@ def start(folder: Path) -> None:
     (folder / "munged.pid").symlink_to(folder / "munge" / "munged.pid")
     subprocess.run(["/usr/sbin/slurmctld"], check=True, env=env)
     subprocess.run(["/usr/sbin/slurmd"], check=True, env=env)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         state = subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True, text=True).stdout.strip()
         if state in ("idle", "mix", "alloc"):
@@ -109,7 +131,7 @@ def start(folder: Path) -> None:
             return
         time.sleep(0.5)
     stop(folder)
-    sys.exit(f"slurm_local: the node did not become idle in 60 s (sinfo says {state!r}; see {folder}/*.log)")
+    sys.exit(f"slurm_local: the node did not become idle in 120 s (sinfo says {state!r}; see {folder}/*.log)")
 
 
 def stop(folder: Path) -> None:
@@ -133,7 +155,58 @@ def stop(folder: Path) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+#: The tests that need this SLURM.
+TESTS = Path(__file__).resolve().parents[1] / "packages" / "tlm-command" / "tests" / "test_slurm.py"
+
+
+def job_states(folder: Path) -> list[str]:
+    """One line per job record in SLURM's job-completion log (sacct needs slurmdbd, which this SLURM does not run).
+
+    A requeued job leaves one record per run: the stopped run's state reads PENDING (it went back to the queue).
+    """
+    log = folder / "jobcomp.log"
+    lines = []
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        fields = dict(re.findall(r"(\w+)=(\S*)", line))
+        when = f"{fields.get('StartTime')} .. {fields.get('EndTime')}, exit {fields.get('ExitCode')}"
+        state = "requeued (PENDING)" if fields.get("JobState") == "PENDING" else fields.get("JobState")
+        lines.append(f"job {fields.get('JobId')} {fields.get('Name')}: {state} ({when})")
+    return lines
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run(folder: Path, pytest_args: list[str]) -> int:
+    """start, the slurm tests, stop (always) and the job states; pytest's exit status."""
+    began = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    folder.mkdir(parents=True, exist_ok=True)
+    status = 1
+    try:
+        start(folder)
+        print(f"slurm_local: the node is up after {time.monotonic() - began:.0f} s", flush=True)
+        env = {**os.environ, "SLURM_CONF": str(folder / "slurm.conf"), "TLM_SLURM_REQUIRED": "1"}
+        env.setdefault("OMP_NUM_THREADS", "1")
+        command = [sys.executable, "-m", "pytest", str(TESTS), "-m", "slurm", "-p", "no:cacheprovider", *pytest_args]
+        status = subprocess.run(command, env=env, check=False).returncode
+    finally:
+        stop(folder)
+        for line in job_states(folder):
+            print(line)
+        print(f"slurm_local: {time.monotonic() - began:.0f} s wall, pytest exit {status}", flush=True)
+        if status == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            print(f"slurm_local: the daemons' logs stay in {folder}", flush=True)
+    return status
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in ("start", "stop"):
-        sys.exit("usage: python tools/slurm_local.py start|stop DIR")
+    if len(sys.argv) < 3 or sys.argv[1] not in ("start", "stop", "run") or (sys.argv[1] != "run" and len(sys.argv) > 3):
+        sys.exit("usage: python tools/slurm_local.py start|stop DIR, or run DIR [PYTEST ARGS]")
+    if sys.argv[1] == "run":
+        sys.exit(run(Path(sys.argv[2]), sys.argv[3:]))
     (start if sys.argv[1] == "start" else stop)(Path(sys.argv[2]))

@@ -110,3 +110,43 @@ def test_sigterm_to_nox_stops_its_tlm_train_which_checkpoints(noxfile, tmp_path)
 
 def _lines(path):
     return path.read_text().splitlines() if path.is_file() else []
+
+
+class _LegSession(_Session):
+    """What ``_slurm_beside`` uses of a nox session when SLURM cannot be had: warn."""
+
+    def __init__(self, location):
+        super().__init__(location)
+        self.warnings = []
+
+    def warn(self, line):
+        self.warnings.append(line)
+
+
+class _NoSlurm:
+    @staticmethod
+    def unavailable():
+        return "slurmctld is not installed, and only root can apt-get install slurm-wlm munge (and run its daemons)"
+
+
+def test_where_slurm_cannot_be_had_the_slurm_leg_is_skipped_saying_why_outside_ci_only(noxfile, tmp_path, monkeypatch):
+    monkeypatch.setattr(noxfile, "_slurm_local", lambda: _NoSlurm)
+    started = []
+    monkeypatch.setattr(noxfile.subprocess, "Popen", lambda *a, **k: started.append(a) or pytest.fail("a leg started"))
+    for value in ("", "0", "false"):
+        monkeypatch.setenv("CI", value)
+        session, ran = _LegSession(tmp_path), []
+        with noxfile._slurm_beside(session):
+            ran.append(True)  # the suite still runs
+        assert ran and not started and "do not run: slurmctld is not installed" in session.warnings[0]
+    for value in ("true", "1"):
+        monkeypatch.setenv("CI", value)
+        assert noxfile._in_ci()
+    # In CI the leg is not skipped: it runs (and fails, saying why); here it would start a process.
+    monkeypatch.setenv("CI", "true")
+    session = _LegSession(tmp_path)
+    session.create_tmp = lambda: str(tmp_path)
+    session.bin, session.env = str(tmp_path), {}
+    with pytest.raises(pytest.fail.Exception, match="a leg started"), noxfile._slurm_beside(session):
+        pass
+    assert started and not session.warnings

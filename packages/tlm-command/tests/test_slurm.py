@@ -1,4 +1,5 @@
-"""Against a real SLURM (``nox -s slurm`` starts a one-node one on 127.0.0.1; skipped when none answers):
+"""Against a real SLURM (``nox -s tests`` and ``nox -s slurm`` start a one-node one on 127.0.0.1, and set
+``TLM_SLURM_REQUIRED``, under which a SLURM that does not answer fails these; skipped when none answers otherwise):
 docs/slurm.sbatch's 2-rank DDP job requeued mid-run with ``scontrol requeue`` ends bit-exact equal to the same
 job never stopped (weights and AdamW state); a job sent SIGUSR1 before its time limit requeues itself, resumes
 and finishes; a 4-run sweep as one job array, one task requeued mid-run, that ``tlm compare`` reads and
@@ -36,9 +37,13 @@ def _slurm_up() -> bool:
         return False
 
 
+REQUIRED = os.environ.get("TLM_SLURM_REQUIRED") == "1"
+UP = _slurm_up()
+if REQUIRED and not UP:
+    pytest.fail("TLM_SLURM_REQUIRED is set but no SLURM answers (sinfo fails)", pytrace=False)
 pytestmark = [
     pytest.mark.slurm,
-    pytest.mark.skipif(not _slurm_up(), reason="no SLURM answers here (sinfo): `nox -s slurm` starts one, runs these"),
+    pytest.mark.skipif(not UP, reason="no SLURM answers here (sinfo): `nox -s slurm` starts one, runs these"),
 ]
 
 
@@ -55,9 +60,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1"}
 
 
-def _sbatch(work: Path, run: str, *options: str, flags: list[str] | None = None) -> str:
+def _sbatch(
+    work: Path, run: str, *options: str, flags: list[str] | None = None, quiet: bool = True, steps: int = STEPS
+) -> str:
+    base = FLAGS if quiet else [f for f in FLAGS if f != "--quiet"]
     command = ["sbatch", "--parsable", f"--output={work / run}.out", *options, str(SCRIPT),
-               "--data", "tokens.npy", "--steps", str(STEPS), *FLAGS, *(flags or [])]  # fmt: skip
+               "--data", "tokens.npy", "--steps", str(steps), *base, *(flags or [])]  # fmt: skip
     out = subprocess.run(command, cwd=work, env={**_env(), "RUN": run}, capture_output=True, text=True, check=True)
     return out.stdout.strip().split(";")[0]
 
@@ -117,17 +125,39 @@ def test_a_two_rank_job_requeued_mid_run_ends_bit_exact_equal_to_one_never_stopp
         assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(value)), f"{key} differs"
 
 
-def test_a_job_sent_usr1_before_its_time_limit_requeues_itself_resumes_and_finishes(work: Path) -> None:
-    job = _sbatch(work, "usr1", "--ntasks-per-node=1", "--time=5", flags=["--distributed", "none"])
-    _wait_checkpoint(work, "usr1", job)
-    subprocess.run(["scancel", "--signal=USR1", job], check=True)  # what --signal=USR1@120 sends at 5 min - 120 s
+def _steps(work: Path, run: str) -> list[int]:
+    path = work / run / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r["step"] for r in map(json.loads, lines) if "train_loss" in r]
+
+
+def test_a_job_sent_usr1_before_its_time_limit_checkpoints_there_requeues_itself_resumes_and_finishes(
+    work: Path,
+) -> None:
+    # No checkpoint on an interval (> steps): a checkpoint before the last step is the signal's. Enough steps
+    # (milliseconds each) that the signal lands mid-run on a loaded machine.
+    steps = 1000
+    flags = ["--distributed", "none", "--checkpoint-interval", str(10 * steps), "--log-interval", "1"]
+    job = _sbatch(work, "usr1", "--ntasks-per-node=1", "--time=5", flags=flags, quiet=False, steps=steps)
+    deadline = time.monotonic() + 400
+    while len(_steps(work, "usr1")) < 5:  # training
+        assert _job(job)["JobState"] in ("PENDING", "RUNNING", "CONFIGURING") and time.monotonic() < deadline
+        time.sleep(0.05)
+    # SLURM itself delivers the signal to the job's step (srun's task), as --signal=USR1@120 does at 5 min - 120 s.
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
     state = _wait_ended(job)
     log = (work / "usr1.out").read_text()
-    assert state["JobState"] == "COMPLETED" and int(state["Restarts"]) >= 1, log
+    assert state["JobState"] == "COMPLETED" and state["Restarts"] == "1", log
+    stopped = re.search(r"stopped at step (\d+): checkpoint", log)
+    assert stopped and f"SLURM job {job} requeued" in log and "restart 1" in log, log
+    signalled = int(stopped.group(1))
+    assert 5 <= signalled < steps, log
+    assert log.index("restart 1") > stopped.end() and "--auto-resume" in log[stopped.end() :], log  # resumed after
     from tlm_train import RunDir
 
-    steps = RunDir(work / "usr1").checkpoints().steps()
-    assert steps[-1] == STEPS, steps
+    assert RunDir(work / "usr1").checkpoints().steps() == [signalled, steps]  # the signal's, then the last
+    # The log reads as one run: every step once, in order (the requeued run continued at signalled + 1).
+    assert _steps(work, "usr1") == list(range(1, steps + 1))
 
 
 def test_a_four_run_sweep_runs_as_one_job_array_one_task_requeued_that_tlm_compare_reads(
