@@ -13,9 +13,21 @@ import numpy as np
 import torch, torch.compiler
 import torch.distributed.checkpoint  # DCP's own modules keep what they imported; tlm's import must fail
 import torch.distributed.checkpoint.staging as staging
+import enum, torch.nn.attention.flex_attention as flex, torch.distributed.checkpoint.state_dict_saver as saver
 del torch.compiler.skip_guard_on_all_nn_modules_unsafe
 del staging.DefaultStager
+del flex.FlexKernelOptions.__annotations__["BACKEND"]  # FlexAttention's kernel choice (issue 42)
+kinds, saver.AsyncCheckpointerType = saver.AsyncCheckpointerType, enum.Enum("Old", {"THREAD": "thread"})
 out = {}
+from tlm_attention.documents import flex_kernel_options
+from tlm_train.checkpoint import process_writer
+import tlm_train.checkpoint
+distributed = tlm_train.checkpoint._distributed
+tlm_train.checkpoint._distributed = lambda: True  # as on a rank of a group: only the missing type says no
+out["flex_options"] = flex_kernel_options()
+out["writer"] = repr(process_writer("process"))
+tlm_train.checkpoint._distributed = distributed
+saver.AsyncCheckpointerType = kinds  # DCP's own code compares with it (the hiding is only for tlm's detection)
 
 from tlm_model import ModelConfig, TransformerLM, generate
 from tlm_model import inference
@@ -79,6 +91,7 @@ def test_decode_checkpoint_and_training_run_without_the_newer_torch_apis(python)
     assert out["decode_lengths"] == [6, 5] and out["decode_matches_generate"]
     assert out["staging_future"] is False and out["sharded_save_is_the_snapshot"]
     assert out["trained_to"] == 3 and out["checkpoint"]
+    assert out["flex_options"] == {} and out["writer"] == "None"  # no BACKEND to name; DCP's writer thread
 
 
 def test_every_package_states_the_one_torch_floor() -> None:
