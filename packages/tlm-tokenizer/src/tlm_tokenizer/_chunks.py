@@ -13,8 +13,6 @@ import os
 import re
 from typing import BinaryIO
 
-from tlm_core.atomic import open_input
-
 _CUT = re.compile(rb"[\x21-\x7e](?=[ \t\n\r\x0b\x0c])")
 _WINDOW = 1 << 16
 
@@ -47,6 +45,8 @@ def _cut_at_or_after(handle: BinaryIO, offset: int, size: int, specials: list[by
 
 def split_file(path: str | os.PathLike[str], parts: int, special_tokens: list[str]) -> list[tuple[int, int]]:
     """About ``parts`` contiguous ``(start, end)`` byte ranges covering the file, cut at safe points."""
+    from tlm_core.atomic import open_input  # here, not at the top: see train_bpe
+
     size = os.path.getsize(path)
     specials = sorted({token.encode("utf-8") for token in special_tokens})
     cuts = [0]
@@ -62,6 +62,8 @@ def split_file(path: str | os.PathLike[str], parts: int, special_tokens: list[st
 
 def read_range(path: str | os.PathLike[str], start: int, end: int) -> str:
     """The text of bytes ``[start, end)`` of a UTF-8 file, newlines untouched (``\\r\\n`` survives)."""
+    from tlm_core.atomic import open_input  # here, not at the top: see train_bpe
+
     with open_input(path, "input file") as handle:
         handle.seek(start)
         return handle.read(end - start).decode("utf-8")

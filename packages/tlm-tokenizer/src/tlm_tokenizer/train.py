@@ -13,7 +13,6 @@ import os
 from collections import defaultdict
 from collections.abc import Iterable
 
-from tlm_core.atomic import check_input
 from tlm_core.checks import check_int, check_positive_int
 from tlm_core.progress import progress_bar
 from tlm_tokenizer._chunks import read_range, split_file
@@ -67,7 +66,11 @@ def count_file(
 ) -> dict[str, int]:
     """Pre-token -> count over a whole UTF-8 file, split across ``num_workers`` processes."""
     workers = min(os.cpu_count() or 1, 8) if num_workers is None else check_positive_int("num_workers", num_workers)
-    check_input(input_path, "input_path")  # a FIFO, device or folder is one line, never waited on
+    # Imported here: tlm_core.atomic (secrets, shutil, ...) is the encoder's file handling, which the trainer's
+    # import leaves out (test_imports); a FIFO, device or folder is one line, never waited on.
+    from tlm_core.atomic import check_input
+
+    check_input(input_path, "input_path")
     size = os.path.getsize(input_path)
     if size < _PARALLEL_MIN_BYTES:
         workers = 1
