@@ -147,7 +147,7 @@ class DecodeBatch:
         *,
         prefill_chunk: int = 512,
         min_slots: int = MIN_SLOTS,
-        caches: "list[KVCache] | None" = None,
+        cache: KVCache | None = None,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
@@ -159,21 +159,22 @@ class DecodeBatch:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._lm = model.model if isinstance(model, InferenceModel) else model
-        if caches is None:
-            caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
-        elif len(caches) != self._lm.config.num_layers or {(c.max_batch_size, c.capacity) for c in caches} != {
-            (max_batch_size, caches[0].capacity if capacity is None else capacity)
-        }:
+        if cache is None:
+            cache = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        elif (cache.layers, cache.max_batch_size, cache.capacity) != (
+            self._lm.config.num_layers,
+            max_batch_size,
+            cache.capacity if capacity is None else capacity,
+        ):
             raise ValueError(
-                f"caches must be the model's {self._lm.config.num_layers} layers' caches of {max_batch_size} rows"
+                f"cache must hold the model's {self._lm.config.num_layers} layers, {max_batch_size} rows"
                 + ("" if capacity is None else f" and {capacity} slots")
-                + f", got {len(caches)} of {[(c.max_batch_size, c.capacity) for c in caches][:2]}"
+                + f", got {cache.layers}, {cache.max_batch_size} and {cache.capacity}"
             )
-        self.caches = list(caches)
-        self.capacity = self.caches[0].capacity
-        for cache in self.caches:
-            cache.select_rows([])
-        self._device = self.caches[0].device_lengths.device
+        self.cache = cache
+        self.capacity = cache.capacity
+        cache.select_rows([])
+        self._device = cache.device
         self._slot_ids = torch.arange(self.capacity + 1, device=self._device)
         self._slot_buckets: dict[int, Tensor] = {}  # bucket -> arange(bucket), one tensor each, made once
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
@@ -189,16 +190,16 @@ class DecodeBatch:
             self._decode_fn = self._prefill_fn = torch.no_grad()(model.forward_static)
 
     def __len__(self) -> int:
-        return self.caches[0].batch_size
+        return self.cache.batch_size
 
     @property
     def max_batch_size(self) -> int:
-        return self.caches[0].max_batch_size
+        return self.cache.max_batch_size
 
     @property
     def lengths(self) -> tuple[int, ...]:
         """Each row's tokens so far (prompt + tokens fed; a prefilling row: its prompt tokens run so far)."""
-        return self.caches[0].lengths
+        return self.cache.lengths
 
     @property
     def prefilling(self) -> tuple[int, ...]:
@@ -266,8 +267,7 @@ class DecodeBatch:
                 f"source must have {self.max_batch_size} rows of {self.capacity} slots, got "
                 f"{source.max_batch_size} of {source.capacity}"
             )
-        for cache, theirs in zip(self.caches, source.caches, strict=True):
-            cache.copy_from(theirs)
+        self.cache.copy_from(source.cache)
         self._pending, self._skipped = list(source._pending), list(source._skipped)
         self._decoding.copy_(source._decoding)
 
@@ -281,8 +281,7 @@ class DecodeBatch:
         # One append per cache for all of them (a batch of thousands of rows joins in one go).
         ids = [self._checked(prompt, least=1).to(self._device) for prompt in prompts]
         first = len(self)
-        for cache in self.caches:
-            cache.append_empty_row(len(ids))
+        self.cache.append_empty_row(len(ids))
         self._pending.extend(ids)
         self._skipped.extend([0] * len(ids))
         self._decoding[first : first + len(ids)] = 0
@@ -294,10 +293,9 @@ class DecodeBatch:
         and ``prompt_ids`` prefilled alone; returns its next-token logits (None for no ids: the row is empty)."""
         check_int("row", row, low=0, high=len(self) - 1)
         ids = self._checked(prompt_ids, least=0)
-        for cache in self.caches:
-            lengths = list(cache.lengths)
-            lengths[row] = 0
-            cache.truncate(lengths)
+        lengths = list(self.lengths)
+        lengths[row] = 0
+        self.cache.truncate(lengths)
         if len(ids) == 0:
             self._pending[row] = None
             self._decoding[row] = 1
@@ -387,14 +385,13 @@ class DecodeBatch:
             fed = torch.cat([fed, fed.new_zeros(bucket - rows)])
         # Rows past the batch (and prefilling rows) write at their own length, a slot that holds nothing
         # that counts, or the scratch slot; their lengths do not move.
-        positions = self.caches[0].device_lengths[:bucket].unsqueeze(1)
+        positions = self.cache.device_lengths[:bucket].unsqueeze(1)
         slots = self._slots(max(lengths) + 1)
         if self._eager:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, slots)
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, None, None, slots)
         else:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, slots)
-        for cache in self.caches:
-            cache.advance(taking, self._decoding[:rows])
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
+        self.cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
 
     def _slots(self, length: int) -> Tensor:
@@ -410,8 +407,7 @@ class DecodeBatch:
 
     def clear(self) -> None:
         """Every row leaves (at once, however many)."""
-        for cache in self.caches:
-            cache.select_rows([])
+        self.cache.select_rows([])
         self._pending.clear()
         self._skipped.clear()
         self._decoding.zero_()
@@ -424,8 +420,7 @@ class DecodeBatch:
         keep = list(range(last))
         if row != last:
             keep[row] = last
-        for cache in self.caches:
-            cache.select_rows(keep)
+        self.cache.select_rows(keep)
         self._pending[row], self._skipped[row] = self._pending[last], self._skipped[last]
         self._pending.pop(), self._skipped.pop()
         self._decoding[row] = self._decoding[last]
@@ -467,7 +462,7 @@ class DecodeBatch:
         index = torch.tensor([chunks[c][0] for c in grid.owner], device=self._device)
         last = grid.every if scores is not None else grid.last
         slots = self._slots(max(lengths[row] + len(ids) for row, ids in chunks))
-        logits = self._prefill_fn(tokens, positions, self.caches, index, torch.tensor(last, device=self._device), slots)
+        logits = self._prefill_fn(tokens, positions, self.cache, index, torch.tensor(last, device=self._device), slots)
         if scores is not None:
             at = 0
             for row, ids in chunks:
@@ -477,8 +472,7 @@ class DecodeBatch:
         new = [0] * len(self)
         for row, ids in chunks:
             new[row] = len(ids)
-        for cache in self.caches:
-            cache.advance(new)
+        self.cache.advance(new)
         done = {}
         for i, (row, ids) in enumerate(chunks):
             rest = self._pending[row]
