@@ -1,9 +1,8 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
 import functools
-import itertools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import NamedTuple, cast
 
 import torch
 from jaxtyping import Float, Integer
@@ -51,7 +50,7 @@ def slot_bucket(length: int, capacity: int, least: int = MIN_SLOTS) -> int:
 
 
 class ChunkGrid(NamedTuple):
-    """Where the tokens of one prompt-chunk forward sit in its (rows, width) grid (:func:`pack_chunks`)."""
+    """Where the tokens of one grid forward sit in its (rows, width) grid (:func:`pack_chunks`)."""
 
     rows: int
     width: int
@@ -59,67 +58,62 @@ class ChunkGrid(NamedTuple):
     owner: list[int]
     #: Per grid cell, row-major: the cache slot its token goes to (-1: padding).
     positions: list[int]
-    #: Each chunk's tokens in order, as flat grid cells.
-    source: list[int]
-    #: The flat cell of each chunk's last token (at least 2 entries: the last repeated).
-    last: list[int]
-    #: ``source`` (at least 2 entries: the last repeated): every token's cell, for scoring.
-    every: list[int]
+    #: Per chunk: its tokens' flat grid cells, in order.
+    cells: list[list[int]]
+
+
+def grid_width(lengths: Sequence[int]) -> int:
+    """The grid width that packs chunks of ``lengths`` tokens in the fewest cells (padding included, at least 2
+    rows), the widest of equals: a power of two, half the longest chunk or the longest. A decoding row's one
+    token beside a prompt's chunk costs 2 cells, not the chunk's width."""
+    longest = max(lengths)
+    widths = {max(2, longest), max(2, -(-longest // 2)), *(1 << k for k in range(1, longest.bit_length()))}
+    return min(sorted(widths, reverse=True), key=lambda w: max(2, sum(-(-n // w) for n in lengths)) * w)
 
 
 def pack_chunks(lengths: Sequence[int], starts: Sequence[int]) -> ChunkGrid:
-    """Lay out prompt chunks of ``lengths`` tokens (chunk ``c`` continuing its row at slot ``starts[c]``) in a
-    grid of at least 2 rows and 2 columns, each grid row a run of consecutive tokens of one chunk.
+    """Lay out chunks of ``lengths`` tokens (chunk ``c`` continuing its row at slot ``starts[c]``: prompt chunks
+    and decoding rows' single tokens alike) in a grid of at least 2 rows and 2 columns (:func:`grid_width`),
+    each grid row a run of consecutive tokens of one chunk.
 
-    A compiled forward specialises a size of 0 or 1 (dynamo's rule), so a chunk forward whose rows, width or
-    number of logits could be 1 would compile again when it is. Never 1 by construction: the width is the
-    longest chunk (several chunks) or half the only one, at least 2; a chunk longer than the width takes
-    several grid rows (a token meets the others only through the cache, which every layer writes before it
-    reads, so a row split in two computes what it would in one); one grid row alone gets a padding row; the
-    logits' indices repeat their last entry up to 2."""
-    if len(lengths) == 1:
-        width = max(2, -(-lengths[0] // 2))
-    else:
-        width = max(2, *lengths)
+    A compiled forward specialises a size of 0 or 1 (dynamo's rule), so a forward whose rows or width could be 1
+    would compile again when it is: never 1 by construction. A chunk longer than the width takes several grid
+    rows (a token meets the others only through the cache, which every layer writes before it reads, so a row
+    split in two computes what it would in one); one grid row alone gets a padding row."""
+    width = grid_width(lengths)
     owner: list[int] = []
     positions: list[int] = []
-    source: list[int] = []
-    last: list[int] = []
+    cells: list[list[int]] = []
     for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        cells.append([])
         for at in range(0, n, width):
             take = min(width, n - at)
-            source.extend(range(len(positions), len(positions) + take))
+            cells[-1].extend(range(len(positions), len(positions) + take))
             positions.extend(range(start + at, start + at + take))
             positions.extend([-1] * (width - take))
             owner.append(c)
-        last.append(source[-1])
     if len(owner) == 1:
         owner.append(0)
         positions.extend([-1] * width)
-    return ChunkGrid(len(owner), width, owner, positions, source, _at_least_two(last), _at_least_two(source))
-
-
-def _at_least_two(cells: list[int]) -> list[int]:
-    return cells if len(cells) >= 2 else cells * 2
+    return ChunkGrid(len(owner), width, owner, positions, cells)
 
 
 class DecodeBatch:
     """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
 
     ``add(prompt_ids)`` prefills a prompt and appends it as a new row; ``add_many(prompts)`` prefills several
-    together (one padded forward per chunk of ``prefill_chunk`` tokens); ``step(tokens)`` feeds one new token
-    to every row in one batched forward and returns each row's next-token logits; ``remove(row)`` lets a row
-    go. A row's logits are those of its sequence decoded alone, up to float rounding of the batched matmuls
-    (the cache keeps a length per row, see :class:`~tlm_attention.KVCache`). This is the model-side half of a
-    server's scheduler (vLLM's and TGI's continuous batching): which requests join or leave, and how each one
-    samples, is the caller's.
+    together; ``step(tokens)`` feeds one new token to every row in one batched forward and returns each row's
+    next-token logits; ``remove(row)`` lets a row go. A row's logits are those of its sequence decoded alone, up
+    to float rounding of the batched matmuls (the cache keeps a length per row, see
+    :class:`~tlm_attention.KVCache`). This is the model-side half of a server's scheduler (vLLM v1's model
+    runner): which requests join or leave, which prompt tokens run when, and how each row samples, is the
+    caller's.
 
-    **Chunked prefill** (vLLM's). ``join(prompt_ids)`` appends a row whose prompt is still to run; each
-    ``prefill()`` runs at most ``prefill_chunk`` tokens of the joined prompts (the fewest remaining first,
-    several prompts padded into one forward) and returns the logits of those whose prompt is now complete. A
-    caller alternates ``prefill()`` and ``step(...)``, so a long prompt delays the decoding rows by one chunk a
-    step, not by its whole length. A row still prefilling takes no token in ``step`` (its entry is ignored,
-    its logits mean nothing).
+    **One forward a step** (vLLM v1's). ``join(prompt_ids)`` appends a row whose prompt is still to run;
+    ``run(tokens, chunks)`` runs, in one forward, one token for every decoding row and the next ``chunks[row]``
+    prompt tokens of prefilling rows, packed into one grid (:func:`pack_chunks`), and returns every row's logits
+    from it (a prompt row's after each of its tokens, for scoring, when asked). A step with no prompt tokens
+    runs the decode step (:meth:`step`).
 
     **Static shapes.** The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots) and a
     step writes each row's token in place and attends over the whole buffer under a mask built once per step
@@ -178,7 +172,6 @@ class DecodeBatch:
         self._slot_ids = torch.arange(self.capacity + 1, device=self._device)
         self._slot_buckets: dict[int, Tensor] = {}  # bucket -> arange(bucket), one tensor each, made once
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
-        self._skipped: list[int] = []  # per row: prefill calls in a row that passed it over
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
         self._decode_fn: Callable[..., Tensor]
         self._prefill_fn: Callable[..., Tensor]
@@ -268,7 +261,7 @@ class DecodeBatch:
                 f"{source.max_batch_size} of {source.capacity}"
             )
         self.cache.copy_from(source.cache)
-        self._pending, self._skipped = list(source._pending), list(source._skipped)
+        self._pending = list(source._pending)
         self._decoding.copy_(source._decoding)
 
     def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
@@ -283,7 +276,6 @@ class DecodeBatch:
         first = len(self)
         self.cache.append_empty_row(len(ids))
         self._pending.extend(ids)
-        self._skipped.extend([0] * len(ids))
         self._decoding[first : first + len(ids)] = 0
         return list(range(first, first + len(ids)))
 
@@ -302,10 +294,10 @@ class DecodeBatch:
             return None
         self._pending[row] = ids.to(self._device)
         self._decoding[row] = 0
-        done: dict[int, Tensor] = {}
-        while not done:
-            done = self._prefill_rows([row], self.prefill_chunk)
-        return done[row]
+        while True:
+            logits = self.run(None, {row: min(self.prefill_chunk, len(cast(Tensor, self._pending[row])))})[row]
+            if self._pending[row] is None:
+                return logits[-1]
 
     def _checked(self, prompt_ids: object, least: int) -> Tensor:
         if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not least <= len(prompt_ids) <= self.capacity:
@@ -314,15 +306,6 @@ class DecodeBatch:
                 + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
             )
         return as_index_tensor("prompt_ids", prompt_ids, self._lm.config.vocab_size, "vocab_size")
-
-    @torch.no_grad()
-    def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:
-        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows in one forward,
-        the fewest remaining first and none padded past twice the shortest one's chunk (a short prompt joining
-        beside a long one runs at once, in a forward of its own size; the long one goes on at the next call);
-        returns {row: next-token logits} for the rows whose prompt is now complete."""
-        budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
-        return self._prefill_rows(list(self.prefilling), budget)
 
     @torch.no_grad()
     def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
@@ -352,19 +335,23 @@ class DecodeBatch:
                 "too many"
             )
         rows = self._join_many(prompts)
-        done: dict[int, Tensor] = {}
-        scores: dict[int, list[Tensor]] | None = {row: [] for row in rows} if every_position else None
+        out: dict[int, list[Tensor]] = {row: [] for row in rows}
         try:
-            while len(done) < len(rows):
-                todo = [r for r in rows if r not in done]
-                done.update(self._prefill_rows(todo, budget, scores, together=True))
+            while todo := [r for r in rows if self._pending[r] is not None]:
+                plan: dict[int, int] = {}
+                left = budget
+                for row in todo:  # in order, each as much as the budget leaves
+                    if take := min(left, len(cast(Tensor, self._pending[row]))):
+                        plan[row], left = take, left - take
+                for row, logits in self.run(None, plan, plan if every_position else ()).items():
+                    out[row].append(logits)
         except BaseException:
             for row in reversed(rows):  # all or nothing: the new rows go again
                 self.remove(row)
             raise
-        if scores is not None:
-            return [torch.cat(scores[r]) for r in rows]
-        return torch.stack([done[r] for r in rows])
+        if every_position:
+            return [torch.cat(out[r]) for r in rows]
+        return torch.stack([out[r][-1][-1] for r in rows])
 
     @torch.no_grad()
     def step(self, tokens: Integer[Tensor, " batch"]) -> Float[Tensor, "batch vocab"]:
@@ -409,7 +396,6 @@ class DecodeBatch:
         """Every row leaves (at once, however many)."""
         self.cache.select_rows([])
         self._pending.clear()
-        self._skipped.clear()
         self._decoding.zero_()
 
     def remove(self, row: int) -> int | None:
@@ -421,66 +407,61 @@ class DecodeBatch:
         if row != last:
             keep[row] = last
         self.cache.select_rows(keep)
-        self._pending[row], self._skipped[row] = self._pending[last], self._skipped[last]
-        self._pending.pop(), self._skipped.pop()
+        self._pending[row] = self._pending[last]
+        self._pending.pop()
         self._decoding[row] = self._decoding[last]
         self._decoding[last] = 0
         return last if row != last else None
 
-    def _prefill_rows(
-        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None, together: bool = False
-    ) -> dict[int, Tensor]:
-        # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
-        # The fewest remaining tokens first, and (unless `together`: every row is wanted now) no prompt padded to
-        # more than twice the first one's chunk: a short prompt beside a long one runs in a forward of its own
-        # width, the long one at the next call.
-        # A row passed over twice goes first, so that prompts joining every step never starve a long one.
-        chunks: list[tuple[int, Tensor]] = []
-        order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
-        for row in order:
-            ids = self._pending[row]
-            assert ids is not None
-            take = ids[:budget]
-            if budget == 0 or (chunks and not together and len(take) > 2 * len(chunks[0][1])):
-                break
-            chunks.append((row, take))
-            budget -= len(take)
+    @torch.no_grad()
+    def run(self, tokens: Tensor | None, chunks: Mapping[int, int], every: Collection[int] = ()) -> dict[int, Tensor]:
+        """One forward for one step's plan: ``tokens[r]`` fed to every decoding row ``r`` (None: no row decodes;
+        a prefilling row's entry is ignored) and the next ``chunks[r]`` prompt tokens of each prefilling row ``r``.
+        Returns {row: logits}: a decoding row's next-token logits (vocab,); a prompt row's after each of its
+        tokens (n, vocab) when it is in ``every`` (scoring), else after its last (1, vocab), the next token's once
+        its prompt is complete (it then decodes from the next step). ``tokens`` are trusted (sampled ids)."""
+        for row, n in chunks.items():
+            pending = self._pending[row] if 0 <= row < len(self) else None
+            if pending is None or not 0 < n <= len(pending):
+                raise ValueError(f"chunks must name prefilling rows and 1 to their prompt tokens left, got {row}: {n}")
         if not chunks:
-            return {}
-        taken = {row for row, _ in chunks}
-        for row in rows:
-            self._skipped[row] = 0 if row in taken else self._skipped[row] + 1
+            if tokens is None:
+                return {}
+            logits = self.step(tokens)
+            return {r: logits[r] for r, ids in enumerate(self._pending) if ids is None}
+        decoding = [] if tokens is None else [r for r, ids in enumerate(self._pending) if ids is None]
+        if full := [r for r in decoding if self.lengths[r] >= self.capacity]:
+            raise ValueError(f"rows {full} hold {self.capacity} tokens, the capacity: remove them before the next step")
+        fed = [] if tokens is None else list(tokens.to(self._device, torch.int64).unsqueeze(1).unbind(0))
+        units = [(row, cast(Tensor, self._pending[row])[:n]) for row, n in chunks.items()]
+        units += [(row, fed[row]) for row in decoding]
         lengths = self.lengths
-        grid = pack_chunks([len(ids) for _, ids in chunks], [lengths[row] for row, _ in chunks])
+        grid = pack_chunks([len(ids) for _, ids in units], [lengths[row] for row, _ in units])
         # One host-built copy per tensor: the ids cross to the device once, padding included.
-        flat = torch.cat([ids for _, ids in chunks]).to(self._device)
-        tokens = torch.zeros(grid.rows * grid.width, dtype=torch.int64, device=self._device)
-        tokens[grid.source] = flat
-        tokens = tokens.view(grid.rows, grid.width)
+        flat = torch.cat([ids for _, ids in units])
+        cells = torch.tensor([cell for c in grid.cells for cell in c], device=self._device)
+        grid_ids = torch.zeros(grid.rows * grid.width, dtype=torch.int64, device=self._device)
+        grid_ids[cells] = flat
         positions = torch.tensor(grid.positions, device=self._device).view(grid.rows, grid.width)
         positions = positions.masked_fill(positions < 0, self.capacity)  # padding: the scratch slot
-        index = torch.tensor([chunks[c][0] for c in grid.owner], device=self._device)
-        last = grid.every if scores is not None else grid.last
-        slots = self._slots(max(lengths[row] + len(ids) for row, ids in chunks))
-        logits = self._prefill_fn(tokens, positions, self.cache, index, torch.tensor(last, device=self._device), slots)
-        if scores is not None:
-            at = 0
-            for row, ids in chunks:
-                scores[row].append(logits[at : at + len(ids)])
-                at += len(ids)
-            logits = logits[[at - 1 for at in itertools.accumulate(len(ids) for _, ids in chunks)]]
+        index = torch.tensor([units[c][0] for c in grid.owner], device=self._device)
+        wanted = [c if row in every and row in chunks else c[-1:]
+                  for (row, _), c in zip(units, grid.cells, strict=True)]  # fmt: skip
+        picked = [cell for c in wanted for cell in c]
+        picked = picked if len(picked) >= 2 else picked * 2  # never a size of 1 (see pack_chunks)
+        slots = self._slots(max(lengths[row] + len(ids) for row, ids in units))
+        logits = self._prefill_fn(grid_ids.view(grid.rows, grid.width), positions, self.cache, index,
+                                  torch.tensor(picked, device=self._device), slots)  # fmt: skip
         new = [0] * len(self)
-        for row, ids in chunks:
+        out: dict[int, Tensor] = {}
+        at = 0
+        for (row, ids), c in zip(units, wanted, strict=True):
             new[row] = len(ids)
+            out[row] = logits[at : at + len(c)] if row in chunks else logits[at]
+            at += len(c)
         self.cache.advance(new)
-        done = {}
-        for i, (row, ids) in enumerate(chunks):
-            rest = self._pending[row]
-            assert rest is not None
-            if len(ids) == len(rest):
-                self._pending[row] = None
-                self._decoding[row] = 1
-                done[row] = logits[i]
-            else:
-                self._pending[row] = rest[len(ids) :]
-        return done
+        for row, n in chunks.items():
+            rest = cast(Tensor, self._pending[row])[n:]
+            self._pending[row] = rest if len(rest) else None
+            self._decoding[row] = int(not len(rest))
+        return out
