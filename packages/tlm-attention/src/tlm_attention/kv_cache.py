@@ -97,11 +97,18 @@ class KVCache:
         return self.device_lengths[: self.batch_size].unsqueeze(1) + steps[:new], steps
 
     def write(
-        self, layer: int, keys: Tensor, values: Tensor, positions: Tensor, rows: Tensor | None = None
+        self,
+        layer: int,
+        keys: Tensor,
+        values: Tensor,
+        positions: Tensor,
+        rows: Tensor | None = None,
+        limit: "int | torch.SymInt | None" = None,
     ) -> tuple[Tensor, Tensor]:
         """Store layer ``layer``'s (batch, heads, new, d_head) ``keys`` and ``values`` at slots ``positions``
         (batch, new) of buffer rows ``rows`` (batch,) (default the first ``batch`` rows); return those rows'
-        whole buffers (batch, heads, capacity + 1, d_head). A position of ``capacity`` writes the scratch slot.
+        whole buffers (batch, heads, capacity + 1, d_head), or their first ``limit`` slots (only those are
+        gathered for ``rows``). A position of ``capacity`` writes the scratch slot.
 
         One indexed copy per buffer (``index_put_``, as gpt-fast's ``index_copy_``): compiled, it writes the
         new entries only. Nothing is checked and no host state changes (a compiled step's hot path): the
@@ -115,8 +122,8 @@ class KVCache:
         key_buffer[index[:, None], :, positions] = keys.transpose(1, 2).to(key_buffer.dtype)
         value_buffer[index[:, None], :, positions] = values.transpose(1, 2).to(value_buffer.dtype)
         if rows is None:
-            return key_buffer[:batch], value_buffer[:batch]
-        return key_buffer[rows], value_buffer[rows]
+            return key_buffer[:batch, :, :limit], value_buffer[:batch, :, :limit]
+        return key_buffer[rows, :, :limit], value_buffer[rows, :, :limit]
 
     def advance(self, new: Sequence[int], device_new: Tensor | None = None) -> None:
         """Row ``r`` of the rows in use now holds ``new[r]`` more tokens (after :meth:`write`); ``device_new``,

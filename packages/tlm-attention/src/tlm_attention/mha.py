@@ -203,9 +203,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         if self.rope is not None and rope_positions is not None:
             positions = rearrange(rope_positions, "batch seq -> batch 1 seq")
             q, k = self.rope(q, positions), self.rope(k, positions)
-        keys, values = step.cache.write(step.layer, k, v, step.positions, step.rows)
-        if step.limit is not None:
-            keys, values = keys[:, :, : step.limit], values[:, :, : step.limit]
+        keys, values = step.cache.write(step.layer, k, v, step.positions, step.rows, step.limit)
         out = self._attention_fn(q, keys, values, mask=step.mask)
         return self.output_proj(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
 
