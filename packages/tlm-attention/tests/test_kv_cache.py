@@ -160,3 +160,15 @@ def test_several_empty_rows_join_at_once():
     assert cache.device_lengths[:4].tolist() == [3, 0, 0, 0]
     with pytest.raises(ValueError, match=r"room for 5 rows; 4 in use \+ 2 new is too many"):
         cache.append_empty_row(2)
+
+
+def test_write_with_a_limit_returns_only_the_first_slots_of_the_named_rows():
+    # A grid forward names a buffer row per grid row: only the occupied prefix is gathered, never every slot.
+    cache = KVCache(3, 2, capacity=8, d_head=4)
+    keys = torch.randn(2, 2, 1, 4)
+    got_k, got_v = cache.write(0, keys, -keys, torch.tensor([[2], [0]]), rows=torch.tensor([2, 0]), limit=3)
+    assert got_k.shape == got_v.shape == (2, 2, 3, 4)
+    assert torch.equal(got_k, cache.key_buffers[0][[2, 0], :, :3])
+    assert torch.equal(got_k[0, :, 2], keys[0, :, 0]) and torch.equal(got_v[1, :, 0], -keys[1, :, 0])
+    first, _ = cache.write(0, keys, -keys, torch.tensor([[1], [1]]), limit=2)  # the first rows, cut the same way
+    assert first.shape == (2, 2, 2, 4) and torch.equal(first[1, :, 1], keys[1, :, 0])
