@@ -200,8 +200,7 @@ def capacity(steps: int, repeats: int) -> dict:
         decoder.step(token)  # compiles this capacity's graph
 
         def run(decoder=decoder, token=token):
-            for cache in decoder.caches:  # back to 9 tokens: every round steps from the same place
-                cache.truncate([9])
+            decoder.cache.truncate([9])  # back to 9 tokens: every round steps from the same place
             for _ in range(steps):
                 decoder.step(token)
 

@@ -97,8 +97,8 @@ def main() -> None:
     tlm_s, hf_s = statistics.median(times["tlm"]), statistics.median(times["hf"])
 
     total = prompt.shape[1] + args.new_tokens
-    caches = ours.new_kv_cache(1, capacity=total)
-    tlm_bytes = sum(c.key_buffer.nbytes + c.value_buffer.nbytes for c in caches)  # the allocation (+1 scratch slot)
+    cache = ours.new_kv_cache(1, capacity=total)
+    tlm_bytes = sum(b.nbytes for b in (*cache.key_buffers, *cache.value_buffers))  # the allocation (+1 scratch slot)
     cfg = ours.config
     mha_bytes = tlm_bytes * cfg.num_heads // cfg.kv_heads
     with torch.no_grad():

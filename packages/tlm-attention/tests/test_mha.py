@@ -138,7 +138,7 @@ def test_kv_cache_decoding_matches_full_attention(backend, fused, device):
     steps = [attn(x[:, :5], kv_cache=cache)]  # a prefix, then one token at a time
     steps += [attn(x[:, t : t + 1], kv_cache=cache) for t in range(5, 9)]
     steps.append(attn(x[:, 9:], kv_cache=cache))  # a chunk of three after the cache
-    assert cache.length == 12
+    assert cache.lengths == (12, 12)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-6)
 
 
@@ -275,13 +275,13 @@ def test_cache_holds_only_kv_heads_and_decodes_like_full_forward(backend):
     x = torch.randn(2, 9, 32)
     cache = KVCache(2, 2, 16, 4)
     steps = [attn(x[:, :5], kv_cache=cache)] + [attn(x[:, i : i + 1], kv_cache=cache) for i in range(5, 9)]
-    assert cache.keys.shape == (2, 2, 16, 4)
+    assert cache.key_buffers[0].shape == (2, 2, 17, 4)  # 16 slots and the scratch slot
     torch.testing.assert_close(torch.cat(steps, dim=1), attn(x), rtol=1e-5, atol=1e-6)
 
 
 def test_cache_with_query_heads_is_refused():
     attn = CausalMultiHeadSelfAttention(32, 8, num_kv_heads=2)
-    with pytest.raises(ValueError, match="keys and values must have shape"):
+    with pytest.raises(ValueError, match=r"kv_cache must hold \(heads, d_head\) = \(2, 4\), got \(8, 4\)"):
         attn(torch.randn(1, 3, 32), kv_cache=KVCache(1, 8, 8, 4))
 
 
@@ -359,5 +359,5 @@ def test_cached_attention_in_chunks_matches_the_float64_whole_sequence(backend, 
         for n in chunks:
             outs.append(attn(x[:, start : start + n], kv_cache=cache))
             start += n
-    assert cache.length == sum(chunks)
+    assert cache.lengths == (sum(chunks),) * 2
     torch.testing.assert_close(torch.cat(outs, dim=1).double(), expected, rtol=1e-4, atol=1e-5)

@@ -24,15 +24,15 @@ def test_a_static_step_reads_only_the_slots_up_to_its_limit(limit):
     attention = CausalMultiHeadSelfAttention(16, 4, num_kv_heads=2).eval()
     x = torch.randn(2, 5, 16)
     cache = KVCache(2, 2, 8, 4)
-    cache.value_buffer[:, :, (limit or 9) :] = float("nan")
+    cache.value_buffers[0][:, :, (limit or 9) :] = float("nan")
     positions = torch.arange(5).expand(2, 5)
     slots = None if limit is None else torch.arange(limit)
-    step = CacheStep(cache, positions, None, cache_mask(positions, 8, slots), limit)
+    step = CacheStep(cache, 0, positions, None, cache_mask(positions, 8, slots), limit)
     with torch.no_grad():
         got = attention(x, None, step)
         torch.testing.assert_close(got, attention(x), rtol=1e-5, atol=1e-6)
     if limit is not None:  # one slot more would read a NaN value: the limit is what keeps it out
-        wider = CacheStep(cache, positions, None, cache_mask(positions, 8, torch.arange(limit + 1)), limit + 1)
+        wider = CacheStep(cache, 0, positions, None, cache_mask(positions, 8, torch.arange(limit + 1)), limit + 1)
         with torch.no_grad():
             assert attention(x, None, wider).isnan().any()
 

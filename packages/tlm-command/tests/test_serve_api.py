@@ -564,11 +564,27 @@ def test_a_chat_models_turn_ends_at_im_end(parts):
     assert body["usage"]["completion_tokens"] == 1
 
 
-def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one_chunk_of_it(parts):
-    # Chunks of 8 tokens under a budget of 32 an iteration: a 60-token prompt is prefilled in 8 forwards. A 3-token
-    # request that arrives during the first of them joins before the second, which runs its prompt alone (no chunk
-    # of the long one beside it), and its first token is out before the long prompt's third chunk. Each answer is
-    # the eager model's greedy generate alone.
+def _recorded_runs(scheduler, during=None):
+    """Wrap the scheduler's batch's ``run``: each forward's (decoding rows fed, prompt chunk per row) is recorded,
+    and ``during(n)`` is called while the n-th forward (from 1) runs."""
+    runs, run = [], scheduler.batch.run
+
+    def recorded(tokens, chunks, every=()):
+        fed = [] if tokens is None else [r for r in range(len(scheduler.batch)) if r not in scheduler.batch.prefilling]
+        runs.append((fed, dict(chunks)))
+        if during is not None:
+            during(len(runs))
+        return run(tokens, chunks, every)
+
+    scheduler.batch.run = recorded
+    return runs
+
+
+def test_a_request_arriving_during_a_long_prefill_runs_beside_it_in_one_forward_an_iteration(parts):
+    # Issue 41 item 2: one forward an iteration under one token budget. Chunks of 8 under a budget of 32: a lone
+    # 60-token prompt takes the whole budget (32). A 3-token request arriving during that forward runs its whole
+    # prompt in the next one, first in the plan, beside the long prompt's next 28 (the budget's rest, which
+    # completes it). Each answer is the eager model's greedy generate alone.
     from tlm_command.scheduler import Request, Scheduler
     from tlm_model import generate
 
@@ -577,40 +593,29 @@ def test_a_request_arriving_during_a_long_prefill_gets_its_first_token_after_one
     scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 32
     generator = torch.Generator().manual_seed(7)
     long, short = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (60, 3))
-    forwards, events, tokens, done = [], [], {}, threading.Event()
-    prefill = scheduler.batch.prefill
+    tokens, done = {}, {"long": threading.Event(), "short": threading.Event()}
 
     def send(name, prompt):
         def emit(piece):
             tokens.setdefault(name, []).extend(s.token for s in piece.scored)
-            events.append((name, len(forwards)))
-            if piece.finish_reason and name == "long":
-                done.set()
+            if piece.finish_reason:
+                done[name].set()
 
         scheduler.submit(Request(prompt, 3, emit, temperature=0.0, logprobs=0))
 
-    def counted(budget=None):
-        forwards.append(budget)
-        if len(forwards) == 1:
-            send("short", short)  # arrives during the long prompt's first chunk
-        done = prefill(budget)
-        forwards[-1] = scheduler.batch.lengths  # each row's prompt tokens run after this forward
-        return done
-
-    scheduler.batch.prefill = counted
+    runs = _recorded_runs(scheduler, lambda n: n == 1 and send("short", short))
     send("long", long)
-    assert done.wait(30)
+    assert done["long"].wait(30) and done["short"].wait(30)
     scheduler.close(timeout=5)
-    assert events[0] == ("short", 2)  # after the long chunk in flight and its own forward
-    assert forwards[:2] == [(8,), (8, 3)]
-    assert len(forwards) >= 8  # the long prompt's rest still to run then
+    assert runs[:3] == [([], {0: 32}), ([], {1: 3, 0: 28}), ([0, 1], {})]  # then both decode, one forward a token
+    assert len(runs) == 4  # three tokens each: the first from the prompts' forward, two more steps, one left over
     for name, prompt in (("long", long), ("short", short)):
         assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name
 
 
-def test_an_echo_request_arriving_during_the_last_prefill_forward_decodes_from_its_own_token(parts):
-    # An echo request is prefilled as it joins (to score its prompt first). Arriving during the last forward of
-    # another prompt, it joins before the step that follows, and that step must feed it its own sampled token.
+def test_an_echo_request_joining_decoding_rows_is_scored_in_their_forward_and_decodes_from_its_own_token(parts):
+    # An echo request arriving while another row decodes runs its prompt, with every position's logits, in the
+    # same forward as that row's next token; its prompt's scores are the model's, and its tokens generate's.
     from tlm_command.scheduler import Request, Scheduler
     from tlm_model import generate
 
@@ -619,30 +624,29 @@ def test_an_echo_request_arriving_during_the_last_prefill_forward_decodes_from_i
     scheduler.batch.prefill_chunk, scheduler.prefill_budget = 8, 64
     generator = torch.Generator().manual_seed(8)
     long, echoed = (torch.randint(0, 320, (n,), generator=generator).tolist() for n in (20, 5))
-    tokens, done, forwards = {}, {"long": threading.Event(), "echo": threading.Event()}, []
-    prefill = scheduler.batch.prefill
+    tokens, scored, done = {}, [], {"long": threading.Event(), "echo": threading.Event()}
 
     def send(name, prompt, **kwargs):
         def emit(piece):
             tokens.setdefault(name, []).extend(s.token for s in piece.scored)
+            scored.extend(piece.prompt_scored or [])
             if piece.finish_reason:
                 done[name].set()
 
-        scheduler.submit(Request(prompt, 3, emit, temperature=0.0, logprobs=0, **kwargs))
+        scheduler.submit(Request(prompt, 4, emit, temperature=0.0, logprobs=0, **kwargs))
 
-    def counted(budget=None):
-        forwards.append(budget)
-        if len(forwards) == 3:  # the long prompt's last 4 tokens
-            send("echo", echoed, echo=True)
-        return prefill(budget)
-
-    scheduler.batch.prefill = counted
+    runs = _recorded_runs(scheduler, lambda n: n == 2 and send("echo", echoed, echo=True))
     send("long", long)
     assert done["long"].wait(30) and done["echo"].wait(30)
     scheduler.close(timeout=5)
-    assert len(forwards) == 3
+    assert runs[:3] == [([], {0: 20}), ([0], {}), ([0], {1: 5})]
     for name, prompt in (("long", long), ("echo", echoed)):
-        assert tokens[name] == generate(model, torch.tensor(prompt), 3, temperature=0)[len(prompt) :].tolist(), name
+        assert tokens[name] == generate(model, torch.tensor(prompt), 4, temperature=0)[len(prompt) :].tolist(), name
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([echoed]))[0, :-1].double(), -1)
+    assert [s.token for s in scored] == echoed and scored[0].logprob is None
+    got = torch.tensor([s.logprob for s in scored[1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, expected.gather(1, torch.tensor(echoed[1:])[:, None])[:, 0], rtol=1e-4, atol=1e-4)
 
 
 def test_a_name_is_text_and_a_role_outside_the_declared_set_is_a_400(tmp_path, parts):

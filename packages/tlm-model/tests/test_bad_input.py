@@ -20,7 +20,6 @@ import torch
 
 from tlm_attention import (
     CausalMultiHeadSelfAttention,
-    KVCache,
     causal_attention,
     scaled_dot_product_attention,
     softmax,
@@ -216,9 +215,9 @@ RAISES = [
            lambda: CausalMultiHeadSelfAttention(16, 2)(torch.randn(3, 16), torch.arange(3)), ValueError,
            "", owner="tlm-attention/tests/test_mha.py"),
     # wiring
-    Raises("kv-cache-kv-mismatch", "`KVCache.update` with 1 key and 2 values",
-           lambda: KVCache(1, 2, 4, 8).update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 2, 8)), ValueError,
-           "", owner="tlm-attention/tests/test_kv_cache.py"),
+    Raises("kv-cache-other-rows", "a cached step of 2 rows of ids over a 1-row KV cache",
+           lambda: lm()(ids(2, 1), kv_cache=lm().new_kv_cache(1)), ValueError,
+           "with a kv_cache in_indices must have shape (rows=1, seq), got (2, 1)", "(nothing is written)"),
     Raises("mha-unknown-backend", '`attention_backend="flash"` when building attention',
            lambda: mha(attention_backend="flash"), ValueError,
            "", owner="tlm-attention/tests/test_backends.py"),
@@ -245,7 +244,7 @@ def _past_the_cache() -> torch.Tensor:
     try:
         return model(ids(1, 1), kv_cache=cache)
     finally:
-        assert [c.length for c in cache] == [4]
+        assert cache.lengths == (4,)
 
 
 def _disagreeing_backends() -> TransformerLM:
@@ -334,7 +333,7 @@ def _lm_kv_step_interrupted():
     with pytest.raises(KeyboardInterrupt):
         model(ids(1, 1), kv_cache=cache)
     hook.remove()
-    assert [c.length for c in cache] == [3, 3]
+    assert cache.lengths == (3,)
 
 
 def _lm_pickles():

@@ -108,8 +108,9 @@ def test_prompts_prefilled_together_equal_each_prefilled_alone(chunk):
 
 
 def _drive_chunked(model, requests, max_batch_size, chunk, **batch_kwargs):
-    """Greedy requests (arrival step, prompt, new tokens) through one DecodeBatch with chunked prefill: each step
-    joins the arrivals, runs one prefill chunk, then one step for every row (the prefilling ones ignore it)."""
+    """Greedy requests (arrival step, prompt, new tokens) through one DecodeBatch, one forward a step (``run``):
+    each step joins the arrivals, then feeds every decoding row its token and up to ``chunk`` prompt tokens of
+    each prefilling row in the same forward."""
     batch = DecodeBatch(model, max_batch_size, prefill_chunk=chunk, **batch_kwargs)
     owner, next_token, outputs = [], [], {i: [] for i in range(len(requests))}
     waiting = sorted(range(len(requests)), key=lambda i: requests[i][0])
@@ -120,9 +121,13 @@ def _drive_chunked(model, requests, max_batch_size, chunk, **batch_kwargs):
             assert batch.join(requests[i][1]) == len(owner)
             owner.append(i)
             next_token.append(None)
-        for row, logits in batch.prefill().items():
-            next_token[row] = int(logits.argmax())
         step += 1
+        plan = {r: min(chunk, len(requests[owner[r]][1]) - batch.lengths[r]) for r in batch.prefilling}
+        fed = torch.tensor([0 if t is None else t for t in next_token])
+        decoding = any(t is not None for t in next_token)
+        for row, logits in batch.run(fed if decoding else None, plan).items():
+            if row not in batch.prefilling:
+                next_token[row] = int(logits.reshape(-1, logits.shape[-1])[-1].argmax())
         for r in reversed(range(len(owner))):
             if next_token[r] is None:
                 continue
@@ -132,10 +137,6 @@ def _drive_chunked(model, requests, max_batch_size, chunk, **batch_kwargs):
                 for items in (owner, next_token):
                     items[r] = items[-1]
                     items.pop()
-        if owner:
-            fed = torch.tensor([0 if t is None else t for t in next_token])
-            logits = batch.step(fed)
-            next_token = [None if r in batch.prefilling else int(logits[r].argmax()) for r in range(len(owner))]
     return outputs
 
 
@@ -219,26 +220,31 @@ def test_the_decode_step_compiles_once_per_batch_bucket_and_never_again(monkeypa
     torch._dynamo.reset()
 
 
-def test_a_short_prompt_beside_a_long_one_runs_at_once_and_the_long_one_is_never_starved():
-    # Chunks of 8 tokens. A 1-token prompt joins before each chunk: it runs in a forward of its own width (the
-    # long prompt's 7 would be padding past twice its width), until the long one, passed over twice, goes first.
+def test_one_run_feeds_the_decoding_rows_and_the_prompt_chunks_in_one_forward_and_scores_on_request():
+    # Issue 41 item 2: decoding rows' tokens and prompt chunks share one grid forward; every logit is the one the
+    # model gives the sequence alone, and a row in `every` gets its chunk's logits after each token.
+    torch.manual_seed(3)
     model = TransformerLM(CFG).eval()
-    batch = DecodeBatch(model, 8, prefill_chunk=8)
-    prompts = _prompts([40, 1, 1, 1, 1], seed=5)
-    assert batch.join(prompts[0]) == 0 and batch.prefill() == {} and batch.lengths == (8,)
-    got, logits = [], {}
+    batch = DecodeBatch(model, 4)
+    prompts = _prompts([5, 1, 9], seed=6)
+    batch.add_many(prompts[:1])
     for prompt in prompts[1:]:
         batch.join(prompt)
-        done = batch.prefill()
-        logits.update(done)
-        got.append((batch.lengths[0], sorted(done)))
-    assert got == [(8, [1]), (8, [2]), (16, []), (16, [3, 4])]
-    while batch.prefilling:
-        logits.update(batch.prefill())
-    assert batch.lengths == (40, 1, 1, 1, 1)
+    calls = []
+    prefill = batch._prefill_fn
+    batch._prefill_fn = lambda *args: calls.append(args[0].shape) or prefill(*args)
+    out = batch.run(torch.tensor([7, 0, 0]), {1: 1, 2: 4}, every={2})
+    assert len(calls) == 1 and batch.lengths == (6, 1, 4) and batch.prefilling == (2,)
+    assert out[0].shape == (CFG.vocab_size,) and out[1].shape == (1, CFG.vocab_size) and out[2].shape[0] == 4
     with torch.no_grad():
-        for row, prompt in enumerate(prompts):
-            torch.testing.assert_close(logits[row], model(prompt.unsqueeze(0))[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[0], model(torch.cat([prompts[0], torch.tensor([7])])[None])[0, -1],
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        torch.testing.assert_close(out[1][0], model(prompts[1][None])[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out[2], model(prompts[2][None, :4])[0], rtol=1e-5, atol=1e-5)
+    for bad in ({0: 1}, {2: 6}, {2: 0}, {5: 1}):
+        with pytest.raises(ValueError, match="chunks must name prefilling rows and 1 to their prompt tokens left"):
+            batch.run(None, bad)
+    assert batch.lengths == (6, 1, 4)
 
 
 def test_every_position_gives_the_prompts_logits_from_the_same_prefill():
@@ -256,25 +262,26 @@ def test_every_position_gives_the_prompts_logits_from_the_same_prefill():
     torch.testing.assert_close(scored.step(token), plain.step(token), rtol=0, atol=0)  # the same row was cached
 
 
-@pytest.mark.parametrize("lengths", [[1], [2], [3], [8], [9], [1, 1, 1], [1, 5], [4, 4, 2], [16, 3]])
+@pytest.mark.parametrize("lengths", [[1], [2], [3], [8], [9], [1, 1, 1], [1, 5], [4, 4, 2], [16, 3], [32] + [1] * 16])
 def test_prompt_chunks_are_packed_in_at_least_two_rows_and_columns_each_token_once(lengths):
     # Issue 41: dynamo specialises sizes of 1, so no chunk forward may have 1 row, 1 column or 1 picked logit.
     from tlm_model.batching import pack_chunks
 
     starts = [3 * c for c in range(len(lengths))]
     grid = pack_chunks(lengths, starts)
-    assert grid.rows >= 2 and grid.width >= 2 and len(grid.last) >= 2 and len(grid.every) >= 2
+    assert grid.rows >= 2 and grid.width >= 2
     assert len(grid.positions) == grid.rows * grid.width == len(grid.owner) * grid.width
-    assert sorted(grid.source) == grid.source and len(set(grid.source)) == sum(lengths)
-    at = 0
-    for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
-        cells = grid.source[at : at + n]
+    flat = [cell for cells in grid.cells for cell in cells]
+    assert sorted(flat) == flat and len(set(flat)) == sum(lengths)
+    for c, (n, start, cells) in enumerate(zip(lengths, starts, grid.cells, strict=True)):
+        assert len(cells) == n
         assert [grid.positions[i] for i in cells] == list(range(start, start + n))  # consecutive slots, in order
         assert {grid.owner[i // grid.width] for i in cells} == {c}
-        assert grid.last[c] == cells[-1]
-        at += n
-    padding = set(range(grid.rows * grid.width)) - set(grid.source)
+    padding = set(range(grid.rows * grid.width)) - set(flat)
     assert all(grid.positions[i] == -1 for i in padding)
+    # Padding stays small: at most one cell per chunk (a decoding row's token costs 2 beside a prompt's chunk,
+    # not the chunk's width), or the padding row of a grid of 2 cells.
+    assert grid.rows * grid.width <= max(4, sum(lengths) + len(lengths))
     assert grid.width <= max(2, max(lengths))  # never wider than the longest chunk (or 2)
 
 

@@ -260,7 +260,7 @@ def test_cached_generation_in_bfloat16_matches_the_float64_model(model, lm_refer
     model = model.to(torch.bfloat16)
     prompt = torch.randint(0, CFG.vocab_size, (2, 5))
     cache = model.new_kv_cache(2)
-    assert all(c.keys.dtype == torch.bfloat16 and c.values.dtype == torch.bfloat16 for c in cache)
+    assert all(b.dtype == torch.bfloat16 for b in (*cache.key_buffers, *cache.value_buffers))
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     expected = _float64_lm_logits(model, ids, lm_reference)  # the bf16 weights, evaluated in float64
     with torch.no_grad():

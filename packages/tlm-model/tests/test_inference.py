@@ -85,4 +85,4 @@ def test_positions_that_could_contradict_the_cache_are_refused_by_the_compiled_m
     cache = model.new_kv_cache(1)
     with pytest.raises(ValueError, match="token_positions must be None with a kv_cache"):
         compile_for_inference(model)(torch.tensor([[1, 2]]), torch.tensor([[5, 6]]), cache)
-    assert cache[0].lengths == (0,)
+    assert cache.lengths == (0,)

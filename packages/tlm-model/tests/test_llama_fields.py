@@ -94,7 +94,7 @@ def test_tied_reset_keeps_one_parameter_and_redraws_every_other():
 def test_gqa_model_caches_kv_heads_and_decodes_like_full_forward(fused, tmp_path):
     model = TransformerLM(ModelConfig(**SMALL, num_kv_heads=2, head_dim=8), fused=fused)
     caches = model.new_kv_cache(2)
-    assert caches[0].keys.shape == (2, 2, 16, 8)
+    assert caches.key_buffers[0].shape == (2, 2, 17, 8)  # 16 slots and the scratch slot
     ids = torch.randint(0, 50, (2, 9))
     steps = [model(ids[:, :4], kv_cache=caches)] + [model(ids[:, i : i + 1], kv_cache=caches) for i in range(4, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), model(ids), rtol=1e-5, atol=1e-5)

@@ -244,19 +244,22 @@ def test_context_length_is_the_limit_with_and_without_a_cache():
         model(torch.zeros(1, TWO_LAYERS.context_length, dtype=torch.long))
         cache = model.new_kv_cache(1)
         model(torch.zeros(1, 20, dtype=torch.long), kv_cache=cache)
-        with pytest.raises(ValueError, match="x has seq=5 positions from start=20 but the tables hold max_seq_len=24"):
+        with pytest.raises(ValueError, match=r"the KV cache holds 24 tokens; 20 stored \+ 5 new is too many"):
             model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
-        assert [c.length for c in cache] == [20, 20]  # the refused step changed no cache
+        assert cache.lengths == (20,)  # the refused step changed no cache
         model(torch.zeros(1, 4, dtype=torch.long), kv_cache=cache)  # fills the context exactly
 
 
 def test_new_kv_cache_capacity_dtype_and_device():
     model = TransformerLM(TWO_LAYERS)
-    caches = model.new_kv_cache(3)
-    assert len(caches) == TWO_LAYERS.num_layers and len({id(c) for c in caches}) == TWO_LAYERS.num_layers
-    assert all(c.keys.shape == (3, 4, TWO_LAYERS.context_length, 8) and c.keys.dtype == torch.float32 for c in caches)
-    assert model.new_kv_cache(1, capacity=1)[0].capacity == 1
-    assert model.new_kv_cache(1, dtype=torch.float64)[0].values.dtype == torch.float64
+    cache = model.new_kv_cache(3)
+    buffers = [*cache.key_buffers, *cache.value_buffers]
+    assert cache.layers == TWO_LAYERS.num_layers and len({b.data_ptr() for b in buffers}) == 2 * TWO_LAYERS.num_layers
+    # One slot more than the capacity: the scratch slot.
+    assert all(b.shape == (3, 4, TWO_LAYERS.context_length + 1, 8) and b.dtype == torch.float32 for b in buffers)
+    assert cache.lengths == (0, 0, 0)
+    assert model.new_kv_cache(1, capacity=1).capacity == 1
+    assert model.new_kv_cache(1, dtype=torch.float64).value_buffers[-1].dtype == torch.float64
     with pytest.raises(ValueError, match=r"capacity must be in \[1, context_length=24\], got 0"):
         model.new_kv_cache(1, capacity=0)
 
@@ -303,7 +306,7 @@ def test_a_failed_cached_step_leaves_every_cache_as_it_was(exception, failing_la
         with pytest.raises(exception):
             model(ids[:, 5:6], kv_cache=cache)
         hook.remove()
-        assert [c.length for c in cache] == [5, 5, 5]
+        assert cache.lengths == (5, 5)
         steps += [model(ids[:, t : t + 1], kv_cache=cache) for t in range(5, 9)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-5)
 
@@ -320,27 +323,27 @@ def test_positions_with_a_cache_come_from_the_cache_and_explicit_ones_are_refuse
         for positions in (torch.arange(4, 7), torch.arange(10, 13)):  # the cache's own, and contradicting
             with pytest.raises(ValueError, match="token_positions must be None with a kv_cache"):
                 model(ids[:, 4:], kv_cache=cache, token_positions=positions)
-        assert [c.lengths for c in cache] == [(4, 4)] * SMALL.num_layers
+        assert cache.lengths == (4, 4)
         last = model(ids[:, 4:], kv_cache=cache)
     torch.testing.assert_close(last, full[:, 4:], rtol=1e-4, atol=1e-5)
 
 
-def test_a_cache_list_whose_layers_hold_different_lengths_or_counts_is_refused():
+def test_a_cache_of_other_rows_is_refused_and_truncate_cuts_every_layer_back_at_once():
+    # Issue 41: the lengths live once for all layers, so no layer can hold another length than the others.
     model = TransformerLM(SMALL).eval()
     ids = torch.randint(0, SMALL.vocab_size, (2, 7))
     with torch.no_grad():
         full = model(ids)
         cache = model.new_kv_cache(2)
         model(ids[:, :4], kv_cache=cache)
-        cache[-1].truncate(3)  # the last layer one token short: its keys would no longer match its positions
-        with pytest.raises(ValueError, match=rf"^kv_cache's layers must hold the same lengths: layer 0 holds "
-                           rf"\(4, 4\), layer {SMALL.num_layers - 1} \(3, 3\)$"):  # fmt: skip
-            model(ids[:, 4:], kv_cache=cache)
-        with pytest.raises(ValueError, match=rf"one KVCache per layer \({SMALL.num_layers}\), got 1$"):
-            model(ids[:, 4:], kv_cache=cache[:1])
-        assert [c.lengths for c in cache] == [(4, 4)] * (SMALL.num_layers - 1) + [(3, 3)]  # nothing written
-        for layer in cache:
-            layer.truncate(3)  # every layer at 3 again: accepted, and the same as one pass
+        with pytest.raises(
+            ValueError, match=r"^with a kv_cache in_indices must have shape \(rows=2, seq\), got \(3, 3\)"
+        ):
+            model(torch.cat([ids, ids[:1]])[:, 4:], kv_cache=cache)
+        with pytest.raises(TypeError, match=r"^kv_cache must be a KVCache \(model.new_kv_cache\), got list$"):
+            model(ids[:, 4:], kv_cache=[cache])
+        assert cache.lengths == (4, 4)  # nothing written
+        cache.truncate([3, 3])  # every layer at 3 again: the same as one pass
         last = model(ids[:, 3:], kv_cache=cache)
     torch.testing.assert_close(last, full[:, 3:], rtol=1e-4, atol=1e-5)
 

@@ -43,7 +43,7 @@ def test_forward_loss_backward_and_a_cached_decode_step_read_nothing(config, opt
             model(ids[:, :1], kv_cache=cache)  # one decode step
             model.loss(ids, targets)  # evaluation
     assert reads == []
-    assert [c.length for c in cache] == [9] * config.num_layers
+    assert cache.lengths == (9, 9)
 
 
 @pytest.mark.parametrize("options", [{}, {"attention_backend": "reference"}], ids=["default", "reference"])
@@ -53,12 +53,11 @@ def test_a_decode_step_of_rows_of_different_lengths_reads_nothing(options, host_
     cache = model.new_kv_cache(2)
     with torch.no_grad():
         model(torch.randint(0, CFG.vocab_size, (2, 6)), kv_cache=cache)
-        for layer in cache:
-            layer.truncate([6, 3])
+        cache.truncate([6, 3])
         with host_reads() as reads:
             model(torch.randint(0, CFG.vocab_size, (2, 1)), kv_cache=cache)
     assert reads == []
-    assert [c.lengths for c in cache] == [(7, 4)] * CFG.num_layers
+    assert cache.lengths == (7, 4)
 
 
 def test_a_static_cache_step_and_batched_sampling_read_nothing(host_reads):

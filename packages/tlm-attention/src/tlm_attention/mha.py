@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from tlm_attention.backends import attention_function, resolve_attention_backend
 from tlm_attention.documents import document_mask, flex_applies, flex_document_attention
 from tlm_attention.heads import head_layout
-from tlm_attention.kv_cache import CacheStep, KVCache
+from tlm_attention.kv_cache import CacheStep, KVCache, cache_mask
 from tlm_core.checks import check_bool
 from tlm_linear import Linear, register_split_layout
 from tlm_rope import RotaryPositionalEmbedding
@@ -148,53 +148,49 @@ class CausalMultiHeadSelfAttention(nn.Module):
         positions within each document as ``token_positions`` (:func:`~tlm_attention.document_positions`)
         to restart RoPE with each. It is for training and scoring, not with a ``kv_cache``.
 
-        With a cache and no ``token_positions`` the tokens continue every row at ``kv_cache.length``
-        (the rows agree on their length). With a cache and ``token_positions`` (batch, seq), each token
-        is stored at the cache slot its position names and attends to the slots up to it:
-        ``kv_cache.positions(seq)`` continues rows of different lengths, each from its own. The caller
-        guarantees the shapes (the annotations state them) and the positions: nothing here re-checks
-        them or reads a value back to the host.
-
-        With a :class:`~tlm_attention.kv_cache.CacheStep` (a static cache's step: what a compiled decode step
-        passes), the new keys and values are written at the step's slots and the queries attend over the
-        rows' whole buffers under the step's mask; ``token_positions`` are then the RoPE positions.
+        With a :class:`~tlm_attention.kv_cache.CacheStep` (what a model's step over its cache passes to each
+        layer), the new keys and values are written at the step's slots and the queries attend over the rows'
+        whole buffers under the step's mask; ``token_positions`` are then the RoPE positions. A one-layer
+        :class:`KVCache` is the same step with every row continued at its own length
+        (:meth:`~tlm_attention.KVCache.continuation`), its lengths advanced after it: ``x`` is (batch, seq,
+        d_model) and ``token_positions`` must be None. The caller guarantees the shapes (the annotations state
+        them): nothing here reads a value back to the host.
         """
-        if isinstance(kv_cache, CacheStep):
+        if isinstance(kv_cache, KVCache):
+            if token_positions is not None or document_ids is not None:
+                raise ValueError("with a KVCache each row continues at its own length: no token_positions or "
+                                 "document_ids")  # fmt: skip
+            if kv_cache.key_buffers[0].shape[1::2] != (self.num_kv_heads, self.d_head):
+                raise ValueError(f"kv_cache must hold (heads, d_head) = ({self.num_kv_heads}, {self.d_head}), got "
+                                 f"{tuple(kv_cache.key_buffers[0].shape[1::2])}")  # fmt: skip
+            positions, slots = kv_cache.continuation(x.shape[-2])
+            mask = cache_mask(positions, kv_cache.capacity, slots)
+            out = self._static_step(x, positions, CacheStep(kv_cache, 0, positions, None, mask, slots.shape[0]))
+            kv_cache.advance([x.shape[-2]] * kv_cache.batch_size)
+            return out
+        if kv_cache is not None:
             return self._static_step(x, token_positions, kv_cache)
-        if token_positions is not None and self.rope is None and kv_cache is None:
+        if token_positions is not None and self.rope is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
-        if document_ids is not None and kv_cache is not None:
-            raise ValueError("document_ids is for whole packed windows; it cannot be given with a kv_cache")
-        start = 0 if kv_cache is None else kv_cache.length
 
         q, k, v = self._project(x)
         split = "... seq (heads d_head) -> ... heads seq d_head"
         q = rearrange(q, split, d_head=self.d_head)
         k, v = (rearrange(t, split, d_head=self.d_head) for t in (k, v))
-
         if self.rope is not None:
             if token_positions is None:
-                # The cache's positions start..start+seq-1 are a slice of the RoPE tables: no index tensor.
-                q, k = self.rope(q, start=start), self.rope(k, start=start)
+                q, k = self.rope(q), self.rope(k)
             else:
                 # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
                 positions = rearrange(token_positions, "... seq -> ... 1 seq")
                 q, k = self.rope(q, positions), self.rope(k, positions)
-        if kv_cache is not None and token_positions is not None:
-            # Rows of their own lengths: each token goes to its position's slot and sees the slots up to it.
-            slots = token_positions.expand(x.shape[:-1])
-            k, v = kv_cache.update(k, v, slots)
-            visible = torch.arange(k.shape[-2], device=k.device) <= slots.unsqueeze(-1)
-            out = self._attention_fn(q, k, v, mask=rearrange(visible, "batch seq keys -> batch 1 seq keys"))
-        elif document_ids is not None and self._backend == "torch" and flex_applies(q, document_ids):
+        if document_ids is not None and self._backend == "torch" and flex_applies(q, document_ids):
             # On CUDA, torch's attention within documents is FlexAttention's: a block mask, not a (seq, seq) one.
             out = flex_document_attention(q, k, v, document_ids)
         elif document_ids is not None:
             # Causal within each document: every backend takes the mask in place of the causal one.
             out = attention_function(self._backend, within_causal=True)(q, k, v, mask=document_mask(document_ids))
         else:
-            if kv_cache is not None:
-                k, v = kv_cache.update(k, v)
             out = self._attention_fn(q, k, v)
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
 
@@ -205,9 +201,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         if self.rope is not None and rope_positions is not None:
             positions = rearrange(rope_positions, "batch seq -> batch 1 seq")
             q, k = self.rope(q, positions), self.rope(k, positions)
-        keys, values = step.cache.write(k, v, step.positions, step.rows)
-        if step.limit is not None:
-            keys, values = keys[:, :, : step.limit], values[:, :, : step.limit]
+        keys, values = step.cache.write(step.layer, k, v, step.positions, step.rows, step.limit)
         out = self._attention_fn(q, keys, values, mask=step.mask)
         return self.output_proj(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))
 

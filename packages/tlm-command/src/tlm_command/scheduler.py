@@ -2,14 +2,13 @@
 for every active request (continuous batching).
 
 Requests wait in a bounded queue (:class:`QueueFull` past ``max_queue``) and join the batch between forwards while
-it has fewer than ``max_batch`` rows. A request that generates more than one token joins with a row whose prompt is
-prefilled with the other joining prompts: up to :data:`PREFILL_BUDGET` tokens between two decoding steps, in
-forwards of at most the batch's ``prefill_chunk`` tokens (shortest prompt first:
-:meth:`tlm_model.batching.DecodeBatch.prefill`), so a long prompt does not stall the decoding rows and a short one
-waits for one chunk of it; then every step feeds one token to every decoding row in one forward. A request that only
-scores its prompt (``max_tokens`` 0 with ``echo``) or generates one token keeps no row: those that join together
-are prefilled together with every position's logits, through the same prompt-chunk forward, and end there
-(:meth:`Scheduler._prefill_only`). Each row samples with its own parameters
+it has fewer than ``max_batch`` rows, each with a row whose prompt is still to run. Every iteration is one forward
+(vLLM v1's scheduler): the decoding rows' tokens (one each) and the prompt tokens that fit the token budget
+(:meth:`Scheduler._plan`: the fewest left first, each at most ``prefill_chunk``, then what the budget leaves to the
+same rows in order) run together (:meth:`tlm_model.batching.DecodeBatch.run`), so a long prompt delays the
+decoding rows by one budget a step and a short prompt that arrives runs at the next forward. A request that scores
+its prompt (``echo``, lm-eval's ``max_tokens`` 0 or 1) takes the same forward, with every position's logits, and
+``max_tokens`` 0 ends once its prompt has run. Each row samples with its own parameters
 (:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
 its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
 --temperature 0``. Log-probabilities come from the forward that gave the token
@@ -39,15 +38,15 @@ from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
 from tlm_model.inference import InferenceModel, unwrap
 
-#: Prompt tokens in one prefill forward at most (DecodeBatch's ``prefill_chunk``): what a request that arrives
-#: while a long prompt is prefilled waits for before its own prompt runs. On a 2-core CPU (course shape, eager,
+#: Prompt tokens of one prompt in one forward at most while other prompts wait (DecodeBatch's ``prefill_chunk``;
+#: what the budget leaves goes to the prompts in turn). On a 2-core CPU (course shape, eager,
 #: bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an idle server while a
 #: 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
 PREFILL_CHUNK = 32
 
-#: Prompt tokens prefilled between two decoding steps at most: how long the decoding rows wait for the prompts
-#: that join. Short prompts (a PREFILL_CHUNK at most) that fit it run in one forward (a burst of 16 in one or two
-#: iterations, not one forward and one step each); longer ones a PREFILL_CHUNK a forward.
+#: Prompt tokens in one forward at most, beside the decoding rows' tokens: how long the decoding rows wait for the
+#: prompts that join. Short prompts (a PREFILL_CHUNK at most) that fit it run in one forward (a burst of 16 in one
+#: or two iterations).
 PREFILL_BUDGET = 128
 
 #: (prefill chunk, token budget) by device type when the caller gives none: :data:`PREFILL_CHUNK` and
@@ -172,6 +171,8 @@ class _Row:
         self.counts = torch.zeros(vocab, device=device) if self.penalized else None
         self.logits: torch.Tensor | None = None
         self.token: torch.Tensor | None = None  # the sampled token the next step feeds
+        self.scores: list[torch.Tensor] = []  # echo: the prompt's logits after each token, chunk by chunk
+        self.skipped = 0  # forwards in a row that ran none of its prompt
 
 
 class Scheduler:
@@ -193,8 +194,8 @@ class Scheduler:
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
         every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
-        prompt tokens in one prefill forward at most; ``token_budget``: prompt tokens between two decoding
-        steps at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
+        one prompt's tokens in one forward while others wait (:meth:`_plan`); ``token_budget``: prompt tokens in one
+        forward at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
         (:meth:`compile_in_background`) starts, ends or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # The eager model inside any compiled wrapper (what a background warm-up compiles).
@@ -383,50 +384,63 @@ class Scheduler:
         self._admit()
         if not self._rows:
             return True
-        # Up to prefill_budget prompt tokens this iteration (_forward_size: the short prompts that fit together,
-        # a long prompt a chunk a forward): a burst of short prompts runs in one iteration, a long prompt a few
-        # chunks an iteration between the decoding rows' steps. A row whose prompt completes takes its first
-        # token at once, and a request that arrived during a forward joins before the next one, so a short
-        # prompt waits for one chunk of a long one, not for a whole iteration.
-        self._sample_ready()  # rows that joined prefilled (echo)
-        budget = self.prefill_budget
-        while budget > 0 and self.batch.prefilling:
-            before = sum(self.batch.lengths)
-            done = self.batch.prefill(self._forward_size(budget))  # the model's: a failure ends everything
-            for r, logits in done.items():
-                self._rows[r].logits = logits
-            budget -= sum(self.batch.lengths) - before
-            self._sample_ready()
-            if self._waiting and budget > 0:  # read without the lock: a hint, _admit takes it
-                self._admit()
-                self._sample_ready()  # one that joined prefilled (echo) has its logits already
-        self._drop_ended()
+        plan = self._plan()
+        decoding = any(row.token is not None for row in self._rows)
+        tokens = (
+            torch.stack([self._zero if row.token is None else row.token for row in self._rows]) if decoding else None
+        )
+        every = [r for r in plan if self._rows[r].request.echo]
+        out = self.batch.run(tokens, plan, every)  # the model's: a failure ends everything
+        self.steps += 1
         prefilling = set(self.batch.prefilling)
-        if len(prefilling) < len(self._rows):  # some row decodes (a prefilling row ignores its token)
-            tokens = torch.stack([self._zero if row.token is None else row.token for row in self._rows])
-            logits = self.batch.step(tokens)  # a failure here is the model's: _loop ends it all
-            for r, row in enumerate(self._rows):
-                row.logits = None if r in prefilling else logits[r]
-            self.steps += 1
-            # The step's tokens go out now, not after the next iteration's prefill.
-            self._sample_ready()
-            self._drop_ended()
+        for r, logits in out.items():
+            row = self._rows[r]
+            if r not in plan:
+                row.logits = logits
+                continue
+            if row.request.echo:
+                row.scores.append(logits)
+            if r not in prefilling:
+                self._prompt_done(row, logits[-1])
+        self._sample_ready()
+        self._drop_ended()
         return True
 
-    def _forward_size(self, budget: int) -> int:
-        """Prompt tokens for the next prefill forward: exactly the short prompts (at most a prefill_chunk left)
-        that the budget left can finish, when there are some (the shortest first, as DecodeBatch takes them: a
-        burst of short prompts in one forward, and a short prompt never beside a chunk of a long one, which would
-        double its forward); else one chunk of a long prompt, at most prefill_chunk tokens (what a request
-        arriving meanwhile waits for)."""
-        chunk, lengths = self.batch.prefill_chunk, self.batch.lengths
-        left = sorted(len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling)
-        finishing = 0
-        for n in left:
-            if n > chunk or finishing + n > budget:
-                break
-            finishing += n
-        return finishing or min(budget, chunk)
+    def _plan(self) -> dict[int, int]:
+        """Prompt tokens per prefilling row for this iteration's forward, at most ``prefill_budget`` in all: the
+        fewest left first (a burst of short prompts completes together), each at most ``prefill_chunk``; what the
+        budget leaves then goes to the same rows in turn (a lone long prompt takes it all). A row passed over
+        twice goes first, so that prompts joining every step never starve a long one."""
+        lengths, budget = self.batch.lengths, self.prefill_budget
+        left = {r: len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling}
+        order = sorted(left, key=lambda r: (self._rows[r].skipped < 2, left[r]))
+        plan: dict[int, int] = {}
+        for cap in (self.batch.prefill_chunk, budget):
+            for r in order:
+                take = min(cap - plan.get(r, 0), left[r] - plan.get(r, 0), budget)
+                if take > 0:
+                    plan[r], budget = plan.get(r, 0) + take, budget - take
+        for r in left:
+            self._rows[r].skipped = 0 if r in plan else self._rows[r].skipped + 1
+        return plan
+
+    def _prompt_done(self, row: _Row, logits: torch.Tensor) -> None:
+        """``row``'s prompt has run: its scores go out (``echo``), then it samples its first token from
+        ``logits``, or ends (``max_tokens`` 0)."""
+        request = row.request
+        try:
+            if request.echo:
+                prompt = torch.tensor(request.prompt, device=self.device)
+                scores = self._score(torch.cat(row.scores)[:-1], prompt[1:], request.logprobs or 0)
+                row.scores = []
+                request.emit(Piece("", prompt_scored=[Scored(request.prompt[0], None, []), *scores]))
+            if request.max_tokens == 0:
+                request.cancelled.set()
+                self._last.append((request, Piece("", "length")))
+            else:
+                row.logits = logits
+        except Exception as err:
+            self._fail(request, err)  # its row leaves at this step, as a cancelled one does
 
     def _sample_ready(self) -> None:
         """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
@@ -452,81 +466,25 @@ class Scheduler:
         self._send_last()
 
     def _admit(self) -> None:
-        """Waiting requests take the free rows (a prompt to prefill each, or a prefill-only forward now)."""
+        """Waiting requests take the free rows, each with its prompt to run."""
         with self._wake:
             joining: list[Request] = []
             while self._waiting and len(self._rows) + len(joining) < self.max_batch:
                 joining.append(self._waiting.popleft())
             self._joining = joining  # neither waiting nor in a row until they join: a model failure ends them too
-        short = [r for r in joining if r.max_tokens <= 1 and not r.cancelled.is_set()]
         for request in joining:
             if request.cancelled.is_set():
                 self._left(1)
-            elif request.max_tokens > 1:
-                self._join(request)
-        if short:
-            self._prefill_only(short)
-        self._joining = []
-
-    def _join(self, request: Request) -> None:
-        """Give ``request`` a new row whose prompt is prefilled a chunk a step with the others joining
-        (:meth:`DecodeBatch.join`); with ``echo``, prefilled at once, to score the prompt first."""
-        try:
-            row = _Row(request, self.tokenizer, self.vocab, self.device)
-        except Exception as err:
-            self._fail(request, err)
-            self._left(1)
-            return
-        prompt = torch.tensor(request.prompt, device=self.device)
-        if not request.echo:
-            self.batch.join(prompt)
-            self._rows.append(row)
-            return
-        logits = self.batch.add(prompt, every_position=request.echo)  # the model's: a failure ends everything
-        if request.echo:
+                continue
             try:
-                scores = self._score(logits[:-1], prompt[1:], request.logprobs or 0)
-                first = Scored(request.prompt[0], None, [])
-                request.emit(Piece("", prompt_scored=[first, *scores]))
-            except Exception as err:
-                self._fail(request, err)  # its row leaves at this step, as a cancelled one does
-            logits = logits[-1]
-        row.logits = logits
-        self._rows.append(row)
-
-    def _prefill_only(self, requests: list[Request]) -> None:
-        """Requests that need no cache beyond their prompt (score it, at most one new token): their prompts run
-        together through the batch's own prompt-chunk forward (the compiled one once it serves) in forwards of
-        at most the token budget, with every position's logits, on rows that leave again at once."""
-        prompts = [torch.tensor(request.prompt, device=self.device) for request in requests]
-        every = self.batch.add_many(prompts, every_position=True, budget=self.prefill_budget)  # the model's
-        for _ in requests:
-            self.batch.remove(len(self.batch) - 1)
-        rows: list[_Row | None] = []
-        for request, prompt, logits in zip(requests, prompts, cast(list[torch.Tensor], every), strict=True):
-            try:
-                if request.echo:
-                    scores = self._score(logits[:-1], prompt[1:], request.logprobs or 0)
-                    request.emit(Piece("", prompt_scored=[Scored(request.prompt[0], None, []), *scores]))
-                row = _Row(request, self.tokenizer, self.vocab, self.device) if request.max_tokens else None
-                if row is not None:
-                    row.logits = logits[-1]
-                else:
-                    request.emit(Piece("", "length"))
-                    request.cancelled.set()
-                rows.append(row)
+                row = _Row(request, self.tokenizer, self.vocab, self.device)
             except Exception as err:
                 self._fail(request, err)
-                rows.append(None)
-        generating = [row for row in rows if row is not None and not row.request.cancelled.is_set()]
-        if generating:
-            saved, self._rows = self._rows, generating
-            try:
-                self._sample([cast(torch.Tensor, row.logits) for row in generating])  # one token each: all end
-            finally:
-                self._rows = saved
-        self._left(len(requests))
-        self._send_last()
+                self._left(1)
+                continue
+            self.batch.join(torch.tensor(request.prompt, device=self.device))
+            self._rows.append(row)
+        self._joining = []
 
     def _score(self, logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[Scored]:
         """``tokens`` scored under ``logits`` (one row each), read back to the host."""

@@ -1,9 +1,8 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
 import functools
-import itertools
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import NamedTuple, cast
 
 import torch
 from jaxtyping import Float, Integer
@@ -51,7 +50,7 @@ def slot_bucket(length: int, capacity: int, least: int = MIN_SLOTS) -> int:
 
 
 class ChunkGrid(NamedTuple):
-    """Where the tokens of one prompt-chunk forward sit in its (rows, width) grid (:func:`pack_chunks`)."""
+    """Where the tokens of one grid forward sit in its (rows, width) grid (:func:`pack_chunks`)."""
 
     rows: int
     width: int
@@ -59,67 +58,62 @@ class ChunkGrid(NamedTuple):
     owner: list[int]
     #: Per grid cell, row-major: the cache slot its token goes to (-1: padding).
     positions: list[int]
-    #: Each chunk's tokens in order, as flat grid cells.
-    source: list[int]
-    #: The flat cell of each chunk's last token (at least 2 entries: the last repeated).
-    last: list[int]
-    #: ``source`` (at least 2 entries: the last repeated): every token's cell, for scoring.
-    every: list[int]
+    #: Per chunk: its tokens' flat grid cells, in order.
+    cells: list[list[int]]
+
+
+def grid_width(lengths: Sequence[int]) -> int:
+    """The grid width that packs chunks of ``lengths`` tokens in the fewest cells (padding included, at least 2
+    rows), the widest of equals: a power of two, half the longest chunk or the longest. A decoding row's one
+    token beside a prompt's chunk costs 2 cells, not the chunk's width."""
+    longest = max(lengths)
+    widths = {max(2, longest), max(2, -(-longest // 2)), *(1 << k for k in range(1, longest.bit_length()))}
+    return min(sorted(widths, reverse=True), key=lambda w: max(2, sum(-(-n // w) for n in lengths)) * w)
 
 
 def pack_chunks(lengths: Sequence[int], starts: Sequence[int]) -> ChunkGrid:
-    """Lay out prompt chunks of ``lengths`` tokens (chunk ``c`` continuing its row at slot ``starts[c]``) in a
-    grid of at least 2 rows and 2 columns, each grid row a run of consecutive tokens of one chunk.
+    """Lay out chunks of ``lengths`` tokens (chunk ``c`` continuing its row at slot ``starts[c]``: prompt chunks
+    and decoding rows' single tokens alike) in a grid of at least 2 rows and 2 columns (:func:`grid_width`),
+    each grid row a run of consecutive tokens of one chunk.
 
-    A compiled forward specialises a size of 0 or 1 (dynamo's rule), so a chunk forward whose rows, width or
-    number of logits could be 1 would compile again when it is. Never 1 by construction: the width is the
-    longest chunk (several chunks) or half the only one, at least 2; a chunk longer than the width takes
-    several grid rows (a token meets the others only through the cache, which every layer writes before it
-    reads, so a row split in two computes what it would in one); one grid row alone gets a padding row; the
-    logits' indices repeat their last entry up to 2."""
-    if len(lengths) == 1:
-        width = max(2, -(-lengths[0] // 2))
-    else:
-        width = max(2, *lengths)
+    A compiled forward specialises a size of 0 or 1 (dynamo's rule), so a forward whose rows or width could be 1
+    would compile again when it is: never 1 by construction. A chunk longer than the width takes several grid
+    rows (a token meets the others only through the cache, which every layer writes before it reads, so a row
+    split in two computes what it would in one); one grid row alone gets a padding row."""
+    width = grid_width(lengths)
     owner: list[int] = []
     positions: list[int] = []
-    source: list[int] = []
-    last: list[int] = []
+    cells: list[list[int]] = []
     for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
+        cells.append([])
         for at in range(0, n, width):
             take = min(width, n - at)
-            source.extend(range(len(positions), len(positions) + take))
+            cells[-1].extend(range(len(positions), len(positions) + take))
             positions.extend(range(start + at, start + at + take))
             positions.extend([-1] * (width - take))
             owner.append(c)
-        last.append(source[-1])
     if len(owner) == 1:
         owner.append(0)
         positions.extend([-1] * width)
-    return ChunkGrid(len(owner), width, owner, positions, source, _at_least_two(last), _at_least_two(source))
-
-
-def _at_least_two(cells: list[int]) -> list[int]:
-    return cells if len(cells) >= 2 else cells * 2
+    return ChunkGrid(len(owner), width, owner, positions, cells)
 
 
 class DecodeBatch:
     """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
 
     ``add(prompt_ids)`` prefills a prompt and appends it as a new row; ``add_many(prompts)`` prefills several
-    together (one padded forward per chunk of ``prefill_chunk`` tokens); ``step(tokens)`` feeds one new token
-    to every row in one batched forward and returns each row's next-token logits; ``remove(row)`` lets a row
-    go. A row's logits are those of its sequence decoded alone, up to float rounding of the batched matmuls
-    (the cache keeps a length per row, see :class:`~tlm_attention.KVCache`). This is the model-side half of a
-    server's scheduler (vLLM's and TGI's continuous batching): which requests join or leave, and how each one
-    samples, is the caller's.
+    together; ``step(tokens)`` feeds one new token to every row in one batched forward and returns each row's
+    next-token logits; ``remove(row)`` lets a row go. A row's logits are those of its sequence decoded alone, up
+    to float rounding of the batched matmuls (the cache keeps a length per row, see
+    :class:`~tlm_attention.KVCache`). This is the model-side half of a server's scheduler (vLLM v1's model
+    runner): which requests join or leave, which prompt tokens run when, and how each row samples, is the
+    caller's.
 
-    **Chunked prefill** (vLLM's). ``join(prompt_ids)`` appends a row whose prompt is still to run; each
-    ``prefill()`` runs at most ``prefill_chunk`` tokens of the joined prompts (the fewest remaining first,
-    several prompts padded into one forward) and returns the logits of those whose prompt is now complete. A
-    caller alternates ``prefill()`` and ``step(...)``, so a long prompt delays the decoding rows by one chunk a
-    step, not by its whole length. A row still prefilling takes no token in ``step`` (its entry is ignored,
-    its logits mean nothing).
+    **One forward a step** (vLLM v1's). ``join(prompt_ids)`` appends a row whose prompt is still to run;
+    ``run(tokens, chunks)`` runs, in one forward, one token for every decoding row and the next ``chunks[row]``
+    prompt tokens of prefilling rows, packed into one grid (:func:`pack_chunks`), and returns every row's logits
+    from it (a prompt row's after each of its tokens, for scoring, when asked). A step with no prompt tokens
+    runs the decode step (:meth:`step`).
 
     **Static shapes.** The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots) and a
     step writes each row's token in place and attends over the whole buffer under a mask built once per step
@@ -147,7 +141,7 @@ class DecodeBatch:
         *,
         prefill_chunk: int = 512,
         min_slots: int = MIN_SLOTS,
-        caches: "list[KVCache] | None" = None,
+        cache: KVCache | None = None,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
@@ -159,25 +153,25 @@ class DecodeBatch:
         self.model = model
         self.prefill_chunk = prefill_chunk
         self._lm = model.model if isinstance(model, InferenceModel) else model
-        if caches is None:
-            caches = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
-        elif len(caches) != self._lm.config.num_layers or {(c.max_batch_size, c.capacity) for c in caches} != {
-            (max_batch_size, caches[0].capacity if capacity is None else capacity)
-        }:
+        if cache is None:
+            cache = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+        elif (cache.layers, cache.max_batch_size, cache.capacity) != (
+            self._lm.config.num_layers,
+            max_batch_size,
+            cache.capacity if capacity is None else capacity,
+        ):
             raise ValueError(
-                f"caches must be the model's {self._lm.config.num_layers} layers' caches of {max_batch_size} rows"
+                f"cache must hold the model's {self._lm.config.num_layers} layers, {max_batch_size} rows"
                 + ("" if capacity is None else f" and {capacity} slots")
-                + f", got {len(caches)} of {[(c.max_batch_size, c.capacity) for c in caches][:2]}"
+                + f", got {cache.layers}, {cache.max_batch_size} and {cache.capacity}"
             )
-        self.caches = list(caches)
-        self.capacity = self.caches[0].capacity
-        for cache in self.caches:
-            cache.select_rows([])
-        self._device = self.caches[0].device_lengths.device
+        self.cache = cache
+        self.capacity = cache.capacity
+        cache.select_rows([])
+        self._device = cache.device
         self._slot_ids = torch.arange(self.capacity + 1, device=self._device)
         self._slot_buckets: dict[int, Tensor] = {}  # bucket -> arange(bucket), one tensor each, made once
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
-        self._skipped: list[int] = []  # per row: prefill calls in a row that passed it over
         self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
         self._decode_fn: Callable[..., Tensor]
         self._prefill_fn: Callable[..., Tensor]
@@ -189,16 +183,16 @@ class DecodeBatch:
             self._decode_fn = self._prefill_fn = torch.no_grad()(model.forward_static)
 
     def __len__(self) -> int:
-        return self.caches[0].batch_size
+        return self.cache.batch_size
 
     @property
     def max_batch_size(self) -> int:
-        return self.caches[0].max_batch_size
+        return self.cache.max_batch_size
 
     @property
     def lengths(self) -> tuple[int, ...]:
         """Each row's tokens so far (prompt + tokens fed; a prefilling row: its prompt tokens run so far)."""
-        return self.caches[0].lengths
+        return self.cache.lengths
 
     @property
     def prefilling(self) -> tuple[int, ...]:
@@ -266,9 +260,8 @@ class DecodeBatch:
                 f"source must have {self.max_batch_size} rows of {self.capacity} slots, got "
                 f"{source.max_batch_size} of {source.capacity}"
             )
-        for cache, theirs in zip(self.caches, source.caches, strict=True):
-            cache.copy_from(theirs)
-        self._pending, self._skipped = list(source._pending), list(source._skipped)
+        self.cache.copy_from(source.cache)
+        self._pending = list(source._pending)
         self._decoding.copy_(source._decoding)
 
     def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
@@ -281,10 +274,8 @@ class DecodeBatch:
         # One append per cache for all of them (a batch of thousands of rows joins in one go).
         ids = [self._checked(prompt, least=1).to(self._device) for prompt in prompts]
         first = len(self)
-        for cache in self.caches:
-            cache.append_empty_row(len(ids))
+        self.cache.append_empty_row(len(ids))
         self._pending.extend(ids)
-        self._skipped.extend([0] * len(ids))
         self._decoding[first : first + len(ids)] = 0
         return list(range(first, first + len(ids)))
 
@@ -294,20 +285,19 @@ class DecodeBatch:
         and ``prompt_ids`` prefilled alone; returns its next-token logits (None for no ids: the row is empty)."""
         check_int("row", row, low=0, high=len(self) - 1)
         ids = self._checked(prompt_ids, least=0)
-        for cache in self.caches:
-            lengths = list(cache.lengths)
-            lengths[row] = 0
-            cache.truncate(lengths)
+        lengths = list(self.lengths)
+        lengths[row] = 0
+        self.cache.truncate(lengths)
         if len(ids) == 0:
             self._pending[row] = None
             self._decoding[row] = 1
             return None
         self._pending[row] = ids.to(self._device)
         self._decoding[row] = 0
-        done: dict[int, Tensor] = {}
-        while not done:
-            done = self._prefill_rows([row], self.prefill_chunk)
-        return done[row]
+        while True:
+            logits = self.run(None, {row: min(self.prefill_chunk, len(cast(Tensor, self._pending[row])))})[row]
+            if self._pending[row] is None:
+                return logits[-1]
 
     def _checked(self, prompt_ids: object, least: int) -> Tensor:
         if not isinstance(prompt_ids, Tensor) or prompt_ids.ndim != 1 or not least <= len(prompt_ids) <= self.capacity:
@@ -316,15 +306,6 @@ class DecodeBatch:
                 + (str(tuple(prompt_ids.shape)) if isinstance(prompt_ids, Tensor) else type(prompt_ids).__name__)
             )
         return as_index_tensor("prompt_ids", prompt_ids, self._lm.config.vocab_size, "vocab_size")
-
-    @torch.no_grad()
-    def prefill(self, budget: int | None = None) -> dict[int, Float[Tensor, " vocab"]]:
-        """Run up to ``budget`` (default ``prefill_chunk``) prompt tokens of the prefilling rows in one forward,
-        the fewest remaining first and none padded past twice the shortest one's chunk (a short prompt joining
-        beside a long one runs at once, in a forward of its own size; the long one goes on at the next call);
-        returns {row: next-token logits} for the rows whose prompt is now complete."""
-        budget = self.prefill_chunk if budget is None else check_positive_int("budget", budget)
-        return self._prefill_rows(list(self.prefilling), budget)
 
     @torch.no_grad()
     def add(self, prompt_ids: Integer[Tensor, " prompt"], *, every_position: bool = False) -> Float[Tensor, "..."]:
@@ -354,19 +335,23 @@ class DecodeBatch:
                 "too many"
             )
         rows = self._join_many(prompts)
-        done: dict[int, Tensor] = {}
-        scores: dict[int, list[Tensor]] | None = {row: [] for row in rows} if every_position else None
+        out: dict[int, list[Tensor]] = {row: [] for row in rows}
         try:
-            while len(done) < len(rows):
-                todo = [r for r in rows if r not in done]
-                done.update(self._prefill_rows(todo, budget, scores, together=True))
+            while todo := [r for r in rows if self._pending[r] is not None]:
+                plan: dict[int, int] = {}
+                left = budget
+                for row in todo:  # in order, each as much as the budget leaves
+                    if take := min(left, len(cast(Tensor, self._pending[row]))):
+                        plan[row], left = take, left - take
+                for row, logits in self.run(None, plan, plan if every_position else ()).items():
+                    out[row].append(logits)
         except BaseException:
             for row in reversed(rows):  # all or nothing: the new rows go again
                 self.remove(row)
             raise
-        if scores is not None:
-            return [torch.cat(scores[r]) for r in rows]
-        return torch.stack([done[r] for r in rows])
+        if every_position:
+            return [torch.cat(out[r]) for r in rows]
+        return torch.stack([out[r][-1][-1] for r in rows])
 
     @torch.no_grad()
     def step(self, tokens: Integer[Tensor, " batch"]) -> Float[Tensor, "batch vocab"]:
@@ -387,14 +372,13 @@ class DecodeBatch:
             fed = torch.cat([fed, fed.new_zeros(bucket - rows)])
         # Rows past the batch (and prefilling rows) write at their own length, a slot that holds nothing
         # that counts, or the scratch slot; their lengths do not move.
-        positions = self.caches[0].device_lengths[:bucket].unsqueeze(1)
+        positions = self.cache.device_lengths[:bucket].unsqueeze(1)
         slots = self._slots(max(lengths) + 1)
         if self._eager:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, None, None, slots)
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, None, None, slots)
         else:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.caches, slots)
-        for cache in self.caches:
-            cache.advance(taking, self._decoding[:rows])
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
+        self.cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
 
     def _slots(self, length: int) -> Tensor:
@@ -410,10 +394,8 @@ class DecodeBatch:
 
     def clear(self) -> None:
         """Every row leaves (at once, however many)."""
-        for cache in self.caches:
-            cache.select_rows([])
+        self.cache.select_rows([])
         self._pending.clear()
-        self._skipped.clear()
         self._decoding.zero_()
 
     def remove(self, row: int) -> int | None:
@@ -424,69 +406,62 @@ class DecodeBatch:
         keep = list(range(last))
         if row != last:
             keep[row] = last
-        for cache in self.caches:
-            cache.select_rows(keep)
-        self._pending[row], self._skipped[row] = self._pending[last], self._skipped[last]
-        self._pending.pop(), self._skipped.pop()
+        self.cache.select_rows(keep)
+        self._pending[row] = self._pending[last]
+        self._pending.pop()
         self._decoding[row] = self._decoding[last]
         self._decoding[last] = 0
         return last if row != last else None
 
-    def _prefill_rows(
-        self, rows: list[int], budget: int, scores: dict[int, list[Tensor]] | None = None, together: bool = False
-    ) -> dict[int, Tensor]:
-        # With `scores`, each chunk row's logits after every token are appended to scores[row] too.
-        # The fewest remaining tokens first, and (unless `together`: every row is wanted now) no prompt padded to
-        # more than twice the first one's chunk: a short prompt beside a long one runs in a forward of its own
-        # width, the long one at the next call.
-        # A row passed over twice goes first, so that prompts joining every step never starve a long one.
-        chunks: list[tuple[int, Tensor]] = []
-        order = sorted(rows, key=lambda r: (self._skipped[r] < 2, len(self._pending[r])))  # type: ignore[arg-type]
-        for row in order:
-            ids = self._pending[row]
-            assert ids is not None
-            take = ids[:budget]
-            if budget == 0 or (chunks and not together and len(take) > 2 * len(chunks[0][1])):
-                break
-            chunks.append((row, take))
-            budget -= len(take)
+    @torch.no_grad()
+    def run(self, tokens: Tensor | None, chunks: Mapping[int, int], every: Collection[int] = ()) -> dict[int, Tensor]:
+        """One forward for one step's plan: ``tokens[r]`` fed to every decoding row ``r`` (None: no row decodes;
+        a prefilling row's entry is ignored) and the next ``chunks[r]`` prompt tokens of each prefilling row ``r``.
+        Returns {row: logits}: a decoding row's next-token logits (vocab,); a prompt row's after each of its
+        tokens (n, vocab) when it is in ``every`` (scoring), else after its last (1, vocab), the next token's once
+        its prompt is complete (it then decodes from the next step). ``tokens`` are trusted (sampled ids)."""
+        for row, n in chunks.items():
+            pending = self._pending[row] if 0 <= row < len(self) else None
+            if pending is None or not 0 < n <= len(pending):
+                raise ValueError(f"chunks must name prefilling rows and 1 to their prompt tokens left, got {row}: {n}")
         if not chunks:
-            return {}
-        taken = {row for row, _ in chunks}
-        for row in rows:
-            self._skipped[row] = 0 if row in taken else self._skipped[row] + 1
+            if tokens is None:
+                return {}
+            logits = self.step(tokens)
+            return {r: logits[r] for r, ids in enumerate(self._pending) if ids is None}
+        decoding = [] if tokens is None else [r for r, ids in enumerate(self._pending) if ids is None]
+        if full := [r for r in decoding if self.lengths[r] >= self.capacity]:
+            raise ValueError(f"rows {full} hold {self.capacity} tokens, the capacity: remove them before the next step")
+        fed = [] if tokens is None else list(tokens.to(self._device, torch.int64).unsqueeze(1).unbind(0))
+        units = [(row, cast(Tensor, self._pending[row])[:n]) for row, n in chunks.items()]
+        units += [(row, fed[row]) for row in decoding]
         lengths = self.lengths
-        grid = pack_chunks([len(ids) for _, ids in chunks], [lengths[row] for row, _ in chunks])
+        grid = pack_chunks([len(ids) for _, ids in units], [lengths[row] for row, _ in units])
         # One host-built copy per tensor: the ids cross to the device once, padding included.
-        flat = torch.cat([ids for _, ids in chunks]).to(self._device)
-        tokens = torch.zeros(grid.rows * grid.width, dtype=torch.int64, device=self._device)
-        tokens[grid.source] = flat
-        tokens = tokens.view(grid.rows, grid.width)
+        flat = torch.cat([ids for _, ids in units])
+        cells = torch.tensor([cell for c in grid.cells for cell in c], device=self._device)
+        grid_ids = torch.zeros(grid.rows * grid.width, dtype=torch.int64, device=self._device)
+        grid_ids[cells] = flat
         positions = torch.tensor(grid.positions, device=self._device).view(grid.rows, grid.width)
         positions = positions.masked_fill(positions < 0, self.capacity)  # padding: the scratch slot
-        index = torch.tensor([chunks[c][0] for c in grid.owner], device=self._device)
-        last = grid.every if scores is not None else grid.last
-        slots = self._slots(max(lengths[row] + len(ids) for row, ids in chunks))
-        logits = self._prefill_fn(tokens, positions, self.caches, index, torch.tensor(last, device=self._device), slots)
-        if scores is not None:
-            at = 0
-            for row, ids in chunks:
-                scores[row].append(logits[at : at + len(ids)])
-                at += len(ids)
-            logits = logits[[at - 1 for at in itertools.accumulate(len(ids) for _, ids in chunks)]]
+        index = torch.tensor([units[c][0] for c in grid.owner], device=self._device)
+        wanted = [c if row in every and row in chunks else c[-1:]
+                  for (row, _), c in zip(units, grid.cells, strict=True)]  # fmt: skip
+        picked = [cell for c in wanted for cell in c]
+        picked = picked if len(picked) >= 2 else picked * 2  # never a size of 1 (see pack_chunks)
+        slots = self._slots(max(lengths[row] + len(ids) for row, ids in units))
+        logits = self._prefill_fn(grid_ids.view(grid.rows, grid.width), positions, self.cache, index,
+                                  torch.tensor(picked, device=self._device), slots)  # fmt: skip
         new = [0] * len(self)
-        for row, ids in chunks:
+        out: dict[int, Tensor] = {}
+        at = 0
+        for (row, ids), c in zip(units, wanted, strict=True):
             new[row] = len(ids)
-        for cache in self.caches:
-            cache.advance(new)
-        done = {}
-        for i, (row, ids) in enumerate(chunks):
-            rest = self._pending[row]
-            assert rest is not None
-            if len(ids) == len(rest):
-                self._pending[row] = None
-                self._decoding[row] = 1
-                done[row] = logits[i]
-            else:
-                self._pending[row] = rest[len(ids) :]
-        return done
+            out[row] = logits[at : at + len(c)] if row in chunks else logits[at]
+            at += len(c)
+        self.cache.advance(new)
+        for row, n in chunks.items():
+            rest = cast(Tensor, self._pending[row])[n:]
+            self._pending[row] = rest if len(rest) else None
+            self._decoding[row] = int(not len(rest))
+        return out

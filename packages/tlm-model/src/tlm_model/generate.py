@@ -128,12 +128,12 @@ def generate(
                          sampling)  # fmt: skip
     finally:
         batch.clear()
-        _CACHES[model] = batch.caches  # kept for the next call
+        _CACHES[model] = batch.cache  # kept for the next call
     return result.squeeze(0) if squeeze else result
 
 
 #: Each model's static caches, kept between calls of :func:`generate` (they hold no reference to the model).
-_CACHES: "weakref.WeakKeyDictionary[Any, list[KVCache]]" = weakref.WeakKeyDictionary()
+_CACHES: "weakref.WeakKeyDictionary[Any, KVCache]" = weakref.WeakKeyDictionary()
 
 
 def _batch_for(model: TransformerLM | InferenceModel, rows: int, capacity: int) -> "DecodeBatch":
@@ -146,14 +146,14 @@ def _batch_for(model: TransformerLM | InferenceModel, rows: int, capacity: int) 
 
     if isinstance(model, InferenceModel):  # the capacity is a compiled step's shape
         capacity = min(model.config.context_length, max(64, 1 << (capacity - 1).bit_length()))
-    caches = _CACHES.pop(model, None)
+    cache = _CACHES.pop(model, None)
     weight = model.lm_head.weight if isinstance(model, TransformerLM) else model.model.lm_head.weight
-    if caches is not None and (
-        caches[0].max_batch_size >= rows
-        and caches[0].capacity >= capacity
-        and (caches[0].key_buffer.dtype, caches[0].key_buffer.device) == (weight.dtype, weight.device)
+    if cache is not None and (
+        cache.max_batch_size >= rows
+        and cache.capacity >= capacity
+        and (cache.dtype, cache.device) == (weight.dtype, weight.device)
     ):
-        return DecodeBatch(model, caches[0].max_batch_size, caches=caches)
+        return DecodeBatch(model, cache.max_batch_size, cache=cache)
     return DecodeBatch(model, rows, capacity=capacity)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from tlm_attention import KVCache
-from tlm_model.lm import POSITIONS_WITH_CACHE, TransformerLM, check_token_ids
+from tlm_model.lm import TransformerLM, check_token_ids, continue_rows
 
 #: What ``compile_for_inference`` passes to ``torch.compile``. max-autotune lets inductor pick its
 #: own C++ GEMM kernels; with frozen weights they work on pre-packed (oneDNN) copies of the weights.
@@ -75,13 +75,13 @@ class InferenceModel(nn.Module):
 
         # Two functions (two code objects), so the fixed-shape decode graphs and the dynamic-shape prefill
         # graphs are cached apart.
-        def decode(tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None) -> Tensor:
-            return model.forward_static(tokens, positions, caches, slots=slots)
+        def decode(tokens: Tensor, positions: Tensor, cache: KVCache, slots: Tensor | None) -> Tensor:
+            return model.forward_static(tokens, positions, cache, slots=slots)
 
         def prefill(
-            tokens: Tensor, positions: Tensor, caches: list[KVCache], rows: Tensor, last: Tensor, slots: Tensor | None
+            tokens: Tensor, positions: Tensor, cache: KVCache, rows: Tensor | None, last: Tensor, slots: Tensor | None
         ) -> Tensor:
-            return model.forward_static(tokens, positions, caches, rows, last, slots)
+            return model.forward_static(tokens, positions, cache, rows, last, slots)
 
         self._decode = _compile(decode, decode_kwargs)
         self._prefill = _compile(prefill, PREFILL_COMPILE_KWARGS)
@@ -94,24 +94,21 @@ class InferenceModel(nn.Module):
         return self.model.new_kv_cache(*args, **kwargs)
 
     def forward(
-        self,
-        in_indices: Tensor,
-        token_positions: Tensor | None = None,
-        kv_cache: list[KVCache] | None = None,
+        self, in_indices: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None
     ) -> Tensor:
         """The model's forward, compiled. The ids are checked here, as the eager model's embedding checks
         them (an id outside the vocabulary is an error, not another row's logits): one read of their
-        range, at this boundary and outside the compiled graph. The decoding loops (:meth:`decode_step`,
-        :meth:`prefill_step`) feed ids they checked or sampled themselves and skip it."""
+        range, at this boundary and outside the compiled graph. With ``kv_cache`` the tokens continue its rows
+        through the prompt-chunk graph (:meth:`prefill_step`; :func:`~tlm_model.lm.continue_rows`). The
+        decoding loops (:meth:`decode_step`, :meth:`prefill_step`) feed ids they checked or sampled themselves
+        and skip it."""
         check_token_ids(in_indices, self.model.config.vocab_size)
-        if token_positions is not None and kv_cache is not None:
-            raise ValueError(POSITIONS_WITH_CACHE)
+        if kv_cache is not None:
+            return continue_rows(self.prefill_step, in_indices, kv_cache, token_positions)
         with _frozen():
-            return self.compiled(in_indices, token_positions, kv_cache)
+            return self.compiled(in_indices, token_positions)
 
-    def decode_step(
-        self, tokens: Tensor, positions: Tensor, caches: list[KVCache], slots: Tensor | None = None
-    ) -> Tensor:
+    def decode_step(self, tokens: Tensor, positions: Tensor, cache: KVCache, slots: Tensor | None = None) -> Tensor:
         """:meth:`TransformerLM.forward_static` (batch, 1) compiled at a fixed shape (on CUDA one graph per
         batch size and capacity, CUDA graphs). Unchecked: the caller feeds sampled ids and the caches' positions.
 
@@ -132,22 +129,21 @@ class InferenceModel(nn.Module):
                     # "maybe": with room for 2 rows, 2 is the only such bucket and dynamo makes it a constant.
                     torch._dynamo.maybe_mark_dynamic(tokens, 0)
                     torch._dynamo.maybe_mark_dynamic(positions, 0)
-                return self._decode(tokens, positions, caches, slots)
+                return self._decode(tokens, positions, cache, slots)
             # CUDA graphs: the caches' buffers are static inputs (written in place by the graph, never copied),
             # each call is a new step, and the logits are copied out of the graph's memory, which the next
             # replay reuses.
-            for cache in caches:
-                for buffer in (cache.key_buffer, cache.value_buffer):
-                    torch._dynamo.mark_static_address(buffer)
+            for buffer in (*cache.key_buffers, *cache.value_buffers):
+                torch._dynamo.mark_static_address(buffer)
             torch.compiler.cudagraph_mark_step_begin()
-            return self._decode(tokens, positions, caches, slots).clone()
+            return self._decode(tokens, positions, cache, slots).clone()
 
     def prefill_step(
         self,
         tokens: Tensor,
         positions: Tensor,
-        caches: list[KVCache],
-        rows: Tensor,
+        cache: KVCache,
+        rows: Tensor | None,
         last: Tensor,
         slots: Tensor | None = None,
     ) -> Tensor:
@@ -160,10 +156,11 @@ class InferenceModel(nn.Module):
         for tensor in (tokens, positions):
             torch._dynamo.maybe_mark_dynamic(tensor, 0)
             torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        for tensor in (rows, last):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        for picked in (rows, last):
+            if picked is not None:
+                torch._dynamo.maybe_mark_dynamic(picked, 0)
         with _frozen():
-            return self._prefill(tokens, positions, caches, rows, last, slots)
+            return self._prefill(tokens, positions, cache, rows, last, slots)
 
 
 def _dynamic_slots(slots: Tensor | None) -> None:
@@ -203,7 +200,7 @@ def compile_for_inference(model: TransformerLM) -> InferenceModel:
     docs/benchmarks.md). Outputs match the eager model to float32 rounding.
 
     What it checks: a plain call refuses what the eager model refuses (ids outside the vocabulary, explicit
-    positions with a KV cache) before the graph runs. :meth:`InferenceModel.decode_step` and
+    positions with a KV cache, a cache too full) before the graph runs. :meth:`InferenceModel.decode_step` and
     :meth:`InferenceModel.prefill_step`, what :func:`generate` and :class:`~tlm_model.batching.DecodeBatch`
     run, check nothing: their callers check the prompts once where they enter and feed sampled ids after.
     """

@@ -26,7 +26,7 @@ COMPILED_PREFIX = "_orig_mod."
 #: row continues, and positions that contradicted them would write one token over another.
 POSITIONS_WITH_CACHE = (
     "token_positions must be None with a kv_cache: each row continues at its own cached length "
-    "(KVCache.positions); give positions only without a cache"
+    "(KVCache.continuation); give positions only without a cache"
 )
 
 
@@ -75,17 +75,32 @@ def _restore_tied_head(module: nn.Module, state_dict: dict[str, Any], prefix: st
     state_dict[head] = state_dict[embedding]
 
 
-def _check_caches(kv_cache: list[KVCache], layers: int) -> None:
-    """One cache per layer, every one holding the same lengths (host-side ints: no sync): positions come from the
-    first, so a layer whose cache holds another length would attend to the wrong tokens."""
-    if len(kv_cache) != layers:
-        raise ValueError(f"kv_cache must hold one KVCache per layer ({layers}), got {len(kv_cache)}")
-    lengths = kv_cache[0].lengths
-    for i, cache in enumerate(kv_cache[1:], start=1):
-        if cache.lengths != lengths:
-            raise ValueError(
-                f"kv_cache's layers must hold the same lengths: layer 0 holds {lengths}, layer {i} {cache.lengths}"
-            )
+def continue_rows(
+    forward_static: Any,
+    in_indices: Tensor,
+    kv_cache: KVCache,
+    token_positions: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor:
+    """Every row of ``kv_cache`` continued by the (batch, seq) ``in_indices``: their logits after every token
+    (batch, seq, vocab) from ``forward_static`` (the model's, or a compiled one of the same signature), then
+    the cache's lengths advanced. Refused before anything runs: positions or document ids (the cache says where
+    each row continues), ids that are not (rows in use, seq), a row the tokens would take past the capacity."""
+    if token_positions is not None:
+        raise ValueError(POSITIONS_WITH_CACHE)
+    if document_ids is not None:
+        raise ValueError("document_ids is for whole packed windows; it cannot be given with kv_cache")
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"kv_cache must be a KVCache (model.new_kv_cache), got {type(kv_cache).__name__}")
+    if in_indices.ndim != 2 or in_indices.shape[0] != kv_cache.batch_size:
+        raise ValueError(f"with a kv_cache in_indices must have shape (rows={kv_cache.batch_size}, seq), got "
+                         f"{tuple(in_indices.shape)}")  # fmt: skip
+    batch, seq = in_indices.shape
+    positions, slots = kv_cache.continuation(seq)
+    every = torch.arange(batch * seq, device=in_indices.device)
+    logits = forward_static(in_indices, positions, kv_cache, None, every, slots)
+    kv_cache.advance([seq] * batch)
+    return logits.view(batch, seq, -1)
 
 
 class TransformerLM(nn.Module):
@@ -182,18 +197,16 @@ class TransformerLM(nn.Module):
 
     def new_kv_cache(
         self, batch_size: int, capacity: int | None = None, *, dtype: torch.dtype | None = None
-    ) -> list[KVCache]:
-        """One empty :class:`~tlm_attention.KVCache` per layer, on the model's device."""
+    ) -> KVCache:
+        """An empty :class:`~tlm_attention.KVCache` for every layer, on the model's device (the weights' dtype
+        unless ``dtype`` is given), of ``capacity`` slots a row (default the context)."""
         cfg = self.config
         capacity = cfg.context_length if capacity is None else capacity
         if not 0 < capacity <= cfg.context_length:
             raise ValueError(f"capacity must be in [1, context_length={cfg.context_length}], got {capacity}")
         weight = self.lm_head.weight
         dtype = weight.dtype if dtype is None else dtype
-        return [
-            KVCache(batch_size, cfg.kv_heads, capacity, cfg.d_head, device=weight.device, dtype=dtype)
-            for _ in range(cfg.num_layers)
-        ]
+        return KVCache(batch_size, cfg.kv_heads, capacity, cfg.d_head, weight.device, dtype, layers=cfg.num_layers)
 
     def reset_parameters(self) -> None:
         """Re-draw every parameter with the CS336 §1.4.1 initialisation (e.g. after ``to_empty``); a tied
@@ -212,7 +225,6 @@ class TransformerLM(nn.Module):
         self,
         in_indices: Integer[Tensor, "... seq"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
-        kv_cache: list[KVCache] | None = None,
         *,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq d_model"]:
@@ -221,86 +233,51 @@ class TransformerLM(nn.Module):
         ``document_ids`` (one per token, equal within a document: :func:`tlm_attention.document_ids` of the
         tokens and the end-of-text id) masks attention to each token's own document and, unless
         ``token_positions`` are given, restarts the positions at each document's first token: every
-        document of a packed window is computed as it would be alone. Not with ``kv_cache``.
+        document of a packed window is computed as it would be alone.
 
-        The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens with
-        those cached, the caches from :meth:`new_kv_cache`): the boundaries check it
-        (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state the shapes,
-        and nothing here reads a value back to the host. Explicit ``token_positions`` with a cache, which
-        supplies them, are refused (without reading a value).
+        The caller guarantees the input (ids in the vocabulary, at most ``context_length`` tokens): the
+        boundaries check it (:func:`~tlm_model.generate`, the data loaders, the command), the annotations state
+        the shapes, and nothing here reads a value back to the host.
         """
-        if kv_cache is not None and token_positions is not None:
-            raise ValueError(POSITIONS_WITH_CACHE)
-        if document_ids is not None:
-            if kv_cache is not None:
-                raise ValueError("document_ids is for whole packed windows; it cannot be given with kv_cache")
-            if token_positions is None and self.rope is not None:
-                token_positions = document_positions(document_ids)
-            return self._run_layers(in_indices, token_positions, None, document_ids)
-        if kv_cache is not None and not torch.compiler.is_compiling():
-            _check_caches(kv_cache, len(self.layers))
-        if kv_cache is not None and kv_cache[0].ragged:
-            # Rows of different lengths: each continues from its own length (host-side ints, no sync).
-            token_positions = kv_cache[0].positions(in_indices.shape[-1])
-        if kv_cache is None or torch.compiler.is_compiling():
-            # No cache, nothing to undo; a compiled graph applies the caches' new lengths only after it ran.
-            return self._run_layers(in_indices, token_positions, kv_cache)
-        lengths = kv_cache[0].lengths
-        try:
-            return self._run_layers(in_indices, token_positions, kv_cache)
-        except BaseException:
-            # All-or-nothing: a step interrupted in any layer (an error, Ctrl-C) leaves every cache
-            # as it was, so the next step neither sees a half-written token nor lengths that differ.
-            for cache in kv_cache:
-                cache.truncate(lengths)
-            raise
-
-    def _run_layers(
-        self,
-        in_indices: Tensor,
-        token_positions: Tensor | None,
-        kv_cache: list[KVCache] | None,
-        document_ids: Tensor | None = None,
-    ) -> Tensor:
+        if document_ids is not None and token_positions is None and self.rope is not None:
+            token_positions = document_positions(document_ids)
         x = self.token_embeddings(in_indices)
-        for i, layer in enumerate(self.layers):
-            if document_ids is None:
-                x = layer(x, token_positions, None if kv_cache is None else kv_cache[i])
-            else:
-                x = layer(x, token_positions, document_ids=document_ids)
+        for layer in self.layers:
+            x = layer(x, token_positions, document_ids=document_ids)
         return self.ln_final(x)
 
     def forward(
         self,
         in_indices: Integer[Tensor, "... seq"],
         token_positions: Integer[Tensor, "... seq"] | None = None,
-        kv_cache: list[KVCache] | None = None,
+        kv_cache: KVCache | None = None,
         *,
         document_ids: Integer[Tensor, "... seq"] | None = None,
     ) -> Float[Tensor, "... seq vocab"]:
-        """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the tokens continue
-        the cached sequence of each row, at positions that row's length onwards (rows of different
-        lengths: see :class:`~tlm_attention.KVCache`). ``document_ids``: see :meth:`hidden_states`."""
-        if document_ids is None:
-            return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache))
-        return self.lm_head(self.hidden_states(in_indices, token_positions, kv_cache, document_ids=document_ids))
+        """Next-token logits; with ``kv_cache`` (from :meth:`new_kv_cache`) the (batch, seq) tokens continue the
+        cached sequence of each row, at positions that row's length onwards: :meth:`forward_static` over
+        :meth:`~tlm_attention.KVCache.continuation`, then the lengths advanced (rows of different lengths: see
+        :class:`~tlm_attention.KVCache`). ``document_ids``: see :meth:`hidden_states`."""
+        if kv_cache is None:
+            return self.lm_head(self.hidden_states(in_indices, token_positions, document_ids=document_ids))
+        return continue_rows(self.forward_static, in_indices, kv_cache, token_positions, document_ids)
 
     def forward_static(
         self,
         in_indices: Integer[Tensor, "batch seq"],
         positions: Integer[Tensor, "batch seq"],
-        kv_cache: list[KVCache],
+        kv_cache: KVCache,
         rows: Integer[Tensor, " batch"] | None = None,
         last: Integer[Tensor, " picked"] | None = None,
         slots: Integer[Tensor, " slots"] | None = None,
     ) -> Float[Tensor, "picked vocab"]:
-        """One step over static caches (what a compiled decode step runs): the next-token logits of each row's
-        last token (batch, vocab), or with ``last`` those of the tokens it names, as indices into the
-        flattened (batch * seq) tokens (picked, vocab).
+        """One step over the cache (what every decode and prompt forward runs, eager or compiled): the
+        next-token logits of each row's last token (batch, vocab), or with ``last`` those of the tokens it
+        names, as indices into the flattened (batch * seq) tokens (picked, vocab).
 
         Token ``t`` of row ``b`` is stored at slot ``positions[b, t]`` of buffer row ``rows[b]`` (default
         ``b``) of every layer's cache and attends to that row's slots up to it; a padding token has position
-        ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the caches'
+        ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the cache's
         capacity, never by what is stored, so a compiled step of one shape serves every step. The mask is
         built once here for all layers. Nothing is checked and no host state changes: the caller records
         the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run.
@@ -310,14 +287,14 @@ class TransformerLM(nn.Module):
         stored, not the capacity; None reads every slot. Compiled with ``n`` marked dynamic, one graph serves
         every ``n`` (:meth:`~tlm_model.InferenceModel.decode_step`).
         """
-        capacity = kv_cache[0].capacity
+        capacity = kv_cache.capacity
         mask = cache_mask(positions, capacity, slots)
         limit = None if slots is None else slots.shape[0]
         # A padding token's scratch position is past the RoPE table when capacity == context_length.
         rope_positions = positions.clamp(max=capacity - 1)
         x = self.token_embeddings(in_indices)
-        for layer, cache in zip(self.layers, kv_cache, strict=True):
-            x = layer(x, rope_positions, CacheStep(cache, positions, rows, mask, limit))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope_positions, CacheStep(kv_cache, i, positions, rows, mask, limit))
         # last: the tokens whose logits are wanted, as flat indices into the (batch * seq) tokens.
         x = x[:, -1] if last is None else x.flatten(0, 1)[last]
         return self.lm_head(self.ln_final(x))
