@@ -347,7 +347,7 @@ def _slurm_beside(session: nox.Session) -> Iterator[None]:
     session fails if they did. They mostly wait on the scheduler (about 30 s of CPU in two minutes), so beside the
     suite they cost little of its wall time. A signal that stops the body stops them (and their daemons) too.
 
-    Where no SLURM can be had (``slurmctld`` absent and no root or no apt-get to install it), the leg is skipped
+    Where no SLURM can be had (not root, or ``slurmctld`` absent and no apt-get to install it), the leg is skipped
     with that reason outside CI; in CI (``CI`` set) it runs anyway and fails, saying so: CI never passes without it.
     """
     reason = _slurm_local().unavailable()

@@ -11,7 +11,7 @@ a SLURM that does not answer fails them instead of skipping them), then, however
 SIGTERM, SIGHUP or Ctrl-C), stop and each job's end state; its exit status is pytest's, else 1. ``nox -s tests``
 runs ``run`` in the background beside its own pytest run; ``nox -s slurm`` runs it alone.
 
-SLURM cannot be had when ``slurmctld`` is absent and apt-get cannot install it (not root, or no apt-get):
+SLURM cannot be had when this is not root, or when ``slurmctld`` is absent and there is no apt-get to install it:
 ``unavailable()`` says why, and ``run`` then exits 1 with that line (``nox -s tests`` skips the leg, saying so,
 only outside CI).
 """
@@ -66,11 +66,11 @@ DAEMONS = ("slurmd", "slurmctld", "munged")
 
 
 def unavailable() -> str | None:
-    """Why no SLURM can be started here (``None``: it is installed, or apt-get can install it now)."""
+    """Why no SLURM can be started here (``None``: root, with SLURM installed or apt-get to install it)."""
+    if os.geteuid() != 0:  # slurmctld and slurmd run as root here (SlurmUser=root), munged as the munge user
+        return "only root can start SLURM's daemons (and apt-get install slurm-wlm munge when absent)"
     if shutil.which("slurmctld") and shutil.which("munged"):
         return None
-    if os.geteuid() != 0:
-        return "slurmctld is not installed, and only root can apt-get install slurm-wlm munge (and run its daemons)"
     if shutil.which("apt-get") is None:
         return "slurmctld is not installed, and there is no apt-get here to install slurm-wlm and munge"
     return None
