@@ -7,6 +7,7 @@ import argparse
 import json
 import subprocess
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 
@@ -91,7 +92,7 @@ def _sweep_folder(tmp_path, names=("a", "b")):
 
 
 class FakeExecutor:
-    made = []
+    made: ClassVar[list] = []
 
     def __init__(self, folder, refuse=None):
         self.folder, self.refuse, self.parameters = folder, refuse, None
