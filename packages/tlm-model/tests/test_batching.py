@@ -266,6 +266,7 @@ def test_prompt_chunks_are_packed_in_at_least_two_rows_and_columns_each_token_on
     assert grid.rows >= 2 and grid.width >= 2 and len(grid.last) >= 2 and len(grid.every) >= 2
     assert len(grid.positions) == grid.rows * grid.width == len(grid.owner) * grid.width
     assert sorted(grid.source) == grid.source and len(set(grid.source)) == sum(lengths)
+    assert all(0 <= owner < len(lengths) for owner in grid.owner)  # a padding row too belongs to a chunk
     at = 0
     for c, (n, start) in enumerate(zip(lengths, starts, strict=True)):
         cells = grid.source[at : at + n]
