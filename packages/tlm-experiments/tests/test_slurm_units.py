@@ -189,3 +189,34 @@ def test_run_task_records_the_outcome_without_the_local_stop_flag(tmp_path, monk
     assert runs.run_task(str(folder), "a") == {"status": "done"}
     entry = json.loads((folder / manifest_module.MANIFEST).read_text())["runs"][0]
     assert (entry["status"], entry["job"], "stop" in entry) == ("done", "91", False)
+
+
+def test_options_take_the_flags_given_else_those_recorded_else_the_defaults():
+    recorded = {"launcher": {"partition": "gpu", "time": 30, "cpus_per_task": 4, "gpus": 2}}
+    none = SimpleNamespace(partition=None, time=None, cpus_per_task=None, gpus=None)
+    assert slurm.options(none, recorded) == {"name": "slurm", "partition": "gpu", "time": 30, "cpus_per_task": 4,
+                                             "gpus": 2}  # fmt: skip
+    given = SimpleNamespace(partition="cpu", time=5, cpus_per_task=None, gpus=None)
+    assert slurm.options(given, recorded) == {"name": "slurm", "partition": "cpu", "time": 5, "cpus_per_task": 4,
+                                              "gpus": 2}  # fmt: skip
+    assert slurm.options(none, {}) == {"name": "slurm", "partition": None, "time": 60, "cpus_per_task": 1,
+                                       "gpus": None}  # fmt: skip
+
+
+def test_a_runs_bits_per_byte_ratio_comes_from_its_first_scored_record(tmp_path):
+    from tlm_experiments import compare
+    from tlm_train import RunDir, TrainConfig
+
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    run.write_config(TrainConfig(out_dir=str(run.path)))
+    records = [{"step": 0, "val_loss": 0.0, "val_bpb": 0.0}, {"step": 1, "val_loss": 0.5, "val_bpb": 0.7},
+               {"step": 2, "val_loss": 0.4, "val_bpb": 0.6}]  # fmt: skip
+    assert compare.run_data(run.path, records).bpb_per_nat == pytest.approx(0.7 / 0.5)  # a loss of 0 says nothing
+
+
+def test_the_summary_is_written_with_its_title(tmp_path):
+    folder, manifest = _sweep_folder(tmp_path)
+    sweep.write_summary(folder, manifest, quiet=True)
+    assert (folder / sweep.SUMMARY_MD).read_text(encoding="utf-8").startswith(f"# Sweep {folder.name}\n\n")
+    assert json.loads((folder / sweep.SUMMARY_JSON).read_text())["format"] == sweep.FORMAT
