@@ -57,3 +57,17 @@ def test_copy_from_takes_another_caches_rows_and_refuses_another_shape():
     # The buffers hold one slot past the capacity (where padding writes).
     with pytest.raises(ValueError, match=r"^source must have this cache's shape \(3, 2, 9, 4\), got \(3, 2, 10, 4\)$"):
         target.copy_from(KVCache(3, 2, 9, 4))
+
+
+def test_write_stores_keys_computed_in_another_dtype_in_the_caches_own():
+    # Under autocast the keys may come in bfloat16 while the cache holds float32 (or the reverse): stored rounded.
+    cache = KVCache(2, 2, 4, 8, dtype=torch.bfloat16)
+    keys, values = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
+    positions = torch.tensor([[0, 1, 2], [1, 2, 4]])  # 4 = the capacity: the scratch slot
+    got_keys, got_values = cache.write(keys, values, positions)
+    assert got_keys.dtype == got_values.dtype == torch.bfloat16
+    for b in range(2):
+        for n in range(3):
+            slot = int(positions[b, n])
+            assert torch.equal(got_keys[b, :, slot], keys[b, :, n].to(torch.bfloat16))
+            assert torch.equal(got_values[b, :, slot], values[b, :, n].to(torch.bfloat16))

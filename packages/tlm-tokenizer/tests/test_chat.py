@@ -263,6 +263,9 @@ def test_templates_render_as_transformers_sets_jinja_up_and_small_powers_pass_th
     indented = "{% for m in messages %}\n    {% if true %}{{ m['content'] }}{% endif %}\n{% endfor %}{{ 2 ** 10 }}"
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     assert ChatTemplate(gpt2_chat[0], indented).render(messages) == "ab1024"
+    # A power of 1 or -1 stays one bit however large the exponent: computed, not refused.
+    powers = "{{ 1 ** 100000000 }} {{ (-1) ** 100000001 }}" + CHATML_TEMPLATE
+    assert ChatTemplate(gpt2_chat[0], powers).render(messages).startswith("1 -1")
 
 
 def test_the_render_bound_is_the_documented_two_seconds():
