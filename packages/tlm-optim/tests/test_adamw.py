@@ -137,8 +137,8 @@ def test_the_device_step_is_cached_by_the_host_step_and_advanced_in_place_below_
     assert counter.dtype == torch.float32 and counter.item() == 5.0
     counter.fill_(7.0)  # the cache is keyed by the host's step, never by reading the tensor back (a sync)
     assert opt._device_step(cpu, 5) is counter and counter.item() == 7.0
-    counter.fill_(5.0)
-    assert opt._device_step(cpu, 6) is counter and counter.item() == 6.0  # the next step: add_(1) in place
+    # The next step: add_(1) in place, decided by the host's step too (the tensor, left at 7, is not read).
+    assert opt._device_step(cpu, 6) is counter and counter.item() == 8.0
     fresh = opt._device_step(cpu, 8)  # a step skipped: made afresh from the host count
     assert fresh is not counter and fresh.item() == 8.0
     below = opt._device_step(cpu, 2**24 - 2)
