@@ -331,6 +331,8 @@ def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = (), 
                     node.module == top and stem != "__init__" and any(a.name in names for a in node.names)
                 )
                 hit = hit or (stem == "__init__" and node.module == top)
+                parent, _, leaf = dotted.rpartition(".")
+                hit = hit or (node.module == parent and any(a.name == leaf for a in node.names))  # from pkg import mod
             if hit:
                 chosen.append(test)
                 break

@@ -80,6 +80,10 @@ def test_latest_joins_the_listing_and_a_stale_or_odd_pointer_is_ignored(tmp_path
     assert folders.steps() == [1, 3]
     (tmp_path / "latest").write_text("step_00000002\n")  # names an incomplete folder: not a step
     assert folders.steps() == [1]
+    (tmp_path / "latest").write_text("step_00000003" + " " * 300)  # over 256 bytes: no pointer, however it ends
+    assert folders.steps() == [1]
+    (tmp_path / "latest").write_text("step_00000003" + " " * 200)  # within the bound: read
+    assert folders.steps() == [1, 3]
     (tmp_path / "latest").unlink()
     os.mkfifo(tmp_path / "latest")  # a FIFO is no pointer, and never waited on
     assert folders.steps() == [1]

@@ -764,3 +764,30 @@ def test_the_access_log_records_the_status_of_requests_that_failed_early(parts, 
         ["POST", "/v1/completions", "500"], ["POST", "/v1/completions", "413"], ["POST", "/v1/nowhere", "404"],
         ["POST", "/v1/chat/completions", "400"]]  # fmt: skip
     assert all("completion_tokens=- ttft=-" in line for line in lines[1:]), lines
+
+
+def test_the_server_publishes_no_schema_or_docs_pages(served):
+    # The OpenAI wire format is the contract; FastAPI's generated schema and docs pages are not served.
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        conn, response = served.request("GET", path)
+        response.read()
+        conn.close()
+        assert response.status == 404, path
+
+
+def test_a_background_warm_up_is_reported_from_its_start(parts, monkeypatch):
+    from tlm_command.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "_compile", lambda self: None)  # the warm-up itself: not run here
+    scheduler, _ = make_app(*parts)
+    try:
+        assert scheduler.engine_status() == {"engine": "eager"}
+        scheduler.compile_in_background()
+        status = scheduler.engine_status()
+        assert status["engine"] == "eager" and status["warm_up"]["seconds"] >= 0
+        assert {k: v for k, v in status["warm_up"].items() if k != "seconds"} == {"done": 0, "total": None,
+                                                                                  "error": None}  # fmt: skip
+        with pytest.raises(ValueError, match="this one is eager and compiling$"):
+            scheduler.compile_in_background()
+    finally:
+        scheduler.close(timeout=5)

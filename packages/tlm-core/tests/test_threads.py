@@ -38,9 +38,19 @@ def test_never_more_threads_than_the_process_has():
 
 @pytest.mark.parametrize(
     ("kwargs", "name"), [({"current": 0}, "current"), ({"current": 2, "cpus": 0}, "cpus"),
-                         ({"current": 2, "load": -1.0}, "load"), ({"current": True}, "current")]
+                         ({"current": 2, "load": -1.0}, "load"), ({"current": True}, "current"),
+                         ({"current": 2, "load": True}, "load")]
 )  # fmt: skip
 def test_bad_arguments_are_value_errors_naming_them(kwargs, name):
     current = kwargs.pop("current")
     with pytest.raises(ValueError, match=name):
         fit_threads(current, environ={}, **kwargs)
+
+
+def test_without_a_load_given_the_systems_load_average_is_read(monkeypatch):
+    import tlm_core.threads
+
+    monkeypatch.setattr(tlm_core.threads, "load_average", lambda: 3.0)
+    assert fit_threads(4, cpus=4, environ={}).threads == 1
+    monkeypatch.setattr(tlm_core.threads, "load_average", lambda: None)  # no load average: the threads are kept
+    assert fit_threads(4, cpus=4, environ={}).threads == 4

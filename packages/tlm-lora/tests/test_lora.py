@@ -269,8 +269,10 @@ def test_cast_frozen_weights_keeps_a_head_tied_to_the_embedding_and_returns_what
     model = base_model(config=replace(CONFIG, tie_word_embeddings=True))
     apply_lora(model, ("q", "v"), rank=2, alpha=4)
     assert model.lm_head.weight is model.token_embeddings.weight
+    model.layers[0].ffn.w2.weight.requires_grad_(True)  # trained: kept in float32 for its optimizer
     names = cast_frozen_weights(model, torch.bfloat16)
     assert "lm_head.weight" not in names and model.lm_head.weight.dtype == torch.float32
+    assert "layers.0.ffn.w2.weight" not in names and model.layers[0].ffn.w2.weight.dtype == torch.float32
     cast = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
     assert set(names) == cast and {"layers.0.attn.qkv_proj.weight", "layers.1.ffn.w2.weight"} <= cast
     assert cast_frozen_weights(model, torch.bfloat16) == []  # already in the dtype: nothing more to cast

@@ -273,6 +273,7 @@ def test_prompt_chunks_are_packed_in_at_least_two_rows_and_columns_each_token_on
     assert len(grid.positions) == grid.rows * grid.width == len(grid.owner) * grid.width
     flat = [cell for cells in grid.cells for cell in cells]
     assert sorted(flat) == flat and len(set(flat)) == sum(lengths)
+    assert all(0 <= owner < len(lengths) for owner in grid.owner)  # a padding row too belongs to a chunk
     for c, (n, start, cells) in enumerate(zip(lengths, starts, grid.cells, strict=True)):
         assert len(cells) == n
         assert [grid.positions[i] for i in cells] == list(range(start, start + n))  # consecutive slots, in order

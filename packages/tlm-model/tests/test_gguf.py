@@ -101,6 +101,8 @@ def test_bad_arguments_are_refused_before_writing(tmp_path):
         save_gguf(torch.nn.Linear(2, 2), tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="vocabulary has 5 tokens, more than the model's vocab_size=4"):
         save_gguf(model, tmp_path / "m.gguf", vocabulary=GGUFVocabulary(list("abcde"), []))
+    with pytest.raises(TypeError, match="^vocabulary must be a GGUFVocabulary or None, got dict$"):
+        save_gguf(model, tmp_path / "m.gguf", vocabulary={"tokens": list("ab")})
     with pytest.raises(IsADirectoryError):
         save_gguf(model, tmp_path)
     assert list(tmp_path.iterdir()) == []

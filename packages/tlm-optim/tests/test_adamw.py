@@ -130,6 +130,23 @@ def test_the_fused_paths_device_step_counter_equals_a_fresh_step_each_time():
         assert torch.equal(a, b)
 
 
+def test_the_device_step_is_cached_by_the_host_step_and_advanced_in_place_below_2_to_the_24():
+    opt = AdamW([torch.zeros(2, requires_grad=True)], fused=True)
+    cpu = torch.device("cpu")
+    counter = opt._device_step(cpu, 5)
+    assert counter.dtype == torch.float32 and counter.item() == 5.0
+    counter.fill_(7.0)  # the cache is keyed by the host's step, never by reading the tensor back (a sync)
+    assert opt._device_step(cpu, 5) is counter and counter.item() == 7.0
+    # The next step: add_(1) in place, decided by the host's step too (the tensor, left at 7, is not read).
+    assert opt._device_step(cpu, 6) is counter and counter.item() == 8.0
+    fresh = opt._device_step(cpu, 8)  # a step skipped: made afresh from the host count
+    assert fresh is not counter and fresh.item() == 8.0
+    below = opt._device_step(cpu, 2**24 - 2)
+    assert opt._device_step(cpu, 2**24 - 1) is below  # still counted in place
+    last = opt._device_step(cpu, 2**24)  # float32 counts exactly only to 2**24: from there on, a fill per step
+    assert last is not below and last.item() == 2.0**24
+
+
 def test_state_dict_round_trip_resumes_bit_exactly():
     full = _run(AdamW)
     params = [[p.clone().requires_grad_() for p in group] for group in _initial()]

@@ -161,6 +161,8 @@ def test_extension_scaling_completes_a_rule_against_the_contexts():
     # A rule's own factor stands when no factor is given, and an equal one agrees with it.
     assert extension_scaling({"rope_type": "linear", "factor": 4}, 128, 128) == {"rope_type": "linear", "factor": 4}
     assert extension_scaling({"rope_type": "linear", "factor": 4}, 128, 512, factor=4.0)["factor"] == 4
+    with pytest.raises(ValueError, match="original"):  # checked before it divides anything
+        extension_scaling("linear", 0, 512)
     with pytest.raises(ValueError, match="factor=2.0 disagrees with the scaling's own factor 4"):
         extension_scaling({"rope_type": "linear", "factor": 4}, 128, 512, factor=2.0)
     with pytest.raises(ValueError, match=r"scaling\['factor'\] must be"):

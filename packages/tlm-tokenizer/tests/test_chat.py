@@ -255,3 +255,22 @@ def test_a_conversation_without_the_edges_takes_the_prefix_renders(gpt2_chat):
     counts = _counting(fast)
     assert fast.encode(messages) == slow.encode(messages) and fast._edges == ("", "<|im_end|>\n")
     assert counts["calls"] > 2 + 8  # the probe's renders, the conversation's two, then its prefixes
+
+
+def test_templates_render_as_transformers_sets_jinja_up_and_small_powers_pass_the_bound(gpt2_chat):
+    # transformers' environment: trim_blocks (the newline after a block tag goes) and lstrip_blocks (the
+    # indentation before one goes); a power far below MAX_PRODUCT bits is computed, not refused.
+    indented = "{% for m in messages %}\n    {% if true %}{{ m['content'] }}{% endif %}\n{% endfor %}{{ 2 ** 10 }}"
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert ChatTemplate(gpt2_chat[0], indented).render(messages) == "ab1024"
+    # A power of 1 or -1 stays one bit however large the exponent: computed, not refused.
+    powers = "{{ 1 ** 100000000 }} {{ (-1) ** 100000001 }}" + CHATML_TEMPLATE
+    assert ChatTemplate(gpt2_chat[0], powers).render(messages).startswith("1 -1")
+
+
+def test_the_render_bound_is_the_documented_two_seconds():
+    from tlm_tokenizer.chat import RENDER_SECONDS, render_time_limit
+
+    bound = render_time_limit("line 3")
+    assert RENDER_SECONDS == 2.0 and bound.seconds == 2.0
+    assert bound.message == "line 3: the chat template took more than 2 s to render"

@@ -205,3 +205,13 @@ def test_on_python_3_10_the_settings_read_toml_with_tomli(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "7"
+
+
+def test_every_setting_says_what_it_is():
+    # The command line's --help, the docs and the sweep's errors read each field's help from its metadata.
+    import dataclasses
+
+    from tlm_train import TrainConfig
+
+    missing = [f.name for f in dataclasses.fields(TrainConfig) if not f.metadata.get("help", "").strip()]
+    assert missing == []

@@ -220,3 +220,20 @@ def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_ones_lock_is_no
         holder.send_signal(signal.SIGKILL)
         holder.wait()
     assert train(TrainConfig(**_settings(data, out, steps=2))).step == 2  # the kernel freed the dead one's lock
+
+
+def test_a_fine_tune_resumes_against_its_own_shape_not_the_init_models_present_one(tmp_path, make_config):
+    """Without a context extension in ``model``, a resumed fine-tune compares its settings with the shape it
+    recorded; the ``--init-from`` model is not read again for its shape (here it was replaced since by one of
+    another context length, which must not matter to the checkpointed run)."""
+    import dataclasses
+
+    from tlm_model import ModelConfig, TransformerLM, save_model_file
+
+    shape = ModelConfig(vocab_size=32, context_length=16, d_model=32, num_layers=2, num_heads=2, d_ff=64)
+    save_model_file(TransformerLM(shape), tmp_path / "base")
+    config = make_config(init_from=str(tmp_path / "base"), model={}, steps=2, checkpoint_interval=1)
+    train(config)
+    save_model_file(TransformerLM(dataclasses.replace(shape, context_length=32)), tmp_path / "base")
+    result = train(config.replace(steps=3), resume=True)
+    assert result.step == 3
