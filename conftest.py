@@ -6,8 +6,11 @@ nox ``tests`` session sets it to ``cuda`` for the CUDA leg of the matrix.
 
 import functools
 import os
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
+from typing import ClassVar
 
 import pytest
 import torch
@@ -227,6 +230,56 @@ def host_reads() -> Callable[[], _HostReads]:
     """``with host_reads() as reads: ...``: ``reads`` lists every read of a tensor value back to the host
     (``aten::_local_scalar_dense`` and ``Tensor.item``/``tolist``/``bool``/...) made inside the block."""
     return _HostReads
+
+
+class _NotAFile:
+    """What the checked-read tests put in place of an input file, and how they call its reader."""
+
+    KIND: ClassVar[dict[str, str]] = {"fifo": "a FIFO (named pipe)", "folder": "a folder"}
+
+    @staticmethod
+    def plant(path: Path, kind: str) -> Path:
+        """A FIFO with no writer (a plain ``open`` would wait on it for ever) or a folder at ``path``."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            path.mkdir()
+        return path
+
+    @staticmethod
+    def raised(call: Callable[[], object]) -> BaseException | None:
+        """The exception ``call()`` raised, run in a thread that must end within 10 s: a reader that blocks on a
+        FIFO fails the test instead of hanging it."""
+        outcome: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                call()
+            except Exception as err:
+                outcome["error"] = err
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), "the read blocked"
+        return outcome.get("error")
+
+    @classmethod
+    def refused(cls, call: Callable[[], object], what: str, path: Path, kind: str) -> None:
+        """``call()`` raises the checked open's one ValueError naming ``what`` and ``path``."""
+        error = cls.raised(call)
+        assert isinstance(error, ValueError), repr(error)
+        assert str(error) == f"{what} {path}: {cls.KIND[kind]}, expected a regular file"
+
+
+@pytest.fixture
+def not_a_file() -> type[_NotAFile]:
+    """``not_a_file.plant(path, "fifo" | "folder")``, ``not_a_file.raised(call)``,
+    ``not_a_file.refused(call, what, path, kind)``: the checked reads' tests in every package."""
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    return _NotAFile
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,67 +3,36 @@ on for ever) or a folder in place of ``--runs``, ``--config``, a sweep manifest,
 file or its token file is one error naming it and the path."""
 
 import os
-import threading
 
 import numpy as np
 import pytest
 
 from tlm_experiments import compare, manifest, sweep
 
-KIND = {"fifo": "a FIFO (named pipe)", "folder": "a folder"}
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform"),
     pytest.mark.parametrize("kind", ["fifo", "folder"]),
 ]
 
 
-def _plant(path, kind):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if kind == "fifo":
-        os.mkfifo(path)  # no writer: a blocking open would wait here for ever
-    else:
-        path.mkdir()
-    return path
+def test_the_runs_file_and_the_base_config(tmp_path, kind, not_a_file):
+    path = not_a_file.plant(tmp_path / "runs.toml", kind)
+    not_a_file.refused(lambda: sweep._read_runs_file(str(path)), "--runs", path, kind)
+    not_a_file.refused(lambda: sweep._base_config(str(path)), "--config", path, kind)
 
 
-def _refused(call, what, path, kind):
-    """``call()`` raises ValueError ``what path: <kind>, expected a regular file`` within 10 s, in a thread (a FIFO
-    read would block, and a test must fail rather than hang)."""
-    outcome = {}
-
-    def run():
-        try:
-            call()
-        except Exception as err:
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "the read blocked"
-    error = outcome.get("error")
-    assert isinstance(error, ValueError), repr(error)
-    assert str(error) == f"{what} {path}: {KIND[kind]}, expected a regular file"
+def test_a_sweep_manifest(tmp_path, kind, not_a_file):
+    path = not_a_file.plant(tmp_path / manifest.MANIFEST, kind)
+    not_a_file.refused(lambda: manifest.read_manifest(tmp_path), "sweep manifest", path, kind)
+    not_a_file.refused(lambda: manifest.update_entry(tmp_path, "a", {"status": "done"}), "sweep manifest", path, kind)
 
 
-def test_the_runs_file_and_the_base_config(tmp_path, kind):
-    path = _plant(tmp_path / "runs.toml", kind)
-    _refused(lambda: sweep._read_runs_file(str(path)), "--runs", path, kind)
-    _refused(lambda: sweep._base_config(str(path)), "--config", path, kind)
+def test_a_metrics_log(tmp_path, kind, not_a_file):
+    path = not_a_file.plant(tmp_path / "metrics.jsonl", kind)
+    not_a_file.refused(lambda: compare.read_metrics(path), "metrics log", path, kind)
 
 
-def test_a_sweep_manifest(tmp_path, kind):
-    path = _plant(tmp_path / manifest.MANIFEST, kind)
-    _refused(lambda: manifest.read_manifest(tmp_path), "sweep manifest", path, kind)
-    _refused(lambda: manifest.update_entry(tmp_path, "a", {"status": "done"}), "sweep manifest", path, kind)
-
-
-def test_a_metrics_log(tmp_path, kind):
-    path = _plant(tmp_path / "metrics.jsonl", kind)
-    _refused(lambda: compare.read_metrics(path), "metrics log", path, kind)
-
-
-def test_a_runs_data_file_and_validation_tokens(tmp_path, kind):
+def test_a_runs_data_file_and_validation_tokens(tmp_path, kind, not_a_file):
     from tlm_tokenizer import Tokenizer
     from tlm_train import RunDir, TrainConfig
 
@@ -71,13 +40,13 @@ def test_a_runs_data_file_and_validation_tokens(tmp_path, kind):
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     run.write_config(TrainConfig(data=[str(data)], out_dir=str(run.path)))
-    path = _plant(data, kind)
-    _refused(lambda: compare.run_data(run.path, records=[]), "data file", path, kind)
+    path = not_a_file.plant(data, kind)
+    not_a_file.refused(lambda: compare.run_data(run.path, records=[]), "data file", path, kind)
     data.rmdir() if kind == "folder" else data.unlink()
     data.write_text("text\n", encoding="utf-8")
     Tokenizer({i: bytes([i]) for i in range(256)}, []).save(run.tokenizer_dir)
-    val = _plant(run.data_dir / "val.npy", kind)
-    _refused(lambda: compare.run_data(run.path, records=[]), "run token file", val, kind)
+    val = not_a_file.plant(run.data_dir / "val.npy", kind)
+    not_a_file.refused(lambda: compare.run_data(run.path, records=[]), "run token file", val, kind)
     val.rmdir() if kind == "folder" else val.unlink()
     np.save(val, np.array([104, 105], dtype=np.uint16))  # "hi": two tokens of one byte each
     found = compare.run_data(run.path, records=[])

@@ -2,7 +2,6 @@
 for ever), or a folder, in place of an input file is one ValueError naming the argument and the path."""
 
 import os
-import threading
 
 import pytest
 
@@ -10,32 +9,6 @@ from tlm_tokenizer import Tokenizer, encode_file, train_bpe
 from tlm_tokenizer.gpt2_format import read_gpt2_files
 
 BYTES = {i: bytes([i]) for i in range(256)}
-KIND = {"fifo": "a FIFO (named pipe)", "folder": "a folder"}
-
-
-def _plant(path, kind):
-    if kind == "fifo":
-        os.mkfifo(path)  # no writer: a blocking open would wait here for ever
-    else:
-        path.mkdir()
-    return path
-
-
-def _refused(call):
-    """The exception ``call()`` raised, run in a thread that must end within 10 s (a FIFO read would block)."""
-    outcome = {}
-
-    def run():
-        try:
-            call()
-        except Exception as err:
-            outcome["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(10)
-    assert not thread.is_alive(), "the read blocked"
-    return outcome.get("error")
 
 
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
@@ -44,34 +17,34 @@ needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on t
 @needs_fifo
 @pytest.mark.parametrize("kind", ["fifo", "folder"])
 @pytest.mark.parametrize("which", ["vocab_filepath", "merges_filepath"])
-def test_gpt2_vocab_and_merges_readers_refuse_what_is_not_a_file(tmp_path, kind, which):
+def test_gpt2_vocab_and_merges_readers_refuse_what_is_not_a_file(tmp_path, kind, which, not_a_file):
     files = {"vocab_filepath": tmp_path / "vocab.json", "merges_filepath": tmp_path / "merges.txt"}
     files["vocab_filepath"].write_text('{"a": 0}', encoding="utf-8")
     files["merges_filepath"].write_text("#version: 0.2\n", encoding="utf-8")
     files[which].unlink()
-    _plant(files[which], kind)
-    error = _refused(lambda: read_gpt2_files(**files))
+    not_a_file.plant(files[which], kind)
+    error = not_a_file.raised(lambda: read_gpt2_files(**files))
     assert isinstance(error, ValueError)
-    assert str(error) == f"{which} {files[which]}: {KIND[kind]}, expected a regular file"
+    assert str(error) == f"{which} {files[which]}: {not_a_file.KIND[kind]}, expected a regular file"
 
 
 @needs_fifo
 @pytest.mark.parametrize("kind", ["fifo", "folder"])
-def test_encode_file_refuses_an_input_that_is_not_a_file_and_writes_nothing(tmp_path, kind):
-    source = _plant(tmp_path / "in.txt", kind)
-    error = _refused(lambda: encode_file(Tokenizer(BYTES, []), source, tmp_path / "ids.bin"))
+def test_encode_file_refuses_an_input_that_is_not_a_file_and_writes_nothing(tmp_path, kind, not_a_file):
+    source = not_a_file.plant(tmp_path / "in.txt", kind)
+    error = not_a_file.raised(lambda: encode_file(Tokenizer(BYTES, []), source, tmp_path / "ids.bin"))
     assert isinstance(error, ValueError)
-    assert str(error) == f"path {source}: {KIND[kind]}, expected a regular file"
+    assert str(error) == f"path {source}: {not_a_file.KIND[kind]}, expected a regular file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
 
 
 @needs_fifo
 @pytest.mark.parametrize("kind", ["fifo", "folder"])
-def test_train_bpe_refuses_an_input_that_is_not_a_file(tmp_path, kind):
-    source = _plant(tmp_path / "in.txt", kind)
-    error = _refused(lambda: train_bpe(source, 300, [], num_workers=1))
+def test_train_bpe_refuses_an_input_that_is_not_a_file(tmp_path, kind, not_a_file):
+    source = not_a_file.plant(tmp_path / "in.txt", kind)
+    error = not_a_file.raised(lambda: train_bpe(source, 300, [], num_workers=1))
     assert isinstance(error, ValueError)
-    assert str(error) == f"input_path {source}: {KIND[kind]}, expected a regular file"
+    assert str(error) == f"input_path {source}: {not_a_file.KIND[kind]}, expected a regular file"
 
 
 def test_the_checked_readers_still_read_regular_files(tmp_path):
