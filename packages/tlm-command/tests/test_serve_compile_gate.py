@@ -10,7 +10,6 @@ import pytest
 import torch
 
 
-
 def _model():
     from tlm_model import ModelConfig, TransformerLM
 
