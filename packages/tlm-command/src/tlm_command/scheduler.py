@@ -279,7 +279,8 @@ class Scheduler:
 
         def progress(done: int, total: int) -> None:
             warming["done"], warming["total"] = done, total
-            self._wait_quiet(deadline)
+            if done < total:  # the next forward compiles; after the last, the batch is handed over at once
+                self._wait_quiet(deadline)
 
         self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
         self._wait_quiet(deadline)
