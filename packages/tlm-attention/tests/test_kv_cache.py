@@ -172,3 +172,18 @@ def test_write_with_a_limit_returns_only_the_first_slots_of_the_named_rows():
     assert torch.equal(got_k[0, :, 2], keys[0, :, 0]) and torch.equal(got_v[1, :, 0], -keys[1, :, 0])
     first, _ = cache.write(0, keys, -keys, torch.tensor([[1], [1]]), limit=2)  # the first rows, cut the same way
     assert first.shape == (2, 2, 2, 4) and torch.equal(first[1, :, 1], keys[1, :, 0])
+
+
+def test_a_moved_row_copies_only_the_slots_that_hold_its_tokens():
+    # A row that leaves early in a long-context batch costs a copy of the tokens moved, not of the capacity.
+    cache = KVCache(3, 1, capacity=8, d_head=1)
+    k = torch.arange(3 * 9, dtype=torch.float32).reshape(3, 1, 9, 1)
+    _write(cache, 0, k, torch.arange(9).expand(3, 9))
+    cache.advance([8, 1, 2])
+    cache.select_rows([2, 1])  # row 0 leaves; row 2 (2 tokens) takes its place
+    assert cache.lengths == (2, 1)
+    assert torch.equal(cache.key_buffers[0][0, :, :2], k[2, :, :2])
+    assert torch.equal(cache.value_buffers[0][0, :, :2], -k[2, :, :2])
+    assert torch.equal(cache.key_buffers[0][0, :, 2:], k[0, :, 2:])  # nothing past its tokens was copied
+    cache.select_rows([1, 0])  # a row of 1 token and one of 2 swap: the longer one's 2 slots, both ways
+    assert torch.equal(cache.key_buffers[0][:2, :, :2], torch.stack([k[1, :, :2], k[2, :, :2]]))

@@ -157,16 +157,19 @@ class KVCache:
     def select_rows(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (indices of the rows in use), in this order; the others are forgotten.
 
-        Only rows that change place are copied (a swap-remove ``[0, .., n-1 .. ]`` copies one row)."""
+        Only rows that change place are copied (a swap-remove ``[0, .., n-1 .. ]`` copies one row), and only
+        the slots that hold their tokens (no slot past the longest moved row's length counts)."""
         for row in rows:
             check_int("rows", row, low=0, high=self.batch_size - 1)
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows must not repeat a row, got {list(rows)}")
         moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
-        if moved:
+        held = max([0, *(self._lengths[src] for _, src in moved)])
+        if held:
             dst, src = (list(t) for t in zip(*moved, strict=True))
             for buffer in (*self.key_buffers, *self.value_buffers):
-                buffer[dst] = buffer[src]  # advanced indexing gathers the sources first: any order is safe
+                # Advanced indexing gathers the sources first: any order is safe.
+                buffer[dst, :, :held] = buffer[src, :, :held]
         self._set_lengths([self._lengths[row] for row in rows])
 
     def append_empty_row(self, count: int = 1) -> int:

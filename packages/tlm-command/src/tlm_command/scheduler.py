@@ -25,6 +25,7 @@ ones in flight finish.
 import codecs
 import collections
 import dataclasses
+import sys
 import threading
 import time
 import traceback
@@ -58,6 +59,11 @@ PREFILL_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (PREFILL_CHUNK, PREFILL_B
 def prefill_defaults(device: torch.device) -> tuple[int, int]:
     """(prefill chunk, token budget) for ``device``: :data:`PREFILL_DEFAULTS`, the CPU's for an unlisted type."""
     return PREFILL_DEFAULTS.get(device.type, PREFILL_DEFAULTS["cpu"])
+
+
+#: The GIL switch interval (s) while a background warm-up compiles (:meth:`Scheduler.compile_in_background`):
+#: Python's default is 5 ms.
+COMPILE_SWITCH_INTERVAL = 2e-4
 
 
 class QueueFull(Exception):
@@ -178,6 +184,11 @@ class _Row:
 class Scheduler:
     """Owns ``model``: call :meth:`submit` from any thread; a daemon thread decodes (see the module doc)."""
 
+    #: The background warm-up compiles only once the eager engine has run no step for this long (seconds)...
+    compile_quiet_s = 0.5
+    #: ... or once this long (seconds) has passed since it was asked for (:meth:`compile_in_background`).
+    compile_patience_s = 60.0
+
     def __init__(
         self,
         model: Any,
@@ -235,8 +246,10 @@ class Scheduler:
         """Go on serving with the eager model while another thread compiles it
         (:func:`~tlm_model.compile_for_inference`) and warms a batch of its own up; between two steps the
         compiled batch then takes over every row (:meth:`DecodeBatch.take_over`), so no request is dropped or
-        waits for the compiler. :meth:`engine_status` says which engine serves and how far the warm-up is; a
-        failed warm-up leaves the eager engine serving."""
+        waits for the compiler. Each compiling forward of the warm-up waits for a quiet moment (no step for
+        :attr:`compile_quiet_s`) up to :attr:`compile_patience_s` after this call, so that the compiler does not
+        slow a burst of requests down. :meth:`engine_status` says which engine serves and how far the warm-up
+        is; a failed warm-up leaves the eager engine serving."""
         if self.engine != "eager" or self._warming is not None:
             raise ValueError(f"compile_in_background needs an eager engine not yet compiling; this one is "
                              f"{self.engine}{' and compiling' if self._warming is not None else ''}")  # fmt: skip
@@ -262,10 +275,20 @@ class Scheduler:
 
         warming = cast(dict[str, Any], self._warming)
 
+        deadline = time.monotonic() + self.compile_patience_s
+
         def progress(done: int, total: int) -> None:
             warming["done"], warming["total"] = done, total
+            if done < total:  # the next forward compiles; after the last, the batch is handed over at once
+                self._wait_quiet(deadline)
 
         self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
+        self._wait_quiet(deadline)
+        # The compiler is Python and holds the GIL; the serving thread gives it up for every torch call and, by
+        # default, waits up to 5 ms to get it back each time (hundreds of times a forward). A short switch
+        # interval while the compiler runs hands the GIL back within a fraction of that.
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, COMPILE_SWITCH_INTERVAL))
         try:
             with torch.inference_mode():  # the graphs are compiled under the mode the steps run in
                 batch = DecodeBatch(compile_for_inference(cast(Any, self._plain)), self.max_batch,
@@ -275,9 +298,21 @@ class Scheduler:
             warming["error"] = f"{type(err).__name__}: {err}"
             self._log(f"the compiled engine's warm-up failed ({warming['error']}); the eager engine serves on")
             return
+        finally:
+            sys.setswitchinterval(interval)
         with self._wake:
             self._warmed = batch
             self._wake.notify()
+
+    def _wait_quiet(self, deadline: float) -> None:
+        """The background warm-up's gate before each compiling forward: return once the eager engine has run no
+        step for :attr:`compile_quiet_s` (a burst of requests is served without the compiler taking the CPU and
+        the GIL from it), or at ``deadline`` (a server never quiet still gets its compiled engine)."""
+        while time.monotonic() < deadline:
+            seen = self.steps
+            time.sleep(self.compile_quiet_s)
+            if self.steps == seen:
+                return
 
     def _switch(self) -> None:
         """The scheduler thread: the warmed compiled batch takes over every row of the eager one."""

@@ -209,11 +209,7 @@ class RotaryPositionalEmbedding(nn.Module):
     def _check_positions(self, token_positions: Tensor, lead_shape: torch.Size) -> Tensor:
         if not isinstance(token_positions, Tensor):
             raise TypeError(f"token_positions must be a torch.Tensor, got {type(token_positions).__name__}")
-        try:
-            broadcast = torch.broadcast_shapes(token_positions.shape, lead_shape)
-        except RuntimeError:
-            broadcast = None
-        if broadcast != lead_shape:
+        if not _broadcasts_to(token_positions.shape, lead_shape):
             raise ValueError(
                 f"token_positions of shape {tuple(token_positions.shape)} must broadcast to "
                 f"x.shape[:{self.seq_dim + 1}] = {tuple(lead_shape)} (that is, (..., seq))"
@@ -229,6 +225,15 @@ class RotaryPositionalEmbedding(nn.Module):
             f"theta={self.theta}, d_k={self.d_k}, max_seq_len={self.max_seq_len}, layout={self.layout!r}, "
             f"seq_dim={self.seq_dim}{extra}"
         )
+
+
+def _broadcasts_to(shape: torch.Size, target: torch.Size) -> bool:
+    """Whether ``shape`` broadcasts to exactly ``target`` (``torch.broadcast_shapes(shape, target) == target``),
+    in plain Python: ``torch.broadcast_shapes`` imports sympy on its first call (seconds, on a server's first
+    request) and costs a dispatch on every one."""
+    if len(shape) > len(target):
+        return False
+    return all(a == 1 or a == b for a, b in zip(reversed(shape), reversed(target), strict=False))
 
 
 def _rotate_complex(x: Tensor, pairs: Tensor) -> Tensor:

@@ -4,6 +4,8 @@ and yields the pieces the scheduler thread emits."""
 
 import asyncio
 import re
+import threading
+import weakref
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -169,6 +171,36 @@ def chat_jobs(body: ChatCompletionRequest, messages: list[dict[str, str]], rende
     return jobs_for(body, [ids], None, stops, limits, capacity, logprobs=top if body.logprobs else None)
 
 
+class _Mailbox:
+    """Pieces from the scheduler thread to an event loop's queues, with one wake-up of the loop for all the
+    pieces posted before it runs (a step of 16 streaming rows: one ``call_soon_threadsafe``, not 16), in order."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.lock = loop, threading.Lock()
+        self.items: list[tuple[asyncio.Queue[tuple[int, Piece]], tuple[int, Piece]]] = []
+
+    def post(self, queue: "asyncio.Queue[tuple[int, Piece]]", item: tuple[int, Piece]) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if len(self.items) > 1:  # a wake-up is already on its way
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except BaseException:  # a closed loop: nothing will deliver, and the next post tries again
+            with self.lock:
+                self.items.clear()
+            raise
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Mailbox]" = weakref.WeakKeyDictionary()
+
+
 async def run_jobs(
     scheduler: Scheduler, jobs: list[Job], raw: Request, draining: bool
 ) -> AsyncGenerator[tuple[int, Piece], None]:
@@ -178,10 +210,13 @@ async def run_jobs(
                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Piece]] = asyncio.Queue()
+    mailbox = _MAILBOXES.get(loop)
+    if mailbox is None:
+        mailbox = _MAILBOXES[loop] = _Mailbox(loop)
 
     def emitter(index: int) -> Callable[[Piece], None]:
         def emit(piece: Piece) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, piece))
+            mailbox.post(queue, (index, piece))
 
         return emit
 
