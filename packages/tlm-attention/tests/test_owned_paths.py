@@ -22,7 +22,7 @@ def test_the_default_block_is_flexattentions_own_default():
 def test_flex_document_attention_compiles_once_per_process_and_reuses_it(monkeypatch):
     compiled, calls = [], []
 
-    def fake_flex(q, k, v, block_mask, enable_gqa):
+    def fake_flex(q, k, v, block_mask, enable_gqa, **kwargs):
         calls.append((block_mask.BLOCK_SIZE, enable_gqa))
         return q
 
@@ -46,17 +46,23 @@ def test_flex_document_attention_compiles_once_per_process_and_reuses_it(monkeyp
 
 def test_copy_from_takes_another_caches_rows_and_refuses_another_shape():
     generator = torch.Generator().manual_seed(0)
-    source, target = KVCache(3, 2, 8, 4), KVCache(3, 2, 8, 4)
-    source.key_buffer.copy_(torch.randn(source.key_buffer.shape, generator=generator))
-    source.value_buffer.copy_(torch.randn(source.value_buffer.shape, generator=generator))
+    source, target = KVCache(3, 2, 8, 4, layers=2), KVCache(3, 2, 8, 4, layers=2)
+    for buffer in (*source.key_buffers, *source.value_buffers):
+        buffer.copy_(torch.randn(buffer.shape, generator=generator))
     source.select_rows([0, 1])  # two of its three rows in use
     source.advance([5, 3])
     target.copy_from(source)
     assert target.lengths == (5, 3) and target.batch_size == 2
-    assert torch.equal(target.key_buffer, source.key_buffer) and torch.equal(target.value_buffer, source.value_buffer)
+    mine, theirs = (*target.key_buffers, *target.value_buffers), (*source.key_buffers, *source.value_buffers)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
     # The buffers hold one slot past the capacity (where padding writes).
-    with pytest.raises(ValueError, match=r"^source must have this cache's shape \(3, 2, 9, 4\), got \(3, 2, 10, 4\)$"):
-        target.copy_from(KVCache(3, 2, 9, 4))
+    with pytest.raises(
+        ValueError,
+        match=r"^source must have this cache's \(layers, \*buffer shape\) \(2, 3, 2, 9, 4\), got \(2, 3, 2, 10, 4\)$",
+    ):
+        target.copy_from(KVCache(3, 2, 9, 4, layers=2))
+    with pytest.raises(ValueError, match=r"got \(1, 3, 2, 9, 4\)$"):
+        target.copy_from(KVCache(3, 2, 8, 4))
 
 
 def test_write_stores_keys_computed_in_another_dtype_in_the_caches_own():
@@ -64,7 +70,7 @@ def test_write_stores_keys_computed_in_another_dtype_in_the_caches_own():
     cache = KVCache(2, 2, 4, 8, dtype=torch.bfloat16)
     keys, values = torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8)
     positions = torch.tensor([[0, 1, 2], [1, 2, 4]])  # 4 = the capacity: the scratch slot
-    got_keys, got_values = cache.write(keys, values, positions)
+    got_keys, got_values = cache.write(0, keys, values, positions)
     assert got_keys.dtype == got_values.dtype == torch.bfloat16
     for b in range(2):
         for n in range(3):

@@ -3,7 +3,6 @@
 says, what a submitted array records, and what one run's wrapper returns and writes. tlm-command's tests run
 the same code end to end through ``tlm sweep`` with fake ``sbatch``/``squeue`` scripts."""
 
-import argparse
 import json
 import subprocess
 from types import SimpleNamespace
@@ -74,16 +73,11 @@ def test_still_queued_names_the_unfinished_runs_whose_task_squeue_holds(commands
     assert slurm.still_queued(manifest) == []
 
 
-def _parse(*argv):
-    parser = argparse.ArgumentParser()
-    sweep.add_parser(parser.add_subparsers())
-    return parser.parse_args(["sweep", *argv])
-
-
 def _sweep_folder(tmp_path, names=("a", "b")):
     folder = tmp_path / "s"
     folder.mkdir()
-    manifest = sweep.plan(_parse("--out-dir", str(folder), "--grid", f"seed={','.join('12'[: len(names)])}"), folder)
+    options = sweep.SweepOptions(out_dir=str(folder), grid=[f"seed={','.join('12'[: len(names)])}"])
+    manifest = sweep.plan(options, folder)
     for entry, name in zip(manifest["runs"], names, strict=True):
         entry["name"] = name
     manifest["launcher"] = {"name": "slurm", "partition": "gpu", "time": 30, "cpus_per_task": 2, "gpus": 1}
