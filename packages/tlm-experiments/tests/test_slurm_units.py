@@ -130,7 +130,7 @@ def test_run_on_slurm_submits_only_the_unfinished_runs_afresh(tmp_path, monkeypa
     monkeypatch.setattr(slurm, "still_queued", lambda manifest: [])
     monkeypatch.setattr(slurm, "submit", lambda folder, manifest, todo, jobs: submitted.append(todo) or "77")
     monkeypatch.setattr(slurm, "wait", lambda folder, names, quiet: {"waited for": names})
-    args = SimpleNamespace(jobs=None, quiet=True)
+    args = sweep.SweepOptions(jobs=None, quiet=True)
     assert sweep._run_on_slurm(folder, manifest, args) == ({"waited for": ["b"]}, True)
     assert submitted == [[{"name": "b", "settings": manifest["runs"][1]["settings"], "status": "pending"}]]
     manifest["runs"][1]["status"] = "done"  # nothing left to run: nothing submitted
