@@ -80,6 +80,40 @@ def shape_checks(request: pytest.FixtureRequest) -> Callable[[ModuleType, Callab
     return check
 
 
+# The test files that take longest (the per-file seconds of full `nox -s tests` runs' JUnit XML), heaviest first.
+# `nox -s tests` deals whole files to its xdist workers in collection order (--no-loadscope-reorder: xdist's
+# default order, most tests first, put these few-test files last); begun first, they end before the many short
+# files do, so no worker is left idle while another runs one of them at the end.
+HEAVY_FIRST = (
+    "packages/tlm-model/tests/test_inference.py",
+    "packages/tlm-command/tests/test_readme_tools.py",
+    "packages/tlm-command/tests/test_serve_compiles.py",
+    "packages/tlm-model/tests/test_compile.py",
+    "packages/tlm-train/tests/test_distributed.py",
+    "packages/tlm-train/tests/test_recipe.py",
+    "packages/tlm-attention/tests/test_kv_cache.py",
+    "packages/tlm-model/tests/test_generate.py",
+    "packages/tlm-train/tests/test_checkpoint.py",
+    "packages/tlm-command/tests/test_serve_api.py",
+    "packages/tlm-command/tests/test_sweep.py",
+    "packages/tlm-train/tests/test_gpu_check.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of HEAVY_FIRST first, in its order; every other test after them as collected (a stable sort:
+    each file's tests keep their order)."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+
+    def key(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank))
+        except ValueError:  # a test outside the repository
+            return len(rank)
+
+    items.sort(key=key)
+
+
 @pytest.fixture
 def device() -> torch.device:
     name = _device_name()

