@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -88,6 +88,7 @@ HEAVY_FIRST = (
     "packages/tlm-model/tests/test_inference.py",
     "packages/tlm-command/tests/test_readme_tools.py",
     "packages/tlm-command/tests/test_serve_compiles.py",
+    "packages/tlm-model/tests/test_scheduler_compiles.py",
     "packages/tlm-model/tests/test_compile.py",
     "packages/tlm-train/tests/test_distributed.py",
     "packages/tlm-train/tests/test_recipe.py",
@@ -264,6 +265,27 @@ def host_reads() -> Callable[[], _HostReads]:
     """``with host_reads() as reads: ...``: ``reads`` lists every read of a tensor value back to the host
     (``aten::_local_scalar_dense`` and ``Tensor.item``/``tolist``/``bool``/...) made inside the block."""
     return _HostReads
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Inference compiles through a backend that records each graph dynamo hands it and runs it as traced (no C++
+    build); dynamo is reset first. The list the graphs go to (tlm-model's scheduler tests, tlm serve's)."""
+    import torch._dynamo
+
+    from tlm_model import inference
+
+    graphs: list[object] = []
+
+    def backend(graph_module: Any, example_inputs: object) -> Any:
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    monkeypatch.setitem(inference.DECODE_COMPILE_KWARGS, "cpu", {"backend": backend, "fullgraph": True,
+                                                                  "dynamic": False})  # fmt: skip
+    monkeypatch.setattr(inference, "PREFILL_COMPILE_KWARGS", {"backend": backend, "fullgraph": True})
+    torch._dynamo.reset()
+    return graphs
 
 
 class _NotAFile:

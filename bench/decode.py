@@ -217,7 +217,7 @@ def ttft(repeats: int, compiled: bool = False) -> dict:
     import dataclasses
     import threading
 
-    from tlm_command.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, Request, Scheduler
+    from tlm_model.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, Request, Scheduler
 
     class Bytes:  # the scheduler's text stream needs bytes per id; any will do for timing
         vocab_size = COURSE.vocab_size

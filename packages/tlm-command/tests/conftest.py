@@ -112,24 +112,3 @@ def small_checkpoint(tmp_path_factory):
     torch.manual_seed(3)
     model = TransformerLM(ModelConfig(50, 16, 16, 1, 2, 24)).eval()
     return model, save_model_file(model, tmp_path_factory.mktemp("small"))
-
-
-@pytest.fixture
-def recorded_graphs(monkeypatch) -> list:
-    """Inference compiles through a backend that records each graph dynamo hands it and runs it as traced (no C++
-    build); dynamo is reset first. The list the graphs go to."""
-    import torch._dynamo
-
-    from tlm_model import inference
-
-    graphs: list = []
-
-    def backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
-    monkeypatch.setitem(inference.DECODE_COMPILE_KWARGS, "cpu", {"backend": backend, "fullgraph": True,
-                                                                  "dynamic": False})  # fmt: skip
-    monkeypatch.setattr(inference, "PREFILL_COMPILE_KWARGS", {"backend": backend, "fullgraph": True})
-    torch._dynamo.reset()
-    return graphs

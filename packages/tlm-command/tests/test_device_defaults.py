@@ -35,7 +35,7 @@ def test_the_inference_commands_default_to_auto(command):
 
 def test_serve_takes_the_prefill_sizes_and_defaults_them_by_device():
     from tlm_command.main import build_parser
-    from tlm_command.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, prefill_defaults
+    from tlm_model.scheduler import PREFILL_BUDGET, PREFILL_CHUNK, prefill_defaults
 
     args = build_parser().parse_args(["serve", "--checkpoint", "c", "--prefill-chunk", "64", "--token-budget", "256"])
     assert (args.prefill_chunk, args.token_budget) == (64, 256)

@@ -1,7 +1,7 @@
 """tlm_command.openai_api.responses' own pieces, checked without a server: chat ``logprobs`` entries."""
 
 from tlm_command.openai_api.responses import chat_logprobs
-from tlm_command.scheduler import Scored
+from tlm_model.scheduler import Scored
 
 
 class ByteTokenizer:

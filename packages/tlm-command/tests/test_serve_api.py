@@ -90,7 +90,7 @@ class Client:
 
 def make_app(model, tokenizer, **kwargs):
     from tlm_command.openai_api import create_app
-    from tlm_command.scheduler import Scheduler
+    from tlm_model.scheduler import Scheduler
 
     scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=8, eos_ids=[tokenizer.encode("<|endoftext|>")[0]],
                           device=torch.device("cpu"))  # fmt: skip
@@ -187,7 +187,7 @@ def test_echo_and_logprobs_are_a_full_recompute_log_softmax(served, model, token
 def test_ids_past_the_tokenizers_vocabulary_have_no_text_in_either_logprobs_form(model, tokenizer):
     # The model's vocabulary is padded past the tokenizer's: its first padded id, a known one, the next padded one.
     from tlm_command.openai_api import chat_logprobs, legacy_logprobs
-    from tlm_command.scheduler import Scored
+    from tlm_model.scheduler import Scored
 
     padded, known = tokenizer.vocab_size, tokenizer.encode("the")[0]
     assert padded + 1 < model.config.vocab_size
@@ -384,7 +384,7 @@ def test_text_never_becomes_a_special_token_but_the_templates_markers_do(served,
 
 
 def test_a_request_that_raises_in_the_scheduler_ends_alone(served, tokenizer, monkeypatch):
-    import tlm_command.scheduler as module
+    import tlm_model.scheduler as module
 
     class Faulty(module.TextStream):
         """Raises at a request's third token when its stop texts hold "FAULT"."""
@@ -495,8 +495,8 @@ def test_a_compiled_model_compiles_every_batch_size_at_start_and_never_for_a_req
     import torch._dynamo
 
     from tlm_command.openai_api import create_app
-    from tlm_command.scheduler import Scheduler
     from tlm_model import compile_for_inference
+    from tlm_model.scheduler import Scheduler
 
     graphs = recorded_graphs
     model, tokenizer = parts
@@ -541,8 +541,8 @@ def test_a_chat_template_that_does_not_compile_stops_tlm_serve_in_one_line(tmp_p
 def test_a_chat_models_turn_ends_at_im_end(parts):
     # tlm serve's stops for a tokenizer with the ChatML markers: a forced <|im_end|> ends the answer there.
     from tlm_command.openai_api import create_app
-    from tlm_command.scheduler import Scheduler
     from tlm_command.serve import stop_tokens
+    from tlm_model.scheduler import Scheduler
 
     model, tokenizer = parts
     stops = stop_tokens(tokenizer)
@@ -585,8 +585,8 @@ def test_a_request_arriving_during_a_long_prefill_runs_beside_it_in_one_forward_
     # 60-token prompt takes the whole budget (32). A 3-token request arriving during that forward runs its whole
     # prompt in the next one, first in the plan, beside the long prompt's next 28 (the budget's rest, which
     # completes it). Each answer is the eager model's greedy generate alone.
-    from tlm_command.scheduler import Request, Scheduler
     from tlm_model import generate
+    from tlm_model.scheduler import Request, Scheduler
 
     model, tokenizer = parts
     scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
@@ -616,8 +616,8 @@ def test_a_request_arriving_during_a_long_prefill_runs_beside_it_in_one_forward_
 def test_an_echo_request_joining_decoding_rows_is_scored_in_their_forward_and_decodes_from_its_own_token(parts):
     # An echo request arriving while another row decodes runs its prompt, with every position's logits, in the
     # same forward as that row's next token; its prompt's scores are the model's, and its tokens generate's.
-    from tlm_command.scheduler import Request, Scheduler
     from tlm_model import generate
+    from tlm_model.scheduler import Request, Scheduler
 
     model, tokenizer = parts
     scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=4, eos_ids=[], device=torch.device("cpu"))
@@ -739,7 +739,7 @@ def test_a_stream_sends_its_usage_once(served, tokenizer, path, extra, include_u
 
 
 def test_the_access_log_records_the_status_of_requests_that_failed_early(parts, capfd, monkeypatch):
-    import tlm_command.scheduler as module
+    import tlm_model.scheduler as module
 
     class Faulty(module.TextStream):
         """Raises at a request's first token when its stop texts hold "FAULT": before any byte is sent."""
@@ -776,7 +776,7 @@ def test_the_server_publishes_no_schema_or_docs_pages(served):
 
 
 def test_a_background_warm_up_is_reported_from_its_start(parts, monkeypatch):
-    from tlm_command.scheduler import Scheduler
+    from tlm_model.scheduler import Scheduler
 
     monkeypatch.setattr(Scheduler, "_compile", lambda self: None)  # the warm-up itself: not run here
     scheduler, _ = make_app(*parts)

@@ -5,7 +5,7 @@ import asyncio
 import threading
 
 from tlm_command.openai_api.jobs import _Mailbox
-from tlm_command.scheduler import Piece
+from tlm_model.scheduler import Piece
 
 
 def test_pieces_posted_together_wake_the_loop_once_and_arrive_in_order():

@@ -58,7 +58,7 @@ class InProcessServer:
         import uvicorn
 
         from tlm_command.openai_api import create_app
-        from tlm_command.scheduler import Scheduler
+        from tlm_model.scheduler import Scheduler
 
         tokenizer = byte_tokenizer()
         self.scheduler = Scheduler(constant_model(says), tokenizer, max_batch=4, max_queue=4, eos_ids=[256],
@@ -198,7 +198,7 @@ def test_sigterm_puts_tlm_serve_s_app_in_the_draining_state(tmp_path, monkeypatc
 
 def test_the_scheduler_ends_a_request_on_an_end_of_text_id_without_a_stop_text():
     # The server also passes end-of-text as a stop text; the scheduler alone must stop on the id.
-    from tlm_command.scheduler import Request, Scheduler
+    from tlm_model.scheduler import Request, Scheduler
 
     scheduler = Scheduler(constant_model(256), byte_tokenizer(), max_batch=2, max_queue=2, eos_ids=[256],
                           device=torch.device("cpu"))  # fmt: skip

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.args import inference_device
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
-    from tlm_command.scheduler import Scheduler
+    from tlm_model.scheduler import Scheduler
 
     device = inference_device(args)
     model, tokenizer, artifact = load_model(args, device)

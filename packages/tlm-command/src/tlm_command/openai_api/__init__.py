@@ -12,7 +12,7 @@ stream gets an ``error`` event, then ``[DONE]``).
 Every value is checked here, before any work, against what the scheduler can take: the body's size, then a
 token-id prompt's length (before it is copied) and a text prompt's characters (before it is tokenized) against
 the context, text that is not UTF-8 (a lone surrogate), the seed's range (``torch.Generator``'s), a temperature
-below :data:`~tlm_command.sampling.GREEDY_BELOW` (greedy). Parsing, tokenizing and the chat template run in
+below :data:`~tlm_model.sampling.GREEDY_BELOW` (greedy). Parsing, tokenizing and the chat template run in
 worker threads, never on the event loop. Text from a request never becomes a special token: prompts and message
 contents are encoded with ``allowed_special="none"``; only the chat template's own markers are special.
 

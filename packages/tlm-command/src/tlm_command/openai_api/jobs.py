@@ -20,9 +20,9 @@ from tlm_command.openai_api.protocol import (
     _Sampling,
 )
 from tlm_command.openai_api.responses import ids_text
-from tlm_command.sampling import GREEDY_BELOW
-from tlm_command.scheduler import Closed, Failed, Piece, QueueFull, Scheduler
-from tlm_command.scheduler import Request as Job
+from tlm_model.sampling import GREEDY_BELOW
+from tlm_model.scheduler import Closed, Failed, Piece, QueueFull, Scheduler
+from tlm_model.scheduler import Request as Job
 
 #: The chat template of a base model (one without a template of its own): each message on its own line
 #: as "Role: content", then "Assistant:" for the model to continue; "\nUser:" is a stop text, so a base

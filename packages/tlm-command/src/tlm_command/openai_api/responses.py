@@ -12,8 +12,8 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
 from tlm_command.openai_api.protocol import APIError, ChatCompletionRequest, CompletionRequest
-from tlm_command.scheduler import Piece, Scored
-from tlm_command.scheduler import Request as Job
+from tlm_model.scheduler import Piece, Scored
+from tlm_model.scheduler import Request as Job
 
 
 def token_text(tokenizer: Any, token: int) -> str:

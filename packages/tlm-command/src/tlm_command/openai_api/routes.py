@@ -25,7 +25,7 @@ from tlm_command.openai_api.protocol import (
     read_body,
 )
 from tlm_command.openai_api.responses import ChatFormat, Choice, CompletionFormat, answer
-from tlm_command.scheduler import Scheduler
+from tlm_model.scheduler import Scheduler
 
 
 def _error_response(err: APIError) -> JSONResponse:

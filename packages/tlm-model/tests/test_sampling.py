@@ -1,12 +1,12 @@
-"""``tlm_command.sampling`` on its own: one batch of greedy and sampled rows together, each row as it would be
+"""``tlm_model.sampling`` on its own: one batch of greedy and sampled rows together, each row as it would be
 alone (``tlm_model.sample_next_token`` with its own settings and generator), penalties and bias by OpenAI's
 definitions written out, and OpenAI's log-probabilities against ``torch.log_softmax`` in float64."""
 
 import pytest
 import torch
 
-from tlm_command.sampling import RowParams, adjusted_logits, sample_rows, token_logprobs
 from tlm_model import sample_next_token
+from tlm_model.sampling import RowParams, adjusted_logits, sample_rows, token_logprobs
 
 VOCAB = 50
 

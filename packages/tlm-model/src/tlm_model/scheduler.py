@@ -9,10 +9,10 @@ same rows in order) run together (:meth:`tlm_model.batching.DecodeBatch.run`), s
 decoding rows by one budget a step and a short prompt that arrives runs at the next forward. A request that scores
 its prompt (``echo``, lm-eval's ``max_tokens`` 0 or 1) takes the same forward, with every position's logits, and
 ``max_tokens`` 0 ends once its prompt has run. Each row samples with its own parameters
-(:mod:`tlm_command.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
+(:mod:`tlm_model.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
 its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
 --temperature 0``. Log-probabilities come from the forward that gave the token
-(:func:`tlm_command.sampling.token_logprobs`).
+(:func:`tlm_model.sampling.token_logprobs`).
 
 A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
 (a client that went away), and its row is free for the next step. What one request raises (outside the
@@ -35,9 +35,9 @@ from typing import Any, cast
 
 import torch
 
-from tlm_command.sampling import RowParams, sample_rows, token_logprobs
 from tlm_model.batching import DecodeBatch
 from tlm_model.inference import InferenceModel, unwrap
+from tlm_model.sampling import RowParams, sample_rows, token_logprobs
 
 #: Prompt tokens of one prompt in one forward at most while other prompts wait (DecodeBatch's ``prefill_chunk``;
 #: what the budget leaves goes to the prompts in turn). On a 2-core CPU (course shape, eager,

@@ -28,7 +28,7 @@ class _Busy:
     """A client that keeps the scheduler stepping (one greedy request after another) until ``stop``."""
 
     def __init__(self, scheduler) -> None:
-        from tlm_command.scheduler import Request
+        from tlm_model.scheduler import Request
 
         self.stop, self.ended = threading.Event(), None
 
@@ -52,7 +52,7 @@ class _Busy:
 def scheduler(monkeypatch):
     """A scheduler whose compiler records when it was called, and fails (the eager engine serves on)."""
     import tlm_model
-    from tlm_command.scheduler import Scheduler
+    from tlm_model.scheduler import Scheduler
 
     called: list[float] = []
 
