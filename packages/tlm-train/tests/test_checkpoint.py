@@ -623,6 +623,30 @@ while True:
 """
 
 
+def _kill(ranks):
+    """SIGKILL every rank; what rank 0 printed after its last line read (the steps it finished since)."""
+    import signal
+
+    for rank in ranks:
+        rank.send_signal(signal.SIGKILL)
+    rest = ranks[0].communicate()[0]
+    for rank in ranks[1:]:
+        rank.communicate()
+    return rest
+
+
+def _latest_after_kill(folder, done):
+    """The newest step that verifies (every shard file's SHA-256) is ``done`` or the one in flight after it, and
+    it holds its own step's values in every weight (the ranks filled them with the step before saving)."""
+    from tlm_artifacts.steps import read_model_state
+    from tlm_train import CheckpointManager
+
+    latest = CheckpointManager(folder).load_latest()
+    assert latest is not None and latest.step in (done, done + 1)
+    assert all(bool((t == latest.step).all()) for t in read_model_state(latest.path)[1].values())
+    return latest
+
+
 @pytest.mark.slow  # two ranks killed mid-save, twice
 @pytest.mark.parametrize("mode", ["inline", "background"])  # background: dcp.async_save, nearly always in flight
 def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete_step(tmp_path, forked, mode):
@@ -636,7 +660,6 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
     import socket
     import time
 
-    from tlm_artifacts.steps import read_model_state
     from tlm_train import CheckpointManager
 
     rng, done = random.Random(11), 0
@@ -655,16 +678,8 @@ def test_sigkill_of_both_ranks_during_sharded_saves_leaves_the_previous_complete
             done = int(line)
             time.sleep(rng.uniform(0.0, 0.3))
         finally:
-            for rank in ranks:
-                rank.send_signal(signal.SIGKILL)
-            rest = ranks[0].communicate()[0]
-            ranks[1].communicate()
-        done = max([done, *map(int, rest.split())])
-        latest = CheckpointManager(tmp_path).load_latest()  # verifies every shard file's SHA-256
-        assert latest is not None and latest.step in (done, done + 1)
-        weights = read_model_state(latest.path)[1]
-        assert all(bool((t == latest.step).all()) for t in weights.values())
-        done = latest.step
+            rest = _kill(ranks)
+        done = _latest_after_kill(tmp_path, max([done, *map(int, rest.split())])).step
     if mode == "background":  # and once surely mid-save: every shard written, the folder not yet in place
         env["MASTER_PORT"] = str(int(port) + 1) if int(port) < 65535 else str(int(port) - 1)
         ranks = [forked(SAVER, str(tmp_path), str(done), "stalled", wait=False,
@@ -690,12 +705,10 @@ def test_sigkill_of_both_ranks_while_dcp_writer_processes_save_leaves_the_previo
     each holding its own step's values (the weights change while a save is in flight); the orphaned writers
     exit by themselves (their parent's pipe closed), and what they leave is a leftover that is cleaned away."""
     import random
-    import signal
     import socket
     import time
     from pathlib import Path
 
-    from tlm_artifacts.steps import read_model_state
     from tlm_train import CheckpointManager
 
     with socket.socket() as s:
@@ -713,14 +726,8 @@ def test_sigkill_of_both_ranks_while_dcp_writer_processes_save_leaves_the_previo
         done = int(ranks[0].stdout.readline())
         time.sleep(random.Random(5).uniform(0.0, 0.3))
     finally:
-        for rank in ranks:
-            rank.send_signal(signal.SIGKILL)
-        rest = ranks[0].communicate()[0]
-        ranks[1].communicate()
-    done = max([done, *map(int, rest.split())])
-    latest = CheckpointManager(tmp_path).load_latest()  # verifies every shard file's SHA-256
-    assert latest is not None and latest.step in (done, done + 1)
-    assert all(bool((t == latest.step).all()) for t in read_model_state(latest.path)[1].values())
+        rest = _kill(ranks)
+    latest = _latest_after_kill(tmp_path, max([done, *map(int, rest.split())]))
 
     def running(pid: int) -> bool:  # a zombie (an orphan its new parent has not reaped) has ended
         try:
