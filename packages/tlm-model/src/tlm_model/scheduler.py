@@ -254,6 +254,8 @@ class Scheduler:
             raise ValueError(f"compile_in_background needs an eager engine not yet compiling; this one is "
                              f"{self.engine}{' and compiling' if self._warming is not None else ''}")  # fmt: skip
         self._warming = {"done": 0, "total": None, "started": time.perf_counter(), "error": None}
+        # Said here, not in the thread: whoever asked sees the line before any request is answered.
+        self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
         threading.Thread(target=self._compile, name="tlm-compile", daemon=True).start()
 
     def engine_status(self) -> dict[str, Any]:
@@ -282,7 +284,6 @@ class Scheduler:
             if done < total:  # the next forward compiles; after the last, the batch is handed over at once
                 self._wait_quiet(deadline)
 
-        self._log("warming the compiled engine up in the background; the eager engine serves meanwhile")
         self._wait_quiet(deadline)
         # The compiler is Python and holds the GIL; the serving thread gives it up for every torch call and, by
         # default, waits up to 5 ms to get it back each time (hundreds of times a forward). A short switch
