@@ -109,13 +109,17 @@ def save_checkpoint(
     file) in the training-state format. ``extra`` holds what a bit-exact resume needs besides the two state
     dicts (``rng=rng_state()``, ``scheduler=...``); its values must be tensors, numbers, strings, None or
     containers of them."""
+    _check_pair(model, optimizer)
+    check_int("iteration", iteration, low=0)
+    state = {"step": iteration, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
+    save_train_state(out, {**state, "extra": dict(extra)})
+
+
+def _check_pair(model: object, optimizer: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    check_int("iteration", iteration, low=0)
-    state = {"step": iteration, "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict()}
-    save_train_state(out, {**state, "extra": dict(extra)})
 
 
 def read_checkpoint(src: Source) -> dict[str, Any]:
@@ -135,10 +139,7 @@ def load_checkpoint(src: Source, model: nn.Module, optimizer: torch.optim.Optimi
     do not fit ``model``/``optimizer`` raises ``ValueError`` and leaves both as they were. Extra
     state (RNG, scheduler, sampler) is in ``read_checkpoint(src)["extra"]``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _check_pair(model, optimizer)
     payload = read_checkpoint(src)
     name, model = _name(src), unwrap(model)
     _check_fits(name, payload["model"], model.state_dict())
@@ -442,6 +443,12 @@ def stage_state(state: Any, buffers: list[Tensor] | None = None) -> tuple[Any, A
     return staged, event
 
 
+def _check_writer(writer: object) -> str:
+    if writer not in ("auto", "process", "thread"):
+        raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
+    return str(writer)
+
+
 def process_writer(writer: str = "auto", *, accelerator: bool = True) -> Any:
     """DCP's ``AsyncCheckpointerType.PROCESS`` when a sharded save's files should be written by DCP's writer
     process, else None (DCP's writer thread).
@@ -455,8 +462,7 @@ def process_writer(writer: str = "auto", *, accelerator: bool = True) -> Any:
     process only where that import is harmless (:func:`_main_is_spawn_safe`), and only for a state on an
     ``accelerator``: a CPU run's cores are the training's, which a writer process takes as a thread would, plus
     the copy into it (docs/benchmarks.md: slower than the thread on 2 CPU ranks)."""
-    if writer not in ("auto", "process", "thread"):
-        raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
+    _check_writer(writer)
     if writer == "thread" or not _distributed():
         return None
     try:  # feature detection: the packages' torch floor may lack it
@@ -534,9 +540,7 @@ class BackgroundSaver:
     exits when it finds its parent gone. A writer's error is raised by the next :meth:`wait`."""
 
     def __init__(self, writer: str = "auto") -> None:
-        if writer not in ("auto", "process", "thread"):
-            raise ValueError(f"writer must be 'auto', 'process' or 'thread', got {writer!r}")
-        self.writer = writer
+        self.writer = _check_writer(writer)
         self._spawned = False  # whether a save of ours went to DCP's writer process (ended by close())
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -683,10 +687,7 @@ class CheckpointManager(StepFolders):
             save_model_file(model, folder, state_dict=weights)
             save_train_state(folder / STATE_NAME, {**rest, "model_sha256": read_digest(folder)})
 
-        folder = replace_dir(self.path(step), fill)
-        # After the folder is in place, before any prune: a listing that races both still finds a step.
-        atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
-        return folder
+        return self._point_at(replace_dir(self.path(step), fill))
 
     def _save_shards(self, model: nn.Module, state: dict[str, Any]) -> Path:
         """Each rank writes its own part of the model and optimizer into one temporary folder (DCP: no
@@ -774,9 +775,7 @@ class CheckpointManager(StepFolders):
                     os.rename(shards, folder / SHARDS_DIR)
                     save_train_state(folder / STATE_NAME, {**rest, "shard_files": _file_digests(folder / SHARDS_DIR)})
 
-                folder = replace_dir(self.path(step), fill)
-                # After the folder is in place, before any prune: a listing that races both still finds a step.
-                atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+                self._point_at(replace_dir(self.path(step), fill))
             finally:
                 if staging is not None:
                     _remove_tree(staging)
@@ -796,21 +795,17 @@ class CheckpointManager(StepFolders):
         state = load_train_state(folder / STATE_NAME)
         if "shard_files" in state:
             _verify_shards(folder / SHARDS_DIR, state["shard_files"])
-            if state.get("step") != step:
-                raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
             state["shards"] = str(folder / SHARDS_DIR)
-            return Checkpoint(step, folder, ModelConfig.from_dict(state["model_config"]), state)
-        if "adapter_sha256" in state:  # a LoRA run's step: adapters, with the base named in the state
+            config = ModelConfig.from_dict(state["model_config"])
+        elif "adapter_sha256" in state:  # a LoRA run's step: adapters, with the base named in the state
             state["model"] = read_adapter_file(folder / ADAPTER_NAME, state["adapter_sha256"])
-            if state.get("step") != step:
-                raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
-            return Checkpoint(step, folder, ModelConfig.from_dict(state["model_config"]), state)
-        config, weights = read_model_file(folder)  # verifies the model file's SHA-256
-        if state.get("model_sha256") != read_digest(folder):
-            raise ValueError(f"{folder}: {STATE_NAME} belongs to another model file (its recorded SHA-256 differs)")
+            config = ModelConfig.from_dict(state["model_config"])
+        else:
+            config, state["model"] = read_model_file(folder)  # verifies the model file's SHA-256
+            if state.get("model_sha256") != read_digest(folder):
+                raise ValueError(f"{folder}: {STATE_NAME} belongs to another model file (its recorded SHA-256 differs)")
         if state.get("step") != step:
             raise ValueError(f"{folder}: {STATE_NAME} says step {state.get('step')}, the folder step {step}")
-        state["model"] = weights
         return Checkpoint(step, folder, config, state)
 
     def load_latest(self, on_damaged: Callable[[int, Exception], None] | None = None) -> Checkpoint | None:
@@ -845,8 +840,14 @@ class CheckpointManager(StepFolders):
         for s in removed:
             _remove_folder(self.path(s))
         if removed and (kept := self._listed()):
-            atomic_write(self.directory / LATEST_NAME, f"{self.path(max(kept)).name}\n")
+            self._point_at(self.path(max(kept)))
         return removed
+
+    def _point_at(self, folder: Path) -> Path:
+        """Name ``folder`` in ``latest``: after the folder is in place and before any prune, so a listing that
+        races both still finds a step."""
+        atomic_write(self.directory / LATEST_NAME, f"{folder.name}\n")
+        return folder
 
     def remove_leftovers(self) -> list[Path]:
         """Delete the temporary folders of saves that were killed (never a live writer's)."""
