@@ -54,6 +54,9 @@ FIXED_ON_RESUME = (
     "train_on", "chat_template", "chat_layout", "val_data",  # what RUN/data holds
 )  # fmt: skip
 
+#: The int settings that may be 0; every other one is at least 1.
+MAY_BE_ZERO = ("warmup_steps", "sample_tokens", "seed", "lora_rank")
+
 
 @dataclass
 class TrainConfig:
@@ -292,15 +295,7 @@ class TrainConfig:
     sample_temperature: float = field(default=0.8, metadata={"help": "temperature of the sample printed at the end"})
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "grad_accum", "steps", "eval_interval", "eval_batches"):
-            check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
-        for name in ("checkpoint_interval", "keep_checkpoints", "vocab_size"):
-            check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
-        for name in ("warmup_steps", "sample_tokens", "seed"):
-            check_int(f"TrainConfig.{name}", getattr(self, name), low=0)
-        for name in ("max_tokens", "max_data_bytes", "log_interval", "val_tokens"):
-            if getattr(self, name) is not None:
-                check_int(f"TrainConfig.{name}", getattr(self, name), low=1)
+        self._check_types()
         check_number("TrainConfig.lr", self.lr, low=0.0, low_open=True)
         if self.min_lr is not None:
             check_number("TrainConfig.min_lr", self.min_lr, low=0.0, high=self.lr)
@@ -319,41 +314,9 @@ class TrainConfig:
         check_number("TrainConfig.sample_temperature", self.sample_temperature, low=0.0)
         if self.peak_flops is not None:
             check_number("TrainConfig.peak_flops", self.peak_flops, low=0.0, low_open=True)
-        for name in (
-            "decay_norms",
-            "compile",
-            "deterministic",
-            "activation_checkpointing",
-            "tensorboard",
-            "wandb",
-            "tf32",
-            "async_checkpoint",
-        ):
-            check_bool(f"TrainConfig.{name}", getattr(self, name))
-        for name in ("document_mask",):
-            check_bool(f"TrainConfig.{name}", getattr(self, name))
-        for name in (
-            "out_dir",
-            "token_dtype",
-            "text_field",
-            "preset",
-            "device",
-            "dtype",
-            "distributed",
-            "logger_errors",
-            "sample_prompt",
-        ):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"TrainConfig.{name} must be a str, got {type(getattr(self, name)).__name__}")
-        for name in ("tokenizer", "init_from", "chat_template"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise TypeError(f"TrainConfig.{name} must be a path (str) or None, got {getattr(self, name)!r}")
-        check_int("TrainConfig.lora_rank", self.lora_rank, low=0)
         if self.lora_alpha is not None:
             check_number("TrainConfig.lora_alpha", self.lora_alpha, low=0.0, low_open=True)
         check_number("TrainConfig.lora_dropout", self.lora_dropout, low=0.0, high=1.0, high_open=True)
-        if not isinstance(self.lora_targets, str):
-            raise TypeError(f"TrainConfig.lora_targets must be a str such as 'q,v', got {self.lora_targets!r}")
         try:
             check_targets(self.lora_targets)
         except ValueError as err:
@@ -385,6 +348,20 @@ class TrainConfig:
                 "micro-batches"
             )
         _check_device(self.device)  # last: the one check that imports torch
+
+    def _check_types(self) -> None:
+        """The int, bool and string fields, by their annotations: an int is at least 1 (an ``int | None`` one when
+        given) unless :data:`MAY_BE_ZERO` names it."""
+        for f in dataclasses.fields(self):
+            name, value = f"TrainConfig.{f.name}", getattr(self, f.name)
+            if f.type is int or (f.type == int | None and value is not None):
+                check_int(name, value, low=0 if f.name in MAY_BE_ZERO else 1)
+            elif f.type is bool:
+                check_bool(name, value)
+            elif f.type is str and not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+            elif f.type == str | None and value is not None and not isinstance(value, str):
+                raise TypeError(f"{name} must be a path (str) or None, got {value!r}")
 
     def _check_extension(self) -> None:
         # A context extension: a RoPE rule by name (or a partial table) is completed against the --init-from
