@@ -110,18 +110,30 @@ class Format(Protocol):
     def tail(self) -> dict[str, Any] | None: ...
 
 
-class CompletionFormat:
-    """``text_completion`` objects: echo puts the prompt first; ``logprobs`` is the legacy object."""
+class _Envelopes:
+    """What both formats share: the answer's id and time, and the envelope each chunk goes in (``OBJECT``)."""
 
-    def __init__(self, body: CompletionRequest, choices: list[Choice], tokenizer: Any, model_name: str) -> None:
+    PREFIX, OBJECT = "", ""
+
+    def __init__(self, body: Any, choices: list[Choice], tokenizer: Any, model_name: str) -> None:
         self.body, self.choices, self.tokenizer, self.model_name = body, choices, tokenizer, model_name
-        self.ident, self.now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        self.ident, self.now = f"{self.PREFIX}-{uuid.uuid4().hex}", int(time.time())
         self.with_usage = body.stream_options is not None and body.stream_options.include_usage
         self.usage_here = last_chunk(choices, self.with_usage)
 
     def envelope(self, items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
-        return {"id": self.ident, "object": "text_completion", "created": self.now, "model": self.model_name,
+        return {"id": self.ident, "object": self.OBJECT, "created": self.now, "model": self.model_name,
                 "choices": items, "usage": usage(self.choices) if with_usage else None}  # fmt: skip
+
+    def tail(self) -> dict[str, Any] | None:
+        return self.envelope([], with_usage=True) if self.with_usage else None
+
+
+class CompletionFormat(_Envelopes):
+    """``text_completion`` objects: echo puts the prompt first; ``logprobs`` is the legacy object."""
+
+    PREFIX, OBJECT = "cmpl", "text_completion"
+    body: CompletionRequest
 
     def chunks(self, choice: Choice, piece: Piece) -> list[dict[str, Any]]:
         text, scored = piece.text, list(piece.scored)
@@ -150,23 +162,16 @@ class CompletionFormat:
                           "logprobs": logprobs})  # fmt: skip
         return self.envelope(items, with_usage=True)
 
-    def tail(self) -> dict[str, Any] | None:
-        return self.envelope([], with_usage=True) if self.with_usage else None
 
-
-class ChatFormat:
+class ChatFormat(_Envelopes):
     """``chat.completion`` and its chunks: a stream opens each choice with the assistant's role."""
 
-    def __init__(self, body: ChatCompletionRequest, choices: list[Choice], tokenizer: Any, model_name: str) -> None:
-        self.body, self.choices, self.tokenizer, self.model_name = body, choices, tokenizer, model_name
-        self.ident, self.now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        self.with_usage = body.stream_options is not None and body.stream_options.include_usage
-        self.usage_here = last_chunk(choices, self.with_usage)
-        self.started: set[int] = set()
+    PREFIX, OBJECT = "chatcmpl", "chat.completion.chunk"
+    body: ChatCompletionRequest
 
-    def envelope(self, items: list[dict[str, Any]], with_usage: bool) -> dict[str, Any]:
-        return {"id": self.ident, "object": "chat.completion.chunk", "created": self.now, "model": self.model_name,
-                "choices": items, "usage": usage(self.choices) if with_usage else None}  # fmt: skip
+    def __init__(self, body: ChatCompletionRequest, choices: list[Choice], tokenizer: Any, model_name: str) -> None:
+        super().__init__(body, choices, tokenizer, model_name)
+        self.started: set[int] = set()
 
     def chunks(self, choice: Choice, piece: Piece) -> list[dict[str, Any]]:
         out = []
@@ -192,9 +197,6 @@ class ChatFormat:
                              "logprobs": {"content": chat_logprobs(self.tokenizer, c.scored)} if logprobs else None}
                             for c in self.choices],
                 "usage": usage(self.choices)}  # fmt: skip
-
-    def tail(self) -> dict[str, Any] | None:
-        return self.envelope([], with_usage=True) if self.with_usage else None
 
 
 async def answer(events: AsyncGenerator[tuple[int, Piece], None], choices: list[Choice], raw: Request, stream: bool,
