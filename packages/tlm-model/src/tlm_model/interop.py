@@ -317,20 +317,7 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME, context_len
     # transformers' LlamaConfig defaults to an untied head (tie_word_embeddings: bool = False).
     fields["tie_word_embeddings"] = check_bool(f"{source}: tie_word_embeddings", hf.get("tie_word_embeddings", False))
     fields["qkv_bias"] = model_type == "qwen2"
-    theta = rope.pop("rope_theta", hf.get("rope_theta"))
-    if theta is not None:
-        fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
-    kind = rope.pop("rope_type", "default")
-    if kind != "default":
-        if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings, its original context
-            original = rope.setdefault("original_max_position_embeddings", fields["context_length"])
-            if original != fields["context_length"]:
-                raise ValueError(
-                    f"{source}: rope_parameters.original_max_position_embeddings={short_repr(original)} differs from "
-                    f"max_position_embeddings={fields['context_length']}, which transformers' dynamic rule takes as "
-                    "the original context"
-                )
-        fields["rope_scaling"] = {"rope_type": kind, **_scaling_values(rope, kind, source)}
+    fields.update(_rope_fields(hf, rope, fields["context_length"], source))
     if context_length is not None:
         trained = fields["context_length"]
         fields["context_length"] = check_int("context_length", context_length, low=1)
@@ -355,6 +342,27 @@ def config_from_hf(hf: dict[str, Any], *, source: str = CONFIG_NAME, context_len
         return ModelConfig(**fields)
     except (TypeError, ValueError) as err:
         raise _weights.one_line(err, source) from None
+
+
+def _rope_fields(hf: dict[str, Any], rope: dict[str, Any], context_length: int, source: str) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_scaling`` of an HF config whose RoPE settings are ``rope`` (from
+    :func:`_rope_parameters`) and whose ``max_position_embeddings`` is ``context_length``."""
+    fields: dict[str, Any] = {}
+    theta = rope.pop("rope_theta", hf.get("rope_theta"))
+    if theta is not None:
+        fields["rope_theta"] = check_number(f"{source}: rope_theta", theta, low=0.0, low_open=True)
+    kind = rope.pop("rope_type", "default")
+    if kind != "default":
+        if kind == "dynamic":  # HF's dynamic NTK grows past max_position_embeddings, its original context
+            original = rope.setdefault("original_max_position_embeddings", context_length)
+            if original != context_length:
+                raise ValueError(
+                    f"{source}: rope_parameters.original_max_position_embeddings={short_repr(original)} differs from "
+                    f"max_position_embeddings={context_length}, which transformers' dynamic rule takes as "
+                    "the original context"
+                )
+        fields["rope_scaling"] = {"rope_type": kind, **_scaling_values(rope, kind, source)}
+    return fields
 
 
 def _sliding_window(hf: dict[str, Any], model_type: str, num_layers: int, source: str) -> int | None:

@@ -154,9 +154,8 @@ def chat_files(data: list[str], text_field: str) -> bool:
 
 
 def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_length: int | None) -> None:
-    from tlm_tokenizer import Tokenizer, train_bpe
-    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template, render_time_limit
-    from tlm_train.chat_data import conversations, encode_examples, lay_out
+    from tlm_tokenizer.chat import CHAT_MARKERS, CHATML_TEMPLATE, ChatTemplate, compile_template
+    from tlm_train.chat_data import encode_examples, lay_out
 
     if config.chat_template is None:
         source, markers = CHATML_TEMPLATE, list(CHAT_MARKERS)
@@ -167,40 +166,7 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
             raise ValueError(f"--chat-template {config.chat_template}: cannot read it ({err})") from None
         compile_template(source)  # a template that does not compile is refused before any work
     run.path.mkdir(parents=True, exist_ok=True)
-    if tokenizer is None and config.tokenizer is not None:
-        tokenizer = Tokenizer.load(config.tokenizer)
-    if tokenizer is None:
-        # A tokenizer trained on the conversations as the template renders them (its markers are special tokens).
-        specials = [*config.special_tokens, *(m for m in markers if m not in config.special_tokens)]
-        render = compile_template(source)
-        eos = SEPARATOR if SEPARATOR in specials else ""
-        remove_leftovers(run.path, CORPUS)
-        corpus = temp_path(run.path / CORPUS)
-        limit, written = _text_limit(config.max_data_bytes, run), 0
-        try:
-            with create_new(corpus) as sink:
-                for path in config.data:
-                    for number, messages in conversations(path):
-                        with render_time_limit(f"--data {path} line {number}"):
-                            text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
-                        data = (text + SEPARATOR).encode("utf-8")
-                        written += len(data)
-                        if written > limit:
-                            raise ValueError(
-                                f"--data {path}: the corpus passed --max-data-bytes {limit:,} (the conversations as "
-                                "the template renders them); raise --max-data-bytes if the disk has room, or give "
-                                "less data"
-                            )
-                        sink.write(data)
-            vocab, merges = train_bpe(str(corpus), config.vocab_size, specials, progress=False)
-        finally:
-            corpus.unlink(missing_ok=True)
-        tokenizer = Tokenizer(vocab, merges, specials, chat_template=source)
-    else:
-        # A given tokenizer (--tokenizer, --init-from) gains the markers it lacks, as new ids after its own.
-        missing = [m for m in markers if m not in tokenizer.special_tokens]
-        specials = [*tokenizer.special_tokens, *missing]
-        tokenizer = Tokenizer(tokenizer.vocab, tokenizer.merges, specials, chat_template=source)
+    tokenizer = _chat_tokenizer(config, run, tokenizer, source, markers)
     if SEPARATOR not in tokenizer.special_tokens:
         raise ValueError(f"chat data needs {SEPARATOR} among the tokenizer's special tokens, to join the examples")
     separator = tokenizer.encode(SEPARATOR)[0]
@@ -244,6 +210,48 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
         (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
+
+
+def _chat_tokenizer(config: DataSettings, run: RunFolder, tokenizer: Any, source: str, markers: list[str]) -> Any:
+    """The chat run's tokenizer, with the template ``source``: the given one (``tokenizer``, else
+    ``--tokenizer``) with the ``markers`` it lacks, else one trained on the conversations as ``source`` renders
+    them."""
+    from tlm_tokenizer import Tokenizer, train_bpe
+    from tlm_tokenizer.chat import compile_template, render_time_limit
+    from tlm_train.chat_data import conversations
+
+    if tokenizer is None and config.tokenizer is not None:
+        tokenizer = Tokenizer.load(config.tokenizer)
+    if tokenizer is not None:
+        # A given tokenizer (--tokenizer, --init-from) gains the markers it lacks, as new ids after its own.
+        specials = [*tokenizer.special_tokens, *(m for m in markers if m not in tokenizer.special_tokens)]
+        return Tokenizer(tokenizer.vocab, tokenizer.merges, specials, chat_template=source)
+    # A tokenizer trained on the conversations as the template renders them (its markers are special tokens).
+    specials = [*config.special_tokens, *(m for m in markers if m not in config.special_tokens)]
+    render = compile_template(source)
+    eos = SEPARATOR if SEPARATOR in specials else ""
+    remove_leftovers(run.path, CORPUS)
+    corpus = temp_path(run.path / CORPUS)
+    limit, written = _text_limit(config.max_data_bytes, run), 0
+    try:
+        with create_new(corpus) as sink:
+            for path in config.data:
+                for number, messages in conversations(path):
+                    with render_time_limit(f"--data {path} line {number}"):
+                        text = render(messages=messages, add_generation_prompt=False, bos_token="", eos_token=eos)
+                    data = (text + SEPARATOR).encode("utf-8")
+                    written += len(data)
+                    if written > limit:
+                        raise ValueError(
+                            f"--data {path}: the corpus passed --max-data-bytes {limit:,} (the conversations as "
+                            "the template renders them); raise --max-data-bytes if the disk has room, or give "
+                            "less data"
+                        )
+                    sink.write(data)
+        vocab, merges = train_bpe(str(corpus), config.vocab_size, specials, progress=False)
+    finally:
+        corpus.unlink(missing_ok=True)
+    return Tokenizer(vocab, merges, specials, chat_template=source)
 
 
 def _targets(stored: np.ndarray, layout: str, row: int) -> int:

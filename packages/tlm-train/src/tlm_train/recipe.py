@@ -215,32 +215,44 @@ class Recipe:
         if info.device.type == "cuda":
             self._cuda_settings()
         seed_everything(config.seed)
-
         source, source_tokenizer = self._init_source()
-        if config.document_mask and source_tokenizer is None and config.data and is_token_file(config.data[0]):
-            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
-        shape = source.config if source is not None else (saved or config).model_config()
-        context = shape.context_length  # padded chat examples take rows of context + 1 tokens
-        if info.is_main:
-            data = prepare_data(
-                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=True, resume=self.resume,
-                context_length=context, vocab_size=source.config.vocab_size if source is not None else None,
-            )  # fmt: skip
-        barrier()
-        if not info.is_main:
-            data = prepare_data(
-                data_settings(config), self.run_dir, tokenizer=source_tokenizer, is_main=False, context_length=context,
-                vocab_size=source.config.vocab_size if source is not None else None,
-            )  # fmt: skip
-        self.data = data
+        self.data = self._prepare_data(saved, source, source_tokenizer)
         # A resumed run builds the model its train.toml records (checked against the request above).
-        self.model_config = saved.model_config() if saved is not None else self._model_config(data, source)
-        if data.vocab_size > self.model_config.vocab_size:
+        self.model_config = saved.model_config() if saved is not None else self._model_config(self.data, source)
+        if self.data.vocab_size > self.model_config.vocab_size:
             raise ValueError(
-                f"the data's token ids reach {data.vocab_size - 1}, beyond the model's vocab_size "
+                f"the data's token ids reach {self.data.vocab_size - 1}, beyond the model's vocab_size "
                 f"{self.model_config.vocab_size}"
             )
+        self._build_training(source)
+        self._build_batches()
+        self.metrics = MetricsLog(self.run_dir.metrics_path)
+        self.start = self._restore() if self.resume else 0
+        if self.start > self.steps:
+            raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
+        self._commit(saved)
 
+    def _prepare_data(self, saved: TrainConfig | None, source: TransformerLM | None, tokenizer: Any) -> Dataset:
+        """The run's data, prepared by rank 0 first (it writes the run's token files), then read by the others."""
+        config, info = self.config, self.info
+        if config.document_mask and tokenizer is None and config.data and is_token_file(config.data[0]):
+            self._document_mask_id(Dataset(np.empty(0), np.empty(0), 0))  # refused before the data is read
+        shape = source.config if source is not None else (saved or config).model_config()
+        options = dict(
+            tokenizer=tokenizer, context_length=shape.context_length,  # chat rows take context + 1 tokens
+            vocab_size=source.config.vocab_size if source is not None else None,
+        )  # fmt: skip
+        if info.is_main:
+            data = prepare_data(data_settings(config), self.run_dir, is_main=True, resume=self.resume, **options)
+        barrier()
+        if not info.is_main:
+            data = prepare_data(data_settings(config), self.run_dir, is_main=False, **options)
+        return data
+
+    def _build_training(self, source: TransformerLM | None) -> None:
+        """The model (from ``source`` when fine-tuning; LoRA-adapted when asked), its training wrapper, the
+        optimizer, the schedule and the mixed-precision settings."""
+        config, info = self.config, self.info
         self.model = build_model(self.model_config, info.device, seed=config.seed)
         if source is not None and (not self.resume or config.lora_rank):  # a LoRA run's base is never saved
             self.model.load_state_dict(grown(source.state_dict(), self.model_config.vocab_size))
@@ -251,7 +263,7 @@ class Recipe:
             self.model,
             config.distributed,
             activation_checkpointing=config.activation_checkpointing,
-            document_mask_id=self._document_mask_id(data),
+            document_mask_id=self._document_mask_id(self.data),
             compile=config.compile,  # before sharding, as torchtitan does
             param_dtype=torch.bfloat16 if config.dtype == "bfloat16" else None,
         )
@@ -278,6 +290,10 @@ class Recipe:
         )
         self.scaler = torch.amp.GradScaler(info.device.type) if config.dtype == "float16" else None
         self.autocast = None if config.dtype == "float32" else getattr(torch, config.dtype)
+
+    def _build_batches(self) -> None:
+        """The training sampler and the fixed validation windows."""
+        config, info, data = self.config, self.info, self.data
         # Each rank draws its disjoint share of every global micro-batch from the same seeded stream,
         # so the batches (and the weights, up to float reassociation) do not depend on world_size.
         micro = config.batch_size // config.grad_accum
@@ -300,11 +316,6 @@ class Recipe:
             None if data.tokenizer is None
             else token_byte_lengths(data.tokenizer, self.model_config.vocab_size).to(info.device)
         )  # fmt: skip
-        self.metrics = MetricsLog(self.run_dir.metrics_path)
-        self.start = self._restore() if self.resume else 0
-        if self.start > self.steps:
-            raise ResumeError(f"{flag('steps')} {self.steps} is below the step the run has reached ({self.start})")
-        self._commit(saved)
 
     def _document_mask_id(self, data: Dataset) -> int | None:
         """The end-of-text id that ``document_mask`` splits windows at (None without it)."""
