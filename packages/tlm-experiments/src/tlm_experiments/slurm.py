@@ -140,7 +140,7 @@ def still_queued(manifest: dict[str, Any]) -> list[str]:
     return [name for name, job in jobs.items() if job in alive]
 
 
-def wait(folder: Path, names: list[str], *, quiet: bool, poll: float = 1.0) -> dict[str, Any]:
+def wait(folder: Path, names: list[str], *, quiet: bool) -> dict[str, Any]:
     """Wait until no task of ``names`` is in SLURM's queue; the manifest then, every run of ``names`` that did
     not record a final outcome marked failed with its log's path."""
     from tlm_experiments.manifest import read_manifest, write_manifest
@@ -157,7 +157,7 @@ def wait(folder: Path, names: list[str], *, quiet: bool, poll: float = 1.0) -> d
         jobs = [str(e["job"]) for e in entries if e.get("job")]
         if not queued(jobs):
             break
-        time.sleep(poll)
+        time.sleep(1.0)
     with manifest_lock(folder):
         manifest = read_manifest(folder)
         for entry in manifest["runs"]:

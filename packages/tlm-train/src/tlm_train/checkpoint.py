@@ -666,14 +666,14 @@ class CheckpointManager(StepFolders):
         super().__init__(directory)
         self.keep = check_int("keep", keep, low=1)
 
-    def save(self, model: nn.Module, state: dict[str, Any], *, model_state: dict[str, Tensor] | None = None) -> Path:
-        """Write ``state`` (from :func:`capture_state`: its ``model`` entry, or ``model_state``, is the
-        model's state dict) as the folder of ``state["step"]``; returns it. A ``sharded`` state is
-        written by every rank at once (call this on each): see :meth:`_save_shards`."""
+    def save(self, model: nn.Module, state: dict[str, Any]) -> Path:
+        """Write ``state`` (from :func:`capture_state`: its ``model`` entry is the model's state dict) as the
+        folder of ``state["step"]``; returns it. A ``sharded`` state is written by every rank at once (call
+        this on each): see :meth:`_save_shards`."""
         step = check_int("state['step']", state.get("step"), low=0)
         if state.get("sharded"):
             return self._save_shards(model, state)
-        weights = state["model"] if model_state is None else model_state
+        weights = state["model"]
         rest = {k: v for k, v in state.items() if k != "model"}
         self.directory.mkdir(parents=True, exist_ok=True)
 

@@ -849,8 +849,6 @@ def _check_runtime(config: TrainConfig, info: DistInfo, *, resume: bool) -> None
     if config.init_from is not None and not Path(config.init_from).exists():
         raise FileNotFoundError(f"--init-from {config.init_from}: no such file or folder")
     check_apart(config.out_dir, input_paths(config))
-    if np.dtype(config.token_dtype).itemsize not in (2, 4):  # pragma: no cover - TrainConfig checks the name
-        raise ValueError(f"--token-dtype {config.token_dtype}")
 
 
 def input_paths(config: TrainConfig) -> dict[str, list[str]]:
