@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from tlm_core.atomic import check_input, open_input, read_input
+from tlm_core.atomic import check_input, read_input
 from tlm_core.cli import UserError
 from tlm_experiments.manifest import MANIFEST, read_manifest
 from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary
@@ -128,23 +128,12 @@ class RunData:
     bpb_per_nat: float | None
 
 
-def _file_digest(path: Path) -> str | None:
-    import hashlib
-
-    if not path.exists():
-        return None
-    digest = hashlib.sha256()
-    with open_input(path, "data file") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData:
     """The :class:`RunData` of the run folder ``path`` (``records``: its metrics, when read already)."""
     import hashlib
 
     from tlm_train import RunDir
+    from tlm_train.data import file_identity
 
     run = RunDir(path)
     if not (run.path / "train.toml").is_file():  # a run that failed before it started: nothing to say
@@ -153,7 +142,8 @@ def run_data(path: Path, records: list[dict[str, Any]] | None = None) -> RunData
     records = read_metrics(run.path / "metrics.jsonl") if records is None else records
     scored = [r for r in records if _finite(r.get("val_loss")) and _finite(r.get("val_bpb")) and r["val_loss"] > 0]
     ratio = scored[0]["val_bpb"] / scored[0]["val_loss"] if scored else None
-    files = [_file_digest(Path(name)) for name in [*config.data, *config.val_data]]
+    names = [*config.data, *config.val_data]
+    files = [file_identity(name, "data file")["sha256"] if Path(name).exists() else None for name in names]
     sources = {"data": files[: len(config.data)] if config.data else "the built-in corpus",
                "val_data": files[len(config.data) :], "val_fraction": config.val_fraction,
                "text_field": config.text_field}  # fmt: skip
