@@ -22,7 +22,7 @@ from typing import Any, cast
 from tlm_core.atomic import check_input, read_input
 from tlm_core.cli import UserError
 from tlm_experiments.manifest import MANIFEST, read_manifest
-from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary
+from tlm_experiments.results import STATUSES, UNSTABLE_ABOVE, RunSummary, setting_text
 
 __all__ = ["BITS_PER_BYTE", "NATS", "STATUSES", "UNSTABLE_ABOVE", "RunData", "RunSummary", "collect", "full_markdown",
            "harmonize", "markdown", "plot", "report", "run_data", "status_text", "summarize"]  # fmt: skip
@@ -259,17 +259,13 @@ def markdown(summaries: list[RunSummary], unit: str = NATS) -> str:
             "wall time (s)", "tokens/s"]  # fmt: skip
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
-        settings = ", ".join(f"{k}={_setting(v)}" for k, v in s.settings.items()) or "–"
+        settings = ", ".join(f"{k}={setting_text(v)}" for k, v in s.settings.items()) or "–"
         status = status_text(s)
         cells = [s.name, settings, status, f"{s.steps}/{s.planned_steps}", f"{s.parameters:,}",
                  _fmt(s.final_val_loss), _fmt(s.best_val_loss), f"{s.tokens:,}", _fmt(s.wall_time_s, 1),
                  _fmt(s.tokens_per_s, 0)]  # fmt: skip
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
-
-
-def _setting(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def plot(summaries: list[RunSummary], out: str | os.PathLike[str], *, title: str | None = None) -> Path:

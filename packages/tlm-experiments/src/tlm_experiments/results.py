@@ -115,15 +115,16 @@ def group_runs(summaries: list[RunSummary]) -> list[Group]:
     labels = [g.label for g in groups.values()]
     for group in groups.values():
         if labels.count(group.label) > 1:
-            group.label = ", ".join(f"{k}={_text(v)}" for k, v in group.settings.items()) or group.label
+            group.label = ", ".join(f"{k}={setting_text(v)}" for k, v in group.settings.items()) or group.label
     return list(groups.values())
 
 
 def _label(s: RunSummary, settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k.removeprefix('model.')}={_text(v)}" for k, v in settings.items()) or s.name
+    return ", ".join(f"{k.removeprefix('model.')}={setting_text(v)}" for k, v in settings.items()) or s.name
 
 
-def _text(value: Any) -> str:
+def setting_text(value: Any) -> str:
+    """A setting's value as a table shows it: a float by ``%g``, a table as JSON."""
     return f"{value:g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, dict) else str(value)
 
 
@@ -169,9 +170,8 @@ def statistics(groups: list[Group], *, baseline: str = "baseline") -> list[Setti
         diff = None
         if group is not reference and finals and base:
             diff = difference(finals, base)
-        statuses = {s: n for s in STATUSES if (n := sum(r.status == s for r in group.runs))}
-        out.append(SettingStats(group.label, group.settings, group.seeds, statuses, describe(finals.values()),
-                                describe(group.bests()), diff))  # fmt: skip
+        out.append(SettingStats(group.label, group.settings, group.seeds, _statuses(group.runs),
+                                describe(finals.values()), describe(group.bests()), diff))  # fmt: skip
     return out
 
 
@@ -287,9 +287,7 @@ def figure(summaries: list[RunSummary], *, title: str | None = None) -> Any:
     return fig
 
 
-def _curves(
-    ax: Any, group: Group, color: str | tuple[float, ...], limits: tuple[float, float] | None, *, x: str
-) -> None:
+def _curves(ax: Any, group: Group, color: Color, limits: tuple[float, float] | None, *, x: str) -> None:
     labelled = False
     for s in group.runs:
         if not s.curve:
