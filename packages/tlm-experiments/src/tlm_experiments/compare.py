@@ -34,25 +34,19 @@ TIMING_FIELDS = ("wall_time_s", "tokens_per_s")
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     """The records of a ``metrics.jsonl``; a last line cut short by a kill is dropped. A record that is not an
     object with an integer ``step`` >= 0 (a file edited by hand, or not tlm's) is one line naming the file."""
-    if not path.exists():  # a FIFO, device or folder in its place is refused by the checked read, never waited on
-        return []
-    try:
-        text = read_input(path, "metrics log").decode("utf-8")
+    from tlm_train.metrics import MetricsLog
+
+    try:  # a FIFO, device or folder in its place is refused by the checked read, never waited on
+        records = MetricsLog(path).read()
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    records = []
-    for number, line in enumerate(text.splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            break
+    for number, record in enumerate(records, 1):
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             what = f"step {json.dumps(step)}" if isinstance(record, dict) and "step" in record else "no step"
             if not isinstance(record, dict):
                 what = f"a {type(record).__name__}, not an object"
             raise UserError(f"{path}: line {number}: expected a record with an integer step >= 0, got {what}")
-        records.append(record)
     return records
 
 
