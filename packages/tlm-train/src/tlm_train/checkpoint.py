@@ -272,10 +272,11 @@ def _load_model_state(model: nn.Module, state: dict[str, Any]) -> None:
     model.load_state_dict(state["model"], strict=False)
 
 
-def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The names of each optimizer group's parameters, in the group's order."""
     names = {id(p): name for name, p in model.named_parameters()}
     try:
-        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     except KeyError:
         raise ValueError("optimizer holds a parameter that is not in model; pass the model it optimizes") from None
 
@@ -283,7 +284,7 @@ def _parameter_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
 def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``optimizer.state_dict()`` keyed by parameter name, the layout torch.distributed.checkpoint's full
     state dicts use, so that a checkpoint from one process loads under DDP/FSDP2 and back."""
-    names = _parameter_names(model, optimizer)
+    names = [name for group in _group_names(model, optimizer) for name in group]
     saved = optimizer.state_dict()
     return {
         "state": {names[i]: value for i, value in saved["state"].items()},
@@ -292,11 +293,12 @@ def _named_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -
 
 
 def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
-    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
+    groups = _group_names(model, optimizer)
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
     if unknown := sorted(set(state["state"]) - set(index)):
         raise ValueError(f"checkpoint holds optimizer state for parameters the model lacks: {unknown[:5]}")
     saved = [sorted(g["params"]) for g in state["param_groups"]]
-    current = [sorted(g) for g in _group_names(model, optimizer)]
+    current = [sorted(g) for g in groups]
     if saved != current:
         raise ValueError(
             "the checkpoint's optimizer groups hold other parameters than this optimizer's (sizes "
@@ -306,11 +308,6 @@ def _indexed_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
         "state": {index[name]: value for name, value in state["state"].items()},
         "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
     }
-
-
-def _group_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = {id(p): name for name, p in model.named_parameters()}
-    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,7 +553,7 @@ class BackgroundSaver:
         if state.get("sharded"):
             accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
             writer = process_writer(self.writer, accelerator=accelerator)
-            stager, own = self._shard_stager(state, shared=writer is not None)
+            stager, own = self._shard_stager(accelerator, shared=writer is not None)
             folder, finish, self._staging = manager.start_shards(
                 model, state, process_group=self._shard_group(), stager=stager, asynchronous=True, checkpointer=writer
             )
@@ -595,19 +592,17 @@ class BackgroundSaver:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def _shard_stager(self, state: dict[str, Any], *, shared: bool = False) -> tuple[Any, bool]:
+    def _shard_stager(self, accelerator: bool, *, shared: bool = False) -> tuple[Any, bool]:
         """DCP's stager for this save (None where this torch has no ``DefaultStager``: ``async_save`` then stages
-        before it returns), and whether it is this save's own (closed once written). On an accelerator one
-        stager is kept, so its pinned host buffers are reused; on a CPU each save copies afresh and the copy is
-        freed once written. Staging is asynchronous (DCP's thread, on an accelerator its own stream): the
-        training goes on, and :meth:`wait_staged` is called before the weights next change. ``shared``: the copy
-        goes to shared memory, which DCP's writer process reads without another copy."""
+        before it returns), and whether it is this save's own (closed once written). For a state on an
+        ``accelerator`` one stager is kept, so its pinned host buffers are reused; on a CPU each save copies
+        afresh and the copy is freed once written. Staging is asynchronous (DCP's thread, on an accelerator its
+        own stream): the training goes on, and :meth:`wait_staged` is called before the weights next change.
+        ``shared``: the copy goes to shared memory, which DCP's writer process reads without another copy."""
         try:  # a newer torch's (feature detection: the packages' torch floor may lack it)
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         except ImportError:
             return None, False
-
-        accelerator = any(t.device.type != "cpu" for t in _tensor_items(state).values())
         options = StagingOptions(use_pinned_memory=accelerator and torch.cuda.is_available(), use_shared_memory=shared,
                                  use_async_staging=True, use_non_blocking_copy=accelerator)  # fmt: skip
         if not accelerator:
