@@ -220,7 +220,11 @@ def shard_reader(folder: str | os.PathLike[str]) -> Any:
     return Reader(folder)
 
 
-def shard_sizes(folder: str | os.PathLike[str]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+#: Each tensor of a DCP folder by its key: its size and dtype.
+ShardSizes = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def shard_sizes(folder: str | os.PathLike[str]) -> ShardSizes:
     """Each tensor's size and dtype as a DCP folder's metadata records them."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -240,43 +244,44 @@ def read_model_state(folder: str | os.PathLike[str]) -> tuple[ModelConfig, dict[
     """The config and the complete model weights of a step folder, verified, in this process on the CPU:
     from its ``model.safetensors``, or gathered from a sharded folder's DCP files (what ``tlm generate``,
     ``eval`` and ``convert`` read; only the model's tensors are read, never the optimizer's)."""
-    import torch.distributed.checkpoint as dcp
-
     folder = Path(folder)
     if (folder / WEIGHTS_NAME).is_file():
         return read_model_file(folder)
-    state = load_train_state(folder / STATE_NAME)
-    if "shard_files" not in state:
-        raise FileNotFoundError(errno.ENOENT, f"not a step folder: no {WEIGHTS_NAME} and no shards", str(folder))
-    verify_shards(folder / SHARDS_DIR, state["shard_files"])
+    state, sizes = _verified_shards(folder, f"not a step folder: no {WEIGHTS_NAME} and no shards")
     config = ModelConfig.from_dict(state["model_config"])
     expected = {name: tuple(t.shape) for name, t in _course_model(config).state_dict().items()}
-    sizes = shard_sizes(folder / SHARDS_DIR)
     got = {key[len("model.") :]: size for key, (size, _) in sizes.items() if key.startswith("model.")}
     if got != expected:  # checked before anything is allocated
         wrong = sorted(k for k in expected.keys() | got.keys() if got.get(k) != expected.get(k))
         raise ValueError(f"{folder}: the shards do not fit its model config (tensors {wrong[:5]})")
-    targets = {f"model.{name}": torch.empty(sizes[f"model.{name}"][0], dtype=sizes[f"model.{name}"][1])
-               for name in expected}  # fmt: skip
-    with one_process_is_meant():
-        dcp.load(targets, storage_reader=shard_reader(folder / SHARDS_DIR), no_dist=True)
-    return config, {name: targets[f"model.{name}"] for name in expected}
+    return config, _model_tensors(folder, sizes, list(expected))
 
 
 def read_sharded_tensors(folder: str | os.PathLike[str]) -> dict[str, Tensor]:
     """Every model tensor a sharded step folder holds (a LoRA run's: its adapters), verified, on the CPU."""
-    import torch.distributed.checkpoint as dcp
-
     folder = Path(folder)
+    _, sizes = _verified_shards(folder, f"not a sharded step folder: {STATE_NAME} records no shards")
+    return _model_tensors(folder, sizes, [key[len("model.") :] for key in sizes if key.startswith("model.")])
+
+
+def _verified_shards(folder: Path, missing: str) -> tuple[dict[str, Any], ShardSizes]:
+    """A sharded step's training state and :func:`shard_sizes`, its shard files verified first."""
     state = load_train_state(folder / STATE_NAME)
     if "shard_files" not in state:
-        raise FileNotFoundError(errno.ENOENT, f"not a sharded step folder: {STATE_NAME} records no shards", str(folder))
+        raise FileNotFoundError(errno.ENOENT, missing, str(folder))
     verify_shards(folder / SHARDS_DIR, state["shard_files"])
-    sizes = shard_sizes(folder / SHARDS_DIR)
-    targets = {key: torch.empty(size, dtype=dtype) for key, (size, dtype) in sizes.items() if key.startswith("model.")}
+    return state, shard_sizes(folder / SHARDS_DIR)
+
+
+def _model_tensors(folder: Path, sizes: ShardSizes, names: list[str]) -> dict[str, Tensor]:
+    """The model tensors ``names`` of the verified shards of ``folder``, read on the CPU in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    targets = {f"model.{name}": torch.empty(sizes[f"model.{name}"][0], dtype=sizes[f"model.{name}"][1])
+               for name in names}  # fmt: skip
     with one_process_is_meant():
         dcp.load(targets, storage_reader=shard_reader(folder / SHARDS_DIR), no_dist=True)
-    return {key[len("model.") :]: value for key, value in targets.items()}
+    return {name: targets[f"model.{name}"] for name in names}
 
 
 def _course_model(config: ModelConfig) -> nn.Module:
