@@ -304,7 +304,7 @@ def collect(paths: list[str], *, unstable_above: float = UNSTABLE_ABOVE) -> list
             messages = _messages(path)
             for name, folder, settings, status in sweep_runs(path):
                 if (folder / "train.toml").is_file():
-                    summaries.append(summarize(folder, name=name, settings=settings, status=_status(status),
+                    summaries.append(summarize(folder, name=name, settings=settings, status=sweep_status(status),
                                                message=messages.get(name), unstable_above=unstable_above))  # fmt: skip
         elif (path / "train.toml").is_file():
             plain.append(path)
@@ -320,8 +320,9 @@ def collect(paths: list[str], *, unstable_above: float = UNSTABLE_ABOVE) -> list
     return summaries
 
 
-def _status(status: str) -> str | None:
-    # A sweep knows which of its runs diverged or failed; whether the others finished, the folder says.
+def sweep_status(status: str) -> str | None:
+    """What a sweep's manifest says of a run that :func:`summarize` takes: whether it diverged or failed (the
+    sweep knows); whether the others finished, the folder says."""
     return status if status in ("diverged", "failed") else None
 
 

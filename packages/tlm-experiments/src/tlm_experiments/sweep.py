@@ -474,7 +474,7 @@ def _outcome(future: Any) -> dict[str, Any]:
 def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float = UNSTABLE_ABOVE) -> list[Any]:
     """Each started run's :class:`~tlm_experiments.compare.RunSummary` (its path relative to the sweep); a run that
     failed before its folder held anything is there too, with its message."""
-    from tlm_experiments.compare import RunSummary
+    from tlm_experiments.compare import RunSummary, sweep_status
     from tlm_experiments.compare import summarize as summarize_run
 
     summaries = []
@@ -487,7 +487,7 @@ def summarize(folder: Path, manifest: dict[str, Any], *, unstable_above: float =
                     False, seed=entry["settings"].get("seed"), message=entry.get("message"),
                 ))  # fmt: skip
             continue
-        status = entry["status"] if entry["status"] in ("diverged", "failed") else None
+        status = sweep_status(entry["status"])
         summary = summarize_run(path, name=entry["name"], settings=entry["settings"], status=status,
                                 message=entry.get("message"), unstable_above=unstable_above)  # fmt: skip
         summary.path = entry["name"]
