@@ -23,8 +23,8 @@ from tlm_core.cli import UserError
 MANIFEST = "sweep.json"
 FORMAT = "tlm-sweep/1"
 SUMMARY_JSON, SUMMARY_MD, PLOT, LOCK = "summary.json", "summary.md", "sweep.png", ".lock"
-#: How a run may stand in the manifest (``stopped``: an ``interrupted`` run, as manifests before issue 36 say).
-#: ``submitted`` and ``requeued``: a run whose SLURM task is queued, or was requeued at a checkpoint (issue 46).
+#: How a run may stand in the manifest (``stopped``: an ``interrupted`` run, as older manifests say).
+#: ``submitted`` and ``requeued``: a run whose SLURM task is queued, or was requeued at a checkpoint.
 STATUSES = ("pending", "running", "interrupted", "stopped", "failed", "done", "diverged", "submitted", "requeued")
 #: The longest run name: a folder name most file systems take (255 bytes).
 MAX_NAME_BYTES = 255

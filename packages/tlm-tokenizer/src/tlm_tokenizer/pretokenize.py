@@ -29,7 +29,7 @@ ASCII_PRETOKEN = re.compile(
 )
 _ascii_findall = ASCII_PRETOKEN.findall
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
-_SCAN_BLOCK = 1 << 16  # a slice's isascii() is a memory-speed scan, ten times faster than searching with re
+_SCAN_BLOCK = 1 << 16  # a slice's isascii() is a memory-speed scan, far cheaper than searching it with re
 # A safe cut is the end of a match of _CUT (first after a position) or of _LAST_CUT (last before one).
 _CUT = re.compile(rf"[\x21-\x7e](?=[{_SPACE}])")
 _LAST_CUT = re.compile(rf".*[\x21-\x7e](?=[{_SPACE}])", re.DOTALL)

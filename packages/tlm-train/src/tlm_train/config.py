@@ -113,7 +113,7 @@ class TrainConfig:
         default_factory=lambda: ["<|endoftext|>"],
         metadata={"metavar": "TOKEN", "help": "special tokens of the tokenizer to train"},
     )
-    # Packed documents, chat data and validation data (issue 32).
+    # Packed documents, chat data and validation data.
     document_mask: bool = field(
         default=False,
         metadata={
