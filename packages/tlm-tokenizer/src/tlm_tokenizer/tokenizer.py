@@ -177,8 +177,13 @@ class Tokenizer:
 
     @classmethod
     def _from_hf_bytes(cls, data: bytes, where: str) -> "Tokenizer":
+        """The tokenizer of the ``tokenizer.json`` bytes ``data`` read from ``where``: a file that does not make a
+        valid tokenizer raises ValueError naming it, in one line."""
         vocab, merges, special_tokens = hf_json.from_json(data, where)
-        return _built(cls, where, vocab, merges, special_tokens)
+        try:
+            return cls(vocab, merges, special_tokens)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
 
     def hf_files(self) -> dict[str, bytes]:
         """The files of an HF tokenizer folder, name -> bytes: ``tokenizer.json`` (HF tokenizers' format)
@@ -422,18 +427,3 @@ def _chat_template(config: bytes | None, folder: Path) -> str | None:
         raise ValueError(f"{folder / hf_json.TOKENIZER_CONFIG_JSON}: not JSON ({err})") from None
     template = document.get("chat_template") if isinstance(document, dict) else None
     return template if isinstance(template, str) and template.strip() else None
-
-
-def _built(
-    cls: type[Tokenizer],
-    where: str,
-    vocab: dict[int, bytes],
-    merges: list[tuple[bytes, bytes]],
-    special_tokens: list[str] | None,
-) -> Tokenizer:
-    """``cls(vocab, merges, special_tokens)`` read from ``where``: a file that does not make a valid
-    tokenizer raises ValueError naming it, in one line."""
-    try:
-        return cls(vocab, merges, special_tokens)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}: {error}") from None
