@@ -178,8 +178,10 @@ class KVCache:
         every layer; every source is read before any row is written (``[a, b], [b, a]`` swaps two rows). No
         length changes: the caller knows what the copied slots hold."""
         if slots and len(dst):
+            to, of = (torch.tensor(list(rows), dtype=torch.int64, device=self.device) for rows in (dst, src))
             for buffer in (*self.key_buffers, *self.value_buffers):
-                buffer[list(dst), :, :slots] = buffer[list(src), :, :slots]  # advanced indexing gathers first
+                held = buffer[:, :, :slots]
+                held.index_copy_(0, to, held.index_select(0, of))  # the sources gathered first
 
     def append_empty_row(self, count: int = 1, *, held: int = 0) -> int:
         """Add ``count`` rows as the new last rows, each holding the ``held`` tokens its buffer row's first slots

@@ -166,11 +166,11 @@ class DecodeBatch:
     joining prompt takes the longest prefix it shares with any cache row's prompt (one in use or not): a device
     copy of those slots, and only the rest runs, the last token always (its logits). A row that leaves
     usually goes to the row the next join takes: before that join copies over it, it moves to the least
-    recently used kept row. A prompt that shares more with a prompt still running than anything cached waits
-    (``join(..., wait=True)``, :attr:`waiting`) until that prompt has run, then copies (:meth:`settle`). A prompt
-    scored position by position (``scores=k``) reuses only a prefix whose scores the caller kept
-    (:meth:`keep_scores`, ``k`` alternatives at least) and one token less (the next token's score needs the
-    logits of the last reused position); :meth:`reused` gives them back.
+    recently used kept row. A prompt that shares a ``prefill_chunk`` more with a prompt still running than with
+    anything cached waits (``join(..., wait=True)``, :attr:`waiting`; a wait costs a forward) until that prompt has
+    run, then copies (:meth:`settle`). A prompt scored position by position (``scores=k``) reuses only a prefix
+    whose scores the caller kept (:meth:`keep_scores`, ``k`` alternatives at least) and one token less (the next
+    token's score needs the logits of the last reused position); :meth:`reused` gives them back.
     """
 
     def __init__(
@@ -324,7 +324,8 @@ class DecodeBatch:
         """Append a row for ``prompt_ids`` without running it (see :meth:`run`); returns its index. With a
         prefix cache, ``scores`` (the alternatives the caller keeps per prompt token, :meth:`keep_scores`; None:
         the prompt is not scored) limits what it reuses, and ``wait`` lets it wait for a prompt still running
-        that shares more (:attr:`waiting`). The host reads ``prompt_ids`` (give them on the CPU)."""
+        that shares a ``prefill_chunk`` more (:attr:`waiting`). The host reads ``prompt_ids`` (give them on the
+        CPU)."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
         return self._join_many([prompt_ids], scores, wait)[0]
@@ -338,7 +339,7 @@ class DecodeBatch:
             if self.prefix_rows is not None:
                 held = _Held(prompt.tolist(), wants=scores)
                 now, source, planned, leader = self._match(held)
-                if wait and planned > now:
+                if wait and planned - now >= self.prefill_chunk:  # a wait costs a forward: worth a chunk
                     held.leader, held.planned, now = self._held[leader], planned, 0
                 self._take(row, held, source, now)
                 prompt = prompt[now:]
@@ -548,23 +549,34 @@ class DecodeBatch:
 
     def remove(self, row: int) -> int | None:
         """Drop row ``row``; the last row moves into its place. Returns the index the moved row had, or None."""
-        rows = len(self)
-        check_int("row", row, low=0, high=rows - 1)
-        last = rows - 1
-        keep = list(range(last))
-        if row != last:
-            keep[row] = last
-        if self.prefix_rows is not None:  # it keeps the prompt tokens that ran, scores included
-            held, have = self._held[row], self.lengths[row]
-            held.ids, held.leader, held.wants = held.ids[:have], None, None
-            held.scores = None if held.scores is None else held.scores[:have]
-            self._held[row], self._held[last] = self._held[last], held
-        self.cache.select_rows(keep, keep_rest=self.prefix_rows is not None)
-        self._pending[row] = self._pending[last]
-        self._pending.pop()
-        self._decoding[row] = self._decoding[last]
-        self._decoding[last] = 0
-        return last if row != last else None
+        check_int("row", row, low=0, high=len(self) - 1)
+        order = self.remove_many([row])
+        return order[row] if row < len(order) else None
+
+    def remove_many(self, rows: Collection[int]) -> list[int]:
+        """Drop ``rows`` at once, as :meth:`remove` one after another from the highest (each time the last row
+        moves into the place left), with one copy per cache buffer. Returns the new order: the row now at ``i``
+        was row ``order[i]``."""
+        for row in rows:
+            check_int("rows", row, low=0, high=len(self) - 1)
+        order = list(range(len(self)))
+        for row in sorted(set(rows), reverse=True):
+            order[row] = order[-1]
+            order.pop()
+        if self.prefix_rows is not None:  # each keeps the prompt tokens that ran, scores included
+            lengths, kept = self.lengths, set(order)
+            gone = [r for r in range(len(self)) if r not in kept]
+            for row in gone:
+                held, have = self._held[row], lengths[row]
+                held.ids, held.leader, held.wants = held.ids[:have], None, None
+                held.scores = None if held.scores is None else held.scores[:have]
+            self._held[: len(self)] = [self._held[r] for r in (*order, *gone)]
+        self.cache.select_rows(order, keep_rest=self.prefix_rows is not None)
+        self._pending = [self._pending[r] for r in order]
+        decoding = self._decoding[torch.tensor(order, dtype=torch.int64, device=self._device)]
+        self._decoding.zero_()
+        self._decoding[: len(order)] = decoding
+        return order
 
     @torch.no_grad()
     def run(self, tokens: Tensor | None, chunks: Mapping[int, int], every: Collection[int] = ()) -> dict[int, Tensor]:

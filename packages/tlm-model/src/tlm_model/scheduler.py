@@ -506,12 +506,10 @@ class Scheduler:
 
     def _drop_ended(self) -> None:
         """Ended and cancelled rows leave (the last row takes each one's place); then their last pieces go out."""
-        for r in reversed(range(len(self._rows))):
-            if self._rows[r].request.cancelled.is_set():
-                self.batch.remove(r)
-                self._rows[r] = self._rows[-1]
-                self._rows.pop()
-                self._left(1)
+        ended = [r for r, row in enumerate(self._rows) if row.request.cancelled.is_set()]
+        if ended:
+            self._rows = [self._rows[r] for r in self.batch.remove_many(ended)]
+            self._left(len(ended))
         self._send_last()
 
     def _admit(self) -> None:
