@@ -8,11 +8,13 @@ it has fewer than ``max_batch`` rows, each with a row whose prompt is still to r
 same rows in order) run together (:meth:`tlm_model.batching.DecodeBatch.run`), so a long prompt delays the
 decoding rows by one budget a step and a short prompt that arrives runs at the next forward. A request that scores
 its prompt (``echo``, lm-eval's ``max_tokens`` 0 or 1) takes the same forward, with every position's logits, and
-``max_tokens`` 0 ends once its prompt has run. Each row samples with its own parameters
-(:mod:`tlm_model.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
-its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
---temperature 0``. Log-probabilities come from the forward that gave the token
-(:func:`tlm_model.sampling.token_logprobs`).
+``max_tokens`` 0 ends once its prompt has run. A prompt that shares a prefix with one run before (a question's
+context, a chat's history) reuses its keys and values, and an ``echo`` prompt its scores
+(:class:`~tlm_model.batching.DecodeBatch`'s prefix cache; ``prefix_cache=False`` runs every prompt whole). Each row
+samples with its own parameters (:mod:`tlm_model.sampling`, one call for the batch) and its own
+``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
+``temperature=0`` is greedy, the same as ``tlm generate --temperature 0``. Log-probabilities come from the forward
+that gave the token (:func:`tlm_model.sampling.token_logprobs`).
 
 A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
 (a client that went away), and its row is free for the next step. What one request raises (outside the
