@@ -196,3 +196,34 @@ def test_a_random_workload_with_shared_prefixes_answers_as_without_the_cache():
         worst = max([worst, *(got - without).abs().tolist()])
     print(f"reused {reused} prompt tokens; largest difference from scoring without the cache: {worst:.2e}")
     assert worst < 1e-5  # float32 rounding of another chunk split (measured: about 1e-6)
+
+
+def test_rows_leaving_together_keep_their_prompts_as_leaving_one_by_one_would():
+    model = _model()
+    batch = DecodeBatch(model, 5, prefix_rows=0)
+    prompts = [_ids(30 + r, *range(r + 2)) for r in range(5)]
+    batch.add_many(prompts)
+    assert batch.remove_many([3, 1]) == [0, 4, 2]  # as remove(3) then remove(1): the last row fills each place
+    assert batch.lengths == (3, 7, 5) and batch.prefilling == ()
+    for prompt in (prompts[1], prompts[3], prompts[4]):  # the ones that left and one still in use
+        held = batch.reused_tokens
+        logits = _prefill(batch, prompt)
+        assert batch.reused_tokens - held == len(prompt) - 1
+        torch.testing.assert_close(logits, _last_logits(model, prompt), atol=1e-5, rtol=1e-5)
+        batch.remove(len(batch) - 1)
+
+
+def test_an_engine_taking_over_the_rows_takes_over_the_kept_prompts():
+    model = _model()
+    eager, other = DecodeBatch(model, 2, prefix_rows=1), DecodeBatch(model, 2, prefix_rows=1)
+    context = _ids(7, 3, 9, 11, 2)
+    _prefill(eager, context)
+    eager.remove(0)
+    other.take_over(eager)
+    prompt = torch.cat([context, _ids(5)])
+    before = model.run_tokens
+    logits = _prefill(other, prompt)
+    assert model.run_tokens - before == 1 and other.reused_tokens == len(context)
+    torch.testing.assert_close(logits, _last_logits(model, prompt), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="source must have prefix_rows=None, got 1"):
+        DecodeBatch(model, 2, capacity=eager.capacity).take_over(eager)
