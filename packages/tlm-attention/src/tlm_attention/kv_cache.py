@@ -22,8 +22,9 @@ class KVCache:
     where RoPE continues. :attr:`lengths` (host-side ints: the host always knows how many tokens it fed, so
     reading them never waits for the device) and :attr:`device_lengths` (the same on the device, one entry per
     buffer row, so positions never come from the host) are the only record of them. Rows join
-    (:meth:`append_empty_row`), leave (:meth:`select_rows`), are cut back (:meth:`truncate`) or copied from
-    another cache (:meth:`copy_from`) between steps; a new cache has ``batch_size`` rows, each empty.
+    (:meth:`append_empty_row`), leave (:meth:`select_rows`), are cut back (:meth:`truncate`), copied from
+    another cache (:meth:`copy_from`) or take a prefix another buffer row holds (:meth:`copy_rows`: a prefix
+    cache) between steps; a new cache has ``batch_size`` rows, each empty.
 
     **A step.** :meth:`write` stores one layer's new keys and values at the slots their positions name with
     one indexed copy (inductor writes the new entries only, in place) and returns the rows' *whole* buffers:
