@@ -6,7 +6,8 @@ exported with ``tlm convert --to-hf`` (lm-eval's ``local-completions`` needs an 
 multiple-choice task of ``--items`` questions with 4 choices each (``--items`` x 4 log-likelihood requests, each a
 completion with ``echo``, ``logprobs`` and ``max_tokens`` 0 or 1), ``batch_size=16`` prompts a request; the
 figure is log-likelihood requests per second of lm-eval's whole second run (the first, which reads the
-data and warms the server up, is not timed). ``--python`` runs the server with another
+data and warms the server up, is not timed), and the server process's CPU seconds during that run (user + system,
+from /proc: steadier than wall time on a shared machine). ``--python`` runs the server with another
 interpreter (another checkout's environment: the "before" of a change); both servers answer the same requests,
 and the per-request log-likelihoods must agree to 1e-4.
 
@@ -61,6 +62,12 @@ def _run(server: _Server, export: pathlib.Path, task: str, folder: pathlib.Path)
     return seconds, [resp[0][0] for sample in samples for resp in sample["resps"]]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU time so far (Linux /proc; fields 14 and 15 of its stat line)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", type=int, default=50)
@@ -78,22 +85,27 @@ def main() -> None:
         task = _task(out, args.items)
         pythons = {"after": sys.executable, **({"before": args.python} if args.python else {})}
         rates: dict[str, list[float]] = {name: [] for name in pythons}
+        cpu: dict[str, list[float]] = {name: [] for name in pythons}
         scores: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             for name, python in pythons.items():
                 server = _Server(export, 16, "--no-compile", "--dtype", "float32", threads=1, python=python)
                 try:
                     _run(server, export, task, out)  # lm-eval's first run reads the data and warms the server up
+                    used = _cpu_seconds(server.process.pid)
                     seconds, lls = _run(server, export, task, out)
+                    used = _cpu_seconds(server.process.pid) - used
                 finally:
                     server.process.terminate()
                     server.process.wait(timeout=30)
                 rates[name].append(len(lls) / seconds)
+                cpu[name].append(1000 * used / len(lls))
                 scores[name] = lls
         if args.python:
             worst = max(abs(a - b) for a, b in zip(scores["after"], scores["before"], strict=True))
             assert worst < 1e-4, worst
-    print(json.dumps({"requests": args.items * 4, "requests_per_s": rates, "cpu": cpu_description(),
+    print(json.dumps({"requests": args.items * 4, "requests_per_s": rates, "server_cpu_ms_per_request": cpu,
+                      "cpu": cpu_description(),
                       "load": [load_before, load_average()]}))  # fmt: skip
 
 

@@ -74,6 +74,28 @@ def test_rows_leave_join_and_are_copied_between_steps():
     assert cache.batch_size == 0
 
 
+def test_rows_left_out_can_keep_their_slots_past_the_rows_in_use_and_rows_copy_any_prefix():
+    cache = KVCache(4, 1, capacity=4, d_head=2, layers=2)
+    cache.select_rows([0, 1, 2])
+    keys = torch.arange(3 * 8, dtype=torch.float32).view(3, 1, 4, 2)
+    for layer in range(2):
+        _write(cache, layer, keys + layer, torch.arange(4).expand(3, 4))
+    cache.advance([4, 2, 3])
+    cache.select_rows([0, 2], keep_rest=True)  # row 1 leaves: row 2 takes its place, row 1's slots go to row 2
+    assert cache.lengths == (4, 3) and cache.device_lengths.tolist() == [4, 3, 4, 4]  # not in use: capacity
+    for layer in range(2):
+        assert torch.equal(cache.key_buffers[layer][1, :, :3], keys[2, :, :3] + layer)
+        assert torch.equal(cache.key_buffers[layer][2, :, :2], keys[1, :, :2] + layer)
+        assert torch.equal(cache.value_buffers[layer][2, :, :2], -keys[1, :, :2] - layer)
+    cache.copy_rows([3, 0], [0, 2], 2)  # sources read first: row 0's slots reach row 3 before row 0 changes
+    assert cache.lengths == (4, 3)
+    for layer in range(2):
+        assert torch.equal(cache.key_buffers[layer][3, :, :2], keys[0, :, :2] + layer)
+        assert torch.equal(cache.key_buffers[layer][0, :, :2], keys[1, :, :2] + layer)
+        assert torch.equal(cache.key_buffers[layer][0, :, 2:4], keys[0, :, 2:4] + layer)
+    assert cache.append_empty_row(held=2) == 2 and cache.lengths == (4, 3, 2)
+
+
 @pytest.mark.parametrize(
     ("bad", "exc", "message"),
     [(True, TypeError, "must be an int, got bool"), (1.0, TypeError, "must be an int, got float"),

@@ -297,6 +297,22 @@ def test_penalties_and_logit_bias_follow_openais_definitions(served, model, toke
     assert forced["choices"][0]["text"] == "AAAAA"  # id 65 is the byte "A": a +100 bias is a ban of the rest
 
 
+def _same_scores(got, expected):
+    """Equal, log-probabilities to float32 rounding: a request sent again reuses its prompt's prefix from the
+    prefix cache, so its scores come from another chunk split of the same prompt (1e-5 bounds that rounding on
+    this model, as tlm-model's test_prefix_cache measures)."""
+    if isinstance(expected, float):
+        return got == pytest.approx(expected, abs=1e-5, rel=0)
+    if isinstance(expected, (list, dict)):
+        keys = range(len(expected)) if isinstance(expected, list) else expected.keys()
+        return (
+            type(got) is type(expected)
+            and len(got) == len(expected)
+            and all(_same_scores(got[k], expected[k]) for k in keys)
+        )
+    return got == expected
+
+
 def test_streamed_choices_carry_the_same_text_and_scores_as_the_whole_answer(served, tokenizer):
     no_end = {str(tokenizer.encode("<|endoftext|>")[0]): -100}
     body = {"prompt": ["a b", "The"], "max_tokens": 7, "n": 2, "seed": 5, "echo": True, "logprobs": 2,
@@ -309,7 +325,8 @@ def test_streamed_choices_carry_the_same_text_and_scores_as_the_whole_answer(ser
         parts = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
         assert "".join(p["text"] for p in parts) == choice["text"]
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            assert [x for p in parts if p["logprobs"] for x in p["logprobs"][key]] == choice["logprobs"][key], key
+            streamed = [x for p in parts if p["logprobs"] for x in p["logprobs"][key]]
+            assert _same_scores(streamed, choice["logprobs"][key]), key
         assert parts[-1]["finish_reason"] == choice["finish_reason"] == "length"
     assert chunks[-1]["usage"] == whole["usage"]  # the last choice's last chunk counts every choice
 
@@ -319,7 +336,9 @@ def test_streamed_choices_carry_the_same_text_and_scores_as_the_whole_answer(ser
     status, lines = served.stream("/v1/chat/completions", {**chat, "stream": True})
     deltas = [json.loads(line[6:])["choices"][0] for line in lines[:-1]]
     assert "".join(d["delta"].get("content", "") for d in deltas) == whole["message"]["content"]
-    assert [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]] == whole["logprobs"]["content"]
+    assert _same_scores(
+        [e for d in deltas if d["logprobs"] for e in d["logprobs"]["content"]], whole["logprobs"]["content"]
+    )
 
 
 def test_per_row_temperature_and_top_p_draw_what_tlm_models_sampler_draws(served, model, tokenizer):

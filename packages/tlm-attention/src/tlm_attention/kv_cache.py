@@ -22,8 +22,9 @@ class KVCache:
     where RoPE continues. :attr:`lengths` (host-side ints: the host always knows how many tokens it fed, so
     reading them never waits for the device) and :attr:`device_lengths` (the same on the device, one entry per
     buffer row, so positions never come from the host) are the only record of them. Rows join
-    (:meth:`append_empty_row`), leave (:meth:`select_rows`), are cut back (:meth:`truncate`) or copied from
-    another cache (:meth:`copy_from`) between steps; a new cache has ``batch_size`` rows, each empty.
+    (:meth:`append_empty_row`), leave (:meth:`select_rows`), are cut back (:meth:`truncate`), copied from
+    another cache (:meth:`copy_from`) or take a prefix another buffer row holds (:meth:`copy_rows`: a prefix
+    cache) between steps; a new cache has ``batch_size`` rows, each empty.
 
     **A step.** :meth:`write` stores one layer's new keys and values at the slots their positions name with
     one indexed copy (inductor writes the new entries only, in place) and returns the rows' *whole* buffers:
@@ -56,7 +57,7 @@ class KVCache:
         shape = (batch_size, num_heads, capacity + 1, d_head)  # one slot more: the scratch slot
         self.key_buffers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.value_buffers = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
-        #: Each buffer row's length on the device (a row not in use keeps a stale value <= capacity).
+        #: Each buffer row's length on the device (a row not in use: the capacity).
         self.device_lengths = torch.zeros(batch_size, dtype=torch.int64, device=self.key_buffers[0].device)
         self.capacity = capacity
         self.max_batch_size = batch_size
@@ -154,27 +155,40 @@ class KVCache:
         """Every row in use empty again."""
         self._set_lengths([0] * self.batch_size)
 
-    def select_rows(self, rows: Sequence[int]) -> None:
-        """Keep only ``rows`` (indices of the rows in use), in this order; the others are forgotten.
+    def select_rows(self, rows: Sequence[int], *, keep_rest: bool = False) -> None:
+        """Keep only ``rows`` (indices of the rows in use), in this order; the others are forgotten, or with
+        ``keep_rest`` moved, in their order, to the buffer rows just past the ones kept (not in use, their
+        slots intact: a prefix cache reads them later, :meth:`copy_rows`).
 
-        Only rows that change place are copied (a swap-remove ``[0, .., n-1 .. ]`` copies one row), and only
-        the slots that hold their tokens (no slot past the longest moved row's length counts)."""
+        Only rows that change place are copied (a swap-remove ``[0, .., n-1 .. ]`` copies one row, two with
+        ``keep_rest``), and only the slots that hold their tokens (no slot past the longest moved row's length
+        counts)."""
         for row in rows:
             check_int("rows", row, low=0, high=self.batch_size - 1)
         if len(set(rows)) != len(rows):
             raise ValueError(f"rows must not repeat a row, got {list(rows)}")
-        moved = [(dst, src) for dst, src in enumerate(rows) if dst != src]
-        held = max([0, *(self._lengths[src] for _, src in moved)])
-        if held:
-            dst, src = (list(t) for t in zip(*moved, strict=True))
-            for buffer in (*self.key_buffers, *self.value_buffers):
-                # Advanced indexing gathers the sources first: any order is safe.
-                buffer[dst, :, :held] = buffer[src, :, :held]
+        order = [*rows, *(r for r in range(self.batch_size) if r not in set(rows))] if keep_rest else rows
+        moved = [(dst, src) for dst, src in enumerate(order) if dst != src]
+        if moved:
+            dst, src = zip(*moved, strict=True)
+            self.copy_rows(dst, src, max(self._lengths[s] for s in src))
         self._set_lengths([self._lengths[row] for row in rows])
 
-    def append_empty_row(self, count: int = 1) -> int:
-        """Add ``count`` empty rows (length 0) as the new last rows; returns the first one's index."""
+    def copy_rows(self, dst: Sequence[int], src: Sequence[int], slots: int) -> None:
+        """Slots ``0 .. slots - 1`` of buffer rows ``src`` copied into buffer rows ``dst``, rows in use or not, in
+        every layer; every source is read before any row is written (``[a, b], [b, a]`` swaps two rows). No
+        length changes: the caller knows what the copied slots hold."""
+        if slots and len(dst):
+            to, of = (torch.tensor(list(rows), dtype=torch.int64, device=self.device) for rows in (dst, src))
+            for buffer in (*self.key_buffers, *self.value_buffers):
+                held = buffer[:, :, :slots]
+                held.index_copy_(0, to, held.index_select(0, of))  # the sources gathered first
+
+    def append_empty_row(self, count: int = 1, *, held: int = 0) -> int:
+        """Add ``count`` rows as the new last rows, each holding the ``held`` tokens its buffer row's first slots
+        already hold (0: empty; more: a prefix :meth:`copy_rows` put there); returns the first one's index."""
         check_positive_int("count", count)
+        check_int("held", held, low=0, high=self.capacity)
         if self.batch_size == self.max_batch_size:
             raise ValueError(f"the KV cache has room for {self.max_batch_size} rows, all in use")
         if self.batch_size + count > self.max_batch_size:
@@ -182,7 +196,7 @@ class KVCache:
                 f"the KV cache has room for {self.max_batch_size} rows; {self.batch_size} in use + {count} new is "
                 "too many"
             )
-        self._set_lengths([*self._lengths, *[0] * count])
+        self._set_lengths([*self._lengths, *[held] * count])
         return self.batch_size - count
 
     def copy_from(self, source: "KVCache") -> None:
@@ -198,8 +212,10 @@ class KVCache:
         self._set_lengths(list(source.lengths))
 
     def _set_lengths(self, lengths: list[int]) -> None:
-        # Rows join, leave and are cut back between steps, not during them: one host-to-device copy.
-        self.device_lengths[: len(lengths)] = torch.tensor(lengths, dtype=torch.int64)
+        # Rows join, leave and are cut back between steps, not during them: one host-to-device copy. A row not in
+        # use is at the capacity: a padding token a step feeds it goes to the scratch slot, not over its slots.
+        rest = [self.capacity] * (self.max_batch_size - len(lengths))
+        self.device_lengths.copy_(torch.tensor([*lengths, *rest], dtype=torch.int64))
         self._lengths = lengths
 
 

@@ -65,6 +65,11 @@ def add_parser(commands: Any) -> None:
         "--token-budget", type=positive_int, default=None, metavar="N",
         help="prompt tokens prefilled between two decoding steps at most (default: 128 on a CPU, 2048 on CUDA)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-prefix-cache", dest="prefix_cache", action="store_false",
+        help="run every prompt whole (default: a prompt reuses the keys and values of the longest prefix it shares "
+        "with a prompt run before, kept in --max-batch more cache rows)",
+    )  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no access log (one stderr line per request)")
     parser.add_argument(
         "--no-compile", action="store_true",
@@ -178,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
     scheduler = Scheduler(
         model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
-        prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, log=log,
+        prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, prefix_cache=args.prefix_cache, log=log,
     )  # fmt: skip
     app = create_app(
         scheduler,

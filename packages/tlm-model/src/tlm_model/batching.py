@@ -1,8 +1,10 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
 import functools
+import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import NamedTuple, cast
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast
 
 import torch
 from jaxtyping import Float, Integer
@@ -98,6 +100,32 @@ def pack_chunks(lengths: Sequence[int], starts: Sequence[int]) -> ChunkGrid:
     return ChunkGrid(len(owner), width, owner, positions, cells)
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` have in common (a binary search over slice comparisons, done in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if a[:mid] == b[:mid] else (low, mid - 1)
+    return low
+
+
+@dataclass(eq=False)
+class _Held:
+    """The prefix cache's record of one cache row: the prompt whose keys and values its first slots hold (a row in
+    use: its whole prompt, held up to the row's length), that prompt's scores if the caller kept them, and, for a
+    row in use, what it reused or waits to reuse."""
+
+    ids: list[int] = field(default_factory=list)
+    scores: list[Any] | None = None  # DecodeBatch.keep_scores: one per prompt token
+    top: int = -1  # the alternatives each of ``scores`` holds
+    used: int = 0  # when it last joined or lent its prefix (LRU)
+    wants: int | None = None  # in use: the alternatives its own prompt scores will hold (None: not scored)
+    leader: "_Held | None" = None  # in use: the prefilling row whose prompt it waits to share...
+    planned: int = 0  # ... and how many tokens of it
+    reused: int = 0  # in use: prompt tokens it took from another row
+    prefix: list[Any] | None = None  # their scores (tokens 0 .. reused)
+
+
 class DecodeBatch:
     """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
 
@@ -131,6 +159,18 @@ class DecodeBatch:
     length exactly), so its time follows the rows' lengths, not ``capacity``. The compiled step takes that
     length as a dynamic size: still one graph per batch bucket (on a CPU two in all, see
     :meth:`~tlm_model.InferenceModel.decode_step`).
+
+    **Prefix cache** (``prefix_rows`` not None; vLLM's automatic prefix caching, by whole rows). A row that leaves
+    keeps its prompt's keys and values in its cache row (``remove`` swaps rows rather than overwriting one) until
+    that row is taken again; ``prefix_rows`` more cache rows than ``max_batch_size`` only keep such prompts. A
+    joining prompt takes the longest prefix it shares with any cache row's prompt (one in use or not): a device
+    copy of those slots, and only the rest runs, the last token always (its logits). A row that leaves
+    usually goes to the row the next join takes: before that join copies over it, it moves to the least
+    recently used kept row. A prompt that shares a ``prefill_chunk`` more with a prompt still running than with
+    anything cached waits (``join(..., wait=True)``, :attr:`waiting`; a wait costs a forward) until that prompt has
+    run, then copies (:meth:`settle`). A prompt scored position by position (``scores=k``) reuses only a prefix
+    whose scores the caller kept (:meth:`keep_scores`, ``k`` alternatives at least) and one token less (the next
+    token's score needs the logits of the last reused position); :meth:`reused` gives them back.
     """
 
     def __init__(
@@ -142,6 +182,7 @@ class DecodeBatch:
         prefill_chunk: int = 512,
         min_slots: int = MIN_SLOTS,
         cache: KVCache | None = None,
+        prefix_rows: int | None = None,
     ) -> None:
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
@@ -152,16 +193,19 @@ class DecodeBatch:
         self.min_slots = min_slots
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.max_batch_size = max_batch_size
+        self.prefix_rows = None if prefix_rows is None else check_int("prefix_rows", prefix_rows, low=0)
+        rows = max_batch_size + (prefix_rows or 0)
         self._lm = model.model if isinstance(model, InferenceModel) else model
         if cache is None:
-            cache = self._lm.new_kv_cache(max_batch_size, capacity=capacity)
+            cache = self._lm.new_kv_cache(rows, capacity=capacity)
         elif (cache.layers, cache.max_batch_size, cache.capacity) != (
             self._lm.config.num_layers,
-            max_batch_size,
+            rows,
             cache.capacity if capacity is None else capacity,
         ):
             raise ValueError(
-                f"cache must hold the model's {self._lm.config.num_layers} layers, {max_batch_size} rows"
+                f"cache must hold the model's {self._lm.config.num_layers} layers, {rows} rows"
                 + ("" if capacity is None else f" and {capacity} slots")
                 + f", got {cache.layers}, {cache.max_batch_size} and {cache.capacity}"
             )
@@ -172,7 +216,11 @@ class DecodeBatch:
         self._slot_ids = torch.arange(self.capacity + 1, device=self._device)
         self._slot_buckets: dict[int, Tensor] = {}  # bucket -> arange(bucket), one tensor each, made once
         self._pending: list[Tensor | None] = []  # per row: the prompt ids still to prefill, or None
-        self._decoding = torch.zeros(max_batch_size, dtype=torch.int64, device=self._device)  # 1: takes tokens
+        self._decoding = torch.zeros(rows, dtype=torch.int64, device=self._device)  # 1: takes tokens
+        self._held = [_Held() for _ in range(rows)]  # per cache row (the prefix cache's; rows in use first)
+        self._clock = itertools.count(1)
+        #: Prompt tokens taken from the prefix cache so far (not run).
+        self.reused_tokens = 0
         self._decode_fn: Callable[..., Tensor]
         self._prefill_fn: Callable[..., Tensor]
         # An eager model's step may change shape: it reads only the slots up to the longest row's.
@@ -186,10 +234,6 @@ class DecodeBatch:
         return self.cache.batch_size
 
     @property
-    def max_batch_size(self) -> int:
-        return self.cache.max_batch_size
-
-    @property
     def lengths(self) -> tuple[int, ...]:
         """Each row's tokens so far (prompt + tokens fed; a prefilling row: its prompt tokens run so far)."""
         return self.cache.lengths
@@ -198,6 +242,12 @@ class DecodeBatch:
     def prefilling(self) -> tuple[int, ...]:
         """The rows whose prompt has not finished running."""
         return tuple(r for r, ids in enumerate(self._pending) if ids is not None)
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """The prefilling rows that wait for another row's prompt to run before they take its prefix (run no
+        chunk of them: :meth:`settle` first)."""
+        return tuple(r for r in range(len(self)) if self._held[r].leader is not None)
 
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -227,6 +277,7 @@ class DecodeBatch:
         if group > 1:
             chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
         total, done = len(chunks) + len(sizes), 0
+        prefix_rows, self.prefix_rows = self.prefix_rows, None  # the warm-up's prompts all run (what compiles)
         try:
             for prompts in chunks:
                 self.add_many(prompts)
@@ -248,6 +299,8 @@ class DecodeBatch:
         finally:
             while len(self):
                 self.remove(len(self) - 1)
+            self.prefix_rows = prefix_rows
+            self._held = [_Held() for _ in self._held]
 
     def take_over(self, source: "DecodeBatch") -> None:
         """Hold ``source``'s rows from now on, each where it was (its tokens, its prompt still to run): an
@@ -260,24 +313,118 @@ class DecodeBatch:
                 f"source must have {self.max_batch_size} rows of {self.capacity} slots, got "
                 f"{source.max_batch_size} of {source.capacity}"
             )
+        if self.prefix_rows != source.prefix_rows:
+            raise ValueError(f"source must have prefix_rows={self.prefix_rows}, got {source.prefix_rows}")
         self.cache.copy_from(source.cache)
         self._pending = list(source._pending)
         self._decoding.copy_(source._decoding)
+        self._held, self._clock, self.reused_tokens = list(source._held), source._clock, source.reused_tokens
 
-    def join(self, prompt_ids: Integer[Tensor, " prompt"]) -> int:
-        """Append a row for ``prompt_ids`` without running it (see :meth:`prefill`); returns its index."""
+    def join(self, prompt_ids: Integer[Tensor, " prompt"], *, scores: int | None = None, wait: bool = False) -> int:
+        """Append a row for ``prompt_ids`` without running it (see :meth:`run`); returns its index. With a
+        prefix cache, ``scores`` (the alternatives the caller keeps per prompt token, :meth:`keep_scores`; None:
+        the prompt is not scored) limits what it reuses, and ``wait`` lets it wait for a prompt still running
+        that shares a ``prefill_chunk`` more (:attr:`waiting`). The host reads ``prompt_ids`` (give them on the
+        CPU)."""
         if len(self) == self.max_batch_size:
             raise ValueError(f"the batch has room for {self.max_batch_size} rows, all in use")
-        return self._join_many([prompt_ids])[0]
+        return self._join_many([prompt_ids], scores, wait)[0]
 
-    def _join_many(self, prompts: Sequence[Tensor]) -> list[int]:
-        # One append per cache for all of them (a batch of thousands of rows joins in one go).
-        ids = [self._checked(prompt, least=1).to(self._device) for prompt in prompts]
+    def _join_many(self, prompts: Sequence[Tensor], scores: int | None = None, wait: bool = False) -> list[int]:
+        ids = [self._checked(prompt, least=1) for prompt in prompts]
         first = len(self)
-        self.cache.append_empty_row(len(ids))
-        self._pending.extend(ids)
+        if self.prefix_rows is None:  # one append per cache for all of them (thousands of rows join in one go)
+            self.cache.append_empty_row(len(ids))
+        for row, prompt in enumerate(ids, first):
+            if self.prefix_rows is not None:
+                held = _Held(prompt.tolist(), wants=scores)
+                now, source, planned, leader = self._match(held)
+                if wait and planned - now >= self.prefill_chunk:  # a wait costs a forward: worth a chunk
+                    held.leader, held.planned, now = self._held[leader], planned, 0
+                self._take(row, held, source, now)
+                prompt = prompt[now:]
+            self._pending.append(prompt.to(self._device))
         self._decoding[first : first + len(ids)] = 0
         return list(range(first, first + len(ids)))
+
+    def _match(self, held: _Held) -> tuple[int, int, int, int]:
+        """The longest prefix of ``held.ids`` a cache row holds now and its row, and the longest one a prefilling
+        row will hold once its prompt has run and its row: (now, row, planned, row)."""
+        best = [0, 0, 0, 0]
+        lengths, rows = self.lengths, len(self)
+        for b, other in enumerate(self._held):
+            if other is held or not other.ids or other.ids[0] != held.ids[0]:
+                continue
+            # At most all but the last token (its logits); a scored prompt: one token less (the first token it runs
+            # gives the next one's score) and only a prefix whose scores were kept, or will be once it has run.
+            shared = shared_prefix(other.ids, held.ids) - (held.wants is not None)
+            limit = min(shared, len(held.ids) - 1)
+            scored = will = limit
+            if held.wants is not None:
+                kept = other.scores is not None and other.top >= held.wants
+                scored = will = len(cast(list[Any], other.scores)) - 1 if kept else 0
+                if other.wants is not None and other.wants >= held.wants:
+                    will = len(other.ids) - 1
+            now = max(0, min(limit, scored, lengths[b] if b < rows else len(other.ids)))
+            planned = max(0, min(limit, will)) if b < rows and self._pending[b] is not None else 0
+            if now > best[0]:
+                best[:2] = now, b
+            if planned > best[2]:
+                best[2:] = planned, b
+        return best[0], best[1], best[2], best[3]
+
+    def _take(self, row: int, held: _Held, source: int, reuse: int) -> None:
+        """Row ``row`` (joining, or in use and empty) is ``held`` from now on, its first ``reuse`` tokens copied
+        from cache row ``source``; a joining row's cache row keeps what it held by moving it to the least
+        recently used row kept (unless it is the source itself)."""
+        dst, src, slots = [], [], reuse
+        in_place = reuse > 0 and source == row
+        lender = self._held[source]  # (in place: what the row held before)
+        if reuse and not in_place:
+            dst, src = [row], [source]
+        if row == len(self):
+            old = self._held[row]
+            spare = [b for b in range(row + 1, len(self._held)) if self._held[b].used < old.used]
+            if old.ids and not in_place and spare:
+                lru = min(spare, key=lambda b: self._held[b].used)
+                dst, src, slots = [*dst, lru], [*src, row], max(reuse, len(old.ids))
+                self._held[lru] = old
+            self.cache.append_empty_row(held=reuse)
+        elif reuse:
+            self.cache.advance([reuse if r == row else 0 for r in range(len(self))])
+        self.cache.copy_rows(dst, src, slots)
+        self._held[row] = held
+        held.used = next(self._clock)
+        if reuse:
+            lender.used = held.used
+            held.reused, self.reused_tokens = reuse, self.reused_tokens + reuse
+            if held.wants is not None and lender.scores is not None:
+                held.prefix = lender.scores[: reuse + 1]
+
+    def settle(self) -> None:
+        """Each waiting row whose leader's prompt has run (or which left) takes the longest prefix it finds now
+        and runs the rest."""
+        for row in self.waiting:
+            held = self._held[row]
+            leader = next((b for b in self.prefilling if self._held[b] is held.leader), None)
+            # A scored prompt waits for its leader's scores: they are kept once its whole prompt has run.
+            if leader is not None and (held.wants is not None or self.lengths[leader] < held.planned):
+                continue
+            held.leader = None
+            reuse, source, _, _ = self._match(held)
+            self._take(row, held, source, reuse)
+            self._pending[row] = cast(Tensor, self._pending[row])[reuse:]
+
+    def keep_scores(self, row: int, scores: list[Any], top: int) -> None:
+        """Keep row ``row``'s prompt scores (one per token, ``top`` alternatives each) with its cached prefix: a
+        later prompt scored with ``top`` alternatives at most may reuse them (:meth:`reused`)."""
+        held = self._held[row]
+        held.scores, held.top = scores, top
+
+    def reused(self, row: int) -> tuple[int, list[Any] | None]:
+        """How many of row ``row``'s prompt tokens came from the prefix cache, and (a scored row) the kept
+        scores of its tokens 0 .. that many (as :meth:`keep_scores` got them)."""
+        return self._held[row].reused, self._held[row].prefix
 
     @torch.no_grad()
     def refill(self, row: int, prompt_ids: Integer[Tensor, " prompt"]) -> Float[Tensor, " vocab"] | None:
@@ -288,6 +435,7 @@ class DecodeBatch:
         lengths = list(self.lengths)
         lengths[row] = 0
         self.cache.truncate(lengths)
+        self._held[row] = _Held(ids.tolist() if self.prefix_rows is not None else [])
         if len(ids) == 0:
             self._pending[row] = None
             self._decoding[row] = 1
@@ -397,21 +545,38 @@ class DecodeBatch:
         self.cache.select_rows([])
         self._pending.clear()
         self._decoding.zero_()
+        self._held = [_Held() for _ in self._held]
 
     def remove(self, row: int) -> int | None:
         """Drop row ``row``; the last row moves into its place. Returns the index the moved row had, or None."""
-        rows = len(self)
-        check_int("row", row, low=0, high=rows - 1)
-        last = rows - 1
-        keep = list(range(last))
-        if row != last:
-            keep[row] = last
-        self.cache.select_rows(keep)
-        self._pending[row] = self._pending[last]
-        self._pending.pop()
-        self._decoding[row] = self._decoding[last]
-        self._decoding[last] = 0
-        return last if row != last else None
+        check_int("row", row, low=0, high=len(self) - 1)
+        order = self.remove_many([row])
+        return order[row] if row < len(order) else None
+
+    def remove_many(self, rows: Collection[int]) -> list[int]:
+        """Drop ``rows`` at once, as :meth:`remove` one after another from the highest (each time the last row
+        moves into the place left), with one copy per cache buffer. Returns the new order: the row now at ``i``
+        was row ``order[i]``."""
+        for row in rows:
+            check_int("rows", row, low=0, high=len(self) - 1)
+        order = list(range(len(self)))
+        for row in sorted(set(rows), reverse=True):
+            order[row] = order[-1]
+            order.pop()
+        if self.prefix_rows is not None:  # each keeps the prompt tokens that ran, scores included
+            lengths, kept = self.lengths, set(order)
+            gone = [r for r in range(len(self)) if r not in kept]
+            for row in gone:
+                held, have = self._held[row], lengths[row]
+                held.ids, held.leader, held.wants = held.ids[:have], None, None
+                held.scores = None if held.scores is None else held.scores[:have]
+            self._held[: len(self)] = [self._held[r] for r in (*order, *gone)]
+        self.cache.select_rows(order, keep_rest=self.prefix_rows is not None)
+        self._pending = [self._pending[r] for r in order]
+        decoding = self._decoding[torch.tensor(order, dtype=torch.int64, device=self._device)]
+        self._decoding.zero_()
+        self._decoding[: len(order)] = decoding
+        return order
 
     @torch.no_grad()
     def run(self, tokens: Tensor | None, chunks: Mapping[int, int], every: Collection[int] = ()) -> dict[int, Tensor]:
@@ -421,7 +586,7 @@ class DecodeBatch:
         tokens (n, vocab) when it is in ``every`` (scoring), else after its last (1, vocab), the next token's once
         its prompt is complete (it then decodes from the next step). ``tokens`` are trusted (sampled ids)."""
         for row, n in chunks.items():
-            pending = self._pending[row] if 0 <= row < len(self) else None
+            pending = self._pending[row] if 0 <= row < len(self) and self._held[row].leader is None else None
             if pending is None or not 0 < n <= len(pending):
                 raise ValueError(f"chunks must name prefilling rows and 1 to their prompt tokens left, got {row}: {n}")
         if not chunks:

@@ -8,11 +8,13 @@ it has fewer than ``max_batch`` rows, each with a row whose prompt is still to r
 same rows in order) run together (:meth:`tlm_model.batching.DecodeBatch.run`), so a long prompt delays the
 decoding rows by one budget a step and a short prompt that arrives runs at the next forward. A request that scores
 its prompt (``echo``, lm-eval's ``max_tokens`` 0 or 1) takes the same forward, with every position's logits, and
-``max_tokens`` 0 ends once its prompt has run. Each row samples with its own parameters
-(:mod:`tlm_model.sampling`, one call for the batch) and its own ``torch.Generator`` (seeded by its ``seed``), so
-its tokens do not depend on what shares its batch; ``temperature=0`` is greedy, the same as ``tlm generate
---temperature 0``. Log-probabilities come from the forward that gave the token
-(:func:`tlm_model.sampling.token_logprobs`).
+``max_tokens`` 0 ends once its prompt has run. A prompt that shares a prefix with one run before (a question's
+context, a chat's history) reuses its keys and values, and an ``echo`` prompt its scores
+(:class:`~tlm_model.batching.DecodeBatch`'s prefix cache; ``prefix_cache=False`` runs every prompt whole). Each row
+samples with its own parameters (:mod:`tlm_model.sampling`, one call for the batch) and its own
+``torch.Generator`` (seeded by its ``seed``), so its tokens do not depend on what shares its batch;
+``temperature=0`` is greedy, the same as ``tlm generate --temperature 0``. Log-probabilities come from the forward
+that gave the token (:func:`tlm_model.sampling.token_logprobs`).
 
 A request leaves the batch when it ends (its token budget, an end-of-text token, a stop text) or is cancelled
 (a client that went away), and its row is free for the next step. What one request raises (outside the
@@ -201,12 +203,15 @@ class Scheduler:
         warm_up: bool = False,
         prefill_chunk: int | None = None,
         token_budget: int | None = None,
+        prefix_cache: bool = True,
         log: Callable[[str], None] | None = None,
     ) -> None:
         """``warm_up``: before returning, the thread runs :meth:`DecodeBatch.warm_up` (a compiled model compiles
         every batch size's step now, not on the first requests); its failure is raised here. ``prefill_chunk``:
         one prompt's tokens in one forward while others wait (:meth:`_plan`); ``token_budget``: prompt tokens in one
-        forward at most (None: the device's, :func:`prefill_defaults`). ``log``: told when a background warm-up
+        forward at most (None: the device's, :func:`prefill_defaults`). ``prefix_cache``: prompts reuse the keys and
+        values of a prefix another prompt ran (:class:`DecodeBatch`'s prefix cache, with ``max_batch`` cache rows
+        more that only keep finished prompts). ``log``: told when a background warm-up
         (:meth:`compile_in_background`) starts, ends or fails."""
         self.model, self.tokenizer, self.device = model, tokenizer, device
         # The eager model inside any compiled wrapper (what a background warm-up compiles).
@@ -215,7 +220,9 @@ class Scheduler:
         self.vocab = model.config.vocab_size
         self.eos = set(eos_ids)
         chunk, budget = prefill_defaults(device)
-        self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk)
+        self._prefix_rows = max_batch if prefix_cache else None
+        self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk,
+                                 prefix_rows=self._prefix_rows)  # fmt: skip
         self.prefill_budget = budget if token_budget is None else token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
@@ -293,7 +300,7 @@ class Scheduler:
         try:
             with torch.inference_mode():  # the graphs are compiled under the mode the steps run in
                 batch = DecodeBatch(compile_for_inference(cast(Any, self._plain)), self.max_batch,
-                                    prefill_chunk=self.batch.prefill_chunk)  # fmt: skip
+                                    prefill_chunk=self.batch.prefill_chunk, prefix_rows=self._prefix_rows)  # fmt: skip
                 batch.warm_up(progress)
         except Exception as err:
             warming["error"] = f"{type(err).__name__}: {err}"
@@ -420,6 +427,7 @@ class Scheduler:
         self._admit()
         if not self._rows:
             return True
+        self.batch.settle()
         plan = self._plan()
         decoding = any(row.token is not None for row in self._rows)
         tokens = (
@@ -437,7 +445,7 @@ class Scheduler:
             if row.request.echo:
                 row.scores.append(logits)
             if r not in prefilling:
-                self._prompt_done(row, logits[-1])
+                self._prompt_done(r, logits[-1])
         self._sample_ready()
         self._drop_ended()
         return True
@@ -448,7 +456,8 @@ class Scheduler:
         budget leaves then goes to the same rows in turn (a lone long prompt takes it all). A row passed over
         twice goes first, so that prompts joining every step never starve a long one."""
         lengths, budget = self.batch.lengths, self.prefill_budget
-        left = {r: len(self._rows[r].request.prompt) - lengths[r] for r in self.batch.prefilling}
+        ready = set(self.batch.prefilling) - set(self.batch.waiting)
+        left = {r: len(self._rows[r].request.prompt) - lengths[r] for r in ready}
         order = sorted(left, key=lambda r: (self._rows[r].skipped < 2, left[r]))
         plan: dict[int, int] = {}
         for cap in (self.batch.prefill_chunk, budget):
@@ -460,16 +469,22 @@ class Scheduler:
             self._rows[r].skipped = 0 if r in plan else self._rows[r].skipped + 1
         return plan
 
-    def _prompt_done(self, row: _Row, logits: torch.Tensor) -> None:
-        """``row``'s prompt has run: its scores go out (``echo``), then it samples its first token from
-        ``logits``, or ends (``max_tokens`` 0)."""
+    def _prompt_done(self, r: int, logits: torch.Tensor) -> None:
+        """Row ``r``'s prompt has run: its scores go out (``echo``; those of a prefix it reused were kept by the
+        row that ran it), then it samples its first token from ``logits``, or ends (``max_tokens`` 0)."""
+        row = self._rows[r]
         request = row.request
         try:
             if request.echo:
-                prompt = torch.tensor(request.prompt, device=self.device)
-                scores = self._score(torch.cat(row.scores)[:-1], prompt[1:], request.logprobs or 0)
+                k = request.logprobs or 0
+                start, kept = self.batch.reused(r)
+                head = [Scored(s.token, s.logprob, s.top[:k]) for s in kept or [Scored(request.prompt[0], None, [])]]
+                prompt = torch.tensor(request.prompt[start + 1 :], device=self.device)
+                scored = [*head, *self._score(torch.cat(row.scores)[:-1], prompt, k)]
                 row.scores = []
-                request.emit(Piece("", prompt_scored=[Scored(request.prompt[0], None, []), *scores]))
+                if self._prefix_rows is not None:
+                    self.batch.keep_scores(r, scored, k)
+                request.emit(Piece("", prompt_scored=scored))
             if request.max_tokens == 0:
                 request.cancelled.set()
                 self._last.append((request, Piece("", "length")))
@@ -493,12 +508,10 @@ class Scheduler:
 
     def _drop_ended(self) -> None:
         """Ended and cancelled rows leave (the last row takes each one's place); then their last pieces go out."""
-        for r in reversed(range(len(self._rows))):
-            if self._rows[r].request.cancelled.is_set():
-                self.batch.remove(r)
-                self._rows[r] = self._rows[-1]
-                self._rows.pop()
-                self._left(1)
+        ended = [r for r, row in enumerate(self._rows) if row.request.cancelled.is_set()]
+        if ended:
+            self._rows = [self._rows[r] for r in self.batch.remove_many(ended)]
+            self._left(len(ended))
         self._send_last()
 
     def _admit(self) -> None:
@@ -518,7 +531,8 @@ class Scheduler:
                 self._fail(request, err)
                 self._left(1)
                 continue
-            self.batch.join(torch.tensor(request.prompt, device=self.device))
+            scores = (request.logprobs or 0) if request.echo else None
+            self.batch.join(torch.tensor(request.prompt), scores=scores, wait=True)
             self._rows.append(row)
         self._joining = []
 
