@@ -63,11 +63,13 @@ def port(folder):
     assert " on http://127.0.0.1:" in first, first + process.stderr.read()
     threading.Thread(target=process.stderr.read, daemon=True).start()
     number = first.split("127.0.0.1:")[1].split("/")[0]
-    for _ in range(200):
+    deadline = time.monotonic() + 120  # uvicorn listens once started: seconds on a busy machine
+    while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{number}/health", timeout=5)
             break
         except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "the server never answered /health"
             time.sleep(0.05)
     yield number
     process.terminate()

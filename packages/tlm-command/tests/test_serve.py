@@ -57,13 +57,17 @@ class Server:
         threading.Thread(target=lambda: self.log.extend(self.process.stderr), daemon=True).start()
         self.port = int(line.split("127.0.0.1:")[1].split("/")[0])
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        for _ in range(200):
+        # The port is bound before that line; uvicorn listens on it once started (seconds on a busy machine).
+        deadline = time.monotonic() + 120
+        while True:
             try:
                 if self.get("/health")[0] == 200:
                     return
             except OSError:
-                time.sleep(0.05)
-        raise AssertionError("the server never answered /health")
+                pass
+            assert self.process.poll() is None, f"the server exited ({self.process.returncode}): {self.log[-5:]}"
+            assert time.monotonic() < deadline, "the server never answered /health"
+            time.sleep(0.05)
 
     def request(self, method, path, body=None, headers=None):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -79,6 +83,15 @@ class Server:
 
     def post(self, path, body):
         return self.request("POST", path, body)
+
+
+def _until(condition, seconds=60, what="the condition", pause=0.05):
+    """``condition()``'s first true value, polled until ``seconds`` have passed (a busy machine may take seconds)."""
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"waited {seconds} s for {what}"
+        time.sleep(pause)
+    return value
 
 
 @pytest.fixture(scope="module")
@@ -296,11 +309,9 @@ def test_after_every_pathological_value_the_same_process_serves_normally(server,
     assert answer.choices[0].text == expected
     # The access log has a line for each request, with its tokens.
     usage = f"prompt_tokens={answer.usage.prompt_tokens} completion_tokens={answer.usage.completion_tokens} ttft="
-    for _ in range(100):  # the line is written once the answer's last byte is sent
-        if any(line.startswith("tlm serve: POST /v1/completions 200 " + usage) for line in server.log):
-            break
-        time.sleep(0.02)
-    assert any(line.startswith("tlm serve: POST /v1/completions 200 " + usage) for line in server.log), server.log[-3:]
+    # The line is written once the answer's last byte is sent, then read by the fixture's thread.
+    _until(lambda: any(line.startswith("tlm serve: POST /v1/completions 200 " + usage) for line in server.log),
+           what=f"the access log's line with {usage}")  # fmt: skip
     assert any(line.startswith("tlm serve: POST /v1/completions 413 ") for line in server.log)
 
 
@@ -319,12 +330,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row(server):
     assert response.status == 200 and response.readline().startswith(b"data: ")
     conn.sock.shutdown(2)  # the client goes away with the request far from done
     conn.close()
-    for _ in range(200):
-        health = server.get("/health")[1]
-        if health["active"] == 0:
-            break
-        time.sleep(0.05)
-    assert health["active"] == 0 and health["steps"] - before < CONTEXT - 10 - 5
+    health = _until(lambda: (h := server.get("/health")[1])["active"] == 0 and h)
+    assert health["steps"] - before < CONTEXT - 10 - 5
 
 
 def test_a_full_server_answers_429_with_retry_after_instead_of_queueing(server, checkpoint):
@@ -348,10 +355,7 @@ def test_a_full_server_answers_429_with_retry_after_instead_of_queueing(server, 
     for conn in conns:
         conn.sock.shutdown(2)
         conn.close()
-    for _ in range(400):
-        if server.get("/health")[1]["active"] == 0:
-            break
-        time.sleep(0.05)
+    _until(lambda: server.get("/health")[1]["active"] == 0)
     assert server.get("/health")[1] == {**server.get("/health")[1], "active": 0, "waiting": 0}
 
 
@@ -364,14 +368,15 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(server):
     response = conn.getresponse()
     assert response.readline().startswith(b"data: ")
     server.process.send_signal(signal.SIGTERM)
-    for _ in range(100):
+
+    def refused():
         try:
             server.get("/health")
         except OSError:
-            break  # the listener is closed
-        time.sleep(0.01)
-    else:
-        raise AssertionError("the server still accepted connections after SIGTERM")
+            return True  # the listener is closed
+        return False
+
+    _until(refused, what="the server to stop accepting connections after SIGTERM", pause=0.01)
     assert server.process.poll() is None  # still finishing the stream
     rest = response.read().decode()
     assert rest.rstrip().endswith("data: [DONE]")

@@ -71,6 +71,7 @@ def test_the_server_answers_with_the_eager_engine_while_the_compiled_one_warms_u
     thread.start()
     try:
         while not server.started:
+            assert thread.is_alive(), "uvicorn ended before it started"
             time.sleep(0.01)
         scheduler.compile_in_background()
         status, health = _get(port, "/health")
@@ -152,7 +153,8 @@ def test_the_real_server_logs_no_recompile_once_the_compiled_engine_serves(tmp_p
         log: list[str] = []
         line = process.stderr.readline()
         assert " on http://127.0.0.1:" in line and "warmed up" in line, line
-        threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
+        reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
+        reader.start()
         port = int(line.split("127.0.0.1:")[1].split("/")[0])
         deadline = time.monotonic() + 900
         while True:  # the server answers at once; the compiled engine takes over once warmed up
@@ -165,7 +167,14 @@ def test_the_real_server_logs_no_recompile_once_the_compiled_engine_serves(tmp_p
             assert "error" not in health.get("warm_up", {}) or not health["warm_up"]["error"], health
             time.sleep(1)
         assert health.get("engine") == "compiled", json.dumps(health)
-        seen = len(log)
+        # Where the compiled engine took over in the log: the scheduler thread says so once it has switched, and
+        # the warm-up's graphs were all compiled (and their guards logged) before it. The reader thread may lag
+        # /health by any time on a busy machine, so the line is waited for, not the log's length taken now.
+        switched = "tlm serve: the compiled engine serves from now on"
+        while not any(line.startswith(switched) for line in list(log)):
+            assert time.monotonic() < deadline and process.poll() is None, log
+            time.sleep(0.05)
+        seen = 1 + next(i for i, line in enumerate(list(log)) if line.startswith(switched))
         assert any("GUARDS" in line for line in log[:seen])  # the log is on: each graph's guards as it compiles
         long = "Once upon a time " * 3  # 36 tokens: with its 4 new ones within the 48 of the context
         bodies = [
@@ -184,7 +193,11 @@ def test_the_real_server_logs_no_recompile_once_the_compiled_engine_serves(tmp_p
         for t in threads:
             t.join(120)
         assert sorted(status for status, _ in results) == [200] * len(bodies), results
-        time.sleep(1)  # the log's reader thread catches up
+        # Every line the requests made is read once the server has stopped and its stderr has ended.
+        process.terminate()
+        assert process.wait(60) == 0
+        reader.join(60)
+        assert not reader.is_alive() and log[-1].startswith("tlm serve: stopped"), log[-3:]
         compiled = [line for line in log[seen:] if "Recompiling" in line or "GUARDS" in line]
         assert not compiled, log[seen:]  # no graph compiled, new or again
     finally:

@@ -92,11 +92,13 @@ def server(export):
     assert " on http://127.0.0.1:" in line, line + process.stderr.read()
     threading.Thread(target=process.stderr.read, daemon=True).start()
     url = "http://127.0.0.1:" + line.split("127.0.0.1:")[1].split("/")[0]
-    for _ in range(200):
+    deadline = time.monotonic() + 120  # uvicorn listens once started: seconds on a busy machine
+    while True:
         try:
             urllib.request.urlopen(url + "/health", timeout=5)
             break
         except OSError:
+            assert process.poll() is None and time.monotonic() < deadline, "the server never answered /health"
             time.sleep(0.05)
     yield url
     process.terminate()
