@@ -1,0 +1,15 @@
+"""KVCache.advance refuses a negative count even where the row's length would stay non-negative: a row's length
+only grows by advance (truncate is what shortens one)."""
+
+import pytest
+
+from tlm_attention import KVCache
+
+
+@pytest.mark.parametrize("new", [[-1, 0], [0, -1], [-2, 1]])
+def test_advance_refuses_a_negative_count_and_changes_nothing(new):
+    cache = KVCache(2, 2, capacity=8, d_head=4)
+    cache.advance([3, 3])
+    with pytest.raises(ValueError, match=rf"holds 8 tokens per row; \(3, 3\) \+ \[{new[0]}, {new[1]}\] does not fit"):
+        cache.advance(new)
+    assert cache.lengths == (3, 3) and cache.device_lengths[:2].tolist() == [3, 3]
