@@ -566,6 +566,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-package", type=int, help="sample at most this many mutants per package (seeded)")
     parser.add_argument("--owning", action="store_true", help="run only the owning package's tests")
     parser.add_argument("--fast", action="store_true", help="leave out the tests marked slow (-m 'not slow')")
+    parser.add_argument(
+        "--one-baseline",
+        action="store_true",
+        help="one unmutated run of every selected test, instead of one per source file (its time sets every timeout)",
+    )
     parser.add_argument("--list", action="store_true", help="list the mutants and their tests, run nothing")
     parser.add_argument("--python", default=sys.executable, help="interpreter that runs pytest")
     parser.add_argument(
@@ -645,17 +650,26 @@ def main(argv: list[str] | None = None) -> int:
 
         total = sum(len(m) for _, _, m, _ in plan)
         bar = tqdm(total=total, unit="mutant", file=sys.stderr) if tqdm else None
-        for path, tests, mutants, _ in plan:
-            rel = str(path.relative_to(ROOT))
-            copy_path = sandbox.copy_of(rel)
-            original = path.read_text()
-            baseline_log = sandbox.root / "baseline.log"
-            status, baseline = run(tests, 3600, str(baseline_log))
+        baseline_log = sandbox.root / "baseline.log"
+
+        def baseline_of(tests: list[str], what: str) -> float:
+            status, seconds = run(tests, 3600, str(baseline_log))
             if status != "survived":
                 # pytest's own summary says which test failed; a stale editable install (whose metadata
                 # still names an old version) has been the cause before.
                 tail = "\n".join(baseline_log.read_text(errors="replace").splitlines()[-25:])
-                sys.exit(f"mutate: the unmutated tests for {rel} do not pass ({status}): {' '.join(tests)}\n{tail}")
+                sys.exit(f"mutate: the unmutated tests for {what} do not pass ({status}): {' '.join(tests)}\n{tail}")
+            return seconds
+
+        union_baseline = None
+        if args.one_baseline:  # every file's selection is a subset of the union: one unmutated run vouches for all
+            union = list(dict.fromkeys(t for _, tests, _, _ in plan for t in tests))
+            union_baseline = baseline_of(union, "these files")
+        for path, tests, mutants, _ in plan:
+            rel = str(path.relative_to(ROOT))
+            copy_path = sandbox.copy_of(rel)
+            original = path.read_text()
+            baseline = union_baseline if union_baseline is not None else baseline_of(tests, rel)
             timeout = args.timeout or 3 * baseline + 10
             source = _Source(original)
             try:
@@ -688,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         "changed since": args.changed_since,
         "owning package's tests only": args.owning,
         "slow tests left out": args.fast,
+        "one baseline": args.one_baseline,
         "seed": args.seed,
         "minutes": round((time.time() - started) / 60, 1),
     }

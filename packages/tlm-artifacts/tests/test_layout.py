@@ -84,6 +84,9 @@ def test_latest_joins_the_listing_and_a_stale_or_odd_pointer_is_ignored(tmp_path
     assert folders.steps() == [1]
     (tmp_path / "latest").write_text("step_00000003" + " " * 200)  # within the bound: read
     assert folders.steps() == [1, 3]
+    for size, read in ((256, [1, 3]), (257, [1])):  # the bound itself is read; one byte more is not
+        (tmp_path / "latest").write_text("step_00000003".ljust(size))
+        assert folders.steps() == read, size
     (tmp_path / "latest").unlink()
     os.mkfifo(tmp_path / "latest")  # a FIFO is no pointer, and never waited on
     assert folders.steps() == [1]

@@ -2,11 +2,15 @@
 
 import hashlib
 import io
+import pickle
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 
-from tlm_artifacts.train_state import FORMAT, TRAILER, load_train_state
+from tlm_artifacts.train_state import FORMAT, TRAILER, check_loadable, load_train_state
 
 
 def _file(payload: dict) -> bytes:
@@ -57,3 +61,29 @@ def test_read_sharded_tensors_names_a_step_folder_that_holds_no_shards(tmp_path,
     folder = writers.write_step(tmp_path / "step_00000001", writers.model(1), 1)
     with pytest.raises(FileNotFoundError, match="records no shards"):
         read_sharded_tensors(folder)
+
+
+LOADABLE = [None, True, 3, 2.5, "x", b"\x00\x01", torch.bfloat16, torch.device("cpu"), torch.arange(3),
+             {"a": [1, (2.0, None)], 7: {"b": torch.float32}}]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", LOADABLE, ids=lambda v: type(v).__name__)
+def test_what_check_loadable_passes_loads_back_with_weights_only(value):
+    check_loadable(value)
+    check_loadable({"nested": [value]})
+    buffer = io.BytesIO()
+    torch.save({"value": value}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["value"]  # the reference: torch's own safe loader
+    assert torch.equal(loaded, value) if isinstance(value, torch.Tensor) else loaded == value
+
+
+@pytest.mark.parametrize("value", [Path("x"), Fraction(1, 3), Decimal("1.5")], ids=lambda v: type(v).__name__)
+def test_what_weights_only_cannot_load_is_refused_naming_where_it_is(value):
+    buffer = io.BytesIO()
+    torch.save({"value": value}, buffer)
+    buffer.seek(0)
+    with pytest.raises(pickle.UnpicklingError):  # the reference: torch's safe loader refuses it too
+        torch.load(buffer, weights_only=True)
+    with pytest.raises(TypeError, match=rf"^checkpoint\['a'\]\[1\] is a {type(value).__name__}, which torch.load"):
+        check_loadable({"a": [1, value]})

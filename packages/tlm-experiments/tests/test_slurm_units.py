@@ -121,6 +121,22 @@ def test_submit_records_each_task_and_a_refused_array_is_one_line(tmp_path, monk
         assert str(info.value) == f"--launcher slurm: sbatch refused the job array of 1 runs: {detail}"
 
 
+def test_the_job_array_is_named_after_the_sweep_folder_cut_to_100_characters(tmp_path, monkeypatch):
+    """The cap of 100 is the launcher's own choice, pinned here; so is that the name is the folder's,
+    kept whole when it fits and cut, never refused, when it does not."""
+    submitit = pytest.importorskip("submitit")
+    folder, manifest = _sweep_folder(tmp_path)
+    monkeypatch.setattr(submitit, "SlurmExecutor", lambda folder: FakeExecutor(folder))
+    for name in ("s", "x" * 90, "y" * 200):
+        renamed = folder.rename(tmp_path / name)
+        FakeExecutor.made.clear()
+        slurm.submit(renamed, manifest, manifest["runs"][:1], jobs=None)
+        (executor,) = FakeExecutor.made
+        assert executor.parameters["job_name"] == f"tlm-sweep-{name}"[:100]
+        assert len(executor.parameters["job_name"]) == min(100, len("tlm-sweep-") + len(name))
+        folder = renamed
+
+
 def test_run_on_slurm_submits_only_the_unfinished_runs_afresh(tmp_path, monkeypatch):
     folder, manifest = _sweep_folder(tmp_path)
     manifest["runs"][0].update(status="done", job="70_0")

@@ -103,6 +103,7 @@ def test_bad_arguments_are_refused_before_writing(tmp_path):
         save_gguf(model, tmp_path / "m.gguf", vocabulary=GGUFVocabulary(list("abcde"), []))
     with pytest.raises(TypeError, match="^vocabulary must be a GGUFVocabulary or None, got dict$"):
         save_gguf(model, tmp_path / "m.gguf", vocabulary={"tokens": list("ab")})
-    with pytest.raises(IsADirectoryError):
-        save_gguf(model, tmp_path)
-    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(IsADirectoryError, match=f"^path must be a file to write, got the folder {tmp_path}/folder$"):
+        save_gguf(model, tmp_path / "folder")  # refused before a file is written beside it
+    assert list(tmp_path.iterdir()) == [tmp_path / "folder"] and list((tmp_path / "folder").iterdir()) == []
