@@ -21,6 +21,14 @@ def test_batch_buckets_refuse_a_batch_size_that_is_not_a_positive_int(size, erro
         batch_buckets(size)
 
 
+def test_a_limit_of_two_buckets_is_one_row_and_the_largest_batch():
+    # The docstring: 1, the powers of two below max_batch_size and max_batch_size itself, at most ``limit``.
+    assert batch_buckets(16, limit=2) == (1, 16)
+    assert batch_buckets(16, limit=3) == (1, 8, 16)
+    with pytest.raises(ValueError, match="^limit must be >= 2, got 1$"):
+        batch_buckets(16, limit=1)
+
+
 def _fewest_cells(lengths):
     """The docstring's rule by search: among a power of two up to the longest chunk, half the longest (rounded
     up) and the longest (each at least 2), the width of the fewest cells (at least 2 rows), the widest of equals."""
