@@ -29,16 +29,13 @@ def test_the_writer_process_is_ended_once_and_forgotten(monkeypatch):
 def test_a_cpu_states_sharded_save_stages_a_fresh_copy_in_pageable_memory(monkeypatch, shared):
     """Pinned (page-locked) host buffers serve copies from an accelerator; a CPU state's stager asks for none, each
     save having its own stager. torch's StagingOptions defaults to pinned memory, so the option must be said."""
-    import torch
-
     staging = pytest.importorskip("torch.distributed.checkpoint.staging")
     from tlm_train.checkpoint import BackgroundSaver
 
     made = []
     monkeypatch.setattr(staging, "DefaultStager", lambda options: made.append(options) or object())
     assert staging.StagingOptions().use_pinned_memory  # the default the call must override
-    state = {"model": {"w": torch.zeros(2)}, "optimizer": {"state": {"w": {"exp_avg": torch.zeros(2), "step": 3}}}}
-    stager, own = BackgroundSaver()._shard_stager(state, shared=shared)
+    stager, own = BackgroundSaver()._shard_stager(False, shared=shared)  # submit's decision for a CPU state
     (options,) = made
     assert own is True and stager is not None
     assert options.use_pinned_memory is False and options.use_non_blocking_copy is False
