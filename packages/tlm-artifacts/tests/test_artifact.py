@@ -254,11 +254,11 @@ def test_a_damaged_peft_adapter_is_one_value_error_naming_it(tmp_path, writers, 
     )
     changed = damage(folder, config)
     (folder / "adapter_config.json").write_text(json.dumps(changed if isinstance(changed, dict) else config))
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: a busy machine stretches the wall clock, not the work done
     with pytest.raises(ValueError, match=message) as info:
         load_model(resolve(folder))
     assert "\n" not in str(info.value) and str(folder) in str(info.value)
-    assert time.perf_counter() - start < 10  # refused before anything of the rank's size is allocated
+    assert time.process_time() - start < 10  # refused before anything of the rank's size is allocated
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")

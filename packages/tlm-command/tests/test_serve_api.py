@@ -714,20 +714,22 @@ def test_a_template_that_loops_is_stopped_with_a_400_and_the_worker_is_freed(tmp
     looping = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], "max_tokens": 1}
     with Client(app) as client:
         for _ in range(3):  # more than once: each request's worker thread comes back
-            start = time.perf_counter()
+            # CPU seconds of every thread of this process (the render runs in the app's worker): a busy machine
+            # stretches the wall clock, not the work done.
+            start = time.process_time()
             status, body = post(client, "/v1/chat/completions", looping)
             assert status == 400 and body["error"]["param"] == "messages", body
             assert "took more than 0.3 s to render" in body["error"]["message"]
-            assert time.perf_counter() - start < 5
+            assert time.process_time() - start < 5
         assert client.get("/health")[0] == 200
         ok = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
         assert ok[0] == 200
         # 25,000 empty messages: refused by their count before any rendering (the context holds 64 tokens).
-        start = time.perf_counter()
+        start = time.process_time()
         status, body = post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}] * 25_000})
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
         assert "25000 messages, more than 64 tokens can hold" in body["error"]["message"]
-        assert time.perf_counter() - start < 5
+        assert time.process_time() - start < 5
         # A name counts towards the characters a prompt may hold, as the content does.
         longest = max(len(token) for token in tokenizer.vocab.values())
         named = {"messages": [{"role": "user", "name": "n" * (64 * longest + 1), "content": ""}]}

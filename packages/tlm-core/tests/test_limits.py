@@ -9,11 +9,11 @@ from tlm_core.limits import TimeLimitExceeded, time_limit
 
 
 def test_a_loop_past_the_bound_is_stopped_with_the_message():
-    start = time.perf_counter()
+    start = time.process_time()  # CPU seconds: a busy machine stretches the wall clock, not the loop's work
     with pytest.raises(TimeLimitExceeded, match="^too slow$"), time_limit(0.05, "too slow"):
         while True:
             pass
-    assert time.perf_counter() - start < 2
+    assert time.process_time() - start < 2
 
 
 def test_a_block_that_ends_first_is_untouched_and_nothing_arrives_after_it():
