@@ -338,6 +338,28 @@ def not_a_file() -> type[_NotAFile]:
     return _NotAFile
 
 
+@pytest.fixture
+def hand_run() -> Callable[..., object]:
+    """``hand_run(folder, records, **settings)``: a run folder as ``tlm train`` leaves it, written by hand (4 steps
+    of a tiny model, ``train.toml`` with the resolved model, ``metrics.jsonl`` of ``records``); returns its
+    TrainConfig. The run readers' tests in tlm-experiments and tlm-command."""
+    import json
+
+    from tlm_train import TrainConfig
+
+    tiny = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
+
+    def write(folder: Path, records: list[dict], **settings: object) -> TrainConfig:
+        config = TrainConfig(out_dir=str(folder), vocab_size=32, steps=4, model=tiny, **settings)
+        folder.mkdir(parents=True)
+        config = config.replace(model=config.model_config(32).to_dict(drop_none=True))
+        (folder / "train.toml").write_text(config.to_toml())
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return config
+
+    return write
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes to kill, started by fork from a warm interpreter
 

@@ -58,10 +58,29 @@ def model(seed: int) -> TransformerLM:
     return TransformerLM(CONFIG, fused=False)
 
 
+def lora_step(base: TransformerLM, base_folder: Path) -> tuple[TransformerLM, dict]:
+    """``base`` with LoRA adapters on q and v (rank 2, alpha 4) whose B is random (B = 0 would merge to the base
+    itself), and the ``lora`` record a train state keeps for them over the base saved in ``base_folder``."""
+    from tlm_lora import apply_lora, weights_sha256
+
+    adapted = TransformerLM(base.config, fused=False)
+    adapted.load_state_dict(base.state_dict())
+    apply_lora(adapted, "q,v", rank=2, alpha=4.0, dropout=0.0)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    lora = {"rank": 2, "alpha": 4.0, "targets": "q,v", "dropout": 0.0,
+            "base": {"path": str(base_folder), "sha256": weights_sha256(base.state_dict())}}  # fmt: skip
+    return adapted, lora
+
+
 @pytest.fixture
 def writers():
     """The writers above, for the tests (``import`` of a test folder's module does not work in importlib mode)."""
-    return SimpleNamespace(CONFIG=CONFIG, model=model, write_state=write_state, write_step=write_step)
+    return SimpleNamespace(CONFIG=CONFIG, model=model, write_state=write_state, write_step=write_step,
+                           lora_step=lora_step)  # fmt: skip
 
 
 @pytest.fixture

@@ -4,29 +4,20 @@ adapters merged, in that dtype, equal to tlm_lora's own merge of the same adapte
 import torch
 
 from tlm_artifacts import load_model, resolve
-from tlm_model import TransformerLM, save_model_file
+from tlm_model import save_model_file
 
 
 def test_a_lora_step_opens_merged_in_the_dtype_asked_for(tmp_path, writers):
     from tlm_artifacts.lora import adapter_bytes, file_sha256
-    from tlm_lora import apply_lora, merged_state_dict, weights_sha256
+    from tlm_lora import merged_state_dict
 
     base = writers.model(1)
     save_model_file(base, tmp_path / "base")
-    adapted = TransformerLM(base.config, fused=False)
-    adapted.load_state_dict(base.state_dict())
-    apply_lora(adapted, "q,v", rank=2, alpha=4.0, dropout=0.0)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if ".lora_B." in name:
-                p.normal_()  # B = 0 would merge to the base itself
+    adapted, lora = writers.lora_step(base, tmp_path / "base")
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     folder.mkdir(parents=True)
     data = adapter_bytes({k: v for k, v in adapted.state_dict().items() if ".lora_" in k})
     (folder / "adapter.safetensors").write_bytes(data)
-    lora = {"rank": 2, "alpha": 4.0, "targets": "q,v", "dropout": 0.0,
-            "base": {"path": str(tmp_path / "base"), "sha256": weights_sha256(base.state_dict())}}  # fmt: skip
     writers.write_state(folder / "train_state.pt", {"step": 3, "lora": lora, "adapter_sha256": file_sha256(data),
                                                     "model_config": writers.CONFIG.to_dict()})  # fmt: skip
     loaded, step = load_model(resolve(folder), dtype=torch.bfloat16)

@@ -38,24 +38,15 @@ def test_a_sharded_steps_sizes_and_tensors_are_what_was_saved(tmp_path, writers)
 
 
 def test_a_lora_runs_sharded_step_opens_as_its_base_with_the_sharded_adapters_merged(tmp_path, writers):
-    from tlm_lora import apply_lora, merged_state_dict, weights_sha256
-    from tlm_model import TransformerLM, save_model_file
+    from tlm_lora import merged_state_dict
+    from tlm_model import save_model_file
 
     base = writers.model(1)
     save_model_file(base, tmp_path / "base")
-    adapted = TransformerLM(base.config, fused=False)
-    adapted.load_state_dict(base.state_dict())
-    apply_lora(adapted, "q,v", rank=2, alpha=4.0, dropout=0.0)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if ".lora_B." in name:
-                p.normal_()
+    adapted, lora = writers.lora_step(base, tmp_path / "base")
     folder = tmp_path / "run" / "checkpoints" / "step_00000003"
     folder.mkdir(parents=True)
     files = _write_shards(folder, {k: v for k, v in adapted.state_dict().items() if ".lora_" in k})
-    lora = {"rank": 2, "alpha": 4.0, "targets": "q,v", "dropout": 0.0,
-            "base": {"path": str(tmp_path / "base"), "sha256": weights_sha256(base.state_dict())}}  # fmt: skip
     writers.write_state(folder / "train_state.pt", {"step": 3, "lora": lora, "shard_files": files,
                                                     "model_config": base.config.to_dict()})  # fmt: skip
     loaded, step = load_model(resolve(folder), dtype=torch.float32)

@@ -12,16 +12,6 @@ from tlm_train import TrainConfig
 TINY = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
 
 
-def _run(folder, records, **settings):
-    """A run folder as tlm train leaves it: train.toml (the resolved model) and metrics.jsonl."""
-    config = TrainConfig(out_dir=str(folder), vocab_size=32, steps=4, model=TINY, **settings)
-    folder.mkdir()
-    config = config.replace(model=config.model_config(32).to_dict(drop_none=True))
-    (folder / "train.toml").write_text(config.to_toml())
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return config
-
-
 FINISHED = [
     {"step": 0, "tokens": 0, "val_loss": 4.0, "time_s": 0.5},
     {"step": 2, "tokens": 128, "train_loss": 3.6, "val_loss": 3.1, "time_s": 1.5},
@@ -34,9 +24,9 @@ DIVERGED = [
 ]
 
 
-def test_runs_side_by_side_with_what_differs_and_how_each_ended(tmp_path, capsys) -> None:
-    config = _run(tmp_path / "a", FINISHED, lr=1e-3)
-    _run(tmp_path / "b", DIVERGED, lr=1e-2)
+def test_runs_side_by_side_with_what_differs_and_how_each_ended(hand_run, tmp_path, capsys) -> None:
+    config = hand_run(tmp_path / "a", FINISHED, lr=1e-3)
+    hand_run(tmp_path / "b", DIVERGED, lr=1e-2)
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -71,10 +61,10 @@ UNSTABLE = [  # finished, but its loss went to 6.5 > 1.5 × 4.0 at step 2 on the
 INTERRUPTED = FINISHED[:2]  # stopped (Ctrl-C) at step 2 of 4: resumable
 
 
-def test_each_status_says_what_happened_and_the_unstable_threshold_is_a_flag(tmp_path, capsys) -> None:
+def test_each_status_says_what_happened_and_the_unstable_threshold_is_a_flag(hand_run, tmp_path, capsys) -> None:
     for name, records in (("done", FINISHED), ("diverged", DIVERGED), ("unstable", UNSTABLE),
                           ("interrupted", INTERRUPTED)):  # fmt: skip
-        _run(tmp_path / name, records, lr=len(name) * 1e-3)
+        hand_run(tmp_path / name, records, lr=len(name) * 1e-3)
     folders = [str(tmp_path / n) for n in ("done", "diverged", "unstable", "interrupted")]
     assert main(["compare", *folders, "--json"]) == 0
     runs = json.loads(capsys.readouterr().out)["runs"]
@@ -89,14 +79,16 @@ def test_each_status_says_what_happened_and_the_unstable_threshold_is_a_flag(tmp
     assert json.loads(capsys.readouterr().out)["runs"][2]["status"] == "done"
 
 
-def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by_seed(tmp_path, capsys) -> None:
+def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by_seed(
+    hand_run, tmp_path, capsys
+) -> None:
     from tlm_experiments.stats import difference
 
     finals = {("baseline", 0): 3.20, ("baseline", 1): 3.25, ("baseline", 2): 3.18,
               ("wide", 0): 3.10, ("wide", 1): 3.16, ("wide", 2): 3.07}  # fmt: skip
     for (setting, seed), final in finals.items():
         records = [*FINISHED[:2], {**FINISHED[2], "val_loss": final}]
-        _run(tmp_path / f"{setting}{seed}", records, seed=seed, lr=1e-3 if setting == "baseline" else 2e-3)
+        hand_run(tmp_path / f"{setting}{seed}", records, seed=seed, lr=1e-3 if setting == "baseline" else 2e-3)
     assert main(["compare", *sorted(str(p) for p in tmp_path.iterdir()), "--json"]) == 0
     base, wide = json.loads(capsys.readouterr().out)["settings"]
     assert (base["label"], base["seeds"], base["vs_baseline"]) == ("lr=0.001", [0, 1, 2], None)
@@ -110,8 +102,8 @@ def test_seeds_of_a_setting_are_grouped_and_compared_with_the_baseline_paired_by
     assert report["settings"][0]["vs_baseline"]["estimate"] == pytest.approx(-expected.estimate, rel=1e-12)
 
 
-def test_a_baseline_that_is_not_a_setting_is_one_line(tmp_path, fails) -> None:
-    _run(tmp_path / "a", FINISHED, lr=1e-3)
+def test_a_baseline_that_is_not_a_setting_is_one_line(hand_run, tmp_path, fails) -> None:
+    hand_run(tmp_path / "a", FINISHED, lr=1e-3)
     fails(["compare", str(tmp_path / "a"), "--baseline", "b"], "--baseline b: no such setting; the settings are a")
 
 
@@ -119,10 +111,10 @@ def test_a_path_that_is_neither_a_run_nor_a_sweep_is_one_line(tmp_path, fails) -
     fails(["compare", str(tmp_path)], f"{tmp_path}: neither a run folder (train.toml) nor a sweep folder (sweep.json)")
 
 
-def test_the_plot_is_written_whole_whatever_the_users_default_format(tmp_path, monkeypatch) -> None:
+def test_the_plot_is_written_whole_whatever_the_users_default_format(hand_run, tmp_path, monkeypatch) -> None:
     matplotlib = pytest.importorskip("matplotlib")
 
-    _run(tmp_path / "a", FINISHED, lr=1e-3)
+    hand_run(tmp_path / "a", FINISHED, lr=1e-3)
     monkeypatch.setitem(matplotlib.rcParams, "savefig.format", "pdf")
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "a"), "--out", str(png)]) == 0

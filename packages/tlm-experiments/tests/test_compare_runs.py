@@ -9,20 +9,6 @@ import pytest
 from tlm_core.cli import UserError
 from tlm_experiments.compare import markdown, read_metrics, summarize
 from tlm_model import TransformerLM
-from tlm_train import TrainConfig
-
-TINY = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
-
-
-def _run(folder, records, **settings) -> TrainConfig:
-    """A run folder as tlm train leaves it: train.toml (4 steps, the resolved model) and metrics.jsonl."""
-    config = TrainConfig(out_dir=str(folder), vocab_size=32, steps=4, model=TINY, **settings)
-    folder.mkdir()
-    config = config.replace(model=config.model_config(32).to_dict(drop_none=True))
-    (folder / "train.toml").write_text(config.to_toml())
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return config
-
 
 FINISHED = [
     {"step": 0, "tokens": 0, "val_loss": 4.0, "time_s": 0.5},
@@ -41,8 +27,8 @@ DIVERGED = [
 ]
 
 
-def test_a_finished_run_is_done_with_its_last_and_best_losses_its_tokens_and_its_rate(tmp_path) -> None:
-    _run(tmp_path / "a", FINISHED, seed=3)
+def test_a_finished_run_is_done_with_its_last_and_best_losses_its_tokens_and_its_rate(hand_run, tmp_path) -> None:
+    hand_run(tmp_path / "a", FINISHED, seed=3)
     s = summarize(tmp_path / "a")
     assert (s.name, s.path, s.status, s.steps, s.planned_steps) == ("a", str(tmp_path / "a"), "done", 4, 4)
     assert (s.final_val_loss, s.best_val_loss, s.tokens, s.wall_time_s, s.tokens_per_s) == (3.2, 3.1, 256, 2.0, 128.0)
@@ -51,9 +37,9 @@ def test_a_finished_run_is_done_with_its_last_and_best_losses_its_tokens_and_its
     assert summarize(tmp_path / "a", name="lr=1e-3", settings={"lr": 1e-3}).name == "lr=1e-3"
 
 
-def test_each_ending_from_the_records_and_a_sweeps_status_wins(tmp_path) -> None:
+def test_each_ending_from_the_records_and_a_sweeps_status_wins(hand_run, tmp_path) -> None:
     for name, records in (("unstable", UNSTABLE), ("diverged", DIVERGED), ("interrupted", FINISHED[:2])):
-        _run(tmp_path / name, records)
+        hand_run(tmp_path / name, records)
     unstable = summarize(tmp_path / "unstable")
     assert (unstable.status, unstable.unstable_at, unstable.final_val_loss) == ("unstable", 2, 3.4)
     diverged = summarize(tmp_path / "diverged")
@@ -92,9 +78,9 @@ def test_a_last_line_cut_short_is_dropped_and_a_missing_log_has_no_records(tmp_p
     assert read_metrics(tmp_path / "none.jsonl") == []
 
 
-def test_the_table_has_a_row_per_run_with_four_decimals_of_loss_and_thousands_separated(tmp_path) -> None:
-    config = _run(tmp_path / "a", FINISHED)
-    _run(tmp_path / "b", DIVERGED)
+def test_the_table_has_a_row_per_run_with_four_decimals_of_loss_and_thousands_separated(hand_run, tmp_path) -> None:
+    config = hand_run(tmp_path / "a", FINISHED)
+    hand_run(tmp_path / "b", DIVERGED)
     parameters = sum(p.numel() for p in TransformerLM(config.model_config()).parameters())
     a = summarize(tmp_path / "a", settings={"lr": 0.001})
     b = summarize(tmp_path / "b", settings={"lr": 0.01}, name="b")

@@ -14,8 +14,6 @@ from tlm_experiments.sweep import SweepOptions
 from tlm_model import ModelConfig
 from tlm_train import TrainConfig
 
-TINY = {"context_length": 16, "d_model": 32, "num_layers": 2, "num_heads": 2, "d_ff": 64}
-
 
 def test_a_model_setting_is_named_model_dot_field_given_either_way_and_a_name_of_neither_is_refused(tmp_path):
     assert "d_model" in {f.name for f in dataclasses.fields(ModelConfig)}
@@ -50,19 +48,11 @@ def test_the_last_run_left_trains_in_this_process_whatever_jobs_says(tmp_path, m
     assert [e["status"] for e in json.loads((folder / MANIFEST).read_text())["runs"]] == ["done", "done"]
 
 
-def _run_folder(folder, records):
-    config = TrainConfig(out_dir=str(folder), vocab_size=32, steps=4, model=TINY)
-    folder.mkdir(parents=True)
-    config = config.replace(model=config.model_config(32).to_dict(drop_none=True))
-    (folder / "train.toml").write_text(config.to_toml())
-    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-
-
-def test_the_summary_takes_a_failed_or_diverged_status_from_the_manifest_over_the_runs_records(tmp_path):
+def test_the_summary_takes_a_failed_or_diverged_status_from_the_manifest_over_the_runs_records(hand_run, tmp_path):
     finished = [{"step": 0, "val_loss": 4.0, "time_s": 0.5}, {"step": 4, "train_loss": 3.3, "val_loss": 3.2}]
     runs = []
     for name, status in (("a", "done"), ("b", "failed"), ("c", "diverged")):
-        _run_folder(tmp_path / name, finished)  # every folder's records say it finished
+        hand_run(tmp_path / name, finished)  # every folder's records say it finished
         runs.append({"name": name, "settings": {}, "status": status, "message": f"{name} said so"})
     summaries = sweep.summarize(tmp_path, {"runs": runs})
     assert [(s.name, s.path, s.status) for s in summaries] == [("a", "a", "done"), ("b", "b", "failed"),

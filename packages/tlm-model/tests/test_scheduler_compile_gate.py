@@ -8,20 +8,7 @@ import time
 
 import pytest
 import torch
-
-
-def _model():
-    from tlm_model import ModelConfig, TransformerLM
-
-    torch.manual_seed(0)
-    return TransformerLM(ModelConfig(vocab_size=257, context_length=64, d_model=16, num_layers=1, num_heads=2,
-                                     d_ff=32)).eval()  # fmt: skip
-
-
-def _tokenizer():
-    from tlm_tokenizer import Tokenizer
-
-    return Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
+from scheduler_parts import byte_model, byte_tokenizer
 
 
 class _Busy:
@@ -73,7 +60,7 @@ def scheduler(monkeypatch):
 
     monkeypatch.setattr(tlm_model, "compile_for_inference", compile_for_inference)
     lines: list[str] = []
-    scheduler = Scheduler(_model(), _tokenizer(), max_batch=2, max_queue=2, eos_ids=[],
+    scheduler = Scheduler(byte_model(), byte_tokenizer(), max_batch=2, max_queue=2, eos_ids=[],
                           device=torch.device("cpu"), log=lines.append)  # fmt: skip
     scheduler.called, scheduler.lines = called, lines
     yield scheduler

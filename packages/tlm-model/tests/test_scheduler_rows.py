@@ -6,25 +6,15 @@ one), so nothing compiles here."""
 import threading
 
 import torch
+from scheduler_parts import byte_model, byte_tokenizer
 
-from tlm_model import ModelConfig, TransformerLM
 from tlm_model.scheduler import Request, Scheduler
 
 
-def _model():
-    torch.manual_seed(0)
-    return TransformerLM(ModelConfig(vocab_size=257, context_length=64, d_model=16, num_layers=1, num_heads=2,
-                                     d_ff=32)).eval()  # fmt: skip
-
-
-def _tokenizer():
-    from tlm_tokenizer import Tokenizer
-
-    return Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"])
-
-
 def _scheduler(model, **options):
-    return Scheduler(model, _tokenizer(), max_batch=2, max_queue=2, eos_ids=[], device=torch.device("cpu"), **options)
+    return Scheduler(
+        model, byte_tokenizer(), max_batch=2, max_queue=2, eos_ids=[], device=torch.device("cpu"), **options
+    )
 
 
 def _collect(pieces, done, wait_first=None):
@@ -39,7 +29,7 @@ def _collect(pieces, done, wait_first=None):
 
 
 def test_an_echoed_prompt_has_every_tokens_log_probability_after_the_first():
-    model, prompt = _model(), [97, 5, 200, 31, 64, 7]
+    model, prompt = byte_model(), [97, 5, 200, 31, 64, 7]
     scheduler = _scheduler(model)
     pieces, done = [], threading.Event()
     try:
@@ -61,7 +51,7 @@ def test_an_echoed_prompt_has_every_tokens_log_probability_after_the_first():
 def test_a_request_in_flight_goes_on_in_the_batch_that_takes_over(monkeypatch):
     import tlm_model
 
-    model, prompt, n = _model(), [97, 98, 99], 12
+    model, prompt, n = byte_model(), [97, 98, 99], 12
     monkeypatch.setattr(tlm_model, "compile_for_inference", lambda m: m)  # the eager model stands for the compiled
     scheduler = _scheduler(model)
     scheduler.compile_quiet_s, scheduler.compile_patience_s = 0.01, 0.0
