@@ -180,7 +180,7 @@ def test_many_messages_take_linear_work(gpt2_chat):
     for count in (1_000, 10_000):
         messages = [{"role": "user", "content": ""}] * count + [{"role": "assistant", "content": "ok"}]
         # The encode's own work: CPU seconds (on a busy machine the wall clock also counts the time this process
-        # waited for a core: CI once saw 0.35 s and 11 s for this pair), and no garbage collection of the whole
+        # waited for a core: a run at load 8 saw 0.35 s and 11 s for this pair), and no garbage collection of the whole
         # worker's heap, which the encode's allocations may set off in either run.
         gc.disable()
         try:
