@@ -10,29 +10,22 @@ from tlm_core.checks import check_int, check_positive_int
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for every attention layer of a model (``layers``), and how
-    many tokens each row holds, kept once for all layers.
+    """Keys and values of the tokens seen so far for every attention layer of a model (``layers``), and how many
+    tokens each row holds, kept once for all layers.
 
-    Each layer's buffers, of shape (batch, heads, capacity + 1, d_head) (``num_heads`` is the attention's
-    key/value head count), are allocated once (gpt-fast's ``setup_caches``): :attr:`key_buffers` and
-    :attr:`value_buffers`, one tensor per layer, whose addresses never change (a CUDA graph may hold them).
-    Slot ``capacity`` is a scratch slot that no real token reads: padding tokens write there.
+    Each layer's buffers (:attr:`key_buffers`, :attr:`value_buffers`), of shape (batch, heads, capacity + 1,
+    d_head) (``num_heads``: the attention's key/value heads), are allocated once (gpt-fast's ``setup_caches``) and
+    never move (a CUDA graph may hold them); slot ``capacity`` is a scratch slot that only padding writes.
+    Row ``b`` stores its tokens in slots ``0 .. lengths[b] - 1`` (a token's slot is its position), its length kept
+    on the host (:attr:`lengths`: reading it never waits for the device) and on the device
+    (:attr:`device_lengths`, where positions come from). Between steps rows join (:meth:`append_empty_row`),
+    leave (:meth:`select_rows`), are cut back (:meth:`truncate`), copied from another cache (:meth:`copy_from`)
+    or take a prefix another buffer row holds (:meth:`copy_rows`: a prefix cache); a new cache has
+    ``batch_size`` empty rows.
 
-    **Rows.** Row ``b`` stores its tokens in slots ``0 .. lengths[b] - 1``; a token's slot is its position,
-    where RoPE continues. :attr:`lengths` (host-side ints: the host always knows how many tokens it fed, so
-    reading them never waits for the device) and :attr:`device_lengths` (the same on the device, one entry per
-    buffer row, so positions never come from the host) are the only record of them. Rows join
-    (:meth:`append_empty_row`), leave (:meth:`select_rows`), are cut back (:meth:`truncate`), copied from
-    another cache (:meth:`copy_from`) or take a prefix another buffer row holds (:meth:`copy_rows`: a prefix
-    cache) between steps; a new cache has ``batch_size`` rows, each empty.
-
-    **A step.** :meth:`write` stores one layer's new keys and values at the slots their positions name with
-    one indexed copy (inductor writes the new entries only, in place) and returns the rows' *whole* buffers:
-    a step's shape never depends on how much is stored, and the caller masks each query to the slots up to its
-    position (:func:`cache_mask`, once per step for every layer). :meth:`write` changes no host state;
-    :meth:`advance` then records the new lengths once, so a step that failed half-way (an error, Ctrl-C)
-    leaves every length as it was and the slots it wrote past them count for nothing: a step is
-    all-or-nothing without a rollback.
+    A step :meth:`write` s each layer's new keys and values with one indexed copy and changes no host state;
+    :meth:`advance` then records the new lengths once: a step that failed half-way (an error, Ctrl-C) leaves every
+    length as it was, and the slots it wrote past them count for nothing (all-or-nothing without a rollback).
     """
 
     def __init__(
@@ -107,14 +100,10 @@ class KVCache:
         limit: "int | torch.SymInt | None" = None,
     ) -> tuple[Tensor, Tensor]:
         """Store layer ``layer``'s (batch, heads, new, d_head) ``keys`` and ``values`` at slots ``positions``
-        (batch, new) of buffer rows ``rows`` (batch,) (default the first ``batch`` rows); return those rows'
-        whole buffers (batch, heads, capacity + 1, d_head), or their first ``limit`` slots (only those are
-        gathered for ``rows``). A position of ``capacity`` writes the scratch slot.
-
-        One indexed copy per buffer (``index_put_``, as gpt-fast's ``index_copy_``): compiled, it writes the
-        new entries only. Nothing is checked and no host state changes (a compiled step's hot path): the
-        caller keeps positions within ``[0, capacity]`` and records the new lengths with :meth:`advance`.
-        """
+        (batch, new) of buffer rows ``rows`` (batch,) (default the first ``batch`` rows) with one indexed copy per
+        buffer (gpt-fast's ``index_copy_``: compiled, it writes the new entries only); return those rows' whole
+        buffers (batch, heads, capacity + 1, d_head), or their first ``limit`` slots. Unchecked (a compiled step's
+        hot path): positions lie in ``[0, capacity]`` (the scratch slot), and :meth:`advance` follows."""
         key_buffer, value_buffer = self.key_buffers[layer], self.value_buffers[layer]
         batch = keys.shape[0]
         index = torch.arange(batch, device=keys.device) if rows is None else rows

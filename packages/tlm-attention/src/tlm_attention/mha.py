@@ -148,13 +148,11 @@ class CausalMultiHeadSelfAttention(nn.Module):
         positions within each document as ``token_positions`` (:func:`~tlm_attention.document_positions`)
         to restart RoPE with each. It is for training and scoring, not with a ``kv_cache``.
 
-        With a :class:`~tlm_attention.kv_cache.CacheStep` (what a model's step over its cache passes to each
-        layer), the new keys and values are written at the step's slots and the queries attend over the rows'
-        whole buffers under the step's mask; ``token_positions`` are then the RoPE positions. A one-layer
-        :class:`KVCache` is the same step with every row continued at its own length
-        (:meth:`~tlm_attention.KVCache.continuation`), its lengths advanced after it: ``x`` is (batch, seq,
-        d_model) and ``token_positions`` must be None. The caller guarantees the shapes (the annotations state
-        them): nothing here reads a value back to the host.
+        A :class:`~tlm_attention.kv_cache.CacheStep` (a model's step over its cache, one per layer) writes the
+        new keys and values at its slots and attends over the rows' buffers under its mask, ``token_positions``
+        being the RoPE positions. A one-layer :class:`KVCache` is that step with every row continued at its own
+        length and advanced after it (``x`` (batch, seq, d_model), no ``token_positions``). Nothing here reads a
+        value back to the host.
         """
         if isinstance(kv_cache, KVCache):
             if token_positions is not None or document_ids is not None:

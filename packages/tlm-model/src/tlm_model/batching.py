@@ -127,38 +127,24 @@ class _Held:
 
 
 class DecodeBatch:
-    """The rows of a decoding batch: each its own sequence, at its own length, all fed by one forward a step.
+    """The rows of a decoding batch: each its own sequence at its own length in one :class:`~tlm_attention.KVCache`,
+    all fed by one forward a step. This is the model-side half of a server's scheduler (vLLM v1's model runner):
+    which requests join or leave, which prompt tokens run when, and how each row samples, is the caller's.
 
-    ``add(prompt_ids)`` prefills a prompt and appends it as a new row; ``add_many(prompts)`` prefills several
-    together; ``step(tokens)`` feeds one new token to every row in one batched forward and returns each row's
-    next-token logits; ``remove(row)`` lets a row go. A row's logits are those of its sequence decoded alone, up
-    to float rounding of the batched matmuls (the cache keeps a length per row, see
-    :class:`~tlm_attention.KVCache`). This is the model-side half of a server's scheduler (vLLM v1's model
-    runner): which requests join or leave, which prompt tokens run when, and how each row samples, is the
-    caller's.
+    ``join(prompt_ids)`` appends a row whose prompt is still to run; ``run(tokens, chunks)`` runs one step's plan
+    in one forward: one token for every decoding row and the next ``chunks[row]`` prompt tokens of prefilling rows,
+    packed into one grid (:func:`pack_chunks`), and returns their logits (a prompt row's after each of its tokens,
+    for scoring, when asked). A step with no prompt tokens runs the batch-bucketed decode step (:meth:`step`).
+    ``add``/``add_many`` prefill prompts and append them as rows; ``remove(row)`` lets a row go, the last row
+    moving into its place (rows stay ``0 .. len(batch) - 1``). A row's logits are those of its sequence decoded
+    alone, up to float rounding of the batched matmuls.
 
-    **One forward a step** (vLLM v1's). ``join(prompt_ids)`` appends a row whose prompt is still to run;
-    ``run(tokens, chunks)`` runs, in one forward, one token for every decoding row and the next ``chunks[row]``
-    prompt tokens of prefilling rows, packed into one grid (:func:`pack_chunks`), and returns every row's logits
-    from it (a prompt row's after each of its tokens, for scoring, when asked). A step with no prompt tokens
-    runs the decode step (:meth:`step`).
-
-    **Static shapes.** The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots) and a
-    step writes each row's token in place and attends over the whole buffer under a mask built once per step
-    (:meth:`TransformerLM.forward_static`): its shape depends only on the batch bucket
-    (:func:`batch_bucket`) and the capacity. With a model from :func:`~tlm_model.compile_for_inference` the
-    step is one compiled graph per bucket (CUDA graphs on CUDA) that never recompiles as rows join, leave
-    and grow; prompt chunks run through a dynamic-shape graph of their own.
-
-    Rows are numbered ``0 .. len(batch) - 1`` and stay compact: removing row ``r`` moves the last row into
-    its place (``remove`` says which row moved). A sequence longer than ``capacity`` (default: the model's
-    context) does not fit: ``step`` refuses to feed a full row (host-side lengths, no device read).
-
-    **The occupied prefix only.** A step reads the first :func:`slot_bucket` slots of each cache (the longest
-    row's length after the step, rounded up to a power of two of at least ``min_slots``; an eager model: that
-    length exactly), so its time follows the rows' lengths, not ``capacity``. The compiled step takes that
-    length as a dynamic size: still one graph per batch bucket (on a CPU two in all, see
-    :meth:`~tlm_model.InferenceModel.decode_step`).
+    The caches are allocated once (``max_batch_size`` rows of ``capacity`` slots, default the model's context); a
+    step writes its tokens in place and reads the first :func:`slot_bucket` slots of each cache (eager: the
+    longest row's length exactly), so its time follows the rows' lengths. With a model from
+    :func:`~tlm_model.compile_for_inference` the step is one graph per batch bucket (:func:`batch_bucket`; on a
+    CPU two in all) and prompt chunks one graph of dynamic sizes: nothing recompiles as rows join, leave and
+    grow. A full row is refused a step (host-side lengths, no device read).
 
     **Prefix cache** (``prefix_rows`` not None; vLLM's automatic prefix caching, by whole rows). A row that leaves
     keeps its prompt's keys and values in its cache row (``remove`` swaps rows rather than overwriting one) until
@@ -221,14 +207,15 @@ class DecodeBatch:
         self._clock = itertools.count(1)
         #: Prompt tokens taken from the prefix cache so far (not run).
         self.reused_tokens = 0
-        self._decode_fn: Callable[..., Tensor]
-        self._prefill_fn: Callable[..., Tensor]
         # An eager model's step may change shape: it reads only the slots up to the longest row's.
         self._eager = not isinstance(model, InferenceModel)
+        lm = self._lm
+        self._decode_fn: Callable[..., Tensor] = lambda tokens, positions, cache, slots: lm.forward_static(
+            tokens, positions, cache, slots=slots
+        )
+        self._prefill_fn: Callable[..., Tensor] = lm.forward_static
         if isinstance(model, InferenceModel):
             self._decode_fn, self._prefill_fn = model.decode_step, model.prefill_step
-        else:
-            self._decode_fn = self._prefill_fn = torch.no_grad()(model.forward_static)
 
     def __len__(self) -> int:
         return self.cache.batch_size
@@ -252,19 +239,12 @@ class DecodeBatch:
     @torch.no_grad()
     def warm_up(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Run one step at every batch bucket and two prompt chunks on an empty batch, so that a compiled model
-        compiles now (the step's graphs, and the chunks' one graph, whose sizes are dynamic and never 1:
-        :func:`pack_chunks`) rather than on the first requests; the batch is left empty. The number of slots a
-        step reads is a dynamic size of its graph, so one step per batch bucket covers every slot bucket:
-        nothing recompiles later as rows grow (CUDA graphs still record one graph per slot bucket, at its first
-        use: no compilation).
-
-        Each graph with a dynamic size is first compiled at a size it will serve: inductor takes the first
-        call's sizes as hints for its kernels (on a CPU it packs the weights for oneDNN's GEMM at the hinted
-        rows, and max-autotune times its candidates there). So the chunks run first one prompt and then
-        several of a full chunk's tokens, and the steps run from the largest bucket down: a step compiled at
-        fewer rows than it serves runs slower (``bench/decode.py`` times the compiled steps).
-
-        ``progress(done, total)`` is called after each of the ``total`` warm-up forwards."""
+        compiles now (the steps' graphs and the chunks' one graph) rather than on the first requests; the batch is
+        left empty. The slots a forward reads are a dynamic size of its graph: nothing recompiles as rows grow.
+        Each graph is first compiled at a size it will serve, since inductor takes the first call's sizes as hints
+        for its kernels (oneDNN's weight packing, max-autotune's timings): the chunks run one prompt, then several
+        of a full chunk's tokens, and the steps run from the largest bucket down. ``progress(done, total)`` is
+        called after each of the ``total`` forwards."""
         if len(self):
             raise ValueError(f"warm_up needs an empty batch, this one has {len(self)} rows")
         sizes = batch_buckets(self.max_batch_size)[::-1]
@@ -522,10 +502,7 @@ class DecodeBatch:
         # that counts, or the scratch slot; their lengths do not move.
         positions = self.cache.device_lengths[:bucket].unsqueeze(1)
         slots = self._slots(max(lengths) + 1)
-        if self._eager:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, None, None, slots)
-        else:
-            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
+        logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
         self.cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
 

@@ -118,17 +118,43 @@ def generate(
     lengths = _prompt_lengths(prompt_lengths, ids.shape)
     if max_new_tokens == 0:
         return (ids.squeeze(0) if squeeze else ids).clone()
-    capacity = min(max(lengths) + max_new_tokens, context)
-    eos_tensor = None if eos is None else torch.tensor(eos, device=ids.device)
+    eos_ids = None if eos is None else torch.tensor(eos, device=ids.device)
     check_every = 1 if on_token is not None else EOS_CHECK_EVERY
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
-    batch = _batch_for(model, ids.shape[0], capacity)
+    batch = _batch_for(model, ids.shape[0], min(max(lengths) + max_new_tokens, context))
+    width, (keep, _) = ids.shape[1], sliding_window(context)
+    rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
+    prompts = [row if len(row) <= batch.capacity else row[-keep:] for row in rows]
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    all_done_at = torch.full((), -1, device=ids.device)  # the step at which every row had ended
+    out = [ids]
     try:
-        result = _decode(batch, context, ids, lengths, max_new_tokens, eos_tensor, on_token, check_every, squeeze,
-                         sampling)  # fmt: skip
+        # Every prompt in one forward (as a full forward over the padded prompts would), however many rows.
+        logits = cast(Tensor, batch.add_many(prompts, budget=max(batch.prefill_chunk, sum(map(len, prompts)))))
+        for step in range(max_new_tokens):
+            token = sample_next_token(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            if eos_ids is not None:  # on the device: a finished row keeps emitting eos[0]
+                token = torch.where(finished, eos_ids[0], token)
+                finished |= torch.isin(token, eos_ids)
+                all_done_at = torch.where((all_done_at < 0) & finished.all(), step, all_done_at)
+            out.append(token.unsqueeze(1))
+            stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
+            ended = eos_ids is not None and (step + 1) % check_every == 0 and bool(finished.all())
+            if stop or step + 1 == max_new_tokens or ended:
+                break
+            # A row that fills the caches (only at the context: the capacity is then the context) is refilled alone
+            # from its newest tokens but the one it is about to take, then takes it with the others.
+            if full := [b for b, n in enumerate(batch.lengths) if n == batch.capacity]:
+                before = torch.cat(out[:-1], dim=1)
+                for b in full:
+                    row = before[b, width - lengths[b] :]
+                    batch.refill(b, row[len(row) - (keep - 1) :])
+            logits = batch.step(token)
     finally:
         batch.clear()
         _CACHES[model] = batch.cache  # kept for the next call
+    result = torch.cat(out, dim=1)
+    if eos_ids is not None and check_every > 1 and (done := int(all_done_at)) >= 0:  # cut the steps past the end
+        result = result[:, : width + done + 1]
     return result.squeeze(0) if squeeze else result
 
 
@@ -155,58 +181,6 @@ def _batch_for(model: TransformerLM | InferenceModel, rows: int, capacity: int) 
     ):
         return DecodeBatch(model, cache.max_batch_size, cache=cache)
     return DecodeBatch(model, rows, capacity=capacity)
-
-
-def _cut_after_the_end(result: Tensor, all_done_at: Tensor, width: int, eos: Tensor | None, check_every: int) -> Tensor:
-    """``result`` without the steps run after every row had ended (at most ``check_every - 1``): one read."""
-    if eos is None or check_every == 1:
-        return result
-    done = int(all_done_at)
-    return result if done < 0 else result[:, : width + done + 1]
-
-
-def _decode(
-    batch: "DecodeBatch",
-    context: int,
-    ids: Tensor,
-    lengths: list[int],
-    max_new_tokens: int,
-    eos: Tensor | None,
-    on_token: Callable[[Tensor], bool | None] | None,
-    check_every: int,
-    squeeze: bool,
-    sampling: dict,
-) -> Tensor:
-    """:func:`generate`'s loop over an empty :class:`DecodeBatch` (static caches, one step shape, eager or
-    compiled). A row that fills the caches (only at the context: the capacity is then the context) is refilled
-    alone from its newest tokens but the one it is about to take, then takes it with the others."""
-    width = ids.shape[1]
-    keep, _ = sliding_window(context)
-    capacity = batch.capacity
-    rows = [ids[b, width - n :] for b, n in enumerate(lengths)]
-    prompts = [row if len(row) <= capacity else row[-keep:] for row in rows]
-    # Every prompt in one forward (as a full forward over the padded prompts would), however many rows.
-    logits = cast(Tensor, batch.add_many(prompts, budget=max(batch.prefill_chunk, sum(map(len, prompts)))))
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-    all_done_at = torch.full((), -1, device=ids.device)
-    out = [ids]
-    for step in range(max_new_tokens):
-        token = sample_next_token(logits, **sampling)
-        if eos is not None:
-            token, all_done_at = _track_end(token, finished, eos, all_done_at, step)
-        out.append(token.unsqueeze(1))
-        stop = bool(on_token(token[0] if squeeze else token)) if on_token is not None else False
-        ended = eos is not None and (step + 1) % check_every == 0 and bool(finished.all())
-        if stop or step + 1 == max_new_tokens or ended:
-            break
-        full = [b for b, n in enumerate(batch.lengths) if n == capacity]
-        if full:
-            before = torch.cat(out[:-1], dim=1)
-            for b in full:
-                row = before[b, width - lengths[b] :]
-                batch.refill(b, row[len(row) - (keep - 1) :])
-        logits = batch.step(token)
-    return _cut_after_the_end(torch.cat(out, dim=1), all_done_at, width, eos, check_every)
 
 
 def sample_next_token(
@@ -303,12 +277,3 @@ def _eos_ids(eos_token_id: int | Sequence[int] | None, vocab: int) -> list[int] 
     for i in ids:
         check_int("eos_token_id", i, low=0, high=vocab - 1)
     return list(ids)
-
-
-def _track_end(token: Tensor, finished: Tensor, eos: Tensor, all_done_at: Tensor, step: int) -> tuple[Tensor, Tensor]:
-    """One decoding step's end-of-text bookkeeping, on the device: a finished row keeps emitting ``eos[0]``,
-    ``finished`` (updated in place) gains the rows that just ended, and ``all_done_at`` becomes ``step`` the
-    first time every row has ended. Returns the token and ``all_done_at``."""
-    token = torch.where(finished, eos[0], token)
-    finished |= torch.isin(token, eos)
-    return token, torch.where((all_done_at < 0) & finished.all(), step, all_done_at)

@@ -11,12 +11,8 @@ from torch import Tensor, nn
 from tlm_attention import KVCache
 from tlm_model.lm import TransformerLM, check_token_ids, continue_rows
 
-#: What ``compile_for_inference`` passes to ``torch.compile``. max-autotune lets inductor pick its
-#: own C++ GEMM kernels; with frozen weights they work on pre-packed (oneDNN) copies of the weights.
-#: Batch-1 greedy decoding of the course model on a 2-core AVX2 EPYC (bench/compile_variants.py and an
-#: earlier run of the same method, each variant in its own process against eager there): 1.80-1.85x
-#: eager as here, 1.37-1.50x frozen but not pre-packed (MKL matmuls), 1.25-1.28x not frozen; on a CPU
-#: where oneDNN's GEMM ran 2.8x MKL's, 3x (docs/benchmarks.md).
+#: What ``compile_for_inference`` passes to ``torch.compile``. max-autotune lets inductor pick its own C++ GEMM
+#: kernels; with frozen weights they work on pre-packed (oneDNN) copies of the weights (docs/benchmarks.md).
 COMPILE_KWARGS: dict[str, Any] = {"mode": "max-autotune-no-cudagraphs", "dynamic": True}
 
 #: inductor's options for "max-autotune-no-cudagraphs" (``torch.compile`` takes a mode or options, not both).
@@ -32,9 +28,7 @@ _STEP_OPTIONS: dict[str, Any] = {} if _SKIP_MODULE_GUARDS is None else {"guard_f
 #: What the fixed-shape decode step (:meth:`InferenceModel.decode_step`) is compiled with, by device type:
 #: one graph per (batch bucket, capacity), whose dynamic sizes are the number of slots it reads and, on a CPU, the
 #: batch above one row (see :meth:`InferenceModel.decode_step`); CUDA graphs on CUDA ("reduce-overhead"),
-#: inductor's autotuned GEMMs on CPU. (Inductor's C++ wrapper, ``cpp_wrapper``,
-#: was tried for the CPU step: no difference in batch-1 CPU time per token could be measured, 2.82-2.93 ms with
-#: and without, and it nearly doubled ``tlm serve``'s warm-up, 292 s -> 530 s on a loaded 2-core machine.)
+#: inductor's autotuned GEMMs on CPU (its C++ wrapper was tried and dropped: docs/benchmarks.md).
 DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
     "cuda": {"dynamic": False, "fullgraph": True, "options": {"triton.cudagraphs": True, **_STEP_OPTIONS}},
     "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}},
@@ -115,9 +109,7 @@ class InferenceModel(nn.Module):
         On a CPU the batch size is a dynamic size too (above 1: dynamo specialises a size of 1), so there are
         two graphs per capacity, batch 1 and every other bucket. That is for speed as much as for fewer
         compilations: inductor packs a frozen float32 weight for MKL's GEMM when the batch is a constant and
-        for oneDNN's when it is symbolic. On the AMD EPYC where this was measured, oneDNN's GEMM ran 2.0-2.9x
-        MKL's at 16 rows (MKL takes its generic code path on non-Intel CPUs), and a 16-row step of the course
-        model took 7.8-9.0 ms instead of 14.1 ms (bench/decode.py's figures are in docs/benchmarks.md).
+        for oneDNN's, faster on AMD CPUs (docs/benchmarks.md), when it is symbolic.
 
         ``slots`` (``arange(n)``: read only the first ``n`` slots of each cache) has its length marked dynamic,
         so every ``n`` runs the same graph; CUDA graphs record one graph per distinct ``n`` (hence powers of
@@ -176,13 +168,9 @@ def _frozen() -> Iterator[None]:
 
     # Freezing is read when dynamo traces and inductor compiles, which may be any call (a new shape
     # recompiles), so it is switched on around every call rather than once: set and reset directly (a
-    # ``config.patch`` object cost a decode step tens of microseconds), and left alone when already on.
-    # Duck shaping off too: sizes that happen to be equal when a graph is traced (a chunk's rows and width, say)
-    # would otherwise share one symbol, and the graph would recompile the first time they differ.
-    if inductor_config.freezing and not shape_config.use_duck_shape:
-        with torch.no_grad():
-            yield
-        return
+    # ``config.patch`` object costs a decode step tens of microseconds). Duck shaping off too: sizes that
+    # happen to be equal when a graph is traced (a chunk's rows and width, say) would otherwise share one
+    # symbol, and the graph would recompile the first time they differ.
     saved = inductor_config.freezing, shape_config.use_duck_shape
     inductor_config.freezing, shape_config.use_duck_shape = True, False
     try:
@@ -195,9 +183,8 @@ def _frozen() -> Iterator[None]:
 def compile_for_inference(model: TransformerLM) -> InferenceModel:
     """``torch.compile`` ``model`` for inference with frozen weights and autotuned CPU GEMMs.
 
-    The first calls compile (tens of seconds on a small CPU, minutes under load); afterwards batch-1 decoding
-    runs 1.6-3x and prefill 1.1-2x faster than eager, depending on how fast the CPU's oneDNN GEMM is (see
-    docs/benchmarks.md). Outputs match the eager model to float32 rounding.
+    The first calls compile (minutes on a small CPU); afterwards decoding runs faster than eager, how much
+    depending on the CPU's oneDNN GEMM (docs/benchmarks.md). Outputs match the eager model to float32 rounding.
 
     What it checks: a plain call refuses what the eager model refuses (ids outside the vocabulary, explicit
     positions with a KV cache, a cache too full) before the graph runs. :meth:`InferenceModel.decode_step` and

@@ -22,13 +22,6 @@ from tlm_model.loss import chunked_cross_entropy
 #: What ``torch.compile`` puts before every state-dict key of the module it wraps.
 COMPILED_PREFIX = "_orig_mod."
 
-#: Why explicit positions and a KV cache are refused together: the cache's rows already say where each
-#: row continues, and positions that contradicted them would write one token over another.
-POSITIONS_WITH_CACHE = (
-    "token_positions must be None with a kv_cache: each row continues at its own cached length "
-    "(KVCache.continuation); give positions only without a cache"
-)
-
 
 def check_token_ids(in_indices: object, vocab_size: int) -> None:
     """Refuse what the eager model's embedding refuses (non-integer ids, ids outside ``[0, vocab_size)``),
@@ -86,8 +79,9 @@ def continue_rows(
     (batch, seq, vocab) from ``forward_static`` (the model's, or a compiled one of the same signature), then
     the cache's lengths advanced. Refused before anything runs: positions or document ids (the cache says where
     each row continues), ids that are not (rows in use, seq), a row the tokens would take past the capacity."""
-    if token_positions is not None:
-        raise ValueError(POSITIONS_WITH_CACHE)
+    if token_positions is not None:  # positions that contradicted the rows' lengths would overwrite tokens
+        raise ValueError("token_positions must be None with a kv_cache: each row continues at its own cached length "
+                         "(KVCache.continuation); give positions only without a cache")  # fmt: skip
     if document_ids is not None:
         raise ValueError("document_ids is for whole packed windows; it cannot be given with kv_cache")
     if not isinstance(kv_cache, KVCache):
@@ -277,15 +271,10 @@ class TransformerLM(nn.Module):
 
         Token ``t`` of row ``b`` is stored at slot ``positions[b, t]`` of buffer row ``rows[b]`` (default
         ``b``) of every layer's cache and attends to that row's slots up to it; a padding token has position
-        ``capacity`` (the scratch slot). Every shape is fixed by the arguments' shapes and the cache's
-        capacity, never by what is stored, so a compiled step of one shape serves every step. The mask is
-        built once here for all layers. Nothing is checked and no host state changes: the caller records
-        the new lengths (:meth:`~tlm_attention.KVCache.advance`) once the step has run.
-
-        ``slots`` (``arange(n)``, from a caller that knows every real token's position is below ``n``: the
-        occupied prefix) reads only the first ``n`` slots of each cache, so a step's cost follows what is
-        stored, not the capacity; None reads every slot. Compiled with ``n`` marked dynamic, one graph serves
-        every ``n`` (:meth:`~tlm_model.InferenceModel.decode_step`).
+        ``capacity`` (the scratch slot). ``slots`` (``arange(n)``, every real token's position below ``n``)
+        reads only the first ``n`` slots (None: every slot). Shapes follow the arguments', never what is
+        stored; nothing is checked and no host state changes: the caller then calls
+        :meth:`~tlm_attention.KVCache.advance`.
         """
         capacity = kv_cache.capacity
         mask = cache_mask(positions, capacity, slots)

@@ -42,9 +42,8 @@ from tlm_model.inference import InferenceModel, unwrap
 from tlm_model.sampling import RowParams, sample_rows, token_logprobs
 
 #: Prompt tokens of one prompt in one forward at most while other prompts wait (DecodeBatch's ``prefill_chunk``;
-#: what the budget leaves goes to the prompts in turn). On a 2-core CPU (course shape, eager,
-#: bench/decode.py's ttft part) a 16-token request's first token came 2.2x later than on an idle server while a
-#: 2000-token prompt was prefilled in chunks of 64, and 12x later in chunks of 512.
+#: what the budget leaves goes to the prompts in turn): a short request behind a long prompt waits for one chunk
+#: of it (measured on a CPU: docs/benchmarks.md).
 PREFILL_CHUNK = 32
 
 #: Prompt tokens in one forward at most, beside the decoding rows' tokens: how long the decoding rows wait for the
@@ -494,25 +493,50 @@ class Scheduler:
             self._fail(request, err)  # its row leaves at this step, as a cancelled one does
 
     def _sample_ready(self) -> None:
-        """Sample the rows that have next-token logits (one call), each keeping its token for the next step."""
-        ready = [r for r, row in enumerate(self._rows) if row.logits is not None]
-        if not ready:
+        """Sample the rows that have next-token logits in one call, each keeping its token for the next step; a
+        row that raises ends alone (its request fails) and its token is 0 (it leaves)."""
+        rows = [row for row in self._rows if row.logits is not None]
+        if not rows:
             return
-        saved, self._rows = self._rows, [self._rows[r] for r in ready]
+        stacked = torch.stack([cast(torch.Tensor, row.logits) for row in rows])
         try:
-            sampled = self._sample([cast(torch.Tensor, row.logits) for row in self._rows])
-        finally:
-            self._rows = saved
-        for r, token in zip(ready, sampled, strict=True):
-            self._rows[r].token, self._rows[r].logits = token, None
+            tokens = self._sample_batch(rows, stacked)
+        except Exception:  # some row's parameters break the batched call: sample row by row to find it
+            tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
+            for r, row in enumerate(rows):
+                try:
+                    tokens[r] = self._sample_batch([row], stacked[r : r + 1])[0]
+                except Exception as err:
+                    self._fail(row.request, err)
+        want = max((row.request.logprobs for row in rows if row.request.logprobs is not None), default=None)
+        scores = [] if want is None else self._score(stacked, tokens, want)
+        # The one read of the step back to the host: the text needs the ids.
+        for r, (row, token_id) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            row.token, row.logits = tokens[r], None
+            request = row.request
+            if request.cancelled.is_set():
+                continue
+            try:
+                if row.counts is not None:
+                    row.counts.index_add_(0, tokens[r : r + 1], self._one)
+                k = request.logprobs
+                self._took(row, token_id, [] if k is None else [dataclasses.replace(scores[r], top=scores[r].top[:k])])
+            except Exception as err:
+                self._fail(request, err)
 
     def _drop_ended(self) -> None:
-        """Ended and cancelled rows leave (the last row takes each one's place); then their last pieces go out."""
+        """Ended and cancelled rows leave (the last row takes each one's place); then the last pieces of the
+        requests that ended go out (one that raises fails alone)."""
         ended = [r for r, row in enumerate(self._rows) if row.request.cancelled.is_set()]
         if ended:
             self._rows = [self._rows[r] for r in self.batch.remove_many(ended)]
             self._left(len(ended))
-        self._send_last()
+        last, self._last = self._last, []
+        for request, piece in last:
+            try:
+                request.emit(piece)
+            except Exception as err:
+                self._fail(request, err)
 
     def _admit(self) -> None:
         """Waiting requests take the free rows, each with its prompt to run."""
@@ -546,43 +570,6 @@ class Scheduler:
             )
         ]
 
-    def _sample(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Sample every row of ``self._rows`` (whose next-token logits are ``logits``) in one call, then hand each
-        row its token; a row that raises ends alone (its request fails) and its token is 0 (it leaves)."""
-        rows = self._rows
-        stacked = torch.stack(logits)
-        try:
-            tokens = self._sample_batch(rows, stacked)
-        except Exception:  # some row's parameters break the batched call: sample row by row to find it
-            tokens = torch.zeros(len(rows), dtype=torch.long, device=self.device)
-            for r, row in enumerate(rows):
-                try:
-                    tokens[r] = self._sample_batch([row], stacked[r : r + 1])[0]
-                except Exception as err:
-                    self._fail(row.request, err)
-        want = max((row.request.logprobs for row in rows if row.request.logprobs is not None), default=None)
-        scores = None
-        if want is not None:
-            picked, values, indices = token_logprobs(stacked, tokens, want)
-            scores = (picked.tolist(), values.tolist(), indices.tolist())
-        # The one read of the step back to the host: the text needs the ids.
-        for r, (row, token_id) in enumerate(zip(rows, tokens.tolist(), strict=True)):
-            request = row.request
-            if request.cancelled.is_set():
-                continue
-            try:
-                if row.counts is not None:
-                    row.counts.index_add_(0, tokens[r : r + 1], self._one)
-                scored = []
-                if scores is not None and request.logprobs is not None:
-                    k = request.logprobs
-                    top = list(zip(scores[2][r][:k], scores[1][r][:k], strict=True))
-                    scored = [Scored(token_id, scores[0][r], top)]
-                self._took(row, token_id, scored)
-            except Exception as err:
-                self._fail(request, err)
-        return list(tokens.unbind(0))
-
     def _sample_batch(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
         generators = [row.generator for row in rows]
         any_top_p = any(row.generator is not None and row.request.top_p is not None for row in rows)
@@ -591,10 +578,7 @@ class Scheduler:
     def _params(self, rows: list[_Row]) -> RowParams:
         """The rows' sampling parameters as tensors: built (one copy to the device) when the rows change, reused
         while they stay; only the generated-token counts (for penalties) are stacked every step."""
-        same = len(rows) == len(self._params_rows) and all(
-            a is b for a, b in zip(rows, self._params_rows, strict=False)
-        )
-        if not same or self._cached_params is None:
+        if rows != self._params_rows or self._cached_params is None:  # (rows compare by identity)
             requests = [row.request for row in rows]
             values = torch.tensor([
                 [r.temperature if r.temperature > 0 else 1.0 for r in requests],
@@ -625,7 +609,7 @@ class Scheduler:
         request.completion_tokens += 1
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
-        # An ended request's last piece goes out once its row has left (_send_last), so that a client told it
+        # An ended request's last piece goes out once its row has left (_drop_ended), so that a client told it
         # ended never finds it counted active.
         if token_id in self.eos:
             request.cancelled.set()
@@ -640,15 +624,6 @@ class Scheduler:
             self._last.append((request, Piece(text + row.stream.close(), "length", scored)))
         elif text or scored:
             request.emit(Piece(text, None, scored))
-
-    def _send_last(self) -> None:
-        """Emit the last pieces of the requests that ended (their rows have left); one that raises fails alone."""
-        last, self._last = self._last, []
-        for request, piece in last:
-            try:
-                request.emit(piece)
-            except Exception as err:
-                self._fail(request, err)
 
 
 def _emit_quietly(request: Request, piece: Piece) -> None:
