@@ -171,17 +171,7 @@ class CausalMultiHeadSelfAttention(nn.Module):
         if token_positions is not None and self.rope is None:
             raise ValueError("token_positions was given but this attention module has no rope to use it")
 
-        q, k, v = self._project(x)
-        split = "... seq (heads d_head) -> ... heads seq d_head"
-        q = rearrange(q, split, d_head=self.d_head)
-        k, v = (rearrange(t, split, d_head=self.d_head) for t in (k, v))
-        if self.rope is not None:
-            if token_positions is None:
-                q, k = self.rope(q), self.rope(k)
-            else:
-                # Positions are (..., seq); a unit heads axis applies the same rotation to every head.
-                positions = rearrange(token_positions, "... seq -> ... 1 seq")
-                q, k = self.rope(q, positions), self.rope(k, positions)
+        q, k, v = self._heads(x, token_positions)
         if document_ids is not None and self._backend == "torch" and flex_applies(q, document_ids):
             # On CUDA, torch's attention within documents is FlexAttention's: a block mask, not a (seq, seq) one.
             out = flex_document_attention(q, k, v, document_ids)
@@ -192,13 +182,20 @@ class CausalMultiHeadSelfAttention(nn.Module):
             out = self._attention_fn(q, k, v)
         return self.output_proj(rearrange(out, "... heads seq d_head -> ... seq (heads d_head)"))
 
-    def _static_step(self, x: Tensor, rope_positions: Tensor | None, step: CacheStep) -> Tensor:
-        q, k, v = self._project(x)
-        split = "batch seq (heads d_head) -> batch heads seq d_head"
-        q, k, v = (rearrange(t, split, d_head=self.d_head) for t in (q, k, v))
-        if self.rope is not None and rope_positions is not None:
-            positions = rearrange(rope_positions, "batch seq -> batch 1 seq")
+    def _heads(self, x: Tensor, token_positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k and v of ``x`` split into heads (..., heads, seq, d_head), q and k rotated at ``token_positions``
+        (None: 0, 1, ...); a unit heads axis applies the same rotation to every head."""
+        split = "... seq (heads d_head) -> ... heads seq d_head"
+        q, k, v = (rearrange(t, split, d_head=self.d_head) for t in self._project(x))
+        if self.rope is not None and token_positions is None:
+            q, k = self.rope(q), self.rope(k)
+        elif self.rope is not None:
+            positions = rearrange(token_positions, "... seq -> ... 1 seq")
             q, k = self.rope(q, positions), self.rope(k, positions)
+        return q, k, v
+
+    def _static_step(self, x: Tensor, rope_positions: Tensor | None, step: CacheStep) -> Tensor:
+        q, k, v = self._heads(x, rope_positions)
         keys, values = step.cache.write(step.layer, k, v, step.positions, step.rows, step.limit)
         out = self._attention_fn(q, keys, values, mask=step.mask)
         return self.output_proj(rearrange(out, "batch heads seq d_head -> batch seq (heads d_head)"))

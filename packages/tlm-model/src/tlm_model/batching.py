@@ -256,31 +256,24 @@ class DecodeBatch:
         chunks = [[torch.zeros(wide, dtype=torch.int64)]]
         if group > 1:
             chunks.append([torch.zeros(max(1, wide // group), dtype=torch.int64)] * group)
-        total, done = len(chunks) + len(sizes), 0
         prefix_rows, self.prefix_rows = self.prefix_rows, None  # the warm-up's prompts all run (what compiles)
+        forwards: list[list[Tensor] | int] = [*chunks, *sizes]
         try:
-            for prompts in chunks:
-                self.add_many(prompts)
-                while len(self):
-                    self.remove(len(self) - 1)
-                done += 1
+            for done, work in enumerate(forwards, 1):
+                if isinstance(work, list):  # prompts run together
+                    self.add_many(work)
+                    self.clear()
+                else:  # a step of ``work`` rows
+                    while len(self) < work:
+                        self.add(zeros[min(len(self), 1)])
+                    self.remove_many(range(work, len(self)))
+                    if all(n < self.capacity for n in self.lengths):
+                        self.step(torch.zeros(work, dtype=torch.int64, device=self._device))
                 if progress is not None:
-                    progress(done, total)
-            for rows in sizes:
-                while len(self) < rows:
-                    self.add(zeros[min(len(self), 1)])
-                while len(self) > rows:
-                    self.remove(len(self) - 1)
-                if all(n < self.capacity for n in self.lengths):
-                    self.step(torch.zeros(rows, dtype=torch.int64, device=self._device))
-                done += 1
-                if progress is not None:
-                    progress(done, total)
+                    progress(done, len(forwards))
         finally:
-            while len(self):
-                self.remove(len(self) - 1)
+            self.clear()
             self.prefix_rows = prefix_rows
-            self._held = [_Held() for _ in self._held]
 
     def take_over(self, source: "DecodeBatch") -> None:
         """Hold ``source``'s rows from now on, each where it was (its tokens, its prompt still to run): an

@@ -34,9 +34,8 @@ DECODE_COMPILE_KWARGS: dict[str, dict[str, Any]] = {
     "cpu": {"dynamic": False, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}},
 }
 
-#: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: dynamo's automatic dynamic
-#: shapes, so the sizes that change (rows, chunk width) become symbolic after the first recompile while the
-#: caches' buffers stay static.
+#: What prompt chunks (:meth:`InferenceModel.prefill_step`) are compiled with: the sizes that change (rows, chunk
+#: width, picked logits, slots) are marked dynamic at the first call while the caches' buffers stay static.
 PREFILL_COMPILE_KWARGS: dict[str, Any] = {"dynamic": None, "fullgraph": True, "options": {**_AUTOTUNE, **_STEP_OPTIONS}}
 
 
@@ -90,12 +89,9 @@ class InferenceModel(nn.Module):
     def forward(
         self, in_indices: Tensor, token_positions: Tensor | None = None, kv_cache: KVCache | None = None
     ) -> Tensor:
-        """The model's forward, compiled. The ids are checked here, as the eager model's embedding checks
-        them (an id outside the vocabulary is an error, not another row's logits): one read of their
-        range, at this boundary and outside the compiled graph. With ``kv_cache`` the tokens continue its rows
-        through the prompt-chunk graph (:meth:`prefill_step`; :func:`~tlm_model.lm.continue_rows`). The
-        decoding loops (:meth:`decode_step`, :meth:`prefill_step`) feed ids they checked or sampled themselves
-        and skip it."""
+        """The model's forward, compiled; with ``kv_cache`` the tokens continue its rows through the prompt-chunk
+        graph (:func:`~tlm_model.lm.continue_rows`). The ids are checked here, as the eager model's embedding
+        checks them: one read of their range, outside the graph (the decoding loops' steps skip it)."""
         check_token_ids(in_indices, self.model.config.vocab_size)
         if kv_cache is not None:
             return continue_rows(self.prefill_step, in_indices, kv_cache, token_positions)

@@ -385,20 +385,19 @@ class Scheduler:
         with self._wake:
             self._in_flight -= count
 
+    @torch.inference_mode()  # the warm-up's graphs are compiled under the mode the steps run in
     def _loop(self) -> None:
-        with torch.inference_mode():  # the warm-up's graphs are compiled under the mode the steps run in
-            try:
-                if self._warm_up:
-                    self.batch.warm_up()
-            except BaseException as err:
-                self.error = err
-                return
-            finally:
-                self._ready.set()
         try:
-            with torch.inference_mode():
-                while self._next_step():
-                    pass
+            if self._warm_up:
+                self.batch.warm_up()
+        except BaseException as err:
+            self.error = err
+            return
+        finally:
+            self._ready.set()
+        try:
+            while self._next_step():
+                pass
         except BaseException as err:  # the model failed: every request in flight ends, and the server says so
             with self._wake:
                 self.error = err
