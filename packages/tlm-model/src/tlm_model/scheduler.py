@@ -230,6 +230,7 @@ class Scheduler:
         self._params_rows: list[_Row] = []  # the rows _cached_params was built for
         self._cached_params: RowParams | None = None
         self._one = torch.ones(1, device=device)
+        self._no_vocab = torch.zeros(self.vocab, device=device)  # a row without a bias or counts (stacked: copied)
         self._zero = torch.zeros((), dtype=torch.long, device=device)
         self._wake = threading.Condition()
         self._closing = False
@@ -588,7 +589,7 @@ class Scheduler:
             sampled = [r for r, row in enumerate(rows) if row.generator is not None]
             bias = None
             if any(row.bias is not None for row in rows):
-                bias = torch.stack([row.bias if row.bias is not None else self._zeros() for row in rows])
+                bias = torch.stack([row.bias if row.bias is not None else self._no_vocab for row in rows])
             self._cached_params = RowParams(
                 temperature=values[0], top_p=values[1], presence=values[2], frequency=values[3], bias=bias,
                 sampled=torch.tensor(sampled, dtype=torch.long).to(self.device) if sampled else None,
@@ -596,11 +597,8 @@ class Scheduler:
             self._params_rows = list(rows)
         if not any(row.penalized for row in rows):
             return self._cached_params
-        counts = torch.stack([row.counts if row.counts is not None else self._zeros() for row in rows])
+        counts = torch.stack([row.counts if row.counts is not None else self._no_vocab for row in rows])
         return dataclasses.replace(self._cached_params, counts=counts)
-
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(self.vocab, device=self.device)
 
     def _took(self, row: _Row, token_id: int, scored: list[Scored]) -> None:
         """``row`` took ``token_id``: emit its text, and end it at an end-of-text token, a stop text or its budget."""
