@@ -269,21 +269,31 @@ def _suite_table(session: nox.Session, report: pathlib.Path, targets: list[str])
 @nox.session
 @nox.parametrize("device", ["cpu", "cuda"], ids=["cpu", "cuda"])
 def tests(session: nox.Session, device: str) -> None:
-    """Every package's suite and tests-course, in one venv holding the whole workspace."""
+    """Every package's suite and tests-course but the tests marked slow (``nox -s slow``), in one venv holding
+    the whole workspace; the cpu leg runs the tests marked slurm beside them."""
     if device == "cuda" and not _has_cuda():
         session.skip("no CUDA device here (nvidia-smi finds no GPU); this leg runs on machines with one")
     _install_workspace(session, device)
     # The tests against a real SLURM mostly wait on it: they run beside the suite, in a process of their own.
     with _signals_interrupt(), _slurm_beside(session) if device == "cpu" else contextlib.nullcontext():
         # The slowest tests, so they stay in view.
-        _run_tests(session, device, ["--durations=30", "-m", "not slurm"])
+        _run_tests(session, device, ["--durations=30", "-m", "not slow and not slurm"])
 
 
 @nox.session
 def quick(session: nox.Session) -> None:
-    """The tests not marked slow, every package, CPU: the tier to run while working."""
+    """The tests not marked slow, every package, CPU, without the SLURM ones: the tier to run while working."""
     _install_workspace(session)
     _run_tests(session, "cpu", ["-m", "not slow and not slurm"])
+
+
+@nox.session(default=False)
+def slow(session: nox.Session) -> None:
+    """The tests marked slow (C++ compiles, torchrun groups, killed processes, real servers), CPU: run before
+    merging a change to compiled, distributed, checkpoint or serving code; ``nox -s tests slow`` is every test."""
+    _install_workspace(session)
+    with _signals_interrupt():
+        _run_tests(session, "cpu", ["--durations=30", "-m", "slow and not slurm"])
 
 
 def _torch_floor(dist: str) -> str:

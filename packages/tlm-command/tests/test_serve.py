@@ -21,7 +21,7 @@ import torch
 openai = pytest.importorskip("openai", reason="the openai client is in tlm-command's test extra")
 pytest.importorskip("fastapi", reason="tlm serve needs the serve extra (fastapi, uvicorn)")
 
-pytestmark = pytest.mark.slow  # a server process: torch's import alone takes seconds
+# Not marked slow: one server process for the module (seconds), and the only place requests meet a real uvicorn.
 
 #: A random model with room for long generations (the disconnect test needs many steps), the tokenizer trained
 #: on the shared corpus beside it.

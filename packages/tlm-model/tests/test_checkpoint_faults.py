@@ -19,11 +19,9 @@ from fault_processes import Saver, build
 
 from tlm_model import ModelConfig, TransformerLM, load_model_file, save_model_file
 
-# slow: every test starts python subprocesses and kills them.
-pytestmark = [
-    pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename-over semantics are POSIX"),
-    pytest.mark.slow,
-]
+# Not marked slow though every test starts and kills python processes (seconds in all): what they show, the
+# old file or the new after a SIGKILL, is a promise every checkpoint write makes.
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="SIGKILL and rename-over semantics are POSIX")
 
 SMALL = ModelConfig(vocab_size=97, context_length=16, d_model=32, num_layers=2, num_heads=4, d_ff=80)
 # Big enough (about 4 MB) that a save takes a while, so random kills land inside it.

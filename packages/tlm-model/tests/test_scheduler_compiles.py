@@ -11,7 +11,6 @@ import random
 import threading
 import time
 
-import pytest
 import torch
 
 from tlm_model import ModelConfig, TransformerLM, generate
@@ -57,7 +56,6 @@ def _workload(rng, count):
     return waves
 
 
-@pytest.mark.slow
 def test_a_random_workload_compiles_nothing_after_the_warm_up(recorded_graphs):
     # ~20 s: dynamo traces the 1-layer model three times (steps of 1 row and of more, prompt chunks).
     from torch._dynamo.utils import counters
