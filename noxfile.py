@@ -598,26 +598,6 @@ def mutate(session: nox.Session) -> None:
     )
 
 
-# Wheels built in this nox run, one per package: every standalone session that needs tlm-core copies the
-# same file instead of building it again (the sources do not change while nox runs).
-_WHEELS: dict[str, pathlib.Path] = {}
-
-
-def _wheel(session: nox.Session, dist: str) -> pathlib.Path:
-    """``dist``'s wheel, built once per run in an isolated environment (the session's venv gains nothing)."""
-    if dist not in _WHEELS or not _WHEELS[dist].exists():
-        out = pathlib.Path(tempfile.mkdtemp(prefix=f"{dist}-wheel-"))
-        atexit.register(shutil.rmtree, out, ignore_errors=True)
-        source = str(PACKAGES[dist]["dir"])
-        if shutil.which("uv"):
-            session.run("uv", "build", "--wheel", "--quiet", "--out-dir", str(out), source, external=True)
-        else:
-            session.run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(out), source, silent=True,
-                        external=True)  # fmt: skip
-        (_WHEELS[dist],) = out.glob("*.whl")
-    return _WHEELS[dist]
-
-
 #: The line each package README gives to install it from a checkout: after ``nox -s build``, from dist/.
 INSTALL_LINE = re.compile(r"^python -m pip install --find-links dist (tlm-[a-z-]+)$", re.M)
 
@@ -644,10 +624,11 @@ def standalone(session: nox.Session) -> None:
         session.error(f"unknown packages {unknown}; choose from {list(PACKAGES)}")
     lines = {dist: _readme_install_line(dist) for dist in chosen}
     needed = dict.fromkeys(d for p in chosen for d in _local_closure(p))  # each sibling once, in order
-    wheels = {dist: _wheel(session, dist) for dist in needed}
     root = pathlib.Path(session.create_tmp()).resolve() / "standalone"
     shutil.rmtree(root, ignore_errors=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
+    # Most of a check is waiting (on the index, on the disk): twice as many at a time as the CPUs.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2 * _jobs()) as pool:
+        wheels = dict(zip(needed, pool.map(_build_wheel, needed), strict=True))
         jobs = {pool.submit(_check_alone, dist, lines[dist], wheels, root / dist): dist for dist in chosen}
         failed = []
         for job in concurrent.futures.as_completed(jobs):
@@ -657,6 +638,22 @@ def standalone(session: nox.Session) -> None:
                 failed.append(jobs[job])
     if failed:
         session.error(f"standalone failed for {sorted(failed)}")
+
+
+def _build_wheel(dist: str) -> pathlib.Path:
+    """``dist``'s wheel, built in an isolated environment into a folder removed at exit (thread-safe: no session
+    calls, so the standalone check builds them side by side)."""
+    out = pathlib.Path(tempfile.mkdtemp(prefix=f"{dist}-wheel-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    source = str(PACKAGES[dist]["dir"])
+    uv = shutil.which("uv")
+    if uv:
+        command = [uv, "build", "--wheel", "--quiet", "--out-dir", str(out), source]
+    else:
+        command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir", str(out), source]
+    subprocess.run(command, check=True)
+    (wheel,) = out.glob("*.whl")
+    return wheel
 
 
 def _check_alone(dist: str, line: str, wheels: dict[str, pathlib.Path], here: pathlib.Path) -> tuple[bool, str]:
@@ -693,12 +690,17 @@ def _check_alone(dist: str, line: str, wheels: dict[str, pathlib.Path], here: pa
     steps.append(shlex.split(line))  # verbatim, with the venv's python first on PATH
     others = [d for d in _local_closure(dist) if d != dist]
     steps.append([python, str(ROOT / "tools" / "check_standalone.py"), dist, *others])
+    start = time.perf_counter()
     for step in steps:
         done = subprocess.run(step, cwd=here, env=env, capture_output=True, text=True, check=False)
         log.append(f"$ {shlex.join(step)}\n{done.stdout}{done.stderr}")
         if done.returncode != 0:
             return False, "".join(log)
-    return True, done.stdout.strip().splitlines()[-1]
+        if step is steps[-2]:
+            installed = time.perf_counter()
+    end = time.perf_counter()
+    timing = f" (installs {installed - start:.0f} s, check {end - installed:.0f} s)"
+    return True, done.stdout.strip().splitlines()[-1] + timing
 
 
 @nox.session
