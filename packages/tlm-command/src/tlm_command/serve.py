@@ -199,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
+            if not app.state.draining:  # the first signal; a second one makes uvicorn stop without waiting
+                log(f"{signal.Signals(sig).name}: refusing new requests, finishing the {scheduler.active} running and "
+                    f"{scheduler.waiting} waiting (at most --drain-timeout {args.drain_timeout:g} s)")  # fmt: skip
             app.state.draining = True  # /health says 503 and new requests are refused while the rest finish
             super().handle_exit(sig, frame)
 
