@@ -224,7 +224,7 @@ class Scheduler:
         chunk, budget = prefill_defaults(device)
         self._prefix_rows = max_batch if prefix_cache else None
         self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk,
-                                 prefix_rows=self._prefix_rows)  # fmt: skip
+                                 prefix_rows=self._prefix_rows, pack_weights=True)  # fmt: skip
         self.prefill_budget = budget if token_budget is None else token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
