@@ -61,6 +61,7 @@ def test_the_server_answers_with_the_eager_engine_while_the_compiled_one_warms_u
     lines = []
     scheduler = Scheduler(model, tokenizer, max_batch=4, max_queue=8, eos_ids=[], device=torch.device("cpu"),
                           log=lines.append)  # fmt: skip
+    scheduler.compile_start_quiet_s = scheduler.compile_quiet_s  # the gate decides here, not a fresh server's wait
     app = create_app(scheduler, tokenizer, model_name="tiny", context_length=64, default_stops=[],
                      vocab_size=300)  # fmt: skip
     sock = socket.socket()

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import tlm_linear.linear
-from tlm_linear import Linear
+from tlm_linear import Linear, PackedWeights
 
 
 @pytest.mark.parametrize("lead", [(), (5,), (2, 3), (2, 1, 4)])
@@ -96,3 +96,41 @@ def test_one_by_one_layer_is_valid():
 def test_a_tensor_without_the_feature_axis_is_refused_by_the_annotation(shape_checks):
     layer = Linear(4, 3)
     shape_checks(tlm_linear.linear, lambda: layer(torch.tensor(1.0)))  # "... d_in" needs one axis at least
+
+
+_MKL = tlm_linear.linear._MKL_LINEAR is not None
+
+
+@pytest.mark.skipif(not _MKL, reason="this torch has no MKL packed GEMM: PackedWeights packs nothing")
+def test_packed_weights_compute_the_matmul_for_their_rows_and_step_aside_otherwise(monkeypatch):
+    # Against a float64 einsum (independent of either GEMM); the plain path is the one torch.matmul takes.
+    model = torch.nn.Sequential(Linear(64, 96), Linear(96, 40))
+    packs = PackedWeights(model, rows=8)
+    assert len(packs) == 2
+    calls = []
+    real = tlm_linear.linear._MKL_LINEAR
+    monkeypatch.setattr(tlm_linear.linear, "_MKL_LINEAR", lambda *a: calls.append(a[0].shape) or real(*a))
+
+    def expected(x):
+        for layer in model:
+            x = torch.einsum("...i,oi->...o", x.double(), layer.weight.double())
+        return x
+
+    x = torch.randn(8, 1, 64)
+    with torch.no_grad():
+        with packs.active():
+            out = model(x)
+            other_rows = model(torch.randn(3, 64))  # another row count: plain matmul
+        assert calls == [(8, 1, 64), (8, 1, 96)] and other_rows.shape == (3, 40)
+        # float32 GEMMs over 96 terms of products of N(0,1)-scale inputs: a few ulps of the result's magnitude.
+        torch.testing.assert_close(out.double(), expected(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(model(x), torch.matmul(torch.matmul(x, model[0].weight.t()), model[1].weight.t()))
+        model[0].weight.mul_(2.0)  # a weight written after packing: its stale copy is never used
+        calls.clear()
+        with packs.active():
+            torch.testing.assert_close(model(x).double(), expected(x), rtol=1e-5, atol=1e-5)
+    assert calls == [(8, 1, 96)]
+    calls.clear()
+    with packs.active():  # gradients on: the plain path, which autograd follows
+        model(x).sum().backward()
+    assert calls == [] and model[1].weight.grad is not None

@@ -58,6 +58,22 @@ def test_rows_joining_and_leaving_decode_each_as_alone():
         assert outputs[i] == alone[len(prompt) :].tolist(), i
 
 
+def test_decode_steps_on_packed_weights_match_the_plain_ones():
+    # pack_weights: the full bucket's steps run the Linear layers on MKL-packed copies (where torch has MKL);
+    # every step's logits agree with an unpacked batch's to float32 rounding and the greedy tokens are the same.
+    torch.manual_seed(0)
+    model = TransformerLM(CFG).eval()
+    prompts = [torch.randint(0, CFG.vocab_size, (n,)) for n in (3, 7, 1, 12, 5, 9, 2, 4)]
+    batches = [DecodeBatch(model, 8, pack_weights=pack) for pack in (False, True)]
+    logits = [b.add_many(prompts) for b in batches]
+    for _ in range(6):
+        # float32 sums over d_model or d_ff terms of O(1) products, in another order: a few ulps of O(1) logits.
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+        tokens = logits[0].argmax(-1)
+        assert torch.equal(logits[1].argmax(-1), tokens)
+        logits = [b.step(tokens) for b in batches]
+
+
 def test_a_full_batch_and_bad_prompts_are_refused():
     model = TransformerLM(CFG).eval()
     batch = DecodeBatch(model, 1)

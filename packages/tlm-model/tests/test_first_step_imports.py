@@ -14,10 +14,10 @@ from tlm_model import ModelConfig, TransformerLM
 from tlm_model.batching import DecodeBatch
 
 config = dataclasses.replace(ModelConfig.from_preset("course-tinystories"), num_layers=1)
-batch = DecodeBatch(TransformerLM(config).eval(), 4)
+batch = DecodeBatch(TransformerLM(config).eval(), 8, pack_weights=True)  # the server's eager batch packs
 before = "sympy" in sys.modules
-batch.add_many([torch.tensor([1, 2, 3]), torch.tensor([4])])  # a prompt forward
-batch.step(torch.tensor([5, 6]))  # a decode step
+batch.add_many([torch.tensor([1, 2, 3]), *[torch.tensor([4])] * 7])  # a prompt forward
+batch.step(torch.arange(5, 13))  # a decode step, on the packed weights where torch has MKL
 print(json.dumps([before, "sympy" in sys.modules]))
 """
 

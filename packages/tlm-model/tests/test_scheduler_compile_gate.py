@@ -1,7 +1,8 @@
 """The background warm-up (``Scheduler.compile_in_background``) waits for a quiet moment: the compiler takes the
 CPU and the GIL, so compiling while a burst of requests decodes slowed the burst several-fold on a 2-core CPU
-(docs/benchmarks.md). It starts once the eager engine has run no step for ``compile_quiet_s``, or at
-``compile_patience_s`` after it was asked for when the server is never quiet."""
+(docs/benchmarks.md). It starts once the eager engine has run no step for ``compile_quiet_s`` (before its first forward
+``compile_start_quiet_s``: a server just started meets its first clients at once), or at ``compile_patience_s``
+after it was asked for when the server is never quiet."""
 
 import threading
 import time
@@ -74,7 +75,7 @@ def _wait_for(condition, seconds: float) -> None:
 
 
 def test_the_warm_up_compiles_only_once_the_engine_is_quiet(scheduler):
-    scheduler.compile_quiet_s, scheduler.compile_patience_s = 0.3, 60.0
+    scheduler.compile_quiet_s, scheduler.compile_start_quiet_s, scheduler.compile_patience_s = 0.3, 0.3, 60.0
     busy = _Busy(scheduler)
     _wait_for(lambda: scheduler.steps > 0, 30)
     scheduler.compile_in_background()
@@ -97,3 +98,13 @@ def test_a_server_never_quiet_still_compiles_after_the_patience(scheduler):
     _wait_for(lambda: scheduler.called, 30)
     ended = busy.end()
     assert len(scheduler.called) == 1 and started + 0.8 <= scheduler.called[0] < ended
+
+
+def test_the_first_compiling_forward_waits_the_longer_start_quiet(scheduler):
+    # An idle server just started: the compiler waits compile_start_quiet_s (the first clients' burst would come
+    # now), not the shorter compile_quiet_s that gates the later forwards.
+    scheduler.compile_quiet_s, scheduler.compile_start_quiet_s, scheduler.compile_patience_s = 0.01, 0.4, 60.0
+    started = time.monotonic()
+    scheduler.compile_in_background()
+    _wait_for(lambda: scheduler.called, 30)
+    assert len(scheduler.called) == 1 and scheduler.called[0] >= started + 0.4

@@ -2,8 +2,8 @@
 
 from tlm_linear.embedding import Embedding
 from tlm_linear.fused import register_split_layout, split_layout
-from tlm_linear.linear import Linear
+from tlm_linear.linear import Linear, PackedWeights
 
 __version__ = "0.4.1"
 
-__all__ = ["Embedding", "Linear", "__version__", "register_split_layout", "split_layout"]
+__all__ = ["Embedding", "Linear", "PackedWeights", "__version__", "register_split_layout", "split_layout"]

@@ -1,5 +1,6 @@
 """Continuous batching: sequences that decode together, one forward per step, joining and leaving between steps."""
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -13,6 +14,7 @@ from torch import Tensor
 from tlm_attention import KVCache
 from tlm_core.checks import check_int, check_positive_int
 from tlm_core.tensors import as_index_tensor
+from tlm_linear import PackedWeights
 from tlm_model.inference import InferenceModel
 from tlm_model.lm import TransformerLM
 
@@ -169,7 +171,11 @@ class DecodeBatch:
         min_slots: int = MIN_SLOTS,
         cache: KVCache | None = None,
         prefix_rows: int | None = None,
+        pack_weights: bool = False,
     ) -> None:
+        """``pack_weights`` (an eager model on a CPU): decode steps at the largest batch bucket, 8 rows or more,
+        run the model's Linear layers on MKL-packed copies of their float32 weights
+        (:class:`tlm_linear.PackedWeights`, made here; one more copy of those weights while the batch lives)."""
         if not isinstance(model, (TransformerLM, InferenceModel)):
             raise TypeError(f"model must be a TransformerLM or an InferenceModel, got {type(model).__name__}")
         check_positive_int("max_batch_size", max_batch_size)
@@ -216,6 +222,12 @@ class DecodeBatch:
         self._prefill_fn: Callable[..., Tensor] = lm.forward_static
         if isinstance(model, InferenceModel):
             self._decode_fn, self._prefill_fn = model.decode_step, model.prefill_step
+        # A GEMM of a few rows on a weight packed for that many ran 1.5-2.7x torch.matmul's at 8 to 32 rows and
+        # gained nothing below 8 (docs/benchmarks.md); the largest bucket is where a busy batch decodes.
+        rows_packed = batch_buckets(max_batch_size)[-1]
+        self._packed: PackedWeights | None = None
+        if pack_weights and self._eager and self._device.type == "cpu" and rows_packed >= 8:
+            self._packed = PackedWeights(lm, rows_packed) or None
 
     def __len__(self) -> int:
         return self.cache.batch_size
@@ -495,7 +507,9 @@ class DecodeBatch:
         # that counts, or the scratch slot; their lengths do not move.
         positions = self.cache.device_lengths[:bucket].unsqueeze(1)
         slots = self._slots(max(lengths) + 1)
-        logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
+        packed = self._packed is not None and bucket == self._packed.rows
+        with cast(PackedWeights, self._packed).active() if packed else contextlib.nullcontext():
+            logits = self._decode_fn(fed.unsqueeze(1), positions, self.cache, slots)
         self.cache.advance(taking, self._decoding[:rows])
         return logits[:rows]
 

@@ -187,6 +187,9 @@ class Scheduler:
 
     #: The background warm-up compiles only once the eager engine has run no step for this long (seconds)...
     compile_quiet_s = 0.5
+    #: ... this long before its first forward: a server just started usually meets the clients that waited for it
+    #: at once, and a compiling forward, once begun, runs to its end (tens of seconds of a CPU core and the GIL)...
+    compile_start_quiet_s = 5.0
     #: ... or once this long (seconds) has passed since it was asked for (:meth:`compile_in_background`).
     compile_patience_s = 60.0
 
@@ -221,7 +224,7 @@ class Scheduler:
         chunk, budget = prefill_defaults(device)
         self._prefix_rows = max_batch if prefix_cache else None
         self.batch = DecodeBatch(model, max_batch, prefill_chunk=chunk if prefill_chunk is None else prefill_chunk,
-                                 prefix_rows=self._prefix_rows)  # fmt: skip
+                                 prefix_rows=self._prefix_rows, pack_weights=True)  # fmt: skip
         self.prefill_budget = budget if token_budget is None else token_budget
         self._waiting: collections.deque[Request] = collections.deque()
         self._rows: list[_Row] = []
@@ -254,8 +257,9 @@ class Scheduler:
         (:func:`~tlm_model.compile_for_inference`) and warms a batch of its own up; between two steps the
         compiled batch then takes over every row (:meth:`DecodeBatch.take_over`), so no request is dropped or
         waits for the compiler. Each compiling forward of the warm-up waits for a quiet moment (no step for
-        :attr:`compile_quiet_s`) up to :attr:`compile_patience_s` after this call, so that the compiler does not
-        slow a burst of requests down. :meth:`engine_status` says which engine serves and how far the warm-up
+        :attr:`compile_quiet_s`, the first for :attr:`compile_start_quiet_s`) up to :attr:`compile_patience_s`
+        after this call, so that the compiler does not slow a burst of requests down (the first clients of a
+        server just started among them). :meth:`engine_status` says which engine serves and how far the warm-up
         is; a failed warm-up leaves the eager engine serving."""
         if self.engine != "eager" or self._warming is not None:
             raise ValueError(f"compile_in_background needs an eager engine not yet compiling; this one is "
@@ -289,9 +293,9 @@ class Scheduler:
         def progress(done: int, total: int) -> None:
             warming["done"], warming["total"] = done, total
             if done < total:  # the next forward compiles; after the last, the batch is handed over at once
-                self._wait_quiet(deadline)
+                self._wait_quiet(deadline, self.compile_quiet_s)
 
-        self._wait_quiet(deadline)
+        self._wait_quiet(deadline, self.compile_start_quiet_s)
         # The compiler is Python and holds the GIL; the serving thread gives it up for every torch call and, by
         # default, waits up to 5 ms to get it back each time (hundreds of times a forward). A short switch
         # interval while the compiler runs hands the GIL back within a fraction of that.
@@ -312,13 +316,13 @@ class Scheduler:
             self._warmed = batch
             self._wake.notify()
 
-    def _wait_quiet(self, deadline: float) -> None:
+    def _wait_quiet(self, deadline: float, quiet: float) -> None:
         """The background warm-up's gate before each compiling forward: return once the eager engine has run no
-        step for :attr:`compile_quiet_s` (a burst of requests is served without the compiler taking the CPU and
-        the GIL from it), or at ``deadline`` (a server never quiet still gets its compiled engine)."""
+        step for ``quiet`` seconds (a burst of requests is served without the compiler taking the CPU and the GIL
+        from it), or at ``deadline`` (a server never quiet still gets its compiled engine)."""
         while time.monotonic() < deadline:
             seen = self.steps
-            time.sleep(self.compile_quiet_s)
+            time.sleep(min(quiet, max(0.0, deadline - time.monotonic())))
             if self.steps == seen:
                 return
 
