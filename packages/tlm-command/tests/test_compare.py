@@ -121,6 +121,17 @@ def test_the_plot_is_written_whole_whatever_the_users_default_format(hand_run, t
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_never_replaces_what_it_compares_nor_a_folder(hand_run, tmp_path, fails) -> None:
+    run = tmp_path / "a"
+    hand_run(run, FINISHED, lr=1e-3)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    out = run / "metrics.jsonl"
+    fails(["compare", str(run), "--out", str(out)], f"--out {out} would overwrite the input {run}; choose another")
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    (tmp_path / "plots").mkdir()
+    fails(["compare", str(run), "--out", str(tmp_path / "plots")], f"--out {tmp_path / 'plots'} is a folder")
+
+
 def test_runs_of_other_tokenizers_compare_in_bits_per_byte_and_runs_of_other_data_are_refused(
     tmp_path, capsys, fails
 ) -> None:
