@@ -57,6 +57,8 @@ def _check_plot_target(path: str) -> None:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'tlm-command[plot]' (or matplotlib)") from None
+    if os.path.isdir(path):
+        raise UserError(f"--plot {path} is a folder; name the image file to write")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--plot {path}: the folder {folder} does not exist")
