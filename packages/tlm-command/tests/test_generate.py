@@ -152,6 +152,10 @@ def test_device_and_dtype(small_checkpoint, capsys):
         (["--prompt-ids", "1", "--top-p", "0"], "--top-p: must be a number in (0, 1], got '0'"),
         (["--prompt-ids", "1", "--top-k", "0"], "--top-k: must be a positive integer, got 0"),
         (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens: must be a positive integer, got 0"),
+        (
+            ["--prompt-ids", "1", "--seed", str(2**64)],
+            f"--seed: must be an integer in [-2**63, 2**64 - 1], got '{2**64}'",
+        ),
         (["--prompt-ids", "1", "--eos-id", "-1"], "--eos-id must be in [0, 50) for this model's vocabulary, got -1"),
         (["--prompt-ids", "1", "--eos-id", "eot"], "--eos-id must be a token id or one of the tokenizer's special"),
         (["--prompt-ids", "1", "--eos-id", "50"], "--eos-id must be in [0, 50) for this model's vocabulary, got 50"),

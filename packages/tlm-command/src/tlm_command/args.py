@@ -120,6 +120,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+#: ``torch.Generator.manual_seed``'s range (a seed outside it raised "Overflow when unpacking long long").
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def seed(text: str) -> int:
+    """An int that seeds a ``torch.Generator``: in :data:`SEED_RANGE`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64 - 1], got {text[:40]!r}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0):

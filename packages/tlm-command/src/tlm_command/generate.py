@@ -26,6 +26,7 @@ from tlm_command.args import (
     inference_device,
     positive_int,
     say,
+    seed,
     temperature,
     top_p,
 )
@@ -78,7 +79,7 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="back up the prompt's last token; the first new token must start with its text (needs a tokenizer)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the sampler (and random weights)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's; float32 for random weights)")
     parser.add_argument("--compile", action="store_true", help="compile_for_inference first (faster long runs on CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")

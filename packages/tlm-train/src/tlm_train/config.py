@@ -56,6 +56,9 @@ FIXED_ON_RESUME = (
 
 #: The int settings that may be 0; every other one is at least 1.
 MAY_BE_ZERO = ("warmup_steps", "sample_tokens", "seed", "lora_rank")
+#: The largest value of an int setting: torch and numpy take int64 (a larger one raised "Overflow when unpacking
+#: long long" naming nothing); the seed also seeds numpy's legacy global state, which takes 32 bits.
+INT_MAX, SEED_MAX = 2**63 - 1, 2**32 - 1
 
 
 @dataclass
@@ -356,6 +359,7 @@ class TrainConfig:
             name, value = f"TrainConfig.{f.name}", getattr(self, f.name)
             if f.type is int or (f.type == int | None and value is not None):
                 check_int(name, value, low=0 if f.name in MAY_BE_ZERO else 1)
+                check_int(name, value, high=SEED_MAX if f.name == "seed" else INT_MAX)
             elif f.type is bool:
                 check_bool(name, value)
             elif f.type is str and not isinstance(value, str):
