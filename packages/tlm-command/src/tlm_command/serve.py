@@ -160,7 +160,6 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.args import inference_device
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
-    from tlm_model.scheduler import Scheduler
 
     device = inference_device(args)
     model, tokenizer, artifact = load_model(args, device)
@@ -181,10 +180,7 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"tlm serve: {line}", file=sys.stderr, flush=True)
 
-    scheduler = Scheduler(
-        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
-        prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, prefix_cache=args.prefix_cache, log=log,
-    )  # fmt: skip
+    scheduler = _scheduler(args, model, tokenizer, eos_ids, device, log, sock)
     app = create_app(
         scheduler,
         tokenizer,
@@ -220,6 +216,29 @@ def run(args: argparse.Namespace) -> int:
     finished = scheduler.close(timeout=max(args.drain_timeout, 0.1))
     print(f"tlm serve: stopped{'' if finished else ' (requests still running were cut)'}", file=sys.stderr, flush=True)
     return 0
+
+
+def _scheduler(args: argparse.Namespace, model: Any, tokenizer: Any, eos_ids: list[int], device: Any,
+               log: Any, sock: Any) -> Any:  # fmt: skip
+    """The scheduler of ``--max-batch`` rows; a KV cache the device cannot hold is one line (``sock`` closed)."""
+    import torch
+
+    from tlm_model.scheduler import Scheduler
+
+    try:
+        return Scheduler(
+            model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
+            prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, prefix_cache=args.prefix_cache, log=log,
+        )  # fmt: skip
+    except (RuntimeError, MemoryError) as err:
+        # The KV cache is allocated whole for --max-batch rows at start: too many rows is the user's setting, and a
+        # traceback from the allocator names none (torch.OutOfMemoryError on CUDA, a RuntimeError on the CPU).
+        if not (isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "allocate" in str(err)):
+            raise
+        sock.close()
+        raise UserError(f"--max-batch {args.max_batch}: the KV cache of that many rows of "
+                        f"{model.config.context_length} tokens does not fit the {device.type} memory; lower "
+                        "--max-batch") from None  # fmt: skip
 
 
 def _missing(module: str) -> bool:
