@@ -11,6 +11,8 @@ pytest.importorskip("uvicorn", reason="tlm serve needs the serve extra (fastapi,
     (["--drain-timeout", "-1"], "--drain-timeout must be >= 0 seconds, got -1.0"),
     (["--drain-timeout", "nan"], "--drain-timeout must be >= 0 seconds, got nan"),
     (["--port", "65536"], "--port must be in [0, 65535], got 65536"),
+    (["--host", ""], "--host is empty; give an address (0.0.0.0: every interface)"),
+    (["--model-name", " "], "--model-name is empty; give a name"),
 ])  # fmt: skip
 def test_a_bad_setting_is_one_line_before_the_checkpoint_is_read(tmp_path, fails, argv, message):
     fails(["serve", "--checkpoint", str(tmp_path / "none"), *argv], message)

@@ -148,6 +148,12 @@ def run(args: argparse.Namespace) -> int:
     missing = [name for name in SERVE_MODULES if _missing(name)]
     if missing:
         raise UserError(f"tlm serve needs {' and '.join(missing)}: pip install 'tlm-command[serve]'")
+    # An empty --host binds every interface (what 0.0.0.0 says out loud); an empty model id no client can name.
+    for flag, value in (("--host", args.host), ("--model-name", args.model_name)):
+        if value is not None and not value.strip():
+            raise UserError(
+                f"{flag} is empty; give {'an address (0.0.0.0: every interface)' if flag == '--host' else 'a name'}"
+            )
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not args.drain_timeout >= 0:
