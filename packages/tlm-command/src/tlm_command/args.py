@@ -110,13 +110,19 @@ def description(doc: str | None) -> str:
     return (doc or "").split("\n\n", 1)[-1].replace("``", "")
 
 
+#: The largest count a flag takes: torch and numpy sizes are int64 (past it, "Overflow when unpacking long long").
+INT_MAX = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text[:40]!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be a positive integer up to 2**63 - 1, got {text[:40]}")
     return value
 
 
