@@ -53,6 +53,8 @@ def test_bad_files_name_the_file_and_the_setting(tmp_path, text, message) -> Non
         ({"steps": 0}, ValueError, "TrainConfig.steps must be positive, got 0"),
         ({"steps": True}, TypeError, "TrainConfig.steps must be an int, got bool"),
         ({"warmup_steps": -1}, ValueError, "TrainConfig.warmup_steps must be >= 0"),
+        ({"sample_prompt": "a\udcffb"}, ValueError, r"TrainConfig.sample_prompt must be UTF-8 text, got 'a\\udcffb'"),
+        ({"special_tokens": ["<|x\udcff|>"]}, ValueError, "TrainConfig.special_tokens must be UTF-8 text"),
         ({"seed": 2**32}, ValueError, "TrainConfig.seed must be <= 4294967295, got 4294967296"),
         ({"batch_size": 10**21}, ValueError, "TrainConfig.batch_size must be <= 9223372036854775807, got 10+$"),
         ({"lr": 0.0}, ValueError, "TrainConfig.lr must be a finite number > 0"),

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command, fit_threads
+from tlm_core.checks import rephrased
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_train.config import TrainConfig
 
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the settings are checked before torch is imported: a wrong flag is refused at once
         config, step, resume = config_from_args(args)
     except (TypeError, ValueError) as err:
-        raise type(err)(_flags(str(err))) from None
+        raise rephrased(err, _flags(str(err))) from None
     from tlm_train import NonFiniteLossError, RunInUseError, train
     from tlm_train.loggers import LoggerError
 
@@ -252,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tlm: error: {err}", file=sys.stderr)
         return LOGGER_FAILED
     except (TypeError, ValueError) as err:
-        raise type(err)(_flags(str(err))) from None
+        raise rephrased(err, _flags(str(err))) from None
     if result.sample is not None and not args.quiet:
         _log(f"run folder: {result.run_dir}")
         print("sample:", result.sample.replace("\n", "\n        "))

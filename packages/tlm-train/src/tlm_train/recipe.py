@@ -33,6 +33,7 @@ from tlm_artifacts.artifact import load_step_model
 from tlm_artifacts.inputs import read_paths
 from tlm_artifacts.lora import grown
 from tlm_core.atomic import read_input
+from tlm_core.checks import rephrased
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
@@ -85,7 +86,7 @@ def extended_config(shape: ModelConfig, config: TrainConfig) -> ModelConfig:
     try:
         scaling = extension_scaling(rule, shape.context_length, target, config.rope_factor)
     except (TypeError, ValueError) as err:
-        raise type(err)(f"{flag('rope_scaling')}: {err}") from None
+        raise rephrased(err, f"{flag('rope_scaling')}: {err}") from None
     return dataclasses.replace(shape, context_length=target, rope_scaling=scaling)
 
 
