@@ -161,6 +161,11 @@ def test_device_and_dtype(small_checkpoint, capsys):
         (["--prompt-ids", "1", "--eos-id", "50"], "--eos-id must be in [0, 50) for this model's vocabulary, got 50"),
         (["--prompt-ids", "1", "--stop", "x"], "--stop TEXT needs a tokenizer"),
         (["--prompt", "hi"], "--prompt needs a tokenizer"),
+        (
+            ["--prompt", "a\udcffb"],
+            "--prompt must be UTF-8 text, got bytes that are not (a lone surrogate at character 1",
+        ),
+        (["--prompt-ids", "1", "--stop", "\udcff"], "--stop must be UTF-8 text"),
         (["--prompt-ids", "1", "--dtype", "float8"], "--dtype: invalid choice: 'float8'"),
         (["--prompt-ids", "1", "--device", "quantum"], "--device must be a torch device such as cpu, cuda or cuda:1"),
         (["--prompt-ids", "1", "--preset", "tiny"], "--preset builds random weights; a --checkpoint carries"),

@@ -141,6 +141,17 @@ def seed(text: str) -> int:
     return value
 
 
+def utf8_text(flag: str, text: str) -> str:
+    """``text`` if it is UTF-8: a command line's bytes that are not arrive as lone surrogates ("\\udcff"), which no
+    tokenizer, JSON answer or file can hold; refused in one line naming ``flag``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{flag} must be UTF-8 text, got bytes that are not (a lone surrogate at character "
+                        f"{err.start} of {text[:40]!r})") from None  # fmt: skip
+    return text
+
+
 def positive_float(text: str) -> float:
     value = _number(text)
     if not (math.isfinite(value) and value > 0):

@@ -29,6 +29,7 @@ from tlm_command.args import (
     seed,
     temperature,
     top_p,
+    utf8_text,
 )
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_model.config import PRESETS
@@ -250,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     from tlm_core.progress import progress_bar
     from tlm_model import compile_for_inference, generate
 
+    for flag, texts in (("--prompt", [args.prompt] if args.prompt is not None else []), ("--stop", args.stop or [])):
+        for text in texts:
+            utf8_text(flag, text)  # before any work: bytes that are not UTF-8 no tokenizer can take
     device = inference_device(args)
     fit_threads(device, quiet=args.quiet)
     model, tokenizer = _model(args, device)

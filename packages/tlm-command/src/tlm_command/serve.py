@@ -25,11 +25,12 @@ the command with one line. Needs the ``serve`` extra: ``pip install 'tlm-command
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command, add_device_arguments, positive_int
+from tlm_command.args import UserError, add_command, add_device_arguments, positive_int, utf8_text
 
 #: What the serve extra installs, by import name (for the message when one is missing).
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -141,7 +142,10 @@ def stop_tokens(tokenizer: Any) -> list[str]:
 
 def model_id(checkpoint: str, model_name: str | None) -> str:
     """The model id clients name: ``--model-name``, else the checkpoint folder's own name (after links)."""
-    return model_name or Path(checkpoint).resolve().name
+    if model_name is not None:
+        return utf8_text("--model-name", model_name)
+    # A folder's name may hold bytes that are not UTF-8: shown escaped ("run\\xff"), as every answer must encode.
+    return os.fsencode(Path(checkpoint).resolve().name).decode("utf-8", "backslashreplace")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -154,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(
                 f"{flag} is empty; give {'an address (0.0.0.0: every interface)' if flag == '--host' else 'a name'}"
             )
+    if args.model_name is not None:
+        utf8_text("--model-name", args.model_name)  # every answer carries it: one that cannot encode fails them all
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not args.drain_timeout >= 0:
