@@ -65,6 +65,7 @@ def test_cli_plot_replaces_a_symlink_never_its_target_and_refuses_a_folder(tmp_p
     assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "shares.png").exists()
     capsys.readouterr()
     fails(["accounting", "--preset", "tiny", "--plot", str(tmp_path)], f"--plot {tmp_path} is a folder")
+    fails(["accounting", "--preset", "tiny", "--plot", ""], "--plot is empty; name the image file to write")
 
 
 def test_cli_bad_arguments(capsys):
