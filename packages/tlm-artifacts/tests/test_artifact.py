@@ -235,6 +235,11 @@ def test_read_paths_names_the_base_a_lora_step_or_peft_adapter_reads(tmp_path, w
         (lambda folder, config: (folder / "adapter_model.safetensors").write_bytes(b"\x10" * 64),
          "is not a readable safetensors file"),
         (lambda folder, config: {**config, "r": 3}, "its tensors do not fit the adapter adapter_config.json describes"),
+        (lambda folder, config: {**config, "lora_alpha": -1}, r"json: lora_alpha must be a finite number > 0, got -1"),
+        (lambda folder, config: {**config, "lora_alpha": float("nan")}, "lora_alpha must be a finite number > 0"),
+        (lambda folder, config: {**config, "lora_dropout": 5}, r"lora_dropout must be a finite number in \[0, 1\)"),
+        (lambda folder, config: {**config, "lora_dropout": "x"}, r"json: lora_dropout must be a number, got str"),
+        (lambda folder, config: {**config, "target_modules": []}, r"json: target_modules is empty"),
     ],
 )  # fmt: skip
 def test_a_damaged_peft_adapter_is_one_value_error_naming_it(tmp_path, writers, damage, message):

@@ -51,6 +51,20 @@ def test_cli_plot(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_plot_replaces_a_symlink_never_its_target_and_refuses_a_folder(tmp_path, capsys, fails):
+    pytest.importorskip("matplotlib", reason="--plot needs the optional matplotlib (tlm-model[plot])")
+    victim = tmp_path / "victim.png"
+    victim.write_bytes(b"keep")
+    link = tmp_path / "shares"  # a symlink, and no suffix: a PNG at exactly this path, not shares.png beside it
+    link.symlink_to(victim)
+    assert main(["accounting", "--preset", "tiny", "--plot", str(link)]) == 0
+    assert victim.read_bytes() == b"keep" and not link.is_symlink()
+    assert link.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "shares.png").exists()
+    capsys.readouterr()
+    fails(["accounting", "--preset", "tiny", "--plot", str(tmp_path)], f"--plot {tmp_path} is a folder")
+    fails(["accounting", "--preset", "tiny", "--plot", ""], "--plot is empty; name the image file to write")
+
+
 def test_cli_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["accounting", "--preset", "gpt2-xl", "--context-length", "0"])

@@ -27,6 +27,7 @@ from tlm_command.args import (
     (top_p, "1", 1.0),  # the closed end of (0, 1]
     (top_p, "1e-9", 1e-9),
     (positive_int, "1", 1),
+    (positive_int, str(2**63 - 1), 2**63 - 1),  # int64's largest: torch and numpy take it
 ])  # fmt: skip
 def test_each_type_takes_the_edges_of_its_range(parse, text, value):
     assert parse(text) == value
@@ -35,7 +36,7 @@ def test_each_type_takes_the_edges_of_its_range(parse, text, value):
 @pytest.mark.parametrize(("parse", "text"), [
     (temperature, "-1e-9"), (temperature, "inf"), (temperature, "nan"),
     (top_p, "0"), (top_p, "1.000001"), (top_p, "nan"),
-    (positive_int, "0"), (positive_int, "1.5"),
+    (positive_int, "0"), (positive_int, "1.5"), (positive_int, str(2**63)),
 ])  # fmt: skip
 def test_and_refuses_the_first_value_past_them(parse, text):
     with pytest.raises(argparse.ArgumentTypeError):

@@ -2,6 +2,7 @@
 train.toml and metrics.jsonl written here by hand; the plot; paths that are neither a run nor a sweep."""
 
 import json
+import sys
 
 import pytest
 
@@ -119,6 +120,25 @@ def test_the_plot_is_written_whole_whatever_the_users_default_format(hand_run, t
     png = tmp_path / "compare.png"
     assert main(["compare", str(tmp_path / "a"), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_never_replaces_what_it_compares_nor_a_folder(hand_run, tmp_path, fails) -> None:
+    run = tmp_path / "a"
+    hand_run(run, FINISHED, lr=1e-3)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    out = run / "metrics.jsonl"
+    fails(["compare", str(run), "--out", str(out)], f"--out {out} would overwrite the input {run}; choose another")
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    (tmp_path / "plots").mkdir()
+    fails(["compare", str(run), "--out", str(tmp_path / "plots")], f"--out {tmp_path / 'plots'} is a folder")
+
+
+def test_a_plot_without_matplotlib_is_one_line_saying_what_to_install(hand_run, tmp_path, fails, monkeypatch) -> None:
+    hand_run(tmp_path / "a", FINISHED, lr=1e-3)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    fails(["compare", str(tmp_path / "a"), "--out", str(tmp_path / "c.png")],
+          "tlm: error: plots need matplotlib: pip install 'tlm-command[plot]'")  # fmt: skip
+    assert not (tmp_path / "c.png").exists()
 
 
 def test_runs_of_other_tokenizers_compare_in_bits_per_byte_and_runs_of_other_data_are_refused(

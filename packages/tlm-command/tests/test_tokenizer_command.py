@@ -49,7 +49,11 @@ def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
         (["train", "--input", "{missing}", "--vocab-size", "300", "--out", "{tmp}/t"], "--input: expected a text file"),
         (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{text}"], "would overwrite the input"),
         (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{tmp}"], "would overwrite the input"),
-        (["train", "--input", "{binary}", "--vocab-size", "300", "--out", "{tmp}/t"], "can't decode byte 0xff"),
+        (
+            ["train", "--input", "{binary}", "--vocab-size", "300", "--out", "{tmp}/t"],
+            "{binary} is not UTF-8 text (invalid start byte at byte 4)",
+        ),
+        (["train", "--input", "{empty}", "--vocab-size", "300", "--out", "{tmp}/t"], "--input {empty} holds no pair"),
         (["train", "--input", "{text}", "--vocab-size", "300", "--out", "{tmp}/user"], "which holds notes.txt"),
         (["encode", "--tokenizer", "{tmp}/none", "--input", "{text}", "--out", "{tmp}/x"], "{tmp}/none"),
         (["encode", "--tokenizer", "{tmp}/tok", "--input", "{missing}", "--out", "{tmp}/x"], "--input: expected"),
@@ -60,11 +64,13 @@ def test_the_command_runs_as_python_dash_m_tlm(text, tmp_path, tlm):
 )
 def test_user_errors_are_one_line_exit_2_and_inputs_survive(text, tmp_path, fails, capsys, args, message):
     (tmp_path / "binary.txt").write_bytes(b"abc \xff\xfe")
+    (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "notes.txt").write_text("a user's file")
     main(["tokenizer", "train", "--input", str(text), "--vocab-size", "300", "--out", str(tmp_path / "tok"), "--quiet"])
     capsys.readouterr()  # the summary of that training, before the failing call
-    places = {"missing": tmp_path / "absent.txt", "tmp": tmp_path, "text": text, "binary": tmp_path / "binary.txt"}
+    places = {"missing": tmp_path / "absent.txt", "tmp": tmp_path, "text": text, "binary": tmp_path / "binary.txt",
+              "empty": tmp_path / "empty.txt"}  # fmt: skip
     before = text.read_bytes()
     fails(["tokenizer", *(arg.format(**places) for arg in args)], message.format(**places))
     assert text.read_bytes() == before  # an output equal to an input is refused before anything is written

@@ -3,6 +3,7 @@ resume refusals that leave the run untouched."""
 
 import gzip
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -81,6 +82,16 @@ def test_user_errors_are_one_line_exit_2_and_write_nothing(tmp_path, tokens, fai
     out = tmp_path / "run"
     argv = [a.format(tokens=tokens, tmp=tmp_path) for a in argv]
     fails(["train", "--out-dir", str(out), "--quiet", *SMALL, *argv], message.format(tmp=tmp_path))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flag", "module"), [("--wandb", "wandb"), ("--tensorboard", "tensorboard")])
+def test_a_logger_whose_library_is_missing_is_one_line_and_writes_nothing(tmp_path, tokens, fails, monkeypatch,
+                                                                          flag, module):  # fmt: skip
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec says None, import raises
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(tokens), "--out-dir", str(out), "--quiet", *SMALL, flag]
+    fails(argv, f"{flag} needs the {module} package: pip install 'tlm-train[{module}]'")
     assert not out.exists()
 
 

@@ -1,8 +1,17 @@
+import json
 import math
 
 import pytest
 
-from tlm_core.checks import check_bool, check_choice, check_int, check_number, check_positive_int, short_repr
+from tlm_core.checks import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_positive_int,
+    rephrased,
+    short_repr,
+)
 
 
 @pytest.mark.parametrize("value", [0, 5, -3, 2**70])
@@ -91,3 +100,27 @@ def test_messages_stay_short_for_huge_values():
     assert len(str(info.value)) < 150
     assert short_repr("abc") == "'abc'"
     assert "10,000,002 chars" in short_repr(huge)
+
+
+def _raised(error: Exception) -> Exception:
+    try:
+        raise error
+    except Exception as err:
+        return err
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (ValueError("x"), ValueError),
+        (TypeError("x"), TypeError),
+        (FileNotFoundError("x"), FileNotFoundError),
+        # Types that do not take a message alone: their base, never "function takes exactly 5 arguments".
+        (_raised(UnicodeEncodeError("utf-8", "a\udcff", 1, 2, "surrogates not allowed")), ValueError),
+        (_raised(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")), ValueError),
+        (_raised(json.JSONDecodeError("Expecting value", "x", 0)), ValueError),
+    ],
+)
+def test_rephrased_keeps_the_type_where_it_takes_a_message_else_its_base(error, kind):
+    again = rephrased(error, "--flag: what went wrong")
+    assert type(again) is kind and str(again) == "--flag: what went wrong"

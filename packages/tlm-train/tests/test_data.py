@@ -1,6 +1,7 @@
 """A run's data: the default corpus, text encoded once into RUN/data, token files checked."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -59,6 +60,15 @@ def test_a_pickled_npy_is_refused(tmp_path) -> None:
     np.save(tmp_path / "t.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError, match="is not a readable .npy file"):
         prepare_data(data_settings(TrainConfig(data=[str(tmp_path / "t.npy")])), RunDir(tmp_path / "run"))
+
+
+@pytest.mark.parametrize("raw", [b"", b"\x01\x00\x02"])
+def test_a_raw_token_file_of_no_whole_ids_is_refused_naming_it(tmp_path, raw) -> None:
+    path = tmp_path / "t.bin"
+    path.write_bytes(raw)
+    message = f"--data {path} holds {len(raw)} bytes, not a whole, non-zero number of uint16 ids"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        prepare_data(data_settings(TrainConfig(data=[str(path)])), RunDir(tmp_path / "run"))
 
 
 def test_a_token_file_changed_in_place_is_refused_on_resume(tmp_path, make_config, tokens, snapshot) -> None:

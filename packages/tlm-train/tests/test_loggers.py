@@ -74,6 +74,22 @@ def test_backends_are_chosen_by_name_and_a_missing_library_says_what_to_install(
         choose_loggers(["wandb"], tmp_path)
 
 
+def test_a_wandb_that_cannot_start_a_run_is_a_value_error_naming_the_flag(tmp_path, monkeypatch) -> None:
+    import types
+
+    class UsageError(Exception):  # wandb.errors.UsageError's place: a subclass of wandb.errors.Error
+        pass
+
+    def init(**kwargs):
+        raise UsageError("No API key configured. Use `wandb login` to log in.")
+
+    errors = types.SimpleNamespace(Error=Exception, UsageError=UsageError)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init, Settings=dict, errors=errors))
+    expected = r"--wandb: W&B could not start a run: No API key configured\. .* \(WANDB_MODE=offline logs with no"
+    with pytest.raises(ValueError, match=expected):
+        choose_loggers(["wandb"], tmp_path)
+
+
 class _FullDisk:
     """An event file on a disk that fills once ``room`` flushes have gone through: every write or flush after
     raises ENOSPC, as a full file system does."""

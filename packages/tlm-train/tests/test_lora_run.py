@@ -112,6 +112,8 @@ def test_lora_settings_are_checked_at_the_boundary(data: Path, base: Path, tmp_p
         lora_config(data, base, tmp_path / "run", lora_targets="q,qq")
     with pytest.raises(ValueError, match="lora_rank must be"):
         lora_config(data, base, tmp_path / "run", lora_rank=-1)
+    with pytest.raises(ValueError, match="--lora-rank 33 is more than the --init-from model's d_model 32"):
+        train(lora_config(data, base, tmp_path / "run", lora_rank=33))
 
 
 def test_a_lora_run_on_a_token_file_keeps_the_bases_vocabulary(data: Path, base: Path, tmp_path: Path):

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from tlm_artifacts.layout import PEFT_CONFIG, PEFT_WEIGHTS
 from tlm_core.atomic import read_input
+from tlm_core.checks import check_number
 from tlm_lora import apply_lora, load_lora_state_dict, merge_lora
 from tlm_model import ModelConfig, TransformerLM
 
@@ -201,16 +202,18 @@ def peft_settings(folder: Path) -> dict[str, Any]:
     roles = {peft: role for role, peft in PEFT_MODULE_OF_ROLE.items()}
     if unknown := [n for n in names if n not in roles]:
         raise ValueError(f"{folder / PEFT_CONFIG}: target_modules {unknown} are not Llama projections tlm adapts")
+    if not names:
+        raise ValueError(f"{folder / PEFT_CONFIG}: target_modules is empty: it names no projection to adapt")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if type(rank) is not int or rank < 1 or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise ValueError(f"{folder / PEFT_CONFIG}: r must be a positive int and lora_alpha a number, got {rank!r}, "
                          f"{alpha!r}")  # fmt: skip
-    return {
-        "rank": rank,
-        "alpha": float(alpha),
-        "targets": ",".join(roles[n] for n in names),
-        "dropout": float(config.get("lora_dropout", 0.0)),
-    }
+    try:  # here, under the file's name: tlm_lora's own checks say "alpha must be ...", naming no file
+        alpha = check_number("lora_alpha", alpha, low=0.0, low_open=True)
+        dropout = check_number("lora_dropout", config.get("lora_dropout", 0.0), low=0.0, high=1.0, high_open=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{folder / PEFT_CONFIG}: {err}") from None
+    return {"rank": rank, "alpha": alpha, "targets": ",".join(roles[n] for n in names), "dropout": dropout}
 
 
 def with_peft_adapter(

@@ -57,6 +57,10 @@ def _check_plot_target(path: str) -> None:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'tlm-command[plot]' (or matplotlib)") from None
+    if not path:
+        raise UserError("--plot is empty; name the image file to write")
+    if os.path.isdir(path):
+        raise UserError(f"--plot {path} is a folder; name the image file to write")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UserError(f"--plot {path}: the folder {folder} does not exist")
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--world-size reports one model: use it with --preset, not --compare")
     if args.activation_checkpointing and args.world_size is None:
         raise UserError("--activation-checkpointing applies to the training memory: give --world-size N too")
-    if args.plot:
+    if args.plot is not None:  # --plot '' too: asked for, so never silently skipped
         _check_plot_target(args.plot)
     names = args.compare or [args.preset]
     reports = []

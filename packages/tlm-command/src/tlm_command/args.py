@@ -110,14 +110,46 @@ def description(doc: str | None) -> str:
     return (doc or "").split("\n\n", 1)[-1].replace("``", "")
 
 
+#: The largest count a flag takes: torch and numpy sizes are int64 (past it, "Overflow when unpacking long long").
+INT_MAX = 2**63 - 1
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text[:40]!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    if value > INT_MAX:
+        raise argparse.ArgumentTypeError(f"must be a positive integer up to 2**63 - 1, got {text[:40]}")
     return value
+
+
+#: ``torch.Generator.manual_seed``'s range (a seed outside it raised "Overflow when unpacking long long").
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def seed(text: str) -> int:
+    """An int that seeds a ``torch.Generator``: in :data:`SEED_RANGE`."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64 - 1], got {text[:40]!r}")
+    return value
+
+
+def utf8_text(flag: str, text: str) -> str:
+    """``text`` if it is UTF-8: a command line's bytes that are not arrive as lone surrogates ("\\udcff"), which no
+    tokenizer, JSON answer or file can hold; refused in one line naming ``flag``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise UserError(f"{flag} must be UTF-8 text, got bytes that are not (a lone surrogate at character "
+                        f"{err.start} of {text[:40]!r})") from None  # fmt: skip
+    return text
 
 
 def positive_float(text: str) -> float:

@@ -2,10 +2,11 @@
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
-from tlm_command.args import UserError, add_command, positive_float
+from tlm_command.args import UserError, add_command, check_output, positive_float
 from tlm_experiments import compare
 from tlm_experiments.results import UNSTABLE_ABOVE
 
@@ -33,6 +34,11 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:
+        # The figure must never replace what the comparison reads (a run's metrics.jsonl) or a folder.
+        check_output(args.out, *args.paths)
+        if os.path.isdir(args.out):
+            raise UserError(f"--out {args.out} is a folder; name the PNG file to write")
     summaries = compare.collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")

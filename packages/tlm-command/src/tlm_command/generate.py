@@ -26,8 +26,10 @@ from tlm_command.args import (
     inference_device,
     positive_int,
     say,
+    seed,
     temperature,
     top_p,
+    utf8_text,
 )
 from tlm_command.loading import add_model_arguments, load_model, load_tokenizer
 from tlm_model.config import PRESETS
@@ -78,7 +80,7 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="back up the prompt's last token; the first new token must start with its text (needs a tokenizer)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds the sampler (and random weights)")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the sampler (and random weights)")
     add_device_arguments(parser, "weights' dtype (default: the checkpoint's; float32 for random weights)")
     parser.add_argument("--compile", action="store_true", help="compile_for_inference first (faster long runs on CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
@@ -249,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     from tlm_core.progress import progress_bar
     from tlm_model import compile_for_inference, generate
 
+    for flag, texts in (("--prompt", [args.prompt] if args.prompt is not None else []), ("--stop", args.stop or [])):
+        for text in texts:
+            utf8_text(flag, text)  # before any work: bytes that are not UTF-8 no tokenizer can take
     device = inference_device(args)
     fit_threads(device, quiet=args.quiet)
     model, tokenizer = _model(args, device)

@@ -58,6 +58,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             message = _first_line(err)
         parser.exit(2, f"tlm: error: {message}\n")
+    except ImportError as err:
+        # An optional library a flag needs (compare --out: matplotlib; train --wandb: wandb): the packages' messages
+        # say what to install. Any other ImportError is a broken install: its traceback is what to report.
+        if "pip install" not in str(err):
+            raise
+        parser.exit(2, f"tlm: error: {_first_line(err)}\n")
     except KeyboardInterrupt:
         parser.exit(130, "tlm: interrupted\n")
 

@@ -25,11 +25,12 @@ the command with one line. Needs the ``serve`` extra: ``pip install 'tlm-command
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command, add_device_arguments, positive_int
+from tlm_command.args import UserError, add_command, add_device_arguments, positive_int, utf8_text
 
 #: What the serve extra installs, by import name (for the message when one is missing).
 SERVE_MODULES = ("fastapi", "uvicorn")
@@ -141,13 +142,24 @@ def stop_tokens(tokenizer: Any) -> list[str]:
 
 def model_id(checkpoint: str, model_name: str | None) -> str:
     """The model id clients name: ``--model-name``, else the checkpoint folder's own name (after links)."""
-    return model_name or Path(checkpoint).resolve().name
+    if model_name is not None:
+        return utf8_text("--model-name", model_name)
+    # A folder's name may hold bytes that are not UTF-8: shown escaped ("run\\xff"), as every answer must encode.
+    return os.fsencode(Path(checkpoint).resolve().name).decode("utf-8", "backslashreplace")
 
 
 def run(args: argparse.Namespace) -> int:
     missing = [name for name in SERVE_MODULES if _missing(name)]
     if missing:
         raise UserError(f"tlm serve needs {' and '.join(missing)}: pip install 'tlm-command[serve]'")
+    # An empty --host binds every interface (what 0.0.0.0 says out loud); an empty model id no client can name.
+    for flag, value in (("--host", args.host), ("--model-name", args.model_name)):
+        if value is not None and not value.strip():
+            raise UserError(
+                f"{flag} is empty; give {'an address (0.0.0.0: every interface)' if flag == '--host' else 'a name'}"
+            )
+    if args.model_name is not None:
+        utf8_text("--model-name", args.model_name)  # every answer carries it: one that cannot encode fails them all
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not args.drain_timeout >= 0:
@@ -160,7 +172,6 @@ def run(args: argparse.Namespace) -> int:
     from tlm_command.args import inference_device
     from tlm_command.loading import load_model
     from tlm_command.openai_api import MAX_BODY, create_app
-    from tlm_model.scheduler import Scheduler
 
     device = inference_device(args)
     model, tokenizer, artifact = load_model(args, device)
@@ -181,10 +192,7 @@ def run(args: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"tlm serve: {line}", file=sys.stderr, flush=True)
 
-    scheduler = Scheduler(
-        model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
-        prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, prefix_cache=args.prefix_cache, log=log,
-    )  # fmt: skip
+    scheduler = _scheduler(args, model, tokenizer, eos_ids, device, log, sock)
     app = create_app(
         scheduler,
         tokenizer,
@@ -223,6 +231,29 @@ def run(args: argparse.Namespace) -> int:
     finished = scheduler.close(timeout=max(args.drain_timeout, 0.1))
     print(f"tlm serve: stopped{'' if finished else ' (requests still running were cut)'}", file=sys.stderr, flush=True)
     return 0
+
+
+def _scheduler(args: argparse.Namespace, model: Any, tokenizer: Any, eos_ids: list[int], device: Any,
+               log: Any, sock: Any) -> Any:  # fmt: skip
+    """The scheduler of ``--max-batch`` rows; a KV cache the device cannot hold is one line (``sock`` closed)."""
+    import torch
+
+    from tlm_model.scheduler import Scheduler
+
+    try:
+        return Scheduler(
+            model, tokenizer, max_batch=args.max_batch, max_queue=args.max_queue, eos_ids=eos_ids, device=device,
+            prefill_chunk=args.prefill_chunk, token_budget=args.token_budget, prefix_cache=args.prefix_cache, log=log,
+        )  # fmt: skip
+    except (RuntimeError, MemoryError) as err:
+        # The KV cache is allocated whole for --max-batch rows at start: too many rows is the user's setting, and a
+        # traceback from the allocator names none (torch.OutOfMemoryError on CUDA, a RuntimeError on the CPU).
+        if not (isinstance(err, (MemoryError, torch.OutOfMemoryError)) or "allocate" in str(err)):
+            raise
+        sock.close()
+        raise UserError(f"--max-batch {args.max_batch}: the KV cache of that many rows of "
+                        f"{model.config.context_length} tokens does not fit the {device.type} memory; lower "
+                        "--max-batch") from None  # fmt: skip
 
 
 def _missing(module: str) -> bool:

@@ -5,7 +5,7 @@ import json
 import os
 from typing import Any
 
-from tlm_command.args import add_command, check_output, positive_int
+from tlm_command.args import UserError, add_command, check_output, positive_int
 
 
 def add_parser(commands: Any) -> None:
@@ -77,6 +77,8 @@ def _train(args: argparse.Namespace) -> int:
     specials = args.special_token or []
     progress = False if args.quiet else None
     vocab, merges = train_bpe(args.input, args.vocab_size, specials, num_workers=args.workers, progress=progress)
+    if not merges and args.vocab_size > len(vocab):  # an empty file (or one of lone characters): nothing learnt
+        raise UserError(f"--input {args.input} holds no pair of characters to merge; give text to train on")
     Tokenizer(vocab, merges, specials).save(args.out)
     summary = {"out": args.out, "vocab_size": len(vocab), "merges": len(merges)}
     print(json.dumps(summary) if args.json else f"wrote {args.out}: {len(vocab)} tokens, {len(merges)} merges")

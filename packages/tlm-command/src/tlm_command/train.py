@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command, fit_threads
+from tlm_core.checks import rephrased
 from tlm_model.config import PRESETS, ModelConfig
 from tlm_train.config import TrainConfig
 
@@ -223,11 +224,26 @@ def _log(line: str) -> None:
     tqdm.write(f"tlm: {line}", file=sys.stderr)
 
 
+#: The optional logger backends: (flag, the module each needs, tlm-train's extra that installs it).
+OPTIONAL_LOGGERS = (("--tensorboard", "tensorboard", "tensorboard"), ("--wandb", "wandb", "wandb"))
+
+
+def _check_loggers(config: TrainConfig) -> None:
+    """A logger whose library is missing is one line before anything is written (its ImportError came after the run
+    folder's data and tokenizer, as a traceback)."""
+    import importlib.util
+
+    for flag, module, extra in OPTIONAL_LOGGERS:
+        if getattr(config, flag[2:]) and importlib.util.find_spec(module) is None:
+            raise UserError(f"{flag} needs the {module} package: pip install 'tlm-train[{extra}]'")
+
+
 def run(args: argparse.Namespace) -> int:
     try:  # the settings are checked before torch is imported: a wrong flag is refused at once
         config, step, resume = config_from_args(args)
     except (TypeError, ValueError) as err:
-        raise type(err)(_flags(str(err))) from None
+        raise rephrased(err, _flags(str(err))) from None
+    _check_loggers(config)
     from tlm_train import NonFiniteLossError, RunInUseError, train
     from tlm_train.loggers import LoggerError
 
@@ -252,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tlm: error: {err}", file=sys.stderr)
         return LOGGER_FAILED
     except (TypeError, ValueError) as err:
-        raise type(err)(_flags(str(err))) from None
+        raise rephrased(err, _flags(str(err))) from None
     if result.sample is not None and not args.quiet:
         _log(f"run folder: {result.run_dir}")
         print("sample:", result.sample.replace("\n", "\n        "))

@@ -20,6 +20,7 @@ _HOMES = {
     "check_int": "tlm_core.checks",
     "check_number": "tlm_core.checks",
     "check_positive_int": "tlm_core.checks",
+    "rephrased": "tlm_core.checks",
     "short_repr": "tlm_core.checks",
     "lazy_exports": "tlm_core.lazy",
     "progress_bar": "tlm_core.progress",

@@ -9,7 +9,7 @@ import math
 from collections.abc import Collection
 from typing import TypeVar
 
-__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_positive_int", "short_repr"]
+__all__ = ["check_bool", "check_choice", "check_int", "check_number", "check_positive_int", "rephrased", "short_repr"]
 
 T = TypeVar("T")
 
@@ -92,3 +92,16 @@ def check_choice(name: str, value: T, choices: Collection[T]) -> T:
     if not found:
         raise ValueError(f"{name} must be one of {sorted(map(str, choices))}, got {short_repr(value)}")
     return value
+
+
+def rephrased(err: Exception, message: str) -> Exception:
+    """``err``'s own type with ``message``, to raise in its place with more context (the file, the flag). A type
+    that does not take a message alone (``UnicodeEncodeError`` takes 5 arguments, ``json.JSONDecodeError`` 3) gives
+    its base ValueError or TypeError: ``type(err)(message)`` raised "function takes exactly 5 arguments" instead."""
+    try:
+        same = type(err)(message)
+    except Exception:
+        same = None
+    if same is not None and str(same) == message:
+        return same
+    return (TypeError if isinstance(err, TypeError) else ValueError)(message)

@@ -50,7 +50,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from tlm_core.atomic import check_input, read_input
-from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int, short_repr
+from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int, rephrased, short_repr
 from tlm_core.cli import UserError, say
 from tlm_experiments.compare import UNSTABLE_ABOVE
 from tlm_experiments.manifest import (
@@ -259,7 +259,7 @@ def plan(args: SweepOptions, out: Path) -> dict[str, Any]:
             # The sweep's folder (its manifest, summary and every run) overlaps nothing a run reads.
             check_apart(out, input_paths(config))
         except (TypeError, ValueError) as err:
-            raise type(err)(f"run {name}: {_setting_names(str(err))}") from None
+            raise rephrased(err, f"run {name}: {_setting_names(str(err))}") from None
     entries = [{"name": n, "settings": s, "status": "pending"} for n, s in runs]
     return {"format": FORMAT, "base": base_dict, "runs": entries}
 

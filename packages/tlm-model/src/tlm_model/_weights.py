@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
-from tlm_core.checks import short_repr
+from tlm_core.checks import rephrased, short_repr
 from tlm_model.config import ModelConfig
 from tlm_model.lm import TransformerLM
 
@@ -50,7 +50,7 @@ def one_line(err: Exception, prefix: str, limit: int = 300) -> Exception:
     text = " ".join(str(err).split())
     if len(text) > limit:
         text = f"{text[: limit - 20]}... ({len(text):,} chars)"
-    return type(err)(f"{prefix}: {text}")
+    return rephrased(err, f"{prefix}: {text}")
 
 
 def parse_json_object(text: str | bytes, path: str | os.PathLike[str], object_pairs_hook: Any = None) -> dict[str, Any]:

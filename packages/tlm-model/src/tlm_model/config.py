@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tlm_attention.heads import head_layout
-from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int
+from tlm_core.checks import check_bool, check_choice, check_number, check_positive_int, rephrased
 from tlm_ffn.options import FFN_KINDS
 from tlm_rope.options import LAYOUTS, RULE_NAMES, check_scaling
 
@@ -124,7 +124,7 @@ class ModelConfig:
             # A private copy: the caller's dict may change later, a frozen config must not.
             object.__setattr__(self, "rope_scaling", check_scaling(self.rope_scaling))
         except (TypeError, ValueError) as err:
-            raise type(err)(f"ModelConfig.rope_scaling: {err}") from None
+            raise rephrased(err, f"ModelConfig.rope_scaling: {err}") from None
         for name, choices in _CHOICES.items():
             check_choice(f"ModelConfig.{name}", getattr(self, name), choices)
         # The attention's own rule, under this config's names: the blocks are built from these fields.

@@ -66,4 +66,8 @@ def read_range(path: str | os.PathLike[str], start: int, end: int) -> str:
 
     with open_input(path, "input file") as handle:
         handle.seek(start)
-        return handle.read(end - start).decode("utf-8")
+        data = handle.read(end - start)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:  # the file and where, not only codec's "can't decode byte 0xff in position 4"
+        raise ValueError(f"{os.fspath(path)} is not UTF-8 text ({err.reason} at byte {start + err.start})") from None

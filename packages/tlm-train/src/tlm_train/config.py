@@ -29,7 +29,7 @@ import tomli_w
 
 from tlm_artifacts.layout import CONFIG_NAME as CONFIG_NAME  # a run's settings file (the layout's name)
 from tlm_core.atomic import read_input
-from tlm_core.checks import check_bool, check_choice, check_int, check_number
+from tlm_core.checks import check_bool, check_choice, check_int, check_number, rephrased, short_repr
 from tlm_ffn.options import default_d_ff
 from tlm_lora.roles import check_targets
 from tlm_model.config import FIELDS as MODEL_FIELDS
@@ -56,6 +56,9 @@ FIXED_ON_RESUME = (
 
 #: The int settings that may be 0; every other one is at least 1.
 MAY_BE_ZERO = ("warmup_steps", "sample_tokens", "seed", "lora_rank")
+#: The largest value of an int setting: torch and numpy take int64 (a larger one raised "Overflow when unpacking
+#: long long" naming nothing); the seed also seeds numpy's legacy global state, which takes 32 bits.
+INT_MAX, SEED_MAX = 2**63 - 1, 2**32 - 1
 
 
 @dataclass
@@ -356,12 +359,22 @@ class TrainConfig:
             name, value = f"TrainConfig.{f.name}", getattr(self, f.name)
             if f.type is int or (f.type == int | None and value is not None):
                 check_int(name, value, low=0 if f.name in MAY_BE_ZERO else 1)
+                check_int(name, value, high=SEED_MAX if f.name == "seed" else INT_MAX)
             elif f.type is bool:
                 check_bool(name, value)
             elif f.type is str and not isinstance(value, str):
                 raise TypeError(f"{name} must be a str, got {type(value).__name__}")
             elif f.type == str | None and value is not None and not isinstance(value, str):
                 raise TypeError(f"{name} must be a path (str) or None, got {value!r}")
+            # A command line's bytes that are not UTF-8 arrive as lone surrogates ("\udcff"): train.toml, the
+            # tokenizer and the logs cannot hold them, so they are refused here, by name.
+            for text in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+                if isinstance(text, str) and not text.isascii():
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError as err:
+                        raise ValueError(f"{name} must be UTF-8 text, got {short_repr(text)} (a lone surrogate at "
+                                         f"character {err.start}: bytes that are not UTF-8)") from None  # fmt: skip
 
     def _check_extension(self) -> None:
         # A context extension: a RoPE rule by name (or a partial table) is completed against the --init-from
@@ -420,7 +433,7 @@ class TrainConfig:
                 config = dataclasses.replace(config, d_ff=default_d_ff(config.d_model, kind=config.ffn))
             return config
         except (TypeError, ValueError) as err:
-            raise type(err)(f"TrainConfig.model: {err}") from None
+            raise rephrased(err, f"TrainConfig.model: {err}") from None
 
     def total_steps(self) -> int:
         """``steps``, or the steps that a token budget (``max_tokens``) takes."""
@@ -458,7 +471,7 @@ class TrainConfig:
         try:
             return cls.from_dict(merged)
         except (TypeError, ValueError) as err:
-            raise type(err)(f"{path}: {err}") from None
+            raise rephrased(err, f"{path}: {err}") from None
 
     def to_toml(self) -> str:
         """TOML that :meth:`from_toml` reads back to an equal config (None fields are left out: TOML has no null)."""

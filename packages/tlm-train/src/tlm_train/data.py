@@ -272,6 +272,10 @@ def read_token_file(path: str | os.PathLike[str], token_dtype: str = "uint16") -
         except (ValueError, OSError) as err:
             raise ValueError(f"--data {path} is not a readable .npy file: {err}") from None
     else:
+        size, width = path.stat().st_size, np.dtype(token_dtype).itemsize
+        if size == 0 or size % width:  # numpy's own words name no file ("cannot mmap an empty file")
+            raise ValueError(f"--data {path} holds {size} bytes, not a whole, non-zero number of {token_dtype} ids "
+                             f"({width} bytes each)")  # fmt: skip
         tokens = np.memmap(path, dtype=np.dtype(token_dtype).newbyteorder("<"), mode="r")
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
         raise ValueError(f"--data {path} must hold a 1-D array of integer token ids, got {tokens.dtype} {tokens.shape}")

@@ -135,16 +135,21 @@ class WandbLogger:
             raise ImportError("--wandb needs the wandb package: pip install 'tlm-train[wandb]'") from None
         folder = run_dir / "wandb"
         folder.mkdir(exist_ok=True)
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "tlm"),
-            name=run_dir.resolve().name,
-            group=run_dir.resolve().name,
-            job_type="resume" if start_step else "train",
-            dir=str(run_dir),
-            config=config or {},
-            settings=wandb.Settings(console="off"),  # the run's log lines are its own; W&B gets the numbers
-            reinit="create_new",
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "tlm"),
+                name=run_dir.resolve().name,
+                group=run_dir.resolve().name,
+                job_type="resume" if start_step else "train",
+                dir=str(run_dir),
+                config=config or {},
+                settings=wandb.Settings(console="off"),  # the run's log lines are its own; W&B gets the numbers
+                reinit="create_new",
+            )
+        except wandb.errors.Error as err:  # no API key, a refused login, an unknown entity: the user's setup
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise ValueError(f"--wandb: W&B could not start a run: {first} (WANDB_MODE=offline logs with no "
+                             "account)") from None  # fmt: skip
 
     def log(self, record: dict[str, Any]) -> None:
         values = {}

@@ -33,6 +33,7 @@ from tlm_artifacts.artifact import load_step_model
 from tlm_artifacts.inputs import read_paths
 from tlm_artifacts.lora import grown
 from tlm_core.atomic import read_input
+from tlm_core.checks import rephrased
 from tlm_core.progress import progress_bar
 from tlm_core.tensors import device_from_name
 from tlm_model import PRESETS, ModelConfig, TransformerLM, generate, unwrap
@@ -85,7 +86,7 @@ def extended_config(shape: ModelConfig, config: TrainConfig) -> ModelConfig:
     try:
         scaling = extension_scaling(rule, shape.context_length, target, config.rope_factor)
     except (TypeError, ValueError) as err:
-        raise type(err)(f"{flag('rope_scaling')}: {err}") from None
+        raise rephrased(err, f"{flag('rope_scaling')}: {err}") from None
     return dataclasses.replace(shape, context_length=target, rope_scaling=scaling)
 
 
@@ -421,6 +422,13 @@ class Recipe:
         from tlm_lora import weights_sha256
 
         config = self.config
+        # Before any adapter is allocated: a rank of 10**6 on a d_model of 32 trained for minutes on matrices 30,000x
+        # wider than any update can use. No projection it adapts has a rank above d_model (what PEFT import refuses).
+        if config.lora_rank > base.config.d_model:
+            raise ValueError(
+                f"{flag('lora_rank')} {config.lora_rank} is more than the --init-from model's d_model "
+                f"{base.config.d_model}: no projection it adapts has a rank that high"
+            )
         if base.config.tie_word_embeddings and "lm_head" in config.lora_targets.split(","):
             raise ValueError(
                 f"{flag('lora_targets')} names lm_head, but the --init-from model ties it to its embedding (merging "

@@ -116,8 +116,17 @@ class ChatCompletionRequest(_Sampling):
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|[\w-]+\[.*\])$")
 
 
+#: pydantic's error types that only say "not this type": for a union field (``stop``, ``prompt``) each member that
+#: the value is not gives one, and the error worth reporting is the one a member of the right type gave.
+_MISMATCH = re.compile(r"^(\w+_type|\w+_parsing|int_from_float|is_instance_of)$")
+
+
 def _validation_error(err: ValidationError) -> APIError:
-    first: dict[str, Any] = dict(err.errors()[0]) if err.errors() else {}
+    errors = err.errors()
+    # A list of 10^5 stops is "at most 4 items", a prompt [-1] is ">= 0": not "should be a valid string". When every
+    # member refused the type, the deepest says most (stop [5]: "stop.0", the list's item, not the list).
+    ranked = sorted(errors, key=lambda e: (bool(_MISMATCH.match(e.get("type", ""))), -len(e.get("loc", ()))))
+    first: dict[str, Any] = dict(ranked[0]) if ranked else {}
     where = [str(part) for part in first.get("loc", ()) if not _TYPE_TAG.match(str(part))]
     message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
     if first.get("type") == "extra_forbidden":
