@@ -427,3 +427,15 @@ def test_a_header_length_beyond_the_file_is_refused_before_reading(single):
     path = single / "model.safetensors"
     path.write_bytes(struct.pack("<Q", 2**63) + path.read_bytes()[8:])
     assert "is truncated or not a safetensors file: its header claims" in refused(single)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_weights_that_are_not_numbers_are_refused_by_name(tmp_path, value):
+    # transformers' from_pretrained loads such a folder and generates from it; tlm names the tensor instead.
+    model = tiny_hf()
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, 5] = value
+    model.save_pretrained(tmp_path / "model")
+    message = refused(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    assert message == f"{weights}: model.layers.1.mlp.down_proj.weight hold NaN or infinite values"

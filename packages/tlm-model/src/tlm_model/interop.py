@@ -468,8 +468,9 @@ def from_hf(
     the HF hub cache's ``blobs`` folder of the same repository, nothing else); every config value is
     checked by its key; every tensor's name, shape and dtype is checked against the config before any
     weights are allocated (tensors tlm would not use, such as biases, are refused by name); every
-    safetensors header is checked (offsets tile the data exactly). Each error is one line naming the
-    file. All files are read from one version of the folder, even while :func:`save_hf` replaces it.
+    safetensors header is checked (offsets tile the data exactly); weights holding NaN or infinity are
+    refused by name. Each error is one line naming the file. All files are read from one version of the
+    folder, even while :func:`save_hf` replaces it.
     """
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {short_repr(dtype)}")
@@ -516,7 +517,13 @@ def _read_folder(
             raise ValueError(f"{where} does not fit {config_path}: " + "; ".join(problems))
         state: dict[str, Tensor] = {}
         for file in shards:
-            state.update(file.tensors())
+            tensors = file.tensors()
+            # A diverged fine-tune or a damaged export loads and generates without complaint elsewhere; here the
+            # folder is untrusted input, and one pass over the weights names what is not a number.
+            if bad := sorted(name for name, tensor in tensors.items() if not torch.isfinite(tensor).all()):
+                more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+                raise ValueError(f"{file.path}: {', '.join(bad[:3])}{more} hold NaN or infinite values")
+            state.update(tensors)
     return config, state
 
 
