@@ -1,12 +1,16 @@
 """Stacked-bar chart of each component's share of forward FLOPs (needs the ``plot`` extra)."""
 
+import os
 from collections.abc import Sequence
 
+from tlm_core.atomic import atomic_write
 from tlm_model.accounting import COMPONENTS, Accounting
 
 
 def plot_shares(reports: Sequence[tuple[str, Accounting]], path: str, causal: bool = False) -> None:
-    """Write one stacked bar per (name, report) to ``path`` (format from its suffix, e.g. .png)."""
+    """Write one stacked bar per (name, report) to ``path`` (format from its suffix, e.g. .png), all-or-nothing
+    (``tlm_core.atomic.atomic_write``): a kill or an error leaves the old file, and a symlink there is replaced,
+    never followed."""
     try:
         import matplotlib
 
@@ -34,5 +38,8 @@ def plot_shares(reports: Sequence[tuple[str, Accounting]], path: str, causal: bo
     ax.set_ylabel("% of forward matmul FLOPs")
     ax.set_ylim(0, 100)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    suffix = os.path.splitext(path)[1].lstrip(".").lower() or None  # None: matplotlib's default, as for a name
+    try:
+        atomic_write(path, lambda file: fig.savefig(file, format=suffix, dpi=120))
+    finally:
+        plt.close(fig)
