@@ -3,6 +3,7 @@
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from tlm_command.args import UserError, add_command, positive_float
@@ -32,7 +33,20 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def check_plot_out(out: str, paths: list[str]) -> None:
+    """--out must not replace what compare reads: an input, a folder holding one, or a file already inside one
+    (its metrics.jsonl, train.toml, a checkpoint). A new file there, or the PNG of an earlier compare, may be."""
+    target = Path(out).resolve()
+    for source in paths:
+        given = Path(source).resolve()
+        inside = given in target.parents and target.exists() and target.suffix.lower() != ".png"
+        if target == given or target in given.parents or inside:
+            raise UserError(f"--out {out} would overwrite the input {source}; choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out is not None:
+        check_plot_out(args.out, args.paths)
     summaries = compare.collect(args.paths, unstable_above=args.unstable_above)
     if not summaries:
         raise UserError("no run to compare: the sweep folders hold no run that has started")
