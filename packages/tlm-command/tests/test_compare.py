@@ -179,3 +179,12 @@ def test_runs_of_other_tokenizers_compare_in_bits_per_byte_and_runs_of_other_dat
     # Other data: refused in one line naming both runs.
     fails(["compare", str(tmp_path / "a"), str(tmp_path / "c")], str(tmp_path / "a"), str(tmp_path / "c"),
           "different data")  # fmt: skip
+
+
+def test_the_plot_never_replaces_what_it_compares(hand_run, tmp_path, fails) -> None:
+    hand_run(tmp_path / "a", FINISHED, lr=1e-3)
+    metrics = tmp_path / "a" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    for out in (metrics, tmp_path / "a", tmp_path):  # a file it reads, the run, the folder above
+        fails(["compare", str(tmp_path / "a"), "--out", str(out)], f"--out {out} would overwrite the input")
+    assert metrics.read_bytes() == before and (tmp_path / "a").is_dir()

@@ -133,3 +133,41 @@ def test_the_directions_are_checked(run, tmp_path, fails, capsys):
     capsys.readouterr()  # transformers' own progress bars
     fails(["convert", "--to-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "x")], "is already an HF folder")
     fails(["convert", "--from-hf", str(run), "--out", str(tmp_path / "x")], "is a tlm run folder, not an HF folder")
+
+
+def test_from_hf_replaces_the_model_and_its_tokenizer_as_one_unit(tmp_path, capsys, monkeypatch, fails):
+    from tlm_tokenizer import Tokenizer
+
+    def tiny_hf(seed, folder):
+        torch.manual_seed(seed)
+        config = transformers.LlamaConfig(vocab_size=260, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+    tiny_hf(0, tmp_path / "hf0")
+    tiny_hf(1, tmp_path / "hf1")
+    Tokenizer({i: bytes([i]) for i in range(256)}, [], ["<|endoftext|>"]).save(tmp_path / "tok")
+    out = tmp_path / "out"
+    argv = ["convert", "--tokenizer", str(tmp_path / "tok"), "--out", str(out)]
+    assert main(["convert", "--from-hf", str(tmp_path / "hf0"), *argv[1:]]) == 0
+    old = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert sorted(map(str, old)) == [
+        "model.safetensors",
+        "tokenizer/tlm_sha256.json",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ]
+
+    def fail(self, directory):
+        raise RuntimeError("disk full")  # after the new model file was written
+
+    monkeypatch.setattr(Tokenizer, "save", fail)
+    with pytest.raises(RuntimeError, match="disk full"):
+        main(["convert", "--from-hf", str(tmp_path / "hf1"), *argv[1:]])
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == old  # the old unit, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf0", "hf1", "out", "tok"]  # no temporary left
+    (out / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    fails(["convert", "--from-hf", str(tmp_path / "hf0"), *argv[1:]], f"--out {out} holds other files (notes.txt)")
+    fails(["convert", "--from-hf", str(tmp_path / "hf0"), *argv[1:3], "--out", str(tmp_path / "m.safetensors")],
+          "names one model file: the tokenizer needs a folder")  # fmt: skip

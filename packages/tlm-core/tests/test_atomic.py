@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tlm_core import atomic
-from tlm_core.atomic import atomic_file, atomic_write, is_current, read_dir_files, remove_leftovers, replace_dir
+from tlm_core.atomic import (
+    atomic_file,
+    atomic_path,
+    atomic_write,
+    is_current,
+    read_dir_files,
+    remove_leftovers,
+    replace_dir,
+)
 
 
 def _run(code: str, *args: str, umask: int | None = None) -> subprocess.CompletedProcess:
@@ -514,3 +522,27 @@ def test_read_dir_files_and_read_input_refuse_a_fifo_without_blocking(tmp_path):
     assert read_input(tmp_path / "a.json", "--flag", limit=2) == b"{}"
     with pytest.raises(ValueError, match=r"^--flag \S+a.json: over 1 bytes, too large for what it should hold$"):
         read_input(tmp_path / "a.json", "--flag", limit=1)
+
+
+def test_atomic_path_puts_in_place_what_a_library_wrote_by_name(tmp_path):
+    target = tmp_path / "t"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    target.symlink_to(victim)
+    with atomic_path(target) as tmp:
+        assert tmp.parent == tmp_path and tmp.read_bytes() == b""  # made for the library, empty
+        with open(tmp, "wb") as f:  # as a library writing by name does
+            f.write(b"new")
+    assert target.read_bytes() == b"new" and not target.is_symlink() and victim.read_bytes() == b"keep"
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"half")
+            raise RuntimeError("disk full")
+    assert target.read_bytes() == b"new"
+    with pytest.raises(FileNotFoundError, match="replaced or removed before it was put in place"):
+        with atomic_path(target) as tmp:
+            (tmp_path / "other").write_bytes(b"swapped")
+            os.replace(tmp_path / "other", tmp)  # not the file made for it: refused, not renamed in
+    assert target.read_bytes() == b"new"
+    assert sorted(os.listdir(tmp_path)) == ["t", "victim"]  # no temporary left

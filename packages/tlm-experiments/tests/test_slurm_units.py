@@ -230,3 +230,23 @@ def test_the_summary_is_written_with_its_title(tmp_path):
     sweep.write_summary(folder, manifest, quiet=True)
     assert (folder / sweep.SUMMARY_MD).read_text(encoding="utf-8").startswith(f"# Sweep {folder.name}\n\n")
     assert json.loads((folder / sweep.SUMMARY_JSON).read_text())["format"] == sweep.FORMAT
+
+
+def test_the_writable_probe_never_follows_a_symlink_and_leaves_nothing(tmp_path):
+    import os
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    folder = tmp_path / "sweep"
+    folder.mkdir()
+    (folder / f".write-test-{os.getpid()}").symlink_to(victim)  # where the probe used to go, by its pid
+    slurm.check_writable(folder)
+    assert victim.read_bytes() == b"keep"
+    assert os.listdir(folder) == [f".write-test-{os.getpid()}"]  # the probe itself removed
+    folder.chmod(0o500)
+    try:
+        if not os.access(folder, os.W_OK):  # root writes anywhere
+            with pytest.raises(UserError, match=f"{folder}: the jobs could not write their runs there"):
+                slurm.check_writable(folder)
+    finally:
+        folder.chmod(0o700)

@@ -107,3 +107,25 @@ def test_bad_arguments_are_refused_before_writing(tmp_path):
     with pytest.raises(IsADirectoryError, match=f"^path must be a file to write, got the folder {tmp_path}/folder$"):
         save_gguf(model, tmp_path / "folder")  # refused before a file is written beside it
     assert list(tmp_path.iterdir()) == [tmp_path / "folder"] and list((tmp_path / "folder").iterdir()) == []
+
+
+def test_the_file_is_replaced_whole_and_a_symlink_there_is_not_followed(tmp_path, monkeypatch):
+    import os
+
+    model = random_model(False, False)
+    victim, path = tmp_path / "victim", tmp_path / "m.gguf"
+    victim.write_bytes(b"keep")
+    path.symlink_to(victim)
+    save_gguf(model, path)
+    assert victim.read_bytes() == b"keep" and not path.is_symlink()
+    old = path.read_bytes()
+    assert old[:4] == b"GGUF"
+
+    def fail(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")  # after the header and metadata went out
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_gguf(model, path, dtype="float16")
+    assert path.read_bytes() == old
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "victim"]  # no temporary left

@@ -41,3 +41,26 @@ def test_each_bar_stacks_the_reports_shares_to_100_percent(tmp_path, monkeypatch
         assert y == pytest.approx(bar.get_y() + bar.get_height() / 2)
         assert text.get_text() == f"{bar.get_height():.0f}%"
     assert ax.texts  # the larger segments are labelled
+
+
+def test_the_file_is_replaced_whole_and_a_symlink_there_is_not_followed(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    reports = [("tiny", account(PRESETS["tiny"], seq_len=64))]
+    victim, target = tmp_path / "victim", tmp_path / "shares.png"
+    victim.write_bytes(b"keep")
+    target.symlink_to(victim)
+    plot_shares(reports, str(target))
+    assert victim.read_bytes() == b"keep"  # the link itself was replaced
+    assert not target.is_symlink() and target.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    old = target.read_bytes()
+
+    def fail_midway(fig, file, **kwargs):
+        file.write(b"\x89PNG half a picture")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fail_midway)
+    with pytest.raises(OSError, match="No space left"):
+        plot_shares(reports, str(target))
+    assert target.read_bytes() == old  # the old picture, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shares.png", "victim"]  # no temporary left

@@ -28,7 +28,11 @@ def leftovers(folder) -> list[str]:
 
 def test_save_writes_the_two_hf_files_and_load_reads_them(tmp_path):
     make("A").save(tmp_path / "new" / "tok")  # missing parents are made
-    assert sorted(os.listdir(tmp_path / "new" / "tok")) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(tmp_path / "new" / "tok")) == [
+        "tlm_sha256.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert which(Tokenizer.load(tmp_path / "new" / "tok")) == "A"
     assert leftovers(tmp_path / "new" / "tok") == []
 
@@ -39,7 +43,7 @@ def test_save_replaces_a_tokenizer_folder(tmp_path):
     for name in ("vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json"):
         (folder / name).write_text("{}")
     make("B").save(folder)
-    assert sorted(os.listdir(folder)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(folder)) == ["tlm_sha256.json", "tokenizer.json", "tokenizer_config.json"]
     make("A").save(folder)
     assert which(Tokenizer.load(folder)) == "A" and leftovers(folder) == []
 
@@ -182,7 +186,7 @@ def test_two_savers_and_a_reader_race(tmp_path):
     for saver in savers:
         assert saver.wait() == 0, saver.stderr.read() if saver.stderr else ""
     assert which(Tokenizer.load(folder)) in "AB"
-    assert sorted(os.listdir(folder)) == ["tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(folder)) == ["tlm_sha256.json", "tokenizer.json", "tokenizer_config.json"]
     assert leftovers(folder) == []
     assert seen["A"] + seen["B"] > 0 and loads > 0
 
@@ -248,3 +252,20 @@ def test_a_fifo_in_a_tokenizer_folder_is_one_line_not_a_hang(tmp_path, name):
         thread.join(10)
         assert not thread.is_alive(), f"{read.__name__} blocked on the FIFO"
         assert outcome["error"].endswith(f"{tmp_path / 'tok' / name}: a FIFO (named pipe), expected a regular file")
+
+
+def test_a_flipped_bit_in_a_saved_file_is_refused_on_load(tmp_path):
+    import hashlib
+
+    folder = tmp_path / "tok"
+    make("A").save(folder)
+    record = json.loads((folder / "tlm_sha256.json").read_text())["sha256"]
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert record[name] == hashlib.sha256((folder / name).read_bytes()).hexdigest()
+    data = bytearray((folder / "tokenizer.json").read_bytes())
+    data[data.index(b'"vocab"') + 20] ^= 0x01  # inside the vocabulary: the JSON may well stay valid
+    (folder / "tokenizer.json").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"tokenizer\.json: its SHA-256 is not the one tlm_sha256\.json recorded"):
+        Tokenizer.load(folder)
+    os.unlink(folder / "tlm_sha256.json")  # a folder HF (or an earlier tlm) wrote has no record: read as it is
+    read_folder(folder)

@@ -248,3 +248,25 @@ def test_the_data_layer_depends_on_its_own_settings_only():
     names = {f.name for f in dataclasses.fields(DataSettings)}
     assert names < {f.name for f in dataclasses.fields(TrainConfig)}
     assert all(getattr(settings, name) == getattr(config, name) for name in names)
+
+
+def test_the_runs_token_files_are_verified_against_their_record_before_a_restart_trains_on_them(tmp_path) -> None:
+    import hashlib
+
+    text = tmp_path / "t.txt"
+    text.write_text(default_corpus()[:3_000], encoding="utf-8")
+    config = TrainConfig(data=[str(text)], vocab_size=260, out_dir=str(tmp_path / "run"))
+    run = RunDir(tmp_path / "run")
+    prepare_data(data_settings(config), run)
+    files = json.loads((run.data_dir / "info.json").read_text())["files"]
+    for name in ("train.npy", "val.npy"):
+        data = (run.data_dir / name).read_bytes()
+        assert files[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    flipped = bytearray((run.data_dir / "train.npy").read_bytes())
+    flipped[-1] ^= 0x04  # one bit of the last token id
+    (run.data_dir / "train.npy").write_bytes(bytes(flipped))
+    with pytest.raises(ValueError, match=r"train\.npy: .* but info\.json recorded .*the run's tokens are damaged"):
+        prepare_data(data_settings(config), run)
+    (run.data_dir / "train.npy").write_bytes(bytes(flipped[:-2]))  # cut short
+    with pytest.raises(ValueError, match=rf"{len(flipped) - 2} bytes, SHA-256 .* recorded {len(flipped)} bytes"):
+        prepare_data(data_settings(config), run)

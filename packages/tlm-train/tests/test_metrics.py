@@ -151,3 +151,48 @@ def test_on_a_cpu_the_peak_is_a_gemm_measured_in_the_training_dtype(monkeypatch,
     rate, source = metrics.peak_flops("cpu", dtype)
     assert rate > 0 and calls == [(getattr(torch, dtype),) * 2] * 6
     assert source == f"a 1024² {dtype} GEMM measured on this cpu at start-up"
+
+
+def test_a_sigkilled_writer_leaves_whole_records_and_at_most_a_cut_last_line(tmp_path) -> None:
+    import os
+    import signal
+    import time
+
+    path = tmp_path / "m.jsonl"
+    padding = "x" * (1 << 20)  # 1 MiB lines: a kill can land inside one write
+    for kill_after in (1, 3, 6):
+        path.unlink(missing_ok=True)
+        pid = os.fork()
+        if pid == 0:  # the child appends until it is killed
+            try:
+                log, step = MetricsLog(path), 0
+                while True:
+                    log.append({"step": step, "pad": padding})
+                    step += 1
+            finally:
+                os._exit(1)
+        deadline = time.monotonic() + 120
+        while (not path.exists() or path.stat().st_size < kill_after << 20) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(pid, signal.SIGKILL)
+        assert os.waitpid(pid, 0)[1] == signal.SIGKILL
+        records = MetricsLog(path).read()
+        assert len(records) >= kill_after - 1
+        assert [r["step"] for r in records] == list(range(len(records)))
+        assert all(r["pad"] == padding for r in records)
+
+
+def test_a_flipped_bit_before_the_last_line_is_an_error_not_a_silent_cut(tmp_path) -> None:
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path)
+    for step in range(4):
+        log.append({"step": step, "train_loss": 1.0})
+    data = bytearray(path.read_bytes())
+    second = data.index(b"\n") + 1
+    data[second] ^= 0x01  # line 2's "{" becomes "z"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"m\.jsonl: line 2 is not JSON .*the file is damaged, not cut by a kill"):
+        log.read()
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        log.truncate(3)  # a resume stops rather than drop steps 1-3
+    assert path.read_bytes() == bytes(data)

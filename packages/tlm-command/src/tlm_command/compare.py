@@ -4,9 +4,10 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from tlm_command.args import UserError, add_command, check_output, positive_float
+from tlm_command.args import UserError, add_command, positive_float
 from tlm_experiments import compare
 from tlm_experiments.results import UNSTABLE_ABOVE
 
@@ -33,10 +34,20 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def check_plot_out(out: str, paths: list[str]) -> None:
+    """--out must not replace what compare reads: an input, a folder holding one, or a file already inside one
+    (its metrics.jsonl, train.toml, a checkpoint). A new file there, or the PNG of an earlier compare, may be."""
+    target = Path(out).resolve()
+    for source in paths:
+        given = Path(source).resolve()
+        inside = given in target.parents and target.exists() and target.suffix.lower() != ".png"
+        if target == given or target in given.parents or inside:
+            raise UserError(f"--out {out} would overwrite the input {source}; choose another --out")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.out is not None:
-        # The figure must never replace what the comparison reads (a run's metrics.jsonl) or a folder.
-        check_output(args.out, *args.paths)
+        check_plot_out(args.out, args.paths)
         if os.path.isdir(args.out):
             raise UserError(f"--out {args.out} is a folder; name the PNG file to write")
     summaries = compare.collect(args.paths, unstable_above=args.unstable_above)

@@ -4,7 +4,7 @@
 ``<|endoftext|>`` as end of sequence when the tokenizer has it) and the tokenizer (``tokenizer.json``,
 ``tokenizer_config.json``), all as one unit: ``AutoModelForCausalLM``, ``AutoTokenizer`` and
 ``pipeline("text-generation")`` read DIR as it is. ``--from-hf DIR --out OUT`` writes a tlm model
-folder (``OUT/model.safetensors``, and ``OUT/tokenizer/`` when tlm can reproduce the HF tokenizer)
+folder (``OUT/model.safetensors``, and ``OUT/tokenizer/`` when tlm can reproduce the HF tokenizer, as one unit)
 that every tlm command and ``tlm train --init-from`` read.
 
 A LoRA run (``tlm train --lora-rank``): ``--to-peft RUN --out DIR`` writes its adapters as a PEFT adapter
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     import tlm_artifacts
     from tlm_artifacts.inputs import read_paths
     from tlm_core.tensors import dtype_from_name
-    from tlm_model import save_hf, save_model_file
+    from tlm_model import save_hf
 
     if args.context_length is not None and args.from_hf is None:
         raise UserError("--context-length goes with --from-hf (a model's context grows by training: tlm train "
@@ -121,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
         context = {} if args.context_length is None else {"context_length": args.context_length}
         model, _ = tlm_artifacts.load_model(artifact, dtype=dtype, **context)
         tokenizer = load_tokenizer(args.tokenizer, artifact)
-        out = Path(args.out)
-        save_model_file(model, out)
-        if tokenizer is not None:
-            tokenizer.save(out / "tokenizer")
+        _write_model_folder(Path(args.out), model, tokenizer)
         source_kind, target = "HF model folder", "tlm model folder"
     else:
         artifact = tlm_artifacts.resolve(args.to_hf)
@@ -154,6 +151,30 @@ def run(args: argparse.Namespace) -> int:
     }
     _done(args, report, f"{source_kind} {source} -> {target} {args.out}")
     return 0
+
+
+def _write_model_folder(out: Path, model: Any, tokenizer: Any) -> None:
+    """``out/model.safetensors`` and ``out/tokenizer/`` as one unit (``tlm_core.atomic.replace_dir``): a kill or an
+    error between the two leaves the old folder, never a new model beside the old tokenizer (or none). Without a
+    tokenizer, an ``out`` ending in ``.safetensors`` is the model file itself."""
+    from tlm_core.atomic import replace_dir
+    from tlm_model import save_model_file
+
+    if out.suffix == ".safetensors":
+        if tokenizer is not None:
+            raise UserError(f"--out {out} names one model file: the tokenizer needs a folder; give a folder")
+        save_model_file(model, out)
+        return
+    ours = ("model.safetensors", "tokenizer")
+    if out.is_dir() and (other := sorted(p.name for p in out.iterdir() if p.name not in ours)):
+        raise UserError(f"--out {out} holds other files ({', '.join(other[:3])}): choose an empty or new folder")
+
+    def fill(folder: Path) -> None:
+        save_model_file(model, folder)
+        if tokenizer is not None:
+            tokenizer.save(folder / "tokenizer")
+
+    replace_dir(out, fill)
 
 
 def _to_peft(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ __version__ = "0.1.1"
 
 _HOMES = {
     "atomic_file": "tlm_core.atomic",
+    "atomic_path": "tlm_core.atomic",
     "atomic_write": "tlm_core.atomic",
     "read_dir_files": "tlm_core.atomic",
     "remove_leftovers": "tlm_core.atomic",

@@ -26,6 +26,7 @@ from typing import BinaryIO
 
 __all__ = [
     "atomic_file",
+    "atomic_path",
     "atomic_write",
     "check_input",
     "create_new",
@@ -76,6 +77,27 @@ def fsync_dir(directory: str | os.PathLike[str]) -> None:
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A binary file that replaces ``path`` when the ``with`` block ends cleanly and vanishes on an error."""
+    with _temporary(path) as (_, handle):
+        yield handle
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A fresh temporary path beside ``path``, for a library that writes a file by its name (a GGUF writer, say):
+    when the ``with`` block ends cleanly that file is fsynced and renamed over ``path``, as :func:`atomic_file`
+    does; on an error it is removed and ``path`` keeps what it held. The file is created empty first (``O_EXCL |
+    O_NOFOLLOW``) and must still be that file at the end: one the library swapped in under the name is refused."""
+    with _temporary(path) as (tmp, handle):
+        yield tmp
+        if not is_current(handle.fileno(), tmp):
+            raise FileNotFoundError(
+                errno.ENOENT, "the file was replaced or removed before it was put in place", str(tmp)
+            )
+
+
+@contextlib.contextmanager
+def _temporary(path: str | os.PathLike[str]) -> Iterator[tuple[Path, BinaryIO]]:
+    # The one implementation of "temporary file, fsync, rename over the target, fsync the folder".
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(errno.EISDIR, "expected a file path, got a folder", str(target))
@@ -88,7 +110,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
             continue
     try:
         with os.fdopen(fd, "wb") as handle:
-            yield handle
+            yield tmp, handle
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)  # rename(2) replaces the entry itself: a symlink there is not followed

@@ -13,7 +13,6 @@ of its log. Job logs go to ``SWEEP/.slurm/``.
 
 import contextlib
 import io
-import os
 import shutil
 import subprocess
 import time
@@ -51,9 +50,11 @@ def check_cluster(partition: str | None) -> None:
 
 def check_writable(folder: Path) -> None:
     """The sweep folder takes files (the tasks write their runs and the manifest there)."""
-    probe = folder / f".write-test-{os.getpid()}"
+    from tlm_core.atomic import create_new, temp_path
+
+    probe = temp_path(folder / ".write-test")  # a fresh name, created O_EXCL | O_NOFOLLOW: nothing planted is followed
     try:
-        probe.write_bytes(b"")
+        create_new(probe).close()
         probe.unlink()
     except OSError as err:
         raise UserError(f"{folder}: the jobs could not write their runs there ({err.strerror or err})") from None

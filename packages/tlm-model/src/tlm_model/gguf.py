@@ -13,7 +13,6 @@ A model that a Llama (or Qwen2) cannot express is refused, as :func:`tlm_model.s
 RoPE scaling: transformers' GGUF reader drops llama.cpp's scaling keys, so such a file could not be checked.
 """
 
-import contextlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tlm_core.atomic import fsync_dir, temp_path
+from tlm_core.atomic import atomic_path
 from tlm_core.checks import check_choice, short_repr
 from tlm_model.inference import unwrap
 from tlm_model.interop import _permute_rows, check_llama_exportable, to_hf_llama_state_dict
@@ -96,47 +95,39 @@ def save_gguf(
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"path must be a file to write, got the folder {path}")
-    tmp = temp_path(path)
-    writer = gguf.GGUFWriter(tmp, arch)
-    try:
-        writer.add_name(name)
-        writer.add_file_type(
-            {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-             "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
-        )  # fmt: skip
-        writer.add_vocab_size(config.vocab_size)
-        writer.add_context_length(config.context_length)
-        writer.add_embedding_length(config.d_model)
-        writer.add_block_count(config.num_layers)
-        writer.add_feed_forward_length(config.d_ff)
-        writer.add_head_count(config.num_heads)
-        writer.add_head_count_kv(config.kv_heads)
-        writer.add_key_length(config.d_head)
-        writer.add_value_length(config.d_head)
-        writer.add_rope_dimension_count(config.d_head)
-        writer.add_rope_freq_base(config.rope_theta)
-        writer.add_layer_norm_rms_eps(config.norm_eps)
-        if vocabulary is not None:
-            _add_vocabulary(writer, vocabulary, config.vocab_size)
-        for hf_name, tensor in hf.items():
-            if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-                # llama.cpp's llama rotates interleaved pairs: HF's rotate-half rows back to them.
-                tensor = _permute_rows(tensor, config, to_rotate_half=False)
-            array, raw_dtype = _array(tensor, dtype)
-            writer.add_tensor(_name(hf_name), array, raw_dtype=raw_dtype)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
+    with atomic_path(path) as tmp:  # tlm_core.atomic: all-or-nothing, a symlink at path replaced, not followed
+        writer = gguf.GGUFWriter(tmp, arch)
+        try:
+            writer.add_name(name)
+            writer.add_file_type(
+                {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+            )  # fmt: skip
+            writer.add_vocab_size(config.vocab_size)
+            writer.add_context_length(config.context_length)
+            writer.add_embedding_length(config.d_model)
+            writer.add_block_count(config.num_layers)
+            writer.add_feed_forward_length(config.d_ff)
+            writer.add_head_count(config.num_heads)
+            writer.add_head_count_kv(config.kv_heads)
+            writer.add_key_length(config.d_head)
+            writer.add_value_length(config.d_head)
+            writer.add_rope_dimension_count(config.d_head)
+            writer.add_rope_freq_base(config.rope_theta)
+            writer.add_layer_norm_rms_eps(config.norm_eps)
+            if vocabulary is not None:
+                _add_vocabulary(writer, vocabulary, config.vocab_size)
+            for hf_name, tensor in hf.items():
+                if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    # llama.cpp's llama rotates interleaved pairs: HF's rotate-half rows back to them.
+                    tensor = _permute_rows(tensor, config, to_rotate_half=False)
+                array, raw_dtype = _array(tensor, dtype)
+                writer.add_tensor(_name(hf_name), array, raw_dtype=raw_dtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_tensors_to_file()
+        finally:
+            writer.close()
     return path
 
 

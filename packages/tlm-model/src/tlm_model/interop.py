@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tlm_core.atomic import remove_leftovers, replace_dir
+from tlm_core.atomic import create_new, remove_leftovers, replace_dir
 from tlm_core.checks import check_bool, check_int, check_number, short_repr
 from tlm_model import _folder, _weights
 from tlm_model.config import LIMITS, ModelConfig
@@ -746,6 +746,5 @@ def _check_replaceable(directory: Path, extra_names: set[str]) -> None:
 
 def _write_new(path: Path, data: bytes) -> None:
     # Inside the fresh temporary folder replace_dir made; it fsyncs the whole tree before the swap.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    with os.fdopen(os.open(path, flags, 0o666), "wb") as f:
+    with create_new(path) as f:  # O_EXCL | O_NOFOLLOW: nothing planted under the name is followed
         f.write(data)

@@ -9,7 +9,8 @@ from tlm_model.accounting import COMPONENTS, Accounting
 
 def plot_shares(reports: Sequence[tuple[str, Accounting]], path: str, causal: bool = False) -> None:
     """Write one stacked bar per (name, report) to ``path`` (format from its suffix, e.g. .png; PNG without one),
-    all-or-nothing: a symlink at ``path`` is replaced, never written through, and ``path`` is never renamed."""
+    all-or-nothing (``tlm_core.atomic.atomic_write``): a kill or an error leaves the old file, a symlink at ``path``
+    is replaced, never written through, and ``path`` is never renamed."""
     try:
         import matplotlib
 

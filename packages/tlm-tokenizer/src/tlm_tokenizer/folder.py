@@ -10,15 +10,23 @@ Where the file system cannot exchange two folders, ``replace_dir`` moves the old
 ``.<name>.<pid>-<random>.old`` and then renames the new one in: between the two renames the folder
 is missing, and a writer killed there leaves the old tokenizer only under that hidden name.
 ``read_folder`` then reads that copy, so a tokenizer that was saved never fails to load.
+
+``write_folder`` also writes ``tlm_sha256.json``, the SHA-256 of each file, and ``read_folder`` checks the files it
+reads against it (a ValueError names the damaged file); a folder without it is read as it is.
 """
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
 
 from tlm_core.atomic import read_dir_files, remove_leftovers, replace_dir
 
-__all__ = ["READ_NAMES", "TOKENIZER_FILES", "read_folder", "write_folder"]
+__all__ = ["DIGESTS", "READ_NAMES", "TOKENIZER_FILES", "read_folder", "write_folder"]
+
+#: The SHA-256 of each file ``write_folder`` wrote, checked by ``read_folder``: a later run trusts these files.
+DIGESTS = "tlm_sha256.json"
 
 # What may be in a folder that save() replaces: the files tlm writes and those HF's save_pretrained
 # writes for a tokenizer. Anything else means the folder is not only a tokenizer.
@@ -30,6 +38,7 @@ TOKENIZER_FILES = frozenset(
         "added_tokens.json",
         "vocab.json",
         "merges.txt",
+        DIGESTS,
     }
 )
 READ_NAMES = ("tokenizer.json",)
@@ -54,6 +63,9 @@ def write_folder(directory: str | os.PathLike[str], files: dict[str, bytes]) -> 
     elif target.exists():
         raise ValueError(f"directory must be a folder (or not exist yet), got the file {target}")
 
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
+    files = {**files, DIGESTS: (json.dumps({"sha256": digests}, indent=2) + "\n").encode()}
+
     def fill(folder: Path) -> None:
         for name, data in files.items():
             (folder / name).write_bytes(data)
@@ -75,10 +87,12 @@ def read_folder(directory: str | os.PathLike[str], names: tuple[str, ...] = READ
     for _ in range(_RETRIES):
         for candidate in (folder, *_moved_aside(folder)):
             try:
-                files = read_dir_files(candidate, [], optional=names)
+                files = read_dir_files(candidate, [], optional=(*names, DIGESTS))
             except FileNotFoundError:
                 continue
+            record = files.pop(DIGESTS, None)
             if files or candidate == folder:
+                _verify(candidate, files, record)
                 return files
     raise FileNotFoundError(f"directory must be a tokenizer folder, got {folder} (no such folder)")
 
@@ -92,3 +106,22 @@ def _moved_aside(folder: Path) -> list[Path]:
     except FileNotFoundError:
         return []
     return [folder.parent / name for name in sorted(entries) if pattern.fullmatch(name)]
+
+
+def _verify(folder: Path, files: dict[str, bytes], record: bytes | None) -> None:
+    """Each of ``files`` that ``write_folder`` recorded has its recorded SHA-256 (a folder written by HF, or by
+    tlm-tokenizer before the record, has none and is read as it is)."""
+    if record is None:
+        return
+    try:
+        digests = json.loads(record)["sha256"]
+    except (ValueError, TypeError, KeyError):
+        digests = None
+    if not isinstance(digests, dict):
+        raise ValueError(f"{folder / DIGESTS}: not the record of digests write_folder writes; the folder is damaged")
+    for name, data in files.items():
+        if name in digests and hashlib.sha256(data).hexdigest() != digests[name]:
+            raise ValueError(
+                f"{folder / name}: its SHA-256 is not the one {DIGESTS} recorded when it was saved: the file is "
+                "damaged; save the tokenizer again (or copy an intact one)"
+            )

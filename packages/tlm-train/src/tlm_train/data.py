@@ -106,7 +106,8 @@ def prepare_data(
     run folder; other ranks call it after a barrier and read what the main rank wrote.
 
     A token file is read in place, so its identity (size and SHA-256) is recorded in ``RUN/data/info.json``
-    at the start and checked on ``resume``: a file changed since is refused (ValueError).
+    at the start and checked on ``resume``: a file changed since is refused (ValueError). Text and chat data are
+    encoded into ``RUN/data``, whose token files' identities are recorded beside them and checked at every start.
 
     Chat data (:mod:`tlm_train.chat_data`) is encoded with the run's chat template into signed arrays that
     carry the target mask; padded examples take rows of ``context_length + 1`` tokens. ``vocab_size`` is the
@@ -136,6 +137,8 @@ def prepare_data(
     tokenizer = run.tokenizer()
     for name in (TRAIN_TOKENS, VAL_TOKENS):  # a FIFO or device planted in the run folder is refused, not waited on
         check_input(run.data_dir / name, "run token file")
+    if is_main:
+        _verify_tokens(run.data_dir)
     train = np.load(run.data_dir / TRAIN_TOKENS, mmap_mode="r")
     val = np.load(run.data_dir / VAL_TOKENS, mmap_mode="r")
     return Dataset(train, val, tokenizer.vocab_size, tokenizer, rows=chat and config.chat_layout == "padded")
@@ -205,8 +208,8 @@ def _encode_chat(config: DataSettings, run: RunFolder, tokenizer: Any, context_l
         np.save(folder / VAL_TOKENS, val)
         chat = {"examples": len(examples) + len(held_out), "train_on": config.train_on, "layout": config.chat_layout,
                 "cut_to_context": cut_train + cut_val}  # fmt: skip
-        info = {"tokens": len(train) + len(val), "train": len(train), "val": len(val),
-                "sources": config.data, "val_sources": config.val_data, "chat": chat}  # fmt: skip
+        info = {"tokens": len(train) + len(val), "train": len(train), "val": len(val), "sources": config.data,
+                "val_sources": config.val_data, "chat": chat, "files": _identities(folder)}  # fmt: skip
         (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
     replace_dir(run.data_dir, fill)
@@ -292,6 +295,30 @@ def file_identity(path: str | os.PathLike[str], what: str = "--data") -> dict[st
             digest.update(chunk)
             size += len(chunk)
     return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _identities(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of the run's token files, recorded in ``info.json`` beside them."""
+    return {name: file_identity(folder / name, "run token file") for name in (TRAIN_TOKENS, VAL_TOKENS)}
+
+
+def _verify_tokens(folder: Path) -> None:
+    """The run's token files as ``info.json`` recorded them when they were written (a run that tlm-train 0.2 encoded
+    has no record and is read as it is): a flipped bit or a cut file is a ValueError, never trained on."""
+    try:
+        recorded = json.loads(read_input(folder / INFO, "run data record")).get("files")
+    except FileNotFoundError:
+        return
+    if not isinstance(recorded, dict):
+        return
+    for name, identity in recorded.items():
+        have = file_identity(folder / name, "run token file")
+        if have != identity:
+            raise ValueError(
+                f"{folder / name}: {have['bytes']} bytes, SHA-256 {have['sha256'][:16]}..., but {INFO} recorded "
+                f"{identity.get('bytes')} bytes, {str(identity.get('sha256'))[:16]}...: the run's tokens are damaged; "
+                f"delete {folder} to encode the data again"
+            )
 
 
 def _check_token_file(path: Path, run: RunFolder, *, resume: bool, val_path: Path | None = None) -> None:
@@ -410,7 +437,7 @@ def _encode_text(config: DataSettings, run: RunFolder, tokenizer: Any) -> None:
                 np.save(folder / VAL_TOKENS, np.memmap(raw, dtype=tokenizer.id_dtype, mode="r"))
                 raw.unlink()
             info = {"tokens": count + val if config.val_data else count, "train": int(split), "val": int(val),
-                    "sources": config.data, "val_sources": config.val_data}  # fmt: skip
+                    "sources": config.data, "val_sources": config.val_data, "files": _identities(folder)}  # fmt: skip
             (folder / INFO).write_text(json.dumps(info) + "\n", encoding="utf-8")
 
         replace_dir(run.data_dir, fill)

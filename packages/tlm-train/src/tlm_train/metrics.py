@@ -3,6 +3,7 @@ and the model-FLOP utilisation (MFU): the training FLOPs per second over the dev
 training dtype (:func:`peak_flops`: a table of published peaks for common accelerators, else a GEMM in
 that dtype measured on the same machine)."""
 
+import contextlib
 import json
 import math
 import os
@@ -36,12 +37,19 @@ class MetricsLog:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
+        *lines, last = read_input(self.path, "metrics log").decode("utf-8").split("\n")
         records = []
-        for line in read_input(self.path, "metrics log").decode("utf-8").splitlines():
+        for number, line in enumerate(lines, 1):
             try:
                 records.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line cut short by a kill: nothing after it was written either
+            except json.JSONDecodeError as err:  # a kill cuts only the last line, the one without its newline
+                raise ValueError(
+                    f"{self.path}: line {number} is not JSON ({err.msg}), and lines follow it: the file is damaged, "
+                    "not cut by a kill; restore it, or delete the line to keep the records after it"
+                ) from None
+        if last:  # a last line without its newline: a kill cut it short, unless its JSON is whole
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(last))
         return records
 
     def truncate(self, step: int) -> None:
