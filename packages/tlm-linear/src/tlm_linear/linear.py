@@ -109,8 +109,8 @@ class PackedWeights:
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor | None:
         """``layer``'s output on its packed copy, or None where the plain matmul must run (see the class doc)."""
         entry = self._packs.get(layer)
-        if entry is None or x.dtype != torch.float32 or torch.is_grad_enabled():
-            return None
+        if entry is None or _MKL_LINEAR is None or x.dtype != torch.float32 or torch.is_grad_enabled():
+            return None  # (no entry without MKL: the check is for the type checker)
         weight, version, packed = entry
         if layer.weight is not weight or weight._version != version or x.numel() != self.rows * x.shape[-1]:
             return None
