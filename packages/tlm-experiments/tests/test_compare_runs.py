@@ -94,3 +94,13 @@ def test_the_table_has_a_row_per_run_with_four_decimals_of_loss_and_thousands_se
     # 1.25 s to one decimal and 128 / 1.25 = 102.4 tokens/s to none, as format() rounds them.
     assert table[3] == f"| b | lr=0.01 | diverged at step 3 | 2/4 | {parameters:,} | – | 3.5000 | 128 | 1.2 | 102 |"
     assert len(table) == 4
+
+
+@pytest.mark.parametrize("value", [0.5, 3.14159, 0.001, 0.000123456, -0.0004, 0.0])
+def test_a_table_cell_keeps_four_decimals_and_three_significant_digits_below_a_thousandth(value):
+    # A learning rate of 1.2e-4 printed with four decimals would read 0.0001: below 1e-3 (and not 0) a cell keeps
+    # three significant digits instead, as format(value, ".3g") writes them.
+    from tlm_experiments.compare import _fmt
+
+    small = value != 0 and abs(value) < 1e-3
+    assert _fmt(value) == (format(value, ".3g") if small else format(value, ".4f"))
