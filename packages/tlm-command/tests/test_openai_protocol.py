@@ -69,3 +69,12 @@ def test_a_prompt_of_exactly_the_context_fits_and_one_more_token_does_not(nested
     assert _parse(body(64)).max_tokens == 0
     with pytest.raises(APIError, match=r"maximum context length is 64 tokens. However, prompt(\.0)? has 65 tokens"):
         _parse(body(65))
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", "0.5"), ("max_tokens", "16"), ("echo", "true")])
+def test_a_value_of_the_wrong_json_type_is_a_400_not_converted(field, value):
+    # OpenAI's API takes numbers and booleans as JSON numbers and booleans: "0.5" is refused naming the field,
+    # never read as 0.5 (a client sending strings is told so, not served as it did not ask).
+    with pytest.raises(APIError, match=rf"^{field}: ") as caught:
+        _parse({"prompt": "x", field: value})
+    assert (caught.value.status, caught.value.param) == (400, field)
