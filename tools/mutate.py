@@ -27,8 +27,9 @@ run past the limit, *survived* when they pass.
 
 ``--changed-since REV`` mutates only the lines of ``packages/*/src`` that ``git diff REV`` adds or changes (the
 files follow from it); ``--per-package N`` samples N of a package's mutants (seeded) across its files;
-``--owning`` keeps only the owning package's tests (code that only another package's tests exercise counts as
-uncovered); ``--fast`` leaves out the tests marked ``slow``.
+``--owning`` runs every test file of the owning package and no other package's (code that only another package's
+tests exercise counts as uncovered; the module's own and importing files first); ``--fast`` leaves out the tests
+marked ``slow``.
 
 The report (``<out>.json`` and ``<out>.md``, written atomically) gives killed/survived/timeout per
 package and the diff of every survivor. ``--equivalent`` names a JSON file of mutant ids judged
@@ -312,7 +313,7 @@ def _defined_names(path: pathlib.Path) -> set[str]:
 
 def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = (), *, owning: bool = False) -> list[str]:
     """The tests that exercise ``path``, most specific first, less those matching ``exclude`` (with ``owning``,
-    only the tests of ``path``'s own package)."""
+    every test file of ``path``'s own package and no other's)."""
     _, dotted, tests_dir = _module_name(path)
     top = dotted.split(".")[0]
     stem = path.stem
@@ -336,10 +337,14 @@ def select_tests(path: pathlib.Path, extra: list[str], exclude: list[str] = (), 
             if hit:
                 chosen.append(test)
                 break
-    if owning and not chosen:  # a module no test imports: the tests that name it, else all of its package's
+    if owning:
+        # The owning package's tests are all of them (issue 44's reviewer ran each mutant against the package's
+        # whole tests folder): a module that only an HTTP test or a command test reaches is covered by those too.
+        # The ones named after or importing the module go first, so that ``-x`` stops early on a killed mutant.
         words = {stem, dotted, dotted.rsplit(".", 1)[0]} - {top}
-        chosen = [t for t in sorted(tests_dir.glob("test_*.py")) if any(w in t.read_text() for w in words)]
-        chosen = chosen or sorted(tests_dir.glob("test_*.py"))
+        rest = [t for t in sorted(tests_dir.glob("test_*.py")) if t not in chosen]
+        naming = [t for t in rest if any(w in t.read_text() for w in words)]
+        chosen += naming + [t for t in rest if t not in naming]
     chosen += [pathlib.Path(p).resolve() for p in extra if pathlib.Path(p).resolve() not in chosen]
     chosen = [p for p in chosen if not any(p.match(pattern) for pattern in exclude)]
     return [str(p.relative_to(ROOT)) for p in chosen]
@@ -564,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--changed-since", metavar="REV", help="mutate only the src lines changed since REV (git diff)")
     parser.add_argument("--per-package", type=int, help="sample at most this many mutants per package (seeded)")
-    parser.add_argument("--owning", action="store_true", help="run only the owning package's tests")
+    parser.add_argument(
+        "--owning",
+        action="store_true",
+        help="run every test file of the owning package and no other's (its own and importing files first)",
+    )
     parser.add_argument("--fast", action="store_true", help="leave out the tests marked slow (-m 'not slow')")
     parser.add_argument(
         "--one-baseline",

@@ -291,3 +291,33 @@ def test_a_fifo_among_an_artifacts_files_is_one_line_not_a_hang(tmp_path, name):
     what = "training state" if name == "train_state.pt" else "HF config"
     assert not thread.is_alive()
     assert errors == [f"{what} {tmp_path / name}: a FIFO (named pipe), expected a regular file"]
+
+
+def test_a_peft_adapter_whose_rank_is_the_base_d_model_loads(tmp_path, writers):
+    # A LoRA update of a projection has rank at most its smaller side: r == d_model (16) is the largest that means
+    # anything, and is read (only a larger one is refused). The loaded model computes what the adapted one does.
+    from tlm_artifacts.lora import adapter_bytes, peft_config
+    from tlm_lora import apply_lora, lora_state_dict
+    from tlm_model.interop import to_hf_lora_state_dict
+
+    base = writers.model(1)
+    save_model_file(base, tmp_path / "base")
+    adapted = TransformerLM(CONFIG, fused=False)
+    adapted.load_state_dict(base.state_dict())
+    apply_lora(adapted, "q,v", rank=CONFIG.d_model, alpha=4.0, dropout=0.0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_B." in name:
+                p.normal_()
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    config = peft_config({"rank": CONFIG.d_model, "alpha": 4.0, "targets": "q,v", "dropout": 0.0}, "../base")
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(
+        adapter_bytes(to_hf_lora_state_dict(lora_state_dict(adapted), CONFIG))
+    )
+    model, _ = load_model(resolve(folder))[:2]
+    ids = torch.arange(8)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), adapted.eval()(ids), rtol=1e-5, atol=1e-5)

@@ -228,3 +228,24 @@ def test_a_fifo_as_a_tokenizer_file_is_one_line_not_a_hang(run, tmp_path, fails,
     thread.start()
     thread.join(60)
     assert not thread.is_alive() and "err" in outcome
+
+
+def test_a_busy_machine_is_said_in_one_line_unless_quiet(small_checkpoint, capsys, monkeypatch):
+    # As tlm train's test: three other processes busy on a 2-CPU machine, OMP_NUM_THREADS unset; generate computes
+    # on the free core, says so in one line, and --quiet says nothing of it.
+    _, path = small_checkpoint
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 3.0, 3.0))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    argv = ["generate", "--checkpoint", str(path), "--prompt-ids", "1 2", "--max-new-tokens", "1", "--temperature",
+            "0"]  # fmt: skip
+    previous = torch.get_num_threads()
+    try:
+        for quiet in (False, True):
+            torch.set_num_threads(2)
+            assert main([*argv, "--quiet"] if quiet else argv) == 0
+            assert torch.get_num_threads() == 1
+            busy = [line for line in capsys.readouterr().err.splitlines() if "the machine is busy" in line]
+            assert len(busy) == (0 if quiet else 1), busy
+    finally:
+        torch.set_num_threads(previous)

@@ -216,3 +216,14 @@ def test_the_scheduler_ends_a_request_on_an_end_of_text_id_without_a_stop_text()
     finally:
         scheduler.close(timeout=5)
     assert emitted == [("", "stop")] and request.completion_tokens == 1
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/completions", {"prompt": "hello", "max_tokens": 3}),
+                                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                                      "max_tokens": 3})])  # fmt: skip
+def test_a_stream_is_served_as_server_sent_events(says_a, path, body):
+    # OpenAI streams as server-sent events, whose MIME type is text/event-stream (the HTML standard's section on
+    # them); clients such as the openai library's and EventSource read the stream by it.
+    status, payload, headers = says_a.request("POST", path, {**body, "stream": True, "temperature": 0})
+    assert status == 200 and headers["content-type"].split(";")[0] == "text/event-stream"
+    assert payload.decode().rstrip().endswith("data: [DONE]")

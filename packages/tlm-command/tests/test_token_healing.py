@@ -99,3 +99,29 @@ def test_a_prompt_ending_in_whitespace_is_healed_as_by_hand(gpt2, model_file, pr
 def test_token_healing_needs_a_tokenizer(model_file, fails):
     fails(["generate", "--checkpoint", str(model_file[0]), "--prompt-ids", "1 2 3", "--token-healing"],
           "--token-healing needs a tokenizer")  # fmt: skip
+
+
+class _FixedLogits(torch.nn.Module):
+    """A model whose next-token logits are ``logits`` at every position (and whose context is 8)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor(logits))
+        self.config = type("Config", (), {"context_length": 8})()
+
+    def forward(self, ids):
+        return self.logits.expand(*ids.shape, -1)
+
+
+@pytest.mark.parametrize(("lead", "expected"), [(0.5, 2), (0.99, 2), (1.01, 3), (1.5, 3)])
+def test_the_backed_up_token_is_favoured_by_exactly_one_logit(lead, expected):
+    # transformers' token healing biases the candidates and adds 1.0 to the backed-up token
+    # (``seq_bias[(tail_id,)] += 1.0``): a candidate must lead it by more than 1 to replace it. Token 2 is the
+    # backed-up one, 3 the other candidate, 4 the best logit but no candidate.
+    from types import SimpleNamespace
+
+    from tlm_command.generate import _healed_first_token
+
+    model = _FixedLogits([0.0, 0.0, 0.0, lead, 5.0])
+    args = SimpleNamespace(temperature=0.0, top_k=None, top_p=None)
+    assert _healed_first_token(model, [1, 0], last=2, allowed=[2, 3], args=args, generator=None) == expected

@@ -318,3 +318,32 @@ def test_auto_resume_starts_a_new_run_continues_one_and_is_implied_in_a_requeued
     assert RunDir(run).checkpoints().steps()[-1] == 6
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 6  # one history, resumed twice
+
+
+def test_auto_resume_is_a_flag_that_hands_the_run_to_its_resume(tmp_path, tokens, monkeypatch):
+    # docs/slurm.sbatch runs `tlm train --distributed ddp --auto-resume --out-dir ...`: the flag takes no value, and
+    # what its resume decides (here: "continue") is what train() is called with. train() itself is a stand-in;
+    # the slow test above runs the real one.
+    import tlm_command.train as command
+    import tlm_train
+
+    calls = []
+
+    def auto_resume(config, *, quiet):
+        calls.append(("auto_resume", config.out_dir, quiet))
+        return config, True
+
+    def train(config, *, resume, **kwargs):
+        calls.append(("train", resume))
+        return type("Result", (), {"sample": None, "interrupted": False})()
+
+    monkeypatch.setattr(command, "_auto_resume", auto_resume)
+    monkeypatch.setattr(tlm_train, "train", train)
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)  # not a requeued job: only the flag asks
+    run = str(tmp_path / "run")
+    argv = ["train", "--data", str(tokens), "--vocab-size", "32", *SMALL, "--quiet"]
+    assert main([*argv, "--auto-resume", "--out-dir", run]) == 0
+    assert calls == [("auto_resume", run, True), ("train", True)]
+    calls.clear()
+    assert main([*argv, "--out-dir", run]) == 0  # without it: a new run, no resume asked
+    assert calls == [("train", False)]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tlm_core.threads import THREADS_VARIABLE, fit_threads
+from tlm_core.threads import THREADS_VARIABLE, ThreadChoice, fit_threads, usable_cpus
 
 
 def test_an_idle_machine_keeps_every_thread_and_says_nothing():
@@ -54,3 +54,31 @@ def test_without_a_load_given_the_systems_load_average_is_read(monkeypatch):
     assert fit_threads(4, cpus=4, environ={}).threads == 1
     monkeypatch.setattr(tlm_core.threads, "load_average", lambda: None)  # no load average: the threads are kept
     assert fit_threads(4, cpus=4, environ={}).threads == 4
+
+
+def test_without_an_environment_given_the_processs_own_is_read(monkeypatch):
+    monkeypatch.setenv(THREADS_VARIABLE, "3")  # the user's choice, in os.environ: kept however busy
+    assert fit_threads(4, cpus=4, load=9.0) == ThreadChoice(4)
+    monkeypatch.delenv(THREADS_VARIABLE)
+    assert fit_threads(4, cpus=4, load=9.0).threads == 1
+
+
+@pytest.mark.parametrize(("mask", "expected"), [({0}, 1), ({0, 3, 5}, 3), (set(), 1)])
+def test_the_usable_cpus_are_the_affinity_mask_and_at_least_one(monkeypatch, mask, expected):
+    # os.sched_getaffinity (Linux) is the set of CPUs the process may run on: fewer than os.cpu_count() under
+    # taskset, a container's cpuset or SLURM; at least one is counted whatever it says.
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: mask)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert usable_cpus() == expected
+
+
+def test_a_choice_is_a_frozen_value():
+    # Returned to callers that keep it: equal by value, hashable, and not changed after the fact.
+    import dataclasses
+
+    choice = fit_threads(2, cpus=2, load=0.0, environ={})
+    assert choice == ThreadChoice(2) and hash(choice) == hash(ThreadChoice(2))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        choice.threads = 8

@@ -94,3 +94,31 @@ def test_the_table_has_a_row_per_run_with_four_decimals_of_loss_and_thousands_se
     # 1.25 s to one decimal and 128 / 1.25 = 102.4 tokens/s to none, as format() rounds them.
     assert table[3] == f"| b | lr=0.01 | diverged at step 3 | 2/4 | {parameters:,} | – | 3.5000 | 128 | 1.2 | 102 |"
     assert len(table) == 4
+
+
+@pytest.mark.parametrize("value", [0.5, 3.14159, 0.001, 0.000123456, -0.0004, 0.0])
+def test_a_table_cell_keeps_four_decimals_and_three_significant_digits_below_a_thousandth(value):
+    # A learning rate of 1.2e-4 printed with four decimals would read 0.0001: below 1e-3 (and not 0) a cell keeps
+    # three significant digits instead, as format(value, ".3g") writes them.
+    from tlm_experiments.compare import _fmt
+
+    small = value != 0 and abs(value) < 1e-3
+    assert _fmt(value) == (format(value, ".3g") if small else format(value, ".4f"))
+
+
+def test_the_statistics_table_is_against_the_baseline_asked_for():
+    # `tlm compare --baseline LR=2` compares every setting with that one: its row is the baseline, the other's row
+    # is its final loss minus the baseline's (3.0 - 2.5 = +0.5 with one seed each; 2.5 - 3.0 the other way round).
+    from tlm_experiments.compare import full_markdown
+    from tlm_experiments.results import RunSummary
+
+    def run(lr, loss):
+        return RunSummary(name=f"lr={lr}", path=f"runs/lr={lr}", settings={"lr": lr}, status="done", steps=10,
+                          planned_steps=10, final_val_loss=loss, best_val_loss=loss, tokens=100, parameters=10,
+                          wall_time_s=1.0, tokens_per_s=100.0, diverged=False, seed=0)  # fmt: skip
+
+    summaries = [run(1, 3.0), run(2, 2.5)]
+    for baseline, other, difference in (("lr=2", "lr=1", "+0.5000"), ("lr=1", "lr=2", "-0.5000")):
+        rows = {line.split(" | ")[0].lstrip("| "): line for line in full_markdown(summaries, baseline=baseline)
+                .splitlines() if line.startswith("| lr=")}  # fmt: skip
+        assert " | baseline | " in rows[baseline] and f" | {difference} (no interval: one seed) | " in rows[other]

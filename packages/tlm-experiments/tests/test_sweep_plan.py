@@ -70,3 +70,21 @@ def test_an_out_dir_that_holds_a_sweep_is_refused_with_the_resume_that_continues
         sweep.run(SweepOptions(out_dir=str(folder), grid=["lr=1e-3"]))
     assert str(caught.value) == f"--out-dir {folder} already holds a sweep: continue it with --resume {folder}"
     assert (folder / MANIFEST).read_bytes() == before and sorted(folder.iterdir()) == [folder / MANIFEST]
+
+
+def test_a_slurm_sweep_checks_its_cluster_and_partition_before_anything_is_written(tmp_path, monkeypatch):
+    # _launcher's promise: SLURM there and the partition known, checked before the sweep writes anything. The
+    # cluster's answer stands in (test_slurm_units.py checks check_cluster itself against a fake sinfo).
+    from tlm_experiments import slurm
+
+    asked = []
+
+    def check_cluster(partition):
+        asked.append(partition)
+        raise UserError(f"--partition {partition}: not a partition of this cluster")
+
+    monkeypatch.setattr(slurm, "check_cluster", check_cluster)
+    manifest = {}
+    with pytest.raises(UserError, match="^--partition cpu: not a partition"):
+        sweep._launcher(SweepOptions(out_dir=str(tmp_path / "s"), launcher="slurm", partition="cpu"), manifest)
+    assert asked == ["cpu"] and not (tmp_path / "s").exists()

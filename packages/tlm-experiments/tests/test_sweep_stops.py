@@ -24,6 +24,9 @@ SETTINGS = {"vocab_size": 32, "batch_size": 4, "eval_batches": 1, "peak_flops": 
         ({"grid": ["lr=1,2"], "seeds": 3, "max_runs": 5}, "--grid: 2 x 3 seeds = 6 runs, more than --max-runs"),
         ({"grid": ["lr=1"], "seeds": 10**9}, "--grid: 1 x 1000000000 seeds = 1,000,000,000 runs, more than"),
         ({"grid": ["lr=1"], "seeds": 2, "max_runs": 1}, "--grid: 1 x 2 seeds = 2 runs, more than --max-runs"),
+        # One seed is no factor: the grid's sizes alone.
+        ({"grid": ["lr=1,2,3", "weight_decay=0,1"], "seeds": 1, "max_runs": 5},
+         "--grid: 3 x 2 = 6 runs, more than --max-runs 5;"),
     ],
 )  # fmt: skip
 def test_seeds_count_before_the_max_runs_check(tmp_path, options, message):

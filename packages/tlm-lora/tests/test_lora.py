@@ -276,3 +276,17 @@ def test_cast_frozen_weights_keeps_a_head_tied_to_the_embedding_and_returns_what
     cast = {n for n, p in model.named_parameters() if p.dtype == torch.bfloat16}
     assert set(names) == cast and {"layers.0.attn.qkv_proj.weight", "layers.1.ffn.w2.weight"} <= cast
     assert cast_frozen_weights(model, torch.bfloat16) == []  # already in the dtype: nothing more to cast
+
+
+def test_cast_frozen_weights_casts_parameters_only_and_leaves_a_weight_held_as_a_buffer():
+    # Only a Parameter is a stored weight to cast (and counted for sharing); a Linear whose weight was swapped for
+    # a buffer (a fixed projection, say) is not its concern and is left as it is.
+    from tlm_lora import cast_frozen_weights
+
+    model = torch.nn.Sequential(Linear(4, 4), Linear(4, 4))
+    model[0].requires_grad_(False)
+    table = model[1].weight.detach().clone()
+    del model[1].weight
+    model[1].register_buffer("weight", table)
+    assert cast_frozen_weights(model, torch.bfloat16) == ["0.weight"]
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32

@@ -147,6 +147,40 @@ def test_the_device_step_is_cached_by_the_host_step_and_advanced_in_place_below_
     assert last is not below and last.item() == 2.0**24
 
 
+def test_the_fused_update_makes_its_step_counter_when_given_none():
+    # _fused_update's counter is optional ("made here when None"): without one it steps as with a fresh counter.
+    from tlm_optim.adamw import _Batch, _fused_update
+
+    gen = torch.Generator().manual_seed(3)
+    p, g = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    m, v = torch.randn(6, generator=gen), torch.rand(6, generator=gen)
+    copies = [[t.clone() for t in (p, g, m, v)] for _ in range(2)]
+    _fused_update(_Batch(*([t] for t in copies[0])), 3, GROUPS[1])
+    _fused_update(_Batch(*([t] for t in copies[1])), 3, GROUPS[1], None, torch.full((), 3.0))
+    assert all(torch.equal(a, b) for a, b in zip(*copies, strict=True)) and not torch.equal(copies[0][0], p)
+
+
+def test_a_copied_or_unpickled_optimizer_steps_as_the_original():
+    # torch's Optimizer pickles (torch.save, copy.deepcopy) only its defaults, state and groups: the copy makes its
+    # own device-step cache and steps as the original does, bit for bit (torch.optim.AdamW's copies do the same).
+    import copy
+
+    params = [p.clone().requires_grad_() for p in _initial()[0]]
+    opt = AdamW([{"params": params, **GROUPS[0]}], fused=True)
+    grads = _gradients()[:3]
+    for step in grads[:2]:
+        for p, grad in zip(params, step[0], strict=True):
+            p.grad = grad.clone()
+        opt.step()
+    twin = copy.deepcopy(opt)
+    twin_params = twin.param_groups[0]["params"]
+    for ps, o in ((params, opt), (twin_params, twin)):
+        for p, grad in zip(ps, grads[2][0], strict=True):
+            p.grad = grad.clone()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin_params, strict=True))
+
+
 def test_state_dict_round_trip_resumes_bit_exactly():
     full = _run(AdamW)
     params = [[p.clone().requires_grad_() for p in group] for group in _initial()]

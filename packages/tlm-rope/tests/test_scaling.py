@@ -167,3 +167,6 @@ def test_extension_scaling_completes_a_rule_against_the_contexts():
         extension_scaling({"rope_type": "linear", "factor": 4}, 128, 512, factor=2.0)
     with pytest.raises(ValueError, match=r"scaling\['factor'\] must be"):
         extension_scaling("linear", 128, 512, factor=0.5)
+    # A factor given is the factor, whatever the contexts (the "target > original" rule is for the default only):
+    # a run fine-tuned at its own context with a stretched RoPE, as HF's linear scaling allows.
+    assert extension_scaling("linear", 128, 128, factor=2.0) == {"rope_type": "linear", "factor": 2.0}

@@ -282,3 +282,25 @@ def test_the_render_bound_is_the_documented_two_seconds():
     bound = render_time_limit("line 3")
     assert RENDER_SECONDS == 2.0 and bound.seconds == 2.0
     assert bound.message == "line 3: the chat template took more than 2 s to render"
+
+
+def test_a_template_whose_turns_are_not_prefixes_of_the_next_is_refused(gpt2_chat):
+    # An assistant turn is defined by two renders: the conversation before it with the generation prompt, and with
+    # it. A template that writes the number of messages first renders neither as a prefix of the whole
+    # conversation, so there is no turn to find: refused, naming the argument, rather than a mask of wrong spans.
+    ours = gpt2_chat[0]
+    template = ChatTemplate(ours, "{{ messages | length }}" + CHATML_TEMPLATE)
+    with pytest.raises(ValueError, match=r"^chat: the chat template does not render each turn as a prefix of the next"):
+        template.encode(CONVERSATIONS[0], where="chat")
+
+
+def test_a_template_that_changes_a_content_is_refused(gpt2_chat):
+    # The assistant mask and the control-token guard need each content where the template wrote it, as it is.
+    # A template that trims contents writes " Sure:..." as "Sure:...": the text is no longer the contents laid in
+    # the template's own text, so the conversation is refused (a content without such spaces is not changed).
+    ours = gpt2_chat[0]
+    template = ChatTemplate(ours, CHATML_TEMPLATE.replace("message['content']", "(message['content'] | trim)"))
+    assert "| trim" in template.source
+    with pytest.raises(ValueError, match=r"^chat: the chat template does not write the messages' contents as they"):
+        template.encode(CONVERSATIONS[1], where="chat")
+    assert template.encode(CONVERSATIONS[0]) == ChatTemplate(ours).encode(CONVERSATIONS[0])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tlm_train import RunDir
-from tlm_train.cluster import StopSignals, job_id, requeued, slurm_world
+from tlm_train.cluster import StopSignals, first_node, job_id, requeued, slurm_world
 
 STEPS = 40
 SETTINGS = dict(
@@ -221,3 +221,13 @@ def test_two_srun_ranks_stop_together_when_one_is_signalled_and_resume_bit_exact
     for code, _, err in finish(ranks(run, "resume")):
         assert code == 0, err[-2000:]
     _assert_equal_states(run, tmp_path / "reference")
+
+
+@pytest.mark.parametrize("nodelist", ["[07-08]", ",a12", ""])
+def test_a_node_list_without_a_first_host_name_is_refused_in_one_line(monkeypatch, nodelist):
+    # SLURM's hostlist syntax starts with a host name (``gpu[07-08]``, ``a12,b3``): a list that does not, read
+    # without scontrol, names the variable and what came instead of failing on a missing match.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(ValueError) as caught:
+        first_node({"SLURM_NODELIST": nodelist})
+    assert str(caught.value) == f"SLURM_NODELIST {nodelist!r}: not a node list"

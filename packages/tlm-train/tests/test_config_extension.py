@@ -25,3 +25,20 @@ def test_a_partial_scaling_table_without_init_from_is_refused_as_model_config_re
     with pytest.raises(ValueError) as caught:
         TrainConfig(model={"rope_scaling": table})
     assert str(caught.value) == f"TrainConfig.model: {reference.value}"
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5, 0.5])
+def test_rope_factor_is_bounded_as_tlm_rope_bounds_a_scaling_factor(factor):
+    # tlm_rope owns the rule: a factor of 1 (no scaling) and up are a scaling it completes, below 1 it refuses;
+    # TrainConfig accepts and refuses the same factors, before any model is read.
+    from tlm_rope.options import extension_scaling
+
+    try:
+        extension_scaling("linear", 16, 32, factor=factor)
+    except ValueError as err:
+        assert "must be a finite number >= 1" in str(err)
+        with pytest.raises(ValueError, match=rf"^TrainConfig.rope_factor must be a finite number >= 1, got {factor}"):
+            TrainConfig(init_from="run", model={"rope_scaling": "linear"}, rope_factor=factor)
+    else:
+        config = TrainConfig(init_from="run", model={"rope_scaling": "linear"}, rope_factor=factor)
+        assert config.rope_factor == factor

@@ -452,3 +452,32 @@ def test_wandb_offline_run_holds_the_jsonl_metrics_and_the_run_settings(make_con
     assert history[4]["loss/val"] == MetricsLog(run / "metrics.jsonl").read()[-1]["val_loss"]
     saved = RunDir(run).read_config()
     assert settings["steps"] == saved.steps == 4 and settings["model"] == saved.model  # train.toml's settings
+
+
+def test_wandb_gets_the_runs_folder_and_only_the_numbers_of_a_record(tmp_path, monkeypatch) -> None:
+    # wandb stands in here (the real one starts a service process: the slow test below). W&B writes its files under
+    # DIR/wandb for wandb.init(dir=DIR), so DIR is the run folder; it logs numbers: a bool, None or text is left out,
+    # and a record without a number logs nothing.
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.Settings = lambda **kwargs: kwargs
+    fake.init = lambda **kwargs: (
+        calls.append(("init", kwargs))
+        or types.SimpleNamespace(
+            log=lambda values, step: calls.append(("log", values, step)), finish=lambda: calls.append(("finish",))
+        )
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run = tmp_path / "run"
+    run.mkdir()
+    loggers = choose_loggers(["wandb"], run)
+    loggers.log({"step": 3, "time_s": 1.0, "train_loss": 2.5, "lr": 0.001, "tokens": 1024, "grad_norm": None,
+                 "mfu": True, "val_loss": "n/a"})  # fmt: skip
+    loggers.log({"step": 4, "time_s": 2.0, "grad_norm": None})
+    loggers.close()
+    (init,) = [c[1] for c in calls if c[0] == "init"]
+    assert init["dir"] == str(run) and (run / "wandb").is_dir()
+    logged = [c for c in calls if c[0] == "log"]
+    assert logged == [("log", {"loss/train": 2.5, "train/lr": 0.001, "train/tokens": 1024}, 3)]

@@ -25,3 +25,27 @@ def test_a_runs_files_that_are_not_files_leave_the_card_without_their_facts_and_
     thread.join(10)
     assert not thread.is_alive(), "the card's reads blocked"
     assert lines == ["- Training data: tlm’s built-in corpus", "- Steps: 3", "- Final validation loss: not recorded"]
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_the_card_names_the_architecture_the_hf_export_is_written_as(tmp_path, qkv_bias):
+    # The Hub reads the card's tags, and the export's config.json says which transformers class loads it: a model
+    # with q/k/v biases is written as Qwen2, one without as Llama (tlm_model.hf_config). An export from a model file
+    # knows nothing of its training, and says so.
+    from types import SimpleNamespace
+
+    from tlm_model import ModelConfig, TransformerLM
+    from tlm_model.interop import hf_config
+    from tlm_train.model_card import model_card
+
+    config = ModelConfig(vocab_size=32, context_length=16, d_model=16, num_layers=1, num_heads=2, d_ff=32,
+                         qkv_bias=qkv_bias)  # fmt: skip
+    model = TransformerLM(config)
+    hf = hf_config(config)
+    artifact = SimpleNamespace(run=None, path=tmp_path / "model", describe=lambda: "model file")
+    card = model_card(model, None, artifact, None).decode("utf-8")
+    lines = card.splitlines()
+    assert lines[0] == "---" and f"tags: [tlm, {hf['model_type']}]" in lines[: lines.index("---", 1)]
+    architecture = hf["architectures"][0].removesuffix("ForCausalLM")
+    assert f"A {architecture}-architecture language model trained with tlm" in card
+    assert "Not known: this export was not made from a tlm run folder." in card

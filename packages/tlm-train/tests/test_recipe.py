@@ -380,3 +380,27 @@ def test_a_run_folder_of_the_earlier_layout_is_refused_never_restarted(tmp_path,
         train(make_config(), resume=resume)
     assert snapshot(run) == before
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "metrics.jsonl", "train.toml"]
+
+
+def test_val_tokens_are_scored_in_whole_windows_spread_over_the_validation_data() -> None:
+    # --val-tokens' help: "in whole windows of the context spread evenly over the whole validation data"; 40 tokens
+    # at a context of 16 are ceil(40 / 16) = 3 windows, the i-th of the 12 that fit taken at window i·12 // 3
+    # (EvalBatches' docstring). The batches alone are built, on a stand-in recipe: no model, no training.
+    from types import SimpleNamespace
+
+    from tlm_train.recipe import Recipe
+
+    val = np.arange(200, dtype=np.uint16)  # (200 - 1) // 16 = 12 whole windows of 16 (+1 target) fit
+    stand_in = SimpleNamespace(
+        config=TrainConfig(batch_size=4, grad_accum=1, val_tokens=40),
+        info=SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu")),
+        data=SimpleNamespace(train=np.arange(500, dtype=np.uint16), val=val, rows=False, tokenizer=None),
+        model_config=ModelConfig(vocab_size=500, context_length=16, d_model=16, num_layers=1, num_heads=2, d_ff=32),
+    )
+    Recipe._build_batches(stand_in)
+    assert stand_in.val_batches.starts.tolist() == [16 * (i * 12 // 3) for i in range(3)] == [0, 64, 128]
+    assert stand_in.val_scored == 3 * 16 and stand_in.val_total == 200
+    # Without --val-tokens: eval_batches micro-batches of windows (here more than fit: all 12).
+    stand_in.config = TrainConfig(batch_size=4, grad_accum=1, eval_batches=8)
+    Recipe._build_batches(stand_in)
+    assert stand_in.val_scored == 12 * 16
