@@ -152,18 +152,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [name for name in SERVE_MODULES if _missing(name)]
     if missing:
         raise UserError(f"tlm serve needs {' and '.join(missing)}: pip install 'tlm-command[serve]'")
-    # An empty --host binds every interface (what 0.0.0.0 says out loud); an empty model id no client can name.
-    for flag, value in (("--host", args.host), ("--model-name", args.model_name)):
-        if value is not None and not value.strip():
-            raise UserError(
-                f"{flag} is empty; give {'an address (0.0.0.0: every interface)' if flag == '--host' else 'a name'}"
-            )
-    if args.model_name is not None:
-        utf8_text("--model-name", args.model_name)  # every answer carries it: one that cannot encode fails them all
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    if not args.drain_timeout >= 0:
-        raise UserError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
+    _check_flags(args)
     import signal
     import socket
 
@@ -231,6 +220,22 @@ def run(args: argparse.Namespace) -> int:
     finished = scheduler.close(timeout=max(args.drain_timeout, 0.1))
     print(f"tlm serve: stopped{'' if finished else ' (requests still running were cut)'}", file=sys.stderr, flush=True)
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags no loader checks, refused by name before anything loads."""
+    # An empty --host binds every interface (what 0.0.0.0 says out loud); an empty model id no client can name.
+    for flag, value in (("--host", args.host), ("--model-name", args.model_name)):
+        if value is not None and not value.strip():
+            raise UserError(
+                f"{flag} is empty; give {'an address (0.0.0.0: every interface)' if flag == '--host' else 'a name'}"
+            )
+    if args.model_name is not None:
+        utf8_text("--model-name", args.model_name)  # every answer carries it: one that cannot encode fails them all
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.drain_timeout >= 0:
+        raise UserError(f"--drain-timeout must be >= 0 seconds, got {args.drain_timeout}")
 
 
 def _scheduler(args: argparse.Namespace, model: Any, tokenizer: Any, eos_ids: list[int], device: Any,

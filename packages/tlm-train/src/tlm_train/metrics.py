@@ -53,8 +53,9 @@ class MetricsLog:
         return records
 
     def truncate(self, step: int) -> None:
-        """Keep only the records of steps <= ``step`` (written all-or-nothing)."""
-        kept = [r for r in self.read() if isinstance(r, dict) and r.get("step", step + 1) <= step]
+        """Keep only the records of steps <= ``step`` (written all-or-nothing). A negative ``step`` (a new run) keeps
+        none and reads nothing: whatever was at the path, even a symlink to a user's file, is replaced unread."""
+        kept = [] if step < 0 else [r for r in self.read() if isinstance(r, dict) and r.get("step", step + 1) <= step]
         atomic_write(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
 
 
