@@ -123,5 +123,5 @@ def _verify(folder: Path, files: dict[str, bytes], record: bytes | None) -> None
         if name in digests and hashlib.sha256(data).hexdigest() != digests[name]:
             raise ValueError(
                 f"{folder / name}: its SHA-256 is not the one {DIGESTS} recorded when it was saved: the file is "
-                "damaged; save the tokenizer again (or copy an intact one)"
+                f"damaged (save the tokenizer again, or copy an intact one) or was edited (then delete {DIGESTS})"
             )
