@@ -70,3 +70,12 @@ def test_a_timer_that_fires_just_after_the_block_does_nothing_and_is_stopped():
     assert not limit._fired
     limit._timer.join(2)  # cancelled at the block's end: the timer thread ends now, not in 10 s
     assert not limit._timer.is_alive()
+
+
+def test_the_timer_never_holds_the_interpreter_at_exit():
+    # threading's contract: the interpreter exits without waiting for daemon threads. A block still running in a
+    # daemon worker when the program ends must not keep it alive until the limit's timer fires.
+    before = set(threading.enumerate())
+    with time_limit(60, "never reached"):
+        started = [thread for thread in threading.enumerate() if thread not in before]
+    assert started and all(thread.daemon for thread in started)
